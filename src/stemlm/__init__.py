@@ -1,0 +1,28 @@
+"""stemlm: STEM transformers (Scaling Transformers with Embedding Modules, arXiv 2601.10639).
+
+The public API is loaded lazily so that `import stemlm` stays fast and free of side effects beyond
+registering the Hugging Face Auto classes when transformers is imported by the user:
+
+    from stemlm import ModelConfig, build_model, from_pretrained
+"""
+
+from importlib import import_module
+
+__version__ = "0.1.0"
+
+_EXPORTS = {
+    "ModelConfig": "stemlm.config",
+    "StemlmError": "stemlm.errors",
+    "build_model": "stemlm.model.decoder",
+    "StemLM": "stemlm.model.decoder",
+    "from_pretrained": "stemlm.checkpoint",
+    "save_pretrained": "stemlm.checkpoint",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+    if name in _EXPORTS:
+        return getattr(import_module(_EXPORTS[name]), name)
+    raise AttributeError(f"module 'stemlm' has no attribute {name!r}")

@@ -1,0 +1,231 @@
+"""The model checkpoint format: a Hugging Face style folder, written atomically, read without pickle.
+
+    config.json                      ModelConfig with HF Llama field names (model_type "stemlm")
+    model.safetensors                all tensors, HF Llama names; STEM tables at
+                                     model.layers.{i}.mlp.stem_embedding.weight
+    model-0000k-of-0000n.safetensors + model.safetensors.index.json when larger than `max_shard_bytes`
+    tokenizer.json                   optional: the HF tokenizer the model was trained with
+
+A tied lm_head is saved once (as model.embed_tokens.weight) and re-tied on load. Every write goes to a
+temporary sibling folder that is fsynced and renamed into place, so an interrupted save never damages the
+previous checkpoint at that path.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import save_file
+
+from stemlm.config import MODEL_TYPE, ModelConfig
+from stemlm.errors import StemlmError
+from stemlm.model.decoder import StemLM
+
+CONFIG_NAME = "config.json"
+WEIGHTS_NAME = "model.safetensors"
+INDEX_NAME = "model.safetensors.index.json"
+TOKENIZER_NAME = "tokenizer.json"
+DEFAULT_MAX_SHARD_BYTES = 4 * 1024**3
+
+
+# ----------------------------------------------------------------------------------------------------------
+# atomic folder writes
+# ----------------------------------------------------------------------------------------------------------
+def fsync_tree(directory: Path) -> None:
+    for path in sorted(directory.rglob("*")):
+        if path.is_file():
+            with open(path, "rb") as f:
+                os.fsync(f.fileno())
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+class AtomicFolder:
+    """Context manager yielding a temporary folder that replaces `target` only if the block succeeds.
+
+    The old folder (if any) is moved aside, the new one renamed in, then the old one deleted: at every
+    instant either the old or the new complete folder exists at `target` or beside it as `.old`.
+    """
+
+    def __init__(self, target: str | Path) -> None:
+        self.target = Path(target)
+
+    def __enter__(self) -> Path:
+        parent = self.target.parent
+        try:
+            parent.mkdir(parents=True, exist_ok=True)
+            self.tmp = Path(tempfile.mkdtemp(prefix=f".{self.target.name}.tmp-", dir=parent))
+        except OSError as exc:
+            raise StemlmError(f"cannot write to {parent}: {exc.strerror or exc}") from None
+        return self.tmp
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is not None:
+            shutil.rmtree(self.tmp, ignore_errors=True)
+            if isinstance(exc, OSError) and not isinstance(exc, StemlmError):
+                raise StemlmError(f"could not write {self.target}: {exc.strerror or exc}") from None
+            return
+        try:
+            fsync_tree(self.tmp)
+            old = self.target.with_name(f".{self.target.name}.old")
+            if self.target.exists():
+                shutil.rmtree(old, ignore_errors=True)
+                os.replace(self.target, old)
+            os.replace(self.tmp, self.target)
+            shutil.rmtree(old, ignore_errors=True)
+        except OSError as exc:
+            shutil.rmtree(self.tmp, ignore_errors=True)
+            raise StemlmError(f"could not write {self.target}: {exc.strerror or exc}") from None
+
+
+def write_json(path: Path, obj) -> None:
+    path.write_text(json.dumps(obj, indent=2, sort_keys=True) + "\n")
+
+
+# ----------------------------------------------------------------------------------------------------------
+# save
+# ----------------------------------------------------------------------------------------------------------
+def model_state_for_saving(model: StemLM) -> dict[str, torch.Tensor]:
+    state = {k: v.detach().contiguous() for k, v in model.state_dict().items()}
+    if model.config.tie_word_embeddings:
+        state.pop("lm_head.weight", None)  # stored once, as model.embed_tokens.weight
+    return state
+
+
+def _shards(state: dict[str, torch.Tensor], max_bytes: int) -> list[dict[str, torch.Tensor]]:
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    size = 0
+    for name, tensor in state.items():
+        nbytes = tensor.numel() * tensor.element_size()
+        if shards[-1] and size + nbytes > max_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][name] = tensor
+        size += nbytes
+    return shards
+
+
+def write_model_files(model: StemLM, folder: Path, tokenizer=None, max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES) -> None:
+    """Write config, weights (sharded when large) and tokenizer into an existing folder (not atomic by itself)."""
+    if tokenizer is not None and tokenizer.get_vocab_size() > model.config.vocab_size:
+        raise StemlmError(
+            f"tokenizer has {tokenizer.get_vocab_size()} tokens but the model's vocab_size is {model.config.vocab_size}"
+        )
+    write_json(folder / CONFIG_NAME, model.config.to_hf_dict())
+    shards = _shards(model_state_for_saving(model), max_shard_bytes)
+    if len(shards) == 1:
+        save_file(shards[0], str(folder / WEIGHTS_NAME), metadata={"format": "pt"})
+    else:
+        weight_map, total = {}, 0
+        for k, shard in enumerate(shards, start=1):
+            name = f"model-{k:05d}-of-{len(shards):05d}.safetensors"
+            save_file(shard, str(folder / name), metadata={"format": "pt"})
+            for tensor_name, t in shard.items():
+                weight_map[tensor_name] = name
+                total += t.numel() * t.element_size()
+        write_json(folder / INDEX_NAME, {"metadata": {"total_size": total}, "weight_map": weight_map})
+    if tokenizer is not None:
+        tokenizer.save(str(folder / TOKENIZER_NAME))
+
+
+def save_pretrained(
+    model: StemLM, directory: str | Path, tokenizer=None, max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES
+) -> Path:
+    """Save `model` (and optionally its `tokenizers.Tokenizer`) as an HF-style folder, atomically."""
+    with AtomicFolder(directory) as tmp:
+        write_model_files(model, tmp, tokenizer, max_shard_bytes)
+    return Path(directory)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# load
+# ----------------------------------------------------------------------------------------------------------
+def load_config(directory: str | Path) -> ModelConfig:
+    directory = Path(directory)
+    if not directory.is_dir():
+        raise StemlmError(f"checkpoint folder {directory} does not exist")
+    path = directory / CONFIG_NAME
+    if not path.is_file():
+        raise StemlmError(f"{directory} has no {CONFIG_NAME}: not a stemlm checkpoint folder")
+    try:
+        data = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise StemlmError(f"{path} is not valid JSON ({exc})") from None
+    if not isinstance(data, dict):
+        raise StemlmError(f"{path} does not hold a JSON object")
+    if data.get("model_type") != MODEL_TYPE:
+        raise StemlmError(f"{path} is for model type {data.get('model_type')!r}, not {MODEL_TYPE!r}")
+    return ModelConfig.from_dict(data)
+
+
+def weight_files(directory: str | Path) -> list[Path]:
+    directory = Path(directory)
+    if (directory / INDEX_NAME).is_file():
+        try:
+            index = json.loads((directory / INDEX_NAME).read_text())
+            names = sorted(set(index["weight_map"].values()))
+        except (json.JSONDecodeError, KeyError, TypeError, AttributeError):
+            raise StemlmError(f"{directory / INDEX_NAME} is corrupt") from None
+        files = [directory / n for n in names]
+    else:
+        files = [directory / WEIGHTS_NAME]
+    for f in files:
+        if not f.is_file():
+            raise StemlmError(f"checkpoint {directory} is missing its weights file {f.name}")
+    return files
+
+
+def read_state(directory: str | Path, device: str | torch.device = "cpu") -> dict[str, torch.Tensor]:
+    """All tensors of a checkpoint folder (safetensors only; never pickle)."""
+    state: dict[str, torch.Tensor] = {}
+    for f in weight_files(directory):
+        try:
+            with safe_open(str(f), framework="pt", device=str(device)) as reader:
+                for name in reader.keys():
+                    state[name] = reader.get_tensor(name)
+        except (SafetensorError, OSError, ValueError) as exc:
+            raise StemlmError(f"weights file {f} is corrupt or truncated ({exc})") from None
+    return state
+
+
+def from_pretrained(
+    directory: str | Path, *, device: str | torch.device = "cpu", dtype: torch.dtype | None = None
+) -> StemLM:
+    """Load a model saved by `save_pretrained` (or converted into this format), checking every tensor."""
+    config = load_config(directory)
+    state = read_state(directory, device)
+    if config.tie_word_embeddings:
+        state.pop("lm_head.weight", None)
+    with torch.device("meta"):
+        model = StemLM(config)
+    expected = {k: v for k, v in model.state_dict().items() if not (config.tie_word_embeddings and k == "lm_head.weight")}
+    missing = sorted(set(expected) - set(state))
+    unexpected = sorted(set(state) - set(expected))
+    if missing or unexpected:
+        parts = []
+        if missing:
+            parts.append(f"missing {len(missing)} tensors (e.g. {missing[0]})")
+        if unexpected:
+            parts.append(f"unexpected {len(unexpected)} tensors (e.g. {unexpected[0]})")
+        raise StemlmError(f"checkpoint {directory} does not match its config.json: {'; '.join(parts)}")
+    for name, ref in expected.items():
+        if tuple(state[name].shape) != tuple(ref.shape):
+            raise StemlmError(
+                f"checkpoint {directory}: tensor {name} has shape {list(state[name].shape)}, "
+                f"config.json implies {list(ref.shape)}"
+            )
+    if dtype is not None:
+        state = {k: v.to(dtype) for k, v in state.items()}
+    model.load_state_dict(state, strict=False, assign=True)
+    model.tie_weights()
+    model.reset_buffers(device)
+    return model

@@ -1,0 +1,1 @@
+"""Command-line interface: one console script `stemlm`, one module per subcommand (see `main.py`)."""

@@ -1,0 +1,47 @@
+"""The `stemlm` console script: dispatches to one module per subcommand.
+
+Each subcommand module exposes `register(subparsers)`, which adds its parser and sets `func` to a
+function taking the parsed namespace and returning an exit code. Errors a user can act on are printed as
+one line on stderr with exit code 2; `--debug` shows the traceback instead.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+# Subcommand modules, in the order `stemlm --help` lists them.
+SUBCOMMANDS = ["info"]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="stemlm", description="STEM transformers: train, run, edit and inspect.")
+    parser.add_argument("--debug", action="store_true", help="show full tracebacks instead of one-line errors")
+    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name in SUBCOMMANDS:
+        importlib.import_module(f"stemlm.cli.{name.replace('-', '_')}").register(subparsers)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if getattr(args, "func", None) is None:
+        parser.print_help()
+        return 2
+    try:
+        return int(args.func(args) or 0)
+    except KeyboardInterrupt:
+        print("stemlm: interrupted", file=sys.stderr)
+        return 130
+    except (ValueError, OSError, KeyError, RuntimeError) as exc:  # user-facing problems; bugs surface with --debug
+        if args.debug:
+            raise
+        message = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        print(f"stemlm {args.command}: error: {message}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

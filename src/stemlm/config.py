@@ -1,0 +1,224 @@
+"""`ModelConfig`: the typed description of a stemlm decoder, with validation and (de)serialisation.
+
+Shared fields use Hugging Face Llama names so a dense config.json reads as a Llama config. STEM-specific
+fields: `ffn` is the FFN kind of the selected layers and `stem_layers` selects them (the name follows the
+official STEM code); every other layer is a dense SwiGLU. `stem_layers` is an explicit list of indices or a
+spec string resolved against `num_hidden_layers` (see `resolve_layer_spec`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+from stemlm.errors import StemlmError
+
+FFN_KINDS = ("dense", "stem", "stem_gate", "moe", "hash_moe", "ple")
+# Kinds whose layers own a token-indexed table (they need the input ids at every position).
+TABLE_KINDS = ("stem", "stem_gate", "ple")
+LAYER_SPECS = ("all", "all-but-first", "odd", "even", "half", "none")
+MODEL_TYPE = "stemlm"
+
+
+def resolve_layer_spec(spec: str | list[int] | tuple[int, ...], num_layers: int) -> list[int]:
+    """Turn a layer selection into sorted layer indices.
+
+    Specs: `all`; `all-but-first` (the official STEM default); `odd` (1, 3, 5, ...); `even`; `half`
+    (every second layer starting at 1, i.e. `odd`, the paper's best "1/2 layers" variant); `every:K` (layers
+    K-1, 2K-1, ... so the last layer is included when K divides L); `none`; or a comma list "1,3,5".
+    """
+    if isinstance(spec, (list, tuple)):
+        layers = [int(i) for i in spec]
+    else:
+        text = str(spec).strip().lower()
+        if text in ("all",):
+            layers = list(range(num_layers))
+        elif text == "all-but-first":
+            layers = list(range(1, num_layers))
+        elif text in ("odd", "half"):
+            layers = list(range(1, num_layers, 2))
+        elif text == "even":
+            layers = list(range(0, num_layers, 2))
+        elif text in ("none", ""):
+            layers = []
+        elif text.startswith("every:"):
+            try:
+                k = int(text.split(":", 1)[1])
+            except ValueError:
+                raise StemlmError(f"bad layer spec {spec!r}: every:K needs an integer K") from None
+            if k < 1:
+                raise StemlmError(f"bad layer spec {spec!r}: K must be >= 1")
+            layers = list(range(k - 1, num_layers, k))
+        else:
+            try:
+                layers = [int(part) for part in text.replace(" ", "").split(",") if part]
+            except ValueError:
+                raise StemlmError(
+                    f"bad layer spec {spec!r}: use a comma list of indices or one of "
+                    f"{', '.join(LAYER_SPECS)}, every:K"
+                ) from None
+    for i in layers:
+        if not 0 <= i < num_layers:
+            raise StemlmError(f"layer index {i} is out of range for a model with {num_layers} layers (0..{num_layers - 1})")
+    if len(set(layers)) != len(layers):
+        raise StemlmError(f"layer spec {spec!r} lists a layer twice")
+    return sorted(layers)
+
+
+@dataclass
+class ModelConfig:
+    # --- shared decoder fields (Hugging Face Llama names) ---
+    vocab_size: int = 8192
+    hidden_size: int = 256
+    intermediate_size: int = 768
+    num_hidden_layers: int = 4
+    num_attention_heads: int = 4
+    num_key_value_heads: int | None = None  # None: multi-head attention (= num_attention_heads)
+    head_dim: int | None = None  # None: hidden_size // num_attention_heads
+    max_position_embeddings: int = 1024
+    rope_theta: float = 10000.0
+    rms_norm_eps: float = 1e-5
+    tie_word_embeddings: bool = False
+    initializer_range: float = 0.02
+    # --- FFN selection ---
+    ffn: str = "stem"  # the FFN kind of the layers in stem_layers; all other layers are dense SwiGLU
+    stem_layers: str | list[int] = "all-but-first"
+    # --- token tables (stem, stem_gate, ple) ---
+    table_init: str = "xavier"  # "xavier" (official: std sqrt(2/(V+d_ff))) or "normal" (std = table_init_std)
+    table_init_std: float = 0.02
+    # --- MoE / hash-MoE ---
+    num_experts: int = 8
+    num_experts_per_tok: int = 2  # top-k for moe (hash_moe always routes to exactly one expert)
+    moe_intermediate_size: int | None = None  # None: intermediate_size // num_experts_per_tok (matched active FFN)
+    moe_shared_expert: bool = False
+    router_z_loss: bool = False
+    hash_seed: int = 0
+    # --- PLE (Gemma-3n style per-layer embedding next to a dense FFN) ---
+    ple_dim: int = 256
+    model_type: str = field(default=MODEL_TYPE)
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    # ----- derived quantities -----
+    @property
+    def kv_heads(self) -> int:
+        return self.num_key_value_heads or self.num_attention_heads
+
+    @property
+    def head_size(self) -> int:
+        return self.head_dim or self.hidden_size // self.num_attention_heads
+
+    @property
+    def expert_size(self) -> int:
+        return self.moe_intermediate_size or max(1, self.intermediate_size // self.num_experts_per_tok)
+
+    @property
+    def special_layers(self) -> list[int]:
+        """Indices of the layers whose FFN is `ffn` (empty for a dense model)."""
+        return [] if self.ffn == "dense" else resolve_layer_spec(self.stem_layers, self.num_hidden_layers)
+
+    def layer_ffn(self, layer_idx: int) -> str:
+        return self.ffn if layer_idx in self.special_layers else "dense"
+
+    # ----- validation -----
+    def validate(self) -> None:
+        def need(cond: bool, msg: str) -> None:
+            if not cond:
+                raise StemlmError(f"invalid config: {msg}")
+
+        if self.model_type != MODEL_TYPE:
+            raise StemlmError(f"config is for model type {self.model_type!r}, not {MODEL_TYPE!r}")
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                     "max_position_embeddings", "num_experts", "num_experts_per_tok", "ple_dim"):
+            value = getattr(self, name)
+            need(isinstance(value, int) and not isinstance(value, bool) and value > 0,
+                 f"{name} must be a positive integer, got {value!r}")
+        need(self.ffn in FFN_KINDS, f"unknown ffn kind {self.ffn!r}; choose one of {', '.join(FFN_KINDS)}")
+        need(self.head_dim is not None or self.hidden_size % self.num_attention_heads == 0,
+             f"num_attention_heads={self.num_attention_heads} does not divide hidden_size={self.hidden_size} "
+             "(set head_dim explicitly or change the head count)")
+        need(self.head_size % 2 == 0, f"head dimension {self.head_size} must be even for RoPE")
+        need(self.num_attention_heads % self.kv_heads == 0,
+             f"num_key_value_heads={self.kv_heads} must divide num_attention_heads={self.num_attention_heads}")
+        need(self.rope_theta > 0, "rope_theta must be positive")
+        need(self.rms_norm_eps > 0, "rms_norm_eps must be positive")
+        need(self.table_init in ("xavier", "normal"), f"table_init must be 'xavier' or 'normal', got {self.table_init!r}")
+        need(self.num_experts_per_tok <= self.num_experts,
+             f"num_experts_per_tok={self.num_experts_per_tok} exceeds num_experts={self.num_experts}")
+        resolve_layer_spec(self.stem_layers, self.num_hidden_layers)
+
+    # ----- (de)serialisation -----
+    def to_dict(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        if isinstance(d["stem_layers"], tuple):
+            d["stem_layers"] = list(d["stem_layers"])
+        return d
+
+    def to_hf_dict(self) -> dict[str, Any]:
+        """config.json content: our fields plus the Llama fields HF expects (so a dense folder loads as Llama)."""
+        d = self.to_dict()
+        d.update(
+            num_key_value_heads=self.kv_heads,
+            head_dim=self.head_size,
+            hidden_act="silu",
+            attention_bias=False,
+            mlp_bias=False,
+            architectures=["StemlmForCausalLM"],
+            resolved_stem_layers=self.special_layers,
+        )
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> ModelConfig:
+        if "model_type" in d and d["model_type"] != MODEL_TYPE:
+            raise StemlmError(f"config is for model type {d['model_type']!r}, not {MODEL_TYPE!r}")
+        names = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in d.items() if k in names})
+
+    def replace(self, **changes: Any) -> ModelConfig:
+        return dataclasses.replace(self, **changes)
+
+    def with_overrides(self, overrides: dict[str, str] | list[str]) -> ModelConfig:
+        """Apply `key=value` overrides (strings as typed on a command line), checking every key exists."""
+        if isinstance(overrides, list):
+            pairs = {}
+            for item in overrides:
+                if "=" not in item:
+                    raise StemlmError(f"override {item!r} is not of the form key=value")
+                key, value = item.split("=", 1)
+                pairs[key.strip().removeprefix("model.")] = value
+            overrides = pairs
+        fields = {f.name: f for f in dataclasses.fields(self)}
+        changes = {}
+        for key, raw in overrides.items():
+            if key not in fields or key == "model_type":
+                raise StemlmError(f"unknown config key {key!r}; valid keys: {', '.join(sorted(set(fields) - {'model_type'}))}")
+            changes[key] = _parse_value(raw, getattr(self, key), key)
+        return self.replace(**changes)
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_hf_dict(), indent=2, sort_keys=True)
+
+
+def _parse_value(raw: Any, current: Any, key: str) -> Any:
+    if not isinstance(raw, str):
+        return raw
+    if key == "stem_layers":
+        return [int(x) for x in raw.split(",")] if raw.replace(",", "").replace(" ", "").isdigit() else raw
+    if raw.lower() in ("none", "null"):
+        return None
+    try:
+        if isinstance(current, bool):
+            if raw.lower() not in ("true", "false", "1", "0"):
+                raise ValueError
+            return raw.lower() in ("true", "1")
+        if isinstance(current, int) or (current is None and raw.lstrip("-").isdigit()):
+            return int(raw)
+        if isinstance(current, float):
+            return float(raw)
+    except ValueError:
+        raise StemlmError(f"config key {key!r} expects a {type(current).__name__}, got {raw!r}") from None
+    return raw

@@ -1,0 +1,144 @@
+"""The shared decoder parts: RMSNorm, rotary position embeddings, grouped-query attention and the KV cache.
+
+Numerics follow Hugging Face Llama (norm in fp32, `rotate_half` RoPE with fp32 frequencies) so a dense
+stemlm checkpoint gives the same logits as `transformers.LlamaForCausalLM` (tested to 1e-5 in fp32).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from stemlm.config import ModelConfig
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+class RotaryEmbedding(nn.Module):
+    """cos/sin tables for positions, computed on the fly in fp32 (no length cap beyond the config's maximum)."""
+
+    def __init__(self, head_dim: int, theta: float) -> None:
+        super().__init__()
+        self.head_dim, self.theta = head_dim, theta
+        self.register_buffer("inv_freq", torch.empty(head_dim // 2), persistent=False)
+        self.reset_buffers(self.inv_freq.device)
+
+    def reset_buffers(self, device: torch.device | str) -> None:
+        exponent = torch.arange(0, self.head_dim, 2, dtype=torch.int64, device=device).float() / self.head_dim
+        self.inv_freq = 1.0 / (self.theta**exponent)
+
+    def forward(self, position_ids: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        # position_ids: [B, T] -> cos, sin: [B, T, head_dim]
+        freqs = position_ids[..., None].float() * self.inv_freq.float()
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    # x: [B, H, T, hd]; cos/sin: [B, T, hd] broadcast over heads
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    return x * cos + _rotate_half(x) * sin
+
+
+class KVCache:
+    """Per-layer keys and values of the tokens seen so far, for incremental decoding.
+
+    Kept deliberately plain (a list of tensors grown by concatenation): decoding here is dominated by the
+    matmuls, and a plain cache is easy to copy, trim and reason about when edits are applied at prefill.
+    """
+
+    def __init__(self, num_layers: int) -> None:
+        self.keys: list[torch.Tensor | None] = [None] * num_layers
+        self.values: list[torch.Tensor | None] = [None] * num_layers
+
+    @property
+    def length(self) -> int:
+        k = self.keys[0]
+        return 0 if k is None else k.shape[2]
+
+    def update(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.keys[layer_idx] is not None:
+            k = torch.cat([self.keys[layer_idx], k], dim=2)
+            v = torch.cat([self.values[layer_idx], v], dim=2)
+        self.keys[layer_idx], self.values[layer_idx] = k, v
+        return k, v
+
+    def crop(self, length: int) -> None:
+        """Drop everything after the first `length` positions (e.g. to re-run a prompt with another edit)."""
+        for i, (k, v) in enumerate(zip(self.keys, self.values)):
+            if k is not None:
+                self.keys[i], self.values[i] = k[:, :, :length], v[:, :, :length]
+
+
+class Attention(nn.Module):
+    """Grouped-query self-attention with RoPE through `scaled_dot_product_attention`."""
+
+    def __init__(self, config: ModelConfig, layer_idx: int) -> None:
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.num_heads, self.num_kv_heads, self.head_dim = config.num_attention_heads, config.kv_heads, config.head_size
+        d = config.hidden_size
+        self.q_proj = nn.Linear(d, self.num_heads * self.head_dim, bias=False)
+        self.k_proj = nn.Linear(d, self.num_kv_heads * self.head_dim, bias=False)
+        self.v_proj = nn.Linear(d, self.num_kv_heads * self.head_dim, bias=False)
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, d, bias=False)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        mask: torch.Tensor | None,
+        cache: KVCache | None,
+    ) -> torch.Tensor:
+        B, T, _ = x.shape
+        q = self.q_proj(x).view(B, T, self.num_heads, self.head_dim).transpose(1, 2)
+        k = self.k_proj(x).view(B, T, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        v = self.v_proj(x).view(B, T, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        cos, sin = rope
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if cache is not None:
+            k, v = cache.update(self.layer_idx, k, v)
+        if self.num_kv_heads != self.num_heads:
+            repeat = self.num_heads // self.num_kv_heads
+            k, v = k.repeat_interleave(repeat, dim=1), v.repeat_interleave(repeat, dim=1)
+        # mask None with T > 1 means a fresh causal prefill; a single new token attends to everything cached.
+        is_causal = mask is None and T > 1
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal)
+        return self.o_proj(y.transpose(1, 2).reshape(B, T, self.num_heads * self.head_dim))
+
+
+def build_attention_mask(
+    query_len: int, past_len: int, attention_mask: torch.Tensor | None, device: torch.device
+) -> torch.Tensor | None:
+    """Boolean [B or 1, 1, T, past+T] mask (True = attend), or None when plain causal attention suffices.
+
+    `attention_mask` is the usual [B, past+T] padding mask (1 = real token).
+    """
+    if attention_mask is None and (past_len == 0 or query_len == 1):
+        return None
+    total = past_len + query_len
+    rows = torch.arange(past_len, total, device=device)[:, None]
+    cols = torch.arange(total, device=device)[None, :]
+    mask = (cols <= rows)[None, None]
+    if attention_mask is not None:
+        mask = mask & attention_mask[:, None, None, :total].bool()
+        # A fully padded query row would give NaN; let it see itself (its output is ignored anyway).
+        mask = mask | (cols == rows)[None, None]
+    return mask

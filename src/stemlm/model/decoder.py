@@ -1,0 +1,203 @@
+"""The stemlm decoder: Llama-style pre-norm blocks whose FFN kind is chosen per layer by the config.
+
+Module names mirror Hugging Face Llama (`model.embed_tokens`, `model.layers.{i}.self_attn.q_proj`,
+`model.layers.{i}.mlp.gate_proj`, `model.norm`, `lm_head`), so parameter names are the checkpoint format.
+The model is written for one device; offload, sharding and editing act through `table_rows` (see
+`stemlm.model.ffn.TokenContext`) or by wrapping it, never by flags inside the layers.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from stemlm.config import ModelConfig
+from stemlm.errors import StemlmError
+from stemlm.model.attention import Attention, KVCache, RMSNorm, RotaryEmbedding, build_attention_mask
+from stemlm.model.ffn import DenseFFN, PLEFFN, StemFFN, StemGateFFN, TableRows, TokenContext, table_of
+from stemlm.model.moe import Experts, HashMoEFFN, MoEFFN
+
+
+@dataclass
+class ModelOutput:
+    logits: torch.Tensor  # [B, T, V]
+    loss: torch.Tensor | None = None  # mean next-token cross-entropy when labels were given (without aux)
+    aux_loss: torch.Tensor | None = None  # sum of MoE auxiliary losses (None for kinds without one)
+    past_key_values: KVCache | None = None
+    expert_counts: dict[int, torch.Tensor] = field(default_factory=dict)
+
+
+def build_ffn(config: ModelConfig, layer_idx: int) -> nn.Module:
+    kind = config.layer_ffn(layer_idx)
+    if kind == "dense":
+        return DenseFFN(config.hidden_size, config.intermediate_size)
+    return {"stem": StemFFN, "stem_gate": StemGateFFN, "ple": PLEFFN, "moe": MoEFFN, "hash_moe": HashMoEFFN}[kind](
+        config, layer_idx
+    )
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, layer_idx: int) -> None:
+        super().__init__()
+        self.self_attn = Attention(config, layer_idx)
+        self.mlp = build_ffn(config, layer_idx)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, x, rope, mask, cache: KVCache | None, ctx: TokenContext) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), rope, mask, cache)
+        return x + self.mlp(self.post_attention_layernorm(x), ctx)
+
+
+class DecoderStack(nn.Module):
+    """Embeddings, blocks and final norm: HF's `model.` prefix."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.rotary_emb = RotaryEmbedding(config.head_size, config.rope_theta)
+
+
+class StemLM(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.model = DecoderStack(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.tie_weights()
+
+    # ----- forward -----
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        *,
+        labels: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+        past_key_values: KVCache | None = None,
+        use_cache: bool = False,
+        table_rows: TableRows | None = None,
+    ) -> ModelOutput:
+        check_token_ids(input_ids, self.config.vocab_size)
+        B, T = input_ids.shape
+        cache = past_key_values if past_key_values is not None else (KVCache(len(self.model.layers)) if use_cache else None)
+        past_len = cache.length if cache is not None else 0
+        if past_len + T > self.config.max_position_embeddings:
+            raise StemlmError(
+                f"sequence length {past_len + T} exceeds max_position_embeddings={self.config.max_position_embeddings}"
+            )
+        if position_ids is None:
+            position_ids = default_position_ids(B, T, past_len, attention_mask, input_ids.device)
+        x = self.model.embed_tokens(input_ids)
+        rope = self.model.rotary_emb(position_ids, x.dtype)
+        mask = build_attention_mask(T, past_len, attention_mask, input_ids.device)
+        ctx = TokenContext(input_ids=input_ids, table_rows=table_rows)
+        for layer in self.model.layers:
+            x = layer(x, rope, mask, cache, ctx)
+        logits = self.lm_head(self.model.norm(x))
+        loss = None
+        if labels is not None:
+            loss = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=-100)
+        aux = torch.stack(ctx.aux_losses).sum() if ctx.aux_losses else None
+        return ModelOutput(logits, loss, aux, cache, ctx.expert_counts)
+
+    # ----- parameters -----
+    def stem_tables(self) -> dict[int, nn.Embedding]:
+        """Layer index -> token table, for every table-owning layer (stem, stem_gate, ple)."""
+        tables = {}
+        for i, layer in enumerate(self.model.layers):
+            table = table_of(layer.mlp)
+            if table is not None:
+                tables[i] = table
+        return tables
+
+    @torch.no_grad()
+    def init_weights(self, seed: int | None = None) -> None:
+        """Initialise every parameter: N(0, initializer_range) for projections and embeddings, ones for norms,
+        and the token tables by `table_init` (official STEM: xavier-normal over the whole V x width table)."""
+        generator = torch.Generator(device="cpu")
+        generator.manual_seed(0 if seed is None else seed)
+        std = self.config.initializer_range
+        tables = {id(t.weight) for t in self.stem_tables().values()}
+        for name, param in self.named_parameters():
+            if id(param) in tables:
+                if self.config.table_init == "xavier":
+                    table_std = math.sqrt(2.0 / (param.shape[0] + param.shape[1]))
+                else:
+                    table_std = self.config.table_init_std
+                _normal_(param, table_std, generator)
+            elif name.endswith("norm.weight"):
+                param.fill_(1.0)
+            else:
+                _normal_(param, std, generator)
+
+    def tie_weights(self) -> None:
+        if self.config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def reset_buffers(self, device: torch.device | str) -> None:
+        """Recompute the derived, unsaved buffers (RoPE frequencies, hash maps) on `device`, e.g. after `to_empty`."""
+        for module in self.modules():
+            if module is not self and hasattr(module, "reset_buffers"):
+                module.reset_buffers(device)
+
+    def num_parameters(self) -> int:
+        return sum(p.numel() for p in self.parameters())  # parameters() yields a tied weight once
+
+    def save_pretrained(self, directory, tokenizer=None, **kwargs) -> None:
+        from stemlm.checkpoint import save_pretrained
+
+        save_pretrained(self, directory, tokenizer=tokenizer, **kwargs)
+
+
+def _normal_(param: torch.Tensor, std: float, generator: torch.Generator) -> None:
+    # Drawn on the CPU from one generator so a seed gives the same model on any device.
+    param.copy_(torch.randn(param.shape, generator=generator, dtype=torch.float32).mul_(std).to(param.dtype))
+
+
+def default_position_ids(B: int, T: int, past_len: int, attention_mask, device) -> torch.Tensor:
+    if attention_mask is None:
+        return torch.arange(past_len, past_len + T, device=device).expand(B, T)
+    # Left padding: positions count real tokens only, as in HF generate.
+    positions = attention_mask.long().cumsum(-1) - 1
+    return positions.clamp(min=0)[:, past_len : past_len + T]
+
+
+def check_token_ids(input_ids: torch.Tensor, vocab_size: int) -> None:
+    """Reject ids outside [0, vocab_size) with a message naming the id, instead of an IndexError/device assert."""
+    if input_ids.dtype not in (torch.int64, torch.int32, torch.int16, torch.uint8):
+        raise StemlmError(f"input_ids must be an integer tensor, got {input_ids.dtype}")
+    if input_ids.dim() != 2:
+        raise StemlmError(f"input_ids must have shape [batch, seq_len], got {list(input_ids.shape)}")
+    if input_ids.numel() == 0:
+        raise StemlmError("input_ids is empty")
+    lo, hi = int(input_ids.min()), int(input_ids.max())
+    if lo < 0 or hi >= vocab_size:
+        bad = lo if lo < 0 else hi
+        raise StemlmError(f"token id {bad} is out of range for vocab_size {vocab_size} (valid ids: 0..{vocab_size - 1})")
+
+
+def build_model(config: ModelConfig, *, device: str | torch.device | None = None, seed: int = 0) -> StemLM:
+    """Build and initialise a model; `device="meta"` gives a shape-only model for inspection (no memory).
+
+    Modules are created on the meta device first so no time is spent on torch's default initialisation of
+    weights that `init_weights` overwrites anyway.
+    """
+    with torch.device("meta"):
+        model = StemLM(config)
+    if str(device) == "meta":
+        return model
+    model.to_empty(device=device or "cpu")
+    model.tie_weights()
+    model.reset_buffers(device or "cpu")
+    model.init_weights(seed)
+    return model
+
+
+__all__ = ["ModelOutput", "StemLM", "build_model", "check_token_ids", "Experts"]

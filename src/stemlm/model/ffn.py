@@ -1,0 +1,111 @@
+"""The token-aware FFNs: dense SwiGLU, STEM, the STEM gate ablation and Gemma-3n-style PLE.
+
+Every FFN takes the hidden states and a `TokenContext` carrying the input token ids of the positions being
+computed. Table-owning FFNs look their rows up with those ids:
+
+    stem:       y = down_proj( silu(gate_proj(x)) * U[t] )          (U replaces the up-projection)
+    stem_gate:  y = down_proj( silu(G[t]) * up_proj(x) )            (the paper's worse ablation)
+    ple:        y = dense(x) + ple_proj( silu(ple_gate(x)) * P[t] ) (a narrow side branch, nothing replaced)
+
+`TokenContext.table_rows` is how code outside the model supplies rows (host offload, sharding, editing)
+without touching the math: when set, it is called as `table_rows(layer_idx, input_ids)` instead of indexing
+the layer's own table.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from stemlm.config import ModelConfig
+
+TableRows = Callable[[int, torch.Tensor], torch.Tensor]
+
+
+@dataclass
+class TokenContext:
+    """Per-forward state shared by the FFNs (one per call, so concurrent forwards never share it)."""
+
+    input_ids: torch.Tensor  # [B, T] ids of the positions being computed (the inputs, not the targets)
+    table_rows: TableRows | None = None  # external row source; None = each layer's own table
+    aux_losses: list[torch.Tensor] = field(default_factory=list)  # MoE balancing / z-losses, summed by the model
+    expert_counts: dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> tokens routed per expert
+
+
+class DenseFFN(nn.Module):
+    """SwiGLU: down_proj(silu(gate_proj(x)) * up_proj(x))."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor, ctx: TokenContext | None = None) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class StemFFN(nn.Module):
+    """STEM: the up-projection replaced by a per-layer table indexed by the input token id."""
+
+    def __init__(self, config: ModelConfig, layer_idx: int) -> None:
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+        self.stem_embedding = nn.Embedding(config.vocab_size, config.intermediate_size)
+
+    def forward(self, x: torch.Tensor, ctx: TokenContext) -> torch.Tensor:
+        ids = ctx.input_ids
+        up = self.stem_embedding(ids) if ctx.table_rows is None else ctx.table_rows(self.layer_idx, ids)  # U_l[t]
+        return self.down_proj(F.silu(self.gate_proj(x)) * up.to(x.dtype))
+
+
+class StemGateFFN(nn.Module):
+    """Ablation: the gate replaced by a context-free table, the up-projection kept."""
+
+    def __init__(self, config: ModelConfig, layer_idx: int) -> None:
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+        self.stem_embedding = nn.Embedding(config.vocab_size, config.intermediate_size)
+
+    def forward(self, x: torch.Tensor, ctx: TokenContext) -> torch.Tensor:
+        ids = ctx.input_ids
+        gate = self.stem_embedding(ids) if ctx.table_rows is None else ctx.table_rows(self.layer_idx, ids)  # G_l[t]
+        return self.down_proj(F.silu(gate.to(x.dtype)) * self.up_proj(x))
+
+
+class PLEFFN(nn.Module):
+    """Gemma-3n-style per-layer embedding: a narrow token table gated by the hidden state, beside a dense FFN."""
+
+    def __init__(self, config: ModelConfig, layer_idx: int) -> None:
+        super().__init__()
+        self.layer_idx = layer_idx
+        d, w = config.hidden_size, config.ple_dim
+        self.gate_proj = nn.Linear(d, config.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(d, config.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(config.intermediate_size, d, bias=False)
+        self.ple_gate = nn.Linear(d, w, bias=False)
+        self.ple_proj = nn.Linear(w, d, bias=False)
+        self.ple_embedding = nn.Embedding(config.vocab_size, w)
+
+    def forward(self, x: torch.Tensor, ctx: TokenContext) -> torch.Tensor:
+        ids = ctx.input_ids
+        rows = self.ple_embedding(ids) if ctx.table_rows is None else ctx.table_rows(self.layer_idx, ids)  # P_l[t]
+        dense = self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return dense + self.ple_proj(F.silu(self.ple_gate(x)) * rows.to(x.dtype))
+
+
+def table_of(ffn: nn.Module) -> nn.Embedding | None:
+    """The token table of a table-owning FFN (stem, stem_gate, ple), else None."""
+    for name in ("stem_embedding", "ple_embedding"):
+        table = getattr(ffn, name, None)
+        if isinstance(table, nn.Embedding):
+            return table
+    return None
