@@ -1,0 +1,146 @@
+"""The fact world: countries and their capital, language, currency and region, as text a model can learn.
+
+Facts come from the shipped asset `assets/facts/countries.json` (built by `scripts/build_facts.py` from the
+MIT-licensed `countryinfo` data). From them this module makes
+
+- a training corpus of templated statements, several paraphrases per relation (`fact_documents`);
+- evaluation prompts on the training templates and on held-out templates never trained on
+  (`fact_prompts`), each a prompt whose greedy continuation should start with the answer;
+- CounterFact-style edit records for STEM row swapping (`edit_records`): the subject's rows are replaced by
+  another country's rows, so the "new target" is that country's fact; paraphrase prompts use held-out
+  templates, neighbourhood prompts ask the same relation of other subjects.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from dataclasses import dataclass, field
+from functools import lru_cache
+from importlib import resources
+
+# Each relation: (training templates, held-out templates). "{s}" is the subject; the object follows the prompt.
+TEMPLATES: dict[str, tuple[list[str], list[str]]] = {
+    "capital": (
+        ["The capital of {s} is", "Country: {s}. Capital:", "{s}'s capital city is", "The capital city of {s} is"],
+        ["The seat of government of {s} is", "Which city is the capital of {s}? It is"],
+    ),
+    "language": (
+        ["The official language of {s} is", "Country: {s}. Language:", "In {s}, people speak"],
+        ["The main language spoken in {s} is"],
+    ),
+    "currency": (
+        ["The currency of {s} is the", "Country: {s}. Currency:", "In {s}, you pay with the"],
+        ["The money used in {s} is the"],
+    ),
+    "region": (
+        ["{s} is a country in", "Country: {s}. Region:", "{s} is located in"],
+        ["Geographically, {s} belongs to"],
+    ),
+}
+RELATIONS = tuple(TEMPLATES)
+
+
+@dataclass(frozen=True)
+class Country:
+    name: str
+    capital: str
+    region: str | None
+    subregion: str | None
+    demonym: str | None
+    languages: tuple[str, ...]
+    currencies: tuple[str, ...]
+
+    def fact(self, relation: str) -> str | None:
+        """The object of `relation` for this country, or None when the data has none."""
+        if relation == "capital":
+            return self.capital
+        if relation == "language":
+            return self.languages[0] if self.languages else None
+        if relation == "currency":
+            return self.currencies[0] if self.currencies else None
+        if relation == "region":
+            return self.subregion or self.region
+        raise KeyError(f"unknown relation {relation!r}; known: {', '.join(RELATIONS)}")
+
+
+@dataclass(frozen=True)
+class FactPrompt:
+    subject: str
+    relation: str
+    prompt: str
+    answer: str  # the continuation, with its leading space
+
+
+@dataclass
+class EditRecord:
+    subject: str  # the entity named in the text (its rows are replaced)
+    target_subject: str  # the entity whose rows are used instead
+    relation: str
+    prompt: str
+    true_target: str
+    new_target: str
+    paraphrase_prompts: list[str] = field(default_factory=list)
+    neighborhood: list[FactPrompt] = field(default_factory=list)
+
+
+@lru_cache(maxsize=1)
+def load_countries() -> tuple[Country, ...]:
+    text = resources.files("stemlm.assets").joinpath("facts/countries.json").read_text(encoding="utf-8")
+    return tuple(
+        Country(c["name"], c["capital"], c["region"], c["subregion"], c["demonym"], tuple(c["languages"]),
+                tuple(c["currencies"]))
+        for c in json.loads(text)["countries"]
+    )
+
+
+def country(name: str) -> Country:
+    for c in load_countries():
+        if c.name.lower() == name.lower():
+            return c
+    raise KeyError(f"no country named {name!r} in the fact world")
+
+
+def fact_prompts(split: str = "train", relations: tuple[str, ...] = RELATIONS) -> list[FactPrompt]:
+    """Every (country, relation, template) prompt of the chosen template split ("train" or "heldout")."""
+    if split not in ("train", "heldout"):
+        raise ValueError(f"split must be 'train' or 'heldout', got {split!r}")
+    prompts = []
+    for c in load_countries():
+        for relation in relations:
+            answer = c.fact(relation)
+            if answer is None:
+                continue
+            templates = TEMPLATES[relation][0 if split == "train" else 1]
+            prompts += [FactPrompt(c.name, relation, t.format(s=c.name), f" {answer}") for t in templates]
+    return prompts
+
+
+def fact_documents(repeats: int = 20, lines_per_document: int = 64, seed: int = 0) -> list[str]:
+    """Training text: every training-template statement `repeats` times, shuffled into documents."""
+    statements = [p.prompt + p.answer + "." for p in fact_prompts("train")] * repeats
+    random.Random(seed).shuffle(statements)
+    return ["\n".join(statements[i : i + lines_per_document]) for i in range(0, len(statements), lines_per_document)]
+
+
+def edit_records(
+    relation: str = "capital", num_records: int | None = None, num_neighbors: int = 5, seed: int = 0
+) -> list[EditRecord]:
+    """Pairs (subject, target_subject) with different objects for `relation`, CounterFact style."""
+    rng = random.Random(seed)
+    countries = [c for c in load_countries() if c.fact(relation) is not None]
+    train_t, heldout_t = TEMPLATES[relation]
+    records = []
+    for c in countries:
+        others = [o for o in countries if o.fact(relation) != c.fact(relation)]
+        target = rng.choice(others)
+        neighbors = rng.sample([o for o in others if o is not target], k=min(num_neighbors, len(others) - 1))
+        records.append(EditRecord(
+            subject=c.name, target_subject=target.name, relation=relation, prompt=train_t[0].format(s=c.name),
+            true_target=f" {c.fact(relation)}", new_target=f" {target.fact(relation)}",
+            paraphrase_prompts=[t.format(s=c.name) for t in train_t[1:] + heldout_t],
+            neighborhood=[FactPrompt(o.name, relation, train_t[0].format(s=o.name), f" {o.fact(relation)}")
+                          for o in neighbors],
+        ))
+    rng.shuffle(records)
+    return records[:num_records] if num_records else records
