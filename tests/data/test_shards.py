@@ -1,0 +1,82 @@
+"""Token shards: caching, layout, seeded (seed, step) batch sampling, evaluation windows and errors."""
+
+import numpy as np
+import pytest
+import torch
+
+from stemlm.data.shards import TokenDataset, build_shard, default_cache_dir, token_dtype
+from stemlm.data.tokenizer import train_bpe
+from stemlm.errors import StemlmError
+
+TEXTS = [f"document {i}: " + "the quick brown fox jumps over the lazy dog. " * (5 + i) for i in range(6)]
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return train_bpe(TEXTS, vocab_size=300)
+
+
+@pytest.fixture
+def dataset(tok, tmp_path):
+    return TokenDataset.from_texts(TEXTS, tok, cache_dir=tmp_path)
+
+
+def test_shard_layout_and_cache_hit(tok, tmp_path):
+    path, cached = build_shard(TEXTS, tok, cache_dir=tmp_path)
+    assert not cached and path.name.endswith(".uint16.bin")
+    expected = [i for text in TEXTS for i in tok.encode(text).ids + [0]]  # EOT (id 0) after every document
+    assert np.fromfile(path, dtype=np.uint16).tolist() == expected
+    again, cached = build_shard(TEXTS, tok, cache_dir=tmp_path)
+    assert cached and again == path
+    assert TokenDataset.from_texts(TEXTS, tok, cache_dir=tmp_path).from_cache
+    changed, cached = build_shard(TEXTS[:-1], tok, cache_dir=tmp_path)
+    assert not cached and changed != path
+    assert not list(tmp_path.glob("*.tmp"))
+
+
+def test_cache_dir_from_environment(monkeypatch, tmp_path):
+    monkeypatch.setenv("STEMLM_CACHE", str(tmp_path))
+    assert default_cache_dir() == tmp_path / "tokens"
+
+
+def test_dtype_follows_vocab_size():
+    class Wide:
+        def get_vocab_size(self, with_added_tokens=True):
+            return 70000
+
+    assert token_dtype(Wide()) == np.uint32
+
+
+def test_sample_batch_is_a_function_of_seed_and_step(dataset):
+    x, y = dataset.sample_batch(4, 16, seed=7, step=3)
+    assert x.shape == y.shape == (4, 16) and x.dtype == torch.long
+    assert torch.equal(x[:, 1:], y[:, :-1])
+    x2, _ = dataset.sample_batch(4, 16, seed=7, step=3)
+    assert torch.equal(x, x2)
+    assert not torch.equal(x, dataset.sample_batch(4, 16, seed=7, step=4)[0])
+    assert not torch.equal(x, dataset.sample_batch(4, 16, seed=8, step=3)[0])
+
+
+def test_eval_windows_are_fixed_and_non_overlapping(dataset):
+    seq_len = 10
+    total = dataset.num_eval_windows(seq_len)
+    batches = list(dataset.iter_eval_windows(seq_len, batch_size=4))
+    inputs = torch.cat([x for x, _ in batches])
+    assert inputs.shape == (total, seq_len)
+    tokens = torch.from_numpy(dataset.tokens[: total * seq_len].astype(np.int64))
+    assert torch.equal(inputs.reshape(-1), tokens)
+    some = torch.cat([x for x, _ in dataset.iter_eval_windows(seq_len, max_windows=3)])
+    assert some.shape == (3, seq_len) and torch.equal(some[0], inputs[0]) and torch.equal(some[-1], inputs[-1])
+
+
+def test_too_little_data_errors(tok, tmp_path):
+    small = TokenDataset.from_texts(["the cat"], tok, cache_dir=tmp_path)
+    with pytest.raises(StemlmError, match=f"needs {small.num_tokens + 10}"):
+        small.sample_batch(1, small.num_tokens + 9, seed=0, step=0)
+    big = TokenDataset.from_texts(TEXTS, tok, cache_dir=tmp_path)
+    with pytest.raises(StemlmError, match="lower the batch size"):
+        big.sample_batch(big.num_tokens, 8, seed=0, step=0)
+    with pytest.raises(StemlmError, match="no documents"):
+        build_shard([], tok, cache_dir=tmp_path)
+    with pytest.raises(StemlmError, match="not a stemlm token shard"):
+        TokenDataset.from_file(tmp_path / "missing.uint16.bin")
