@@ -12,7 +12,7 @@ import importlib
 import sys
 
 # Subcommand modules, in the order `stemlm --help` lists them.
-SUBCOMMANDS = ["info"]
+SUBCOMMANDS = ["info", "tokenizer", "generate", "convert"]
 
 
 def build_parser() -> argparse.ArgumentParser:
