@@ -114,7 +114,9 @@ def _shards(state: dict[str, torch.Tensor], max_bytes: int) -> list[dict[str, to
     return shards
 
 
-def write_model_files(model: StemLM, folder: Path, tokenizer=None, max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES) -> None:
+def write_model_files(
+    model: StemLM, folder: Path, tokenizer=None, max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES
+) -> None:
     """Write config, weights (sharded when large) and tokenizer into an existing folder (not atomic by itself)."""
     if tokenizer is not None and tokenizer.get_vocab_size() > model.config.vocab_size:
         raise StemlmError(
@@ -152,7 +154,9 @@ def save_pretrained(
 def load_config(directory: str | Path) -> ModelConfig:
     directory = Path(directory)
     if not directory.is_dir():
-        raise StemlmError(f"checkpoint folder {directory} does not exist")
+        old = directory.with_name(f".{directory.name}.old")
+        hint = f" (a save was interrupted while swapping folders: rename {old} back to it)" if old.is_dir() else ""
+        raise StemlmError(f"checkpoint folder {directory} does not exist{hint}")
     path = directory / CONFIG_NAME
     if not path.is_file():
         raise StemlmError(f"{directory} has no {CONFIG_NAME}: not a stemlm checkpoint folder")
@@ -164,7 +168,10 @@ def load_config(directory: str | Path) -> ModelConfig:
         raise StemlmError(f"{path} does not hold a JSON object")
     if data.get("model_type") != MODEL_TYPE:
         raise StemlmError(f"{path} is for model type {data.get('model_type')!r}, not {MODEL_TYPE!r}")
-    return ModelConfig.from_dict(data)
+    try:
+        return ModelConfig.from_dict(data)
+    except StemlmError as exc:
+        raise StemlmError(f"{path}: {exc}") from None
 
 
 def weight_files(directory: str | Path) -> list[Path]:
@@ -207,7 +214,9 @@ def from_pretrained(
         state.pop("lm_head.weight", None)
     with torch.device("meta"):
         model = StemLM(config)
-    expected = {k: v for k, v in model.state_dict().items() if not (config.tie_word_embeddings and k == "lm_head.weight")}
+    expected = {
+        k: v for k, v in model.state_dict().items() if not (config.tie_word_embeddings and k == "lm_head.weight")
+    }
     missing = sorted(set(expected) - set(state))
     unexpected = sorted(set(state) - set(expected))
     if missing or unexpected:

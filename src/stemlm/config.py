@@ -20,6 +20,10 @@ FFN_KINDS = ("dense", "stem", "stem_gate", "moe", "hash_moe", "ple")
 TABLE_KINDS = ("stem", "stem_gate", "ple")
 LAYER_SPECS = ("all", "all-but-first", "odd", "even", "half", "none")
 MODEL_TYPE = "stemlm"
+_POSITIVE_INTS = (
+    "vocab_size hidden_size intermediate_size num_hidden_layers num_attention_heads max_position_embeddings "
+    "num_experts num_experts_per_tok ple_dim"
+).split()
 
 
 def resolve_layer_spec(spec: str | list[int] | tuple[int, ...], num_layers: int) -> list[int]:
@@ -30,7 +34,9 @@ def resolve_layer_spec(spec: str | list[int] | tuple[int, ...], num_layers: int)
     K-1, 2K-1, ... so the last layer is included when K divides L); `none`; or a comma list "1,3,5".
     """
     if isinstance(spec, (list, tuple)):
-        layers = [int(i) for i in spec]
+        if not all(isinstance(i, int) and not isinstance(i, bool) for i in spec):
+            raise StemlmError(f"bad layer list {list(spec)!r}: entries must be integer layer indices")
+        layers = list(spec)
     else:
         text = str(spec).strip().lower()
         if text in ("all",):
@@ -56,12 +62,13 @@ def resolve_layer_spec(spec: str | list[int] | tuple[int, ...], num_layers: int)
                 layers = [int(part) for part in text.replace(" ", "").split(",") if part]
             except ValueError:
                 raise StemlmError(
-                    f"bad layer spec {spec!r}: use a comma list of indices or one of "
-                    f"{', '.join(LAYER_SPECS)}, every:K"
+                    f"bad layer spec {spec!r}: use a comma list of indices or one of {', '.join(LAYER_SPECS)}, every:K"
                 ) from None
     for i in layers:
         if not 0 <= i < num_layers:
-            raise StemlmError(f"layer index {i} is out of range for a model with {num_layers} layers (0..{num_layers - 1})")
+            raise StemlmError(
+                f"layer index {i} is out of range for a model with {num_layers} layers (0..{num_layers - 1})"
+            )
     if len(set(layers)) != len(layers):
         raise StemlmError(f"layer spec {spec!r} lists a layer twice")
     return sorted(layers)
@@ -131,23 +138,46 @@ class ModelConfig:
 
         if self.model_type != MODEL_TYPE:
             raise StemlmError(f"config is for model type {self.model_type!r}, not {MODEL_TYPE!r}")
-        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-                     "max_position_embeddings", "num_experts", "num_experts_per_tok", "ple_dim"):
+
+        def positive_int(value: Any) -> bool:
+            return isinstance(value, int) and not isinstance(value, bool) and value > 0
+
+        for name in _POSITIVE_INTS:
             value = getattr(self, name)
-            need(isinstance(value, int) and not isinstance(value, bool) and value > 0,
-                 f"{name} must be a positive integer, got {value!r}")
+            need(positive_int(value), f"{name} must be a positive integer, got {value!r}")
+        for name in ("num_key_value_heads", "head_dim", "moe_intermediate_size"):
+            value = getattr(self, name)
+            need(value is None or positive_int(value), f"{name} must be a positive integer or None, got {value!r}")
+        for name in ("rope_theta", "rms_norm_eps", "initializer_range", "table_init_std"):
+            value = getattr(self, name)
+            need(
+                isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0,
+                f"{name} must be a positive number, got {value!r}",
+            )
+        for name in ("tie_word_embeddings", "moe_shared_expert", "router_z_loss"):
+            need(isinstance(getattr(self, name), bool), f"{name} must be true or false, got {getattr(self, name)!r}")
+        need(
+            isinstance(self.hash_seed, int) and not isinstance(self.hash_seed, bool),
+            f"hash_seed must be an integer, got {self.hash_seed!r}",
+        )
         need(self.ffn in FFN_KINDS, f"unknown ffn kind {self.ffn!r}; choose one of {', '.join(FFN_KINDS)}")
-        need(self.head_dim is not None or self.hidden_size % self.num_attention_heads == 0,
-             f"num_attention_heads={self.num_attention_heads} does not divide hidden_size={self.hidden_size} "
-             "(set head_dim explicitly or change the head count)")
+        need(
+            self.head_dim is not None or self.hidden_size % self.num_attention_heads == 0,
+            f"num_attention_heads={self.num_attention_heads} does not divide hidden_size={self.hidden_size} "
+            "(set head_dim explicitly or change the head count)",
+        )
         need(self.head_size % 2 == 0, f"head dimension {self.head_size} must be even for RoPE")
-        need(self.num_attention_heads % self.kv_heads == 0,
-             f"num_key_value_heads={self.kv_heads} must divide num_attention_heads={self.num_attention_heads}")
-        need(self.rope_theta > 0, "rope_theta must be positive")
-        need(self.rms_norm_eps > 0, "rms_norm_eps must be positive")
-        need(self.table_init in ("xavier", "normal"), f"table_init must be 'xavier' or 'normal', got {self.table_init!r}")
-        need(self.num_experts_per_tok <= self.num_experts,
-             f"num_experts_per_tok={self.num_experts_per_tok} exceeds num_experts={self.num_experts}")
+        need(
+            self.num_attention_heads % self.kv_heads == 0,
+            f"num_key_value_heads={self.kv_heads} must divide num_attention_heads={self.num_attention_heads}",
+        )
+        need(
+            self.table_init in ("xavier", "normal"), f"table_init must be 'xavier' or 'normal', got {self.table_init!r}"
+        )
+        need(
+            self.num_experts_per_tok <= self.num_experts,
+            f"num_experts_per_tok={self.num_experts_per_tok} exceeds num_experts={self.num_experts}",
+        )
         resolve_layer_spec(self.stem_layers, self.num_hidden_layers)
 
     # ----- (de)serialisation -----
@@ -195,30 +225,37 @@ class ModelConfig:
         changes = {}
         for key, raw in overrides.items():
             if key not in fields or key == "model_type":
-                raise StemlmError(f"unknown config key {key!r}; valid keys: {', '.join(sorted(set(fields) - {'model_type'}))}")
-            changes[key] = _parse_value(raw, getattr(self, key), key)
+                raise StemlmError(
+                    f"unknown config key {key!r}; valid keys: {', '.join(sorted(set(fields) - {'model_type'}))}"
+                )
+            changes[key] = _parse_value(raw, str(fields[key].type), key)
         return self.replace(**changes)
 
     def to_json(self) -> str:
         return json.dumps(self.to_hf_dict(), indent=2, sort_keys=True)
 
 
-def _parse_value(raw: Any, current: Any, key: str) -> Any:
+def _parse_value(raw: Any, annotation: str, key: str) -> Any:
+    """Parse a command-line string by the field's declared type (`int | None` accepts "none")."""
     if not isinstance(raw, str):
         return raw
-    if key == "stem_layers":
-        return [int(x) for x in raw.split(",")] if raw.replace(",", "").replace(" ", "").isdigit() else raw
-    if raw.lower() in ("none", "null"):
+    text = raw.strip()
+    kinds = [part.strip() for part in annotation.split("|")]
+    if "None" in kinds and text.lower() in ("none", "null"):
         return None
+    if key == "stem_layers":
+        return [int(x) for x in text.split(",")] if text.replace(",", "").replace(" ", "").isdigit() else text
     try:
-        if isinstance(current, bool):
-            if raw.lower() not in ("true", "false", "1", "0"):
+        if "bool" in kinds:
+            if text.lower() not in ("true", "false", "1", "0"):
                 raise ValueError
-            return raw.lower() in ("true", "1")
-        if isinstance(current, int) or (current is None and raw.lstrip("-").isdigit()):
-            return int(raw)
-        if isinstance(current, float):
-            return float(raw)
+            return text.lower() in ("true", "1")
+        if "int" in kinds:
+            return int(text)
+        if "float" in kinds:
+            return float(text)
     except ValueError:
-        raise StemlmError(f"config key {key!r} expects a {type(current).__name__}, got {raw!r}") from None
-    return raw
+        words = {"bool": "true or false", "int": "an integer", "float": "a number", "None": "none"}
+        expected = " or ".join(words.get(k, k) for k in kinds)
+        raise StemlmError(f"config key {key!r} expects {expected}, got {raw!r}") from None
+    return text

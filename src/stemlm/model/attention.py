@@ -39,6 +39,14 @@ class RotaryEmbedding(nn.Module):
         exponent = torch.arange(0, self.head_dim, 2, dtype=torch.int64, device=device).float() / self.head_dim
         self.inv_freq = 1.0 / (self.theta**exponent)
 
+    def _apply(self, fn, recurse: bool = True):
+        # `model.to(torch.bfloat16)` casts every floating buffer; bf16 frequencies put RoPE angles off by whole
+        # radians at positions in the thousands, so the frequencies are recomputed in fp32 wherever they went.
+        super()._apply(fn, recurse)
+        if self.inv_freq.dtype != torch.float32 and not self.inv_freq.is_meta:
+            self.reset_buffers(self.inv_freq.device)
+        return self
+
     def forward(self, position_ids: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         # position_ids: [B, T] -> cos, sin: [B, T, head_dim]
         freqs = position_ids[..., None].float() * self.inv_freq.float()
@@ -82,7 +90,7 @@ class KVCache:
 
     def crop(self, length: int) -> None:
         """Drop everything after the first `length` positions (e.g. to re-run a prompt with another edit)."""
-        for i, (k, v) in enumerate(zip(self.keys, self.values)):
+        for i, (k, v) in enumerate(zip(self.keys, self.values, strict=True)):
             if k is not None:
                 self.keys[i], self.values[i] = k[:, :, :length], v[:, :, :length]
 

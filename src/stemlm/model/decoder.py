@@ -9,6 +9,7 @@ The model is written for one device; offload, sharding and editing act through `
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -18,14 +19,18 @@ from torch import nn
 from stemlm.config import ModelConfig
 from stemlm.errors import StemlmError
 from stemlm.model.attention import Attention, KVCache, RMSNorm, RotaryEmbedding, build_attention_mask
-from stemlm.model.ffn import DenseFFN, PLEFFN, StemFFN, StemGateFFN, TableRows, TokenContext, table_of
+from stemlm.model.ffn import PLEFFN, DenseFFN, StemFFN, StemGateFFN, TableRows, TokenContext, table_of
 from stemlm.model.moe import Experts, HashMoEFFN, MoEFFN
+
+EmbedRows = Callable[[torch.Tensor], torch.Tensor]  # input_ids [B, T] -> input embeddings [B, T, hidden]
 
 
 @dataclass
 class ModelOutput:
     logits: torch.Tensor  # [B, T, V]
-    loss: torch.Tensor | None = None  # mean next-token cross-entropy when labels were given (without aux)
+    # Mean cross-entropy of logits[:, t] against labels[:, t] (labels are the already shifted targets, -100 =
+    # ignored), without the aux loss; None without labels.
+    loss: torch.Tensor | None = None
     aux_loss: torch.Tensor | None = None  # sum of MoE auxiliary losses (None for kinds without one)
     past_key_values: KVCache | None = None
     expert_counts: dict[int, torch.Tensor] = field(default_factory=dict)
@@ -83,18 +88,28 @@ class StemLM(nn.Module):
         past_key_values: KVCache | None = None,
         use_cache: bool = False,
         table_rows: TableRows | None = None,
+        embed_rows: EmbedRows | None = None,
     ) -> ModelOutput:
+        """Logits for `input_ids` [B, T]. `labels` [B, T] are the targets of each position (not shifted here);
+        `attention_mask` [B, past + T] marks real tokens with 1 (left padding); `past_key_values` continues a
+        cache from an earlier call (`use_cache=True` starts one). `embed_rows(input_ids) -> [B, T, hidden]`,
+        when given, supplies the input embeddings instead of `embed_tokens` (editing from outside, like
+        `table_rows`); the lm_head is unaffected even when tied."""
         check_token_ids(input_ids, self.config.vocab_size)
+        input_ids = input_ids.long()  # embedding and hash lookups need int64/int32; narrower ids are accepted
         B, T = input_ids.shape
-        cache = past_key_values if past_key_values is not None else (KVCache(len(self.model.layers)) if use_cache else None)
+        cache = (
+            past_key_values if past_key_values is not None else (KVCache(len(self.model.layers)) if use_cache else None)
+        )
         past_len = cache.length if cache is not None else 0
         if past_len + T > self.config.max_position_embeddings:
             raise StemlmError(
                 f"sequence length {past_len + T} exceeds max_position_embeddings={self.config.max_position_embeddings}"
             )
+        _check_optional_inputs(B, T, past_len, attention_mask, labels, position_ids, self.config.vocab_size)
         if position_ids is None:
             position_ids = default_position_ids(B, T, past_len, attention_mask, input_ids.device)
-        x = self.model.embed_tokens(input_ids)
+        x = self.model.embed_tokens(input_ids) if embed_rows is None else _embeddings_from(self, embed_rows, input_ids)
         rope = self.model.rotary_emb(position_ids, x.dtype)
         mask = build_attention_mask(T, past_len, attention_mask, input_ids.device)
         ctx = TokenContext(input_ids=input_ids, table_rows=table_rows)
@@ -161,6 +176,14 @@ def _normal_(param: torch.Tensor, std: float, generator: torch.Generator) -> Non
     param.copy_(torch.randn(param.shape, generator=generator, dtype=torch.float32).mul_(std).to(param.dtype))
 
 
+def _embeddings_from(model: StemLM, embed_rows: EmbedRows, input_ids: torch.Tensor) -> torch.Tensor:
+    x = embed_rows(input_ids)
+    expected = (*input_ids.shape, model.config.hidden_size)
+    if tuple(x.shape) != expected:
+        raise StemlmError(f"embed_rows returned shape {list(x.shape)}; expected {list(expected)} ([batch, seq, d])")
+    return x.to(model.model.embed_tokens.weight.dtype)
+
+
 def default_position_ids(B: int, T: int, past_len: int, attention_mask, device) -> torch.Tensor:
     if attention_mask is None:
         return torch.arange(past_len, past_len + T, device=device).expand(B, T)
@@ -171,7 +194,9 @@ def default_position_ids(B: int, T: int, past_len: int, attention_mask, device) 
 
 def check_token_ids(input_ids: torch.Tensor, vocab_size: int) -> None:
     """Reject ids outside [0, vocab_size) with a message naming the id, instead of an IndexError/device assert."""
-    if input_ids.dtype not in (torch.int64, torch.int32, torch.int16, torch.uint8):
+    if not isinstance(input_ids, torch.Tensor):
+        raise StemlmError(f"input_ids must be a torch tensor, got {type(input_ids).__name__}")
+    if input_ids.dtype == torch.bool or input_ids.dtype.is_floating_point or input_ids.dtype.is_complex:
         raise StemlmError(f"input_ids must be an integer tensor, got {input_ids.dtype}")
     if input_ids.dim() != 2:
         raise StemlmError(f"input_ids must have shape [batch, seq_len], got {list(input_ids.shape)}")
@@ -180,7 +205,27 @@ def check_token_ids(input_ids: torch.Tensor, vocab_size: int) -> None:
     lo, hi = int(input_ids.min()), int(input_ids.max())
     if lo < 0 or hi >= vocab_size:
         bad = lo if lo < 0 else hi
-        raise StemlmError(f"token id {bad} is out of range for vocab_size {vocab_size} (valid ids: 0..{vocab_size - 1})")
+        raise StemlmError(
+            f"token id {bad} is out of range for vocab_size {vocab_size} (valid ids: 0..{vocab_size - 1})"
+        )
+
+
+def _check_optional_inputs(B, T, past_len, attention_mask, labels, position_ids, vocab_size: int) -> None:
+    if attention_mask is not None and tuple(attention_mask.shape) != (B, past_len + T):
+        raise StemlmError(
+            f"attention_mask has shape {list(attention_mask.shape)}; expected [batch, cached + new tokens] = "
+            f"{[B, past_len + T]} (include the cached positions when decoding with past_key_values)"
+        )
+    if position_ids is not None and tuple(position_ids.shape) not in ((B, T), (1, T)):
+        raise StemlmError(f"position_ids has shape {list(position_ids.shape)}; expected {[B, T]}")
+    if labels is not None:
+        if tuple(labels.shape) != (B, T):
+            raise StemlmError(f"labels has shape {list(labels.shape)}; expected the shape of input_ids {[B, T]}")
+        bad = labels[(labels != -100) & ((labels < 0) | (labels >= vocab_size))]
+        if bad.numel():
+            raise StemlmError(
+                f"label {int(bad[0])} is out of range for vocab_size {vocab_size} (use -100 for ignored positions)"
+            )
 
 
 def build_model(config: ModelConfig, *, device: str | torch.device | None = None, seed: int = 0) -> StemLM:

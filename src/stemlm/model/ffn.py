@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from stemlm.config import ModelConfig
+from stemlm.errors import StemlmError
 
 TableRows = Callable[[int, torch.Tensor], torch.Tensor]
 
@@ -34,6 +35,21 @@ class TokenContext:
     table_rows: TableRows | None = None  # external row source; None = each layer's own table
     aux_losses: list[torch.Tensor] = field(default_factory=list)  # MoE balancing / z-losses, summed by the model
     expert_counts: dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> tokens routed per expert
+
+
+def lookup(table: nn.Embedding, ctx: TokenContext, layer_idx: int) -> torch.Tensor:
+    """The rows of the input ids, [B, T, width]: from `table` itself, or from `ctx.table_rows` when one is set."""
+    if ctx.table_rows is None:
+        return table(ctx.input_ids)
+    rows = ctx.table_rows(layer_idx, ctx.input_ids)
+    expected = (*ctx.input_ids.shape, table.embedding_dim)
+    if tuple(rows.shape) != expected:
+        # Checked here because a wrong width would otherwise surface as a broadcasting error deep in the FFN.
+        raise StemlmError(
+            f"table_rows returned shape {list(rows.shape)} for layer {layer_idx}; expected {list(expected)} "
+            "([batch, seq_len, table width])"
+        )
+    return rows
 
 
 class DenseFFN(nn.Module):
@@ -60,8 +76,7 @@ class StemFFN(nn.Module):
         self.stem_embedding = nn.Embedding(config.vocab_size, config.intermediate_size)
 
     def forward(self, x: torch.Tensor, ctx: TokenContext) -> torch.Tensor:
-        ids = ctx.input_ids
-        up = self.stem_embedding(ids) if ctx.table_rows is None else ctx.table_rows(self.layer_idx, ids)  # U_l[t]
+        up = lookup(self.stem_embedding, ctx, self.layer_idx)  # U_l[t], t = the input id at each position
         return self.down_proj(F.silu(self.gate_proj(x)) * up.to(x.dtype))
 
 
@@ -76,8 +91,7 @@ class StemGateFFN(nn.Module):
         self.stem_embedding = nn.Embedding(config.vocab_size, config.intermediate_size)
 
     def forward(self, x: torch.Tensor, ctx: TokenContext) -> torch.Tensor:
-        ids = ctx.input_ids
-        gate = self.stem_embedding(ids) if ctx.table_rows is None else ctx.table_rows(self.layer_idx, ids)  # G_l[t]
+        gate = lookup(self.stem_embedding, ctx, self.layer_idx)  # G_l[t]
         return self.down_proj(F.silu(gate.to(x.dtype)) * self.up_proj(x))
 
 
@@ -96,8 +110,7 @@ class PLEFFN(nn.Module):
         self.ple_embedding = nn.Embedding(config.vocab_size, w)
 
     def forward(self, x: torch.Tensor, ctx: TokenContext) -> torch.Tensor:
-        ids = ctx.input_ids
-        rows = self.ple_embedding(ids) if ctx.table_rows is None else ctx.table_rows(self.layer_idx, ids)  # P_l[t]
+        rows = lookup(self.ple_embedding, ctx, self.layer_idx)  # P_l[t]
         dense = self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
         return dense + self.ple_proj(F.silu(self.ple_gate(x)) * rows.to(x.dtype))
 

@@ -39,17 +39,20 @@ class Experts(nn.Module):
         token_of = order // k  # which token each sorted assignment belongs to
         counts = torch.bincount(flat_expert, minlength=self.num_experts).tolist()
         xs = x[token_of]
-        out = torch.zeros_like(x)
+        flat_weights = weights.reshape(-1)
+        # The k weighted expert outputs of a token are summed in fp32 whatever the model or autocast dtype, so a
+        # bf16 model does not round between experts and index_add_ always sees one dtype.
+        out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
         start = 0
         for e, n in enumerate(counts):
             if n == 0:
                 continue
             xe = xs[start : start + n]
             h = F.silu(xe @ self.gate_proj[e].t()) * (xe @ self.up_proj[e].t())
-            ye = (h @ self.down_proj[e].t()) * weights.reshape(-1)[order[start : start + n], None].to(x.dtype)
+            ye = (h @ self.down_proj[e].t()).float() * flat_weights[order[start : start + n], None].float()
             out.index_add_(0, token_of[start : start + n], ye)
             start += n
-        return out
+        return out.to(x.dtype)
 
 
 class MoEFFN(nn.Module):
