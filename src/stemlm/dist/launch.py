@@ -1,0 +1,91 @@
+"""torchrun helpers: join the process group torchrun describes, split a global batch, build the launch command.
+
+`torchrun_command(nproc, args)` is the command `stemlm train --nproc N` re-executes itself with; in each
+worker `init_distributed()` reads torchrun's environment (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR/PORT),
+picks NCCL with one GPU per local rank when CUDA is available and gloo otherwise, and returns a `DistInfo`.
+`local_batch_size(global_batch, world_size)` keeps the global batch fixed as N changes.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from stemlm.errors import StemlmError
+
+
+@dataclass(frozen=True)
+class DistInfo:
+    rank: int
+    world_size: int
+    local_rank: int
+    device: torch.device
+    backend: str | None  # None: a single process without a process group
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def launched_by_torchrun() -> bool:
+    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
+
+
+def init_distributed(backend: str | None = None, device: str | None = None, timeout_s: float = 600.0) -> DistInfo:
+    """Join the process group described by torchrun's environment; a plain process gets a world of one."""
+    if not launched_by_torchrun():
+        dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        return DistInfo(0, 1, 0, dev, None)
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    use_cuda = (device or ("cuda" if torch.cuda.is_available() else "cpu")).startswith("cuda")
+    backend = backend or ("nccl" if use_cuda else "gloo")
+    if use_cuda:
+        if local_rank >= torch.cuda.device_count():
+            raise StemlmError(
+                f"local rank {local_rank} has no GPU ({torch.cuda.device_count()} visible): "
+                "launch at most one process per GPU or pass --device cpu"
+            )
+        dev = torch.device("cuda", local_rank)
+        torch.cuda.set_device(dev)
+    else:
+        dev = torch.device("cpu")
+    if not dist.is_initialized():
+        dist.init_process_group(backend, rank=rank, world_size=world, timeout=timedelta(seconds=timeout_s))
+    return DistInfo(rank, world, local_rank, dev, backend)
+
+
+def destroy_distributed() -> None:
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def local_batch_size(global_batch: int, world_size: int) -> int:
+    """Sequences per rank for a fixed global batch; the global batch must split evenly."""
+    if global_batch % world_size:
+        raise StemlmError(
+            f"global batch size {global_batch} does not split over {world_size} processes: "
+            f"choose a batch size divisible by {world_size} or another --nproc"
+        )
+    return global_batch // world_size
+
+
+def torchrun_command(nproc: int, args: list[str], module: str = "stemlm.cli.main") -> list[str]:
+    """`python -m torch.distributed.run --standalone --nproc-per-node N -m <module> <args>` for this interpreter."""
+    if nproc < 1:
+        raise StemlmError(f"--nproc must be at least 1, got {nproc}")
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc-per-node={nproc}",
+        "-m",
+        module,
+        *args,
+    ]

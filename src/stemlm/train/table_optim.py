@@ -1,0 +1,337 @@
+"""Optimizers for STEM token tables, row-sparse gradients, mixed-gradient clipping and flat optimizer state.
+
+A STEM table holds V x d_ff parameters but a step touches only the rows of the batch's token ids. Three
+table optimizers, all `torch.optim.Optimizer` subclasses (so `LambdaLR` drives their `param_groups`),
+chosen by name with `make_table_optimizer(name, params, ...)`:
+
+- `adamw`: torch AdamW over the whole table, the official STEM behaviour: every row is decayed and moved
+  by its momentum every step. Sparse gradients are densified first, so it accepts either kind.
+- `lazy_adamw`: AdamW applied only to the rows present in the step's (coalesced, i.e. deduplicated and
+  summed) sparse gradient. The decoupled weight decay is applied to those rows only; a row never seen keeps
+  its weights and moments bit-identical. Bias correction uses a per-row step count (int64 [V]): each row is
+  an independent AdamW over the sub-sequence of steps that touched it, so a rare row's first update is a
+  full bias-corrected step instead of the ~(1-beta1)/sqrt(1-beta2) fraction a global step count would give.
+  With every row touched every step the per-row count equals the global one and the result equals `adamw`.
+- `rowwise_adagrad`: FBGEMM's exact row-wise Adagrad: one accumulator per row, `sum[r] += mean_j g[r, j]^2`,
+  `w[r] -= lr * g[r] / (sqrt(sum[r]) + eps)`, for touched rows only; `weight_decay` is L2 (added to the
+  touched rows' gradient, FBGEMM's `L2` mode). Optimizer memory is V floats per table instead of 2 V d_ff.
+
+The row-sparse optimizers need sparse COO gradients: `use_sparse_table_grads(model)` switches the model's
+tables to `nn.Embedding(sparse=True)`; such gradients accumulate over micro-batches (by concatenation,
+summed at the step) and work under autocast. `torch.nn.utils.clip_grad_norm_` rejects sparse gradients
+(torch 2.13: no sparse `linalg_vector_norm`), hence `clip_grad_norm_mixed`.
+
+Checkpoint state: `flatten_optimizer_state(opt.state_dict())` gives `(tensors, meta)`: tensors keyed
+`state.<param_index>.<name>` (safetensors-ready) and a JSON-able meta (param_groups and non-tensor state);
+`unflatten_optimizer_state` inverts it for `opt.load_state_dict`. Every optimizer here also offers
+`state_tensors()`, `state_meta()` and `load_state_tensors(tensors, meta)` built on those two functions.
+Tests: `OMP_NUM_THREADS=1 python -m pytest tests/train/test_table_optim.py -q`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+from stemlm.errors import StemlmError
+
+TABLE_OPTIMIZERS = ("adamw", "lazy_adamw", "rowwise_adagrad")
+
+
+# ----- flat optimizer state (safetensors tensors + JSON meta) -----
+def flatten_optimizer_state(state_dict: dict) -> tuple[dict[str, torch.Tensor], dict]:
+    """Split a torch optimizer `state_dict()` into `{"state.<i>.<name>": tensor}` and a JSON-able meta dict."""
+    tensors: dict[str, torch.Tensor] = {}
+    scalars: dict[str, object] = {}
+    for index, entry in state_dict["state"].items():
+        for name, value in entry.items():
+            key = f"{index}.{name}"
+            if isinstance(value, torch.Tensor):
+                tensors[f"state.{key}"] = value.detach().contiguous()
+            else:
+                scalars[key] = _json_value(value, key)
+    groups = [{k: _json_value(v, k) for k, v in group.items()} for group in state_dict["param_groups"]]
+    return tensors, {"param_groups": groups, "state_scalars": scalars}
+
+
+def unflatten_optimizer_state(tensors: dict[str, torch.Tensor], meta: dict) -> dict:
+    """Inverse of `flatten_optimizer_state`: the `state_dict` to pass to `optimizer.load_state_dict`."""
+    state: dict[int, dict[str, object]] = {}
+    for key, value in tensors.items():
+        if not key.startswith("state."):
+            raise StemlmError(f"optimizer state tensor {key!r} is not of the form state.<param_index>.<name>")
+        index, name = key[len("state.") :].split(".", 1)
+        state.setdefault(int(index), {})[name] = value
+    for key, value in meta.get("state_scalars", {}).items():
+        index, name = key.split(".", 1)
+        state.setdefault(int(index), {})[name] = value
+    groups = [dict(group) for group in meta["param_groups"]]
+    for group in groups:
+        if isinstance(group.get("betas"), list):
+            group["betas"] = tuple(group["betas"])  # JSON turned the tuple into a list
+    return {"state": state, "param_groups": groups}
+
+
+def _json_value(value, key: str):
+    if isinstance(value, torch.Tensor) and value.numel() == 1:
+        return value.item()
+    if isinstance(value, (tuple, list)):
+        return [_json_value(v, key) for v in value]
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    raise StemlmError(f"optimizer state entry {key!r} of type {type(value).__name__} cannot be stored as JSON")
+
+
+class FlatStateMixin:
+    """`state_tensors()` / `state_meta()` / `load_state_tensors()` for any torch optimizer."""
+
+    def state_tensors(self) -> dict[str, torch.Tensor]:
+        return flatten_optimizer_state(self.state_dict())[0]
+
+    def state_meta(self) -> dict:
+        return flatten_optimizer_state(self.state_dict())[1]
+
+    def load_state_tensors(self, tensors: dict[str, torch.Tensor], meta: dict) -> None:
+        self.load_state_dict(unflatten_optimizer_state(tensors, meta))
+
+
+# ----- row-sparse gradients -----
+def use_sparse_table_grads(model: nn.Module, sparse: bool = True) -> list[nn.Parameter]:
+    """Make the model's token tables produce sparse COO gradients (or dense again); returns the table weights."""
+    tables = list(model.stem_tables().values())
+    for table in tables:
+        table.sparse = sparse
+    return [table.weight for table in tables]
+
+
+def row_sparse_grad(param: torch.Tensor, optimizer: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """The coalesced gradient of a 2-D table as (unique row ids [n], summed rows [n, width])."""
+    grad = param.grad
+    if grad.layout != torch.sparse_coo:
+        raise StemlmError(
+            f"{optimizer} needs row-sparse table gradients but got a dense one: set `table.sparse = True` "
+            "(stemlm.train.table_optim.use_sparse_table_grads(model)) or use the dense table optimizer 'adamw'"
+        )
+    if grad.sparse_dim() != 1 or param.dim() != 2:
+        raise StemlmError(f"{optimizer} expects a 2-D table with a row-sparse gradient, got shape {list(param.shape)}")
+    grad = grad.coalesce()
+    return grad.indices()[0], grad.values()
+
+
+def _row_state(state: dict, name: str, like: torch.Tensor) -> torch.Tensor:
+    # load_state_dict leaves integer "step" tensors where they were loaded; keep them next to the parameter.
+    if state[name].device != like.device:
+        state[name] = state[name].to(like.device)
+    return state[name]
+
+
+# ----- optimizers -----
+class DenseAdamW(FlatStateMixin, torch.optim.AdamW):
+    """torch AdamW over whole tables (official STEM behaviour); sparse gradients are densified first."""
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None and p.grad.layout == torch.sparse_coo:
+                    p.grad = p.grad.to_dense()
+        return super().step(closure)
+
+
+class LazyAdamW(FlatStateMixin, torch.optim.Optimizer):
+    """AdamW on the touched rows only, with per-row bias correction (see the module docstring)."""
+
+    def __init__(
+        self,
+        params,
+        lr: float = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 0.0,
+    ) -> None:
+        _check_hparams(lr, eps, weight_decay)
+        if not (0.0 <= betas[0] < 1.0 and 0.0 <= betas[1] < 1.0):
+            raise StemlmError(f"betas must lie in [0, 1), got {betas}")
+        super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay))
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            lr, (beta1, beta2), eps, wd = group["lr"], group["betas"], group["eps"], group["weight_decay"]
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                idx, g = row_sparse_grad(p, "lazy_adamw")
+                if idx.numel() == 0:
+                    continue
+                state = self.state[p]
+                if not state:
+                    state["step"] = torch.zeros(p.shape[0], dtype=torch.int64, device=p.device)
+                    state["exp_avg"] = torch.zeros_like(p)
+                    state["exp_avg_sq"] = torch.zeros_like(p)
+                steps = _row_state(state, "step", p).index_select(0, idx) + 1
+                state["step"].index_copy_(0, idx, steps)
+                w, m, v = (t.index_select(0, idx) for t in (p, state["exp_avg"], state["exp_avg_sq"]))
+                g = g.to(p.dtype)
+                # Same operations, in the same order and precision, as torch's single-tensor AdamW, with the
+                # bias corrections computed per row in float64 (torch computes its scalar ones in Python floats).
+                w.mul_(1 - lr * wd)
+                m.lerp_(g, 1 - beta1)
+                v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
+                s = steps.double()
+                step_size = (lr / (1 - beta1**s)).to(p.dtype)[:, None]
+                bias_correction2_sqrt = (1 - beta2**s).sqrt().to(p.dtype)[:, None]
+                denom = (v.sqrt() / bias_correction2_sqrt).add_(eps)
+                w.add_(m.mul(-step_size).div_(denom))
+                p.index_copy_(0, idx, w)
+                state["exp_avg"].index_copy_(0, idx, m)
+                state["exp_avg_sq"].index_copy_(0, idx, v)
+        return loss
+
+
+class RowwiseAdagrad(FlatStateMixin, torch.optim.Optimizer):
+    """FBGEMM-style exact row-wise Adagrad: one accumulator per row, touched rows only."""
+
+    def __init__(
+        self,
+        params,
+        lr: float = 1e-2,
+        eps: float = 1e-8,
+        weight_decay: float = 0.0,
+        initial_accumulator_value: float = 0.0,
+    ) -> None:
+        _check_hparams(lr, eps, weight_decay)
+        defaults = dict(lr=lr, eps=eps, weight_decay=weight_decay, initial_accumulator_value=initial_accumulator_value)
+        super().__init__(params, defaults)
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            lr, eps, wd = group["lr"], group["eps"], group["weight_decay"]
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                idx, g = row_sparse_grad(p, "rowwise_adagrad")
+                if idx.numel() == 0:
+                    continue
+                state = self.state[p]
+                if not state:
+                    state["sum"] = torch.full(
+                        (p.shape[0],), group["initial_accumulator_value"], dtype=p.dtype, device=p.device
+                    )
+                w = p.index_select(0, idx)
+                g = g.to(p.dtype)
+                if wd:
+                    g = g.add(w, alpha=wd)
+                acc = state["sum"].index_select(0, idx).add_(g.square().mean(dim=1))
+                state["sum"].index_copy_(0, idx, acc)
+                w.sub_(g * (lr / (acc.sqrt() + eps))[:, None])
+                p.index_copy_(0, idx, w)
+        return loss
+
+
+def _check_hparams(lr: float, eps: float, weight_decay: float) -> None:
+    if lr < 0:
+        raise StemlmError(f"learning rate must be >= 0, got {lr}")
+    if eps <= 0:
+        raise StemlmError(f"eps must be > 0, got {eps}")
+    if weight_decay < 0:
+        raise StemlmError(f"weight_decay must be >= 0, got {weight_decay}")
+
+
+def make_table_optimizer(
+    name: str,
+    params: Iterable,
+    *,
+    lr: float,
+    betas: tuple[float, float] = (0.9, 0.95),
+    eps: float = 1e-8,
+    weight_decay: float = 0.0,
+) -> torch.optim.Optimizer:
+    """Build the table optimizer `name` (one of TABLE_OPTIMIZERS); `betas` is ignored by rowwise_adagrad."""
+    params = list(params)
+    if name == "adamw":
+        # foreach=False: the single-tensor path, identical on every device and the one LazyAdamW mirrors.
+        return DenseAdamW(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, foreach=False)
+    if name == "lazy_adamw":
+        return LazyAdamW(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
+    if name == "rowwise_adagrad":
+        return RowwiseAdagrad(params, lr=lr, eps=eps, weight_decay=weight_decay)
+    raise StemlmError(f"unknown table optimizer {name!r}; choose one of {', '.join(TABLE_OPTIMIZERS)}")
+
+
+# ----- clipping -----
+def _local_grad(p: torch.Tensor) -> tuple[torch.Tensor, bool]:
+    """The gradient entries this rank holds, and whether they are a shard of a DTensor (FSDP2) gradient."""
+    grad = p.grad
+    if grad.layout == torch.sparse_coo:
+        p.grad = grad = grad.coalesce()  # duplicate rows must add before squaring
+        return grad.values(), False
+    if torch.distributed.is_available() and hasattr(grad, "placements"):
+        from torch.distributed.tensor import DTensor
+
+        if isinstance(grad, DTensor):
+            return grad.to_local(), any(placement.is_shard() for placement in grad.placements)
+    return grad, False
+
+
+def grad_norm_sq(params: Iterable[torch.Tensor]) -> torch.Tensor:
+    """Sum of squared gradient entries held by this rank (float32); sparse gradients are coalesced first."""
+    total = torch.zeros((), dtype=torch.float32)
+    for p in params:
+        if p.grad is not None:
+            values, _ = _local_grad(p)
+            total = total.to(values.device) + values.float().square().sum()
+    return total
+
+
+@torch.no_grad()
+def clip_grad_norm_mixed(
+    params: Iterable[torch.Tensor], max_norm: float, *, sharded_params: Iterable = (), group=None
+) -> torch.Tensor:
+    """Clip dense, sparse and FSDP2 gradients together by their global L2 norm; returns the norm before clipping.
+
+    Gradients in `params` count once (every rank holds the same one, e.g. a DDP-averaged backbone), except
+    FSDP2's DTensor gradients with a Shard placement, which are shards; the squared norms of all shards and
+    of `sharded_params` (each rank owning different rows, e.g. `ShardedTables.parameters()`) are summed over
+    `group` (which must be the FSDP2 mesh's group too). Every rank must call it with the same arguments.
+    Scales like `torch.nn.utils.clip_grad_norm_`: by min(1, max_norm / (norm + 1e-6)).
+    """
+    params = [p for p in params if p.grad is not None]
+    sharded_params = list(sharded_params)
+    grads = [p.grad for p in params + sharded_params if p.grad is not None]
+    device = grads[0].device if grads else torch.device("cpu")  # NCCL needs the all_reduce on the GPU
+    replicated_sq = torch.zeros((), dtype=torch.float32, device=device)
+    sharded_sq = grad_norm_sq(sharded_params).to(device)
+    any_shards = bool(sharded_params)  # decided by the arguments, identical on every rank
+    for p in params:
+        values, is_shard = _local_grad(p)
+        sq = values.float().square().sum().to(device)
+        if is_shard:
+            sharded_sq, any_shards = sharded_sq + sq, True
+        else:
+            replicated_sq = replicated_sq + sq
+    if any_shards and torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.all_reduce(sharded_sq, group=group)
+    total = (replicated_sq + sharded_sq).sqrt()
+    coef = (max_norm / (total + 1e-6)).clamp(max=1.0)
+    for p in params + [p for p in sharded_params if p.grad is not None]:
+        values, _ = _local_grad(p)
+        if p.grad.layout == torch.sparse_coo:
+            g = p.grad  # rebuilt rather than scaled in place so it stays marked coalesced
+            p.grad = torch.sparse_coo_tensor(
+                g.indices(), values * coef.to(g.device, g.dtype), g.shape, is_coalesced=True, check_invariants=False
+            )
+        else:
+            values.mul_(coef.to(values.device, values.dtype))  # for a DTensor: its local shard, in place
+    return total
