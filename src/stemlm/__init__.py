@@ -8,6 +8,8 @@ registering the Hugging Face Auto classes when transformers is imported by the u
 
 from importlib import import_module
 
+from stemlm.hf.autoregister import install as _install_hf_autoregister
+
 __version__ = "0.1.0"
 
 _EXPORTS = {
@@ -26,3 +28,7 @@ def __getattr__(name: str):
     if name in _EXPORTS:
         return getattr(import_module(_EXPORTS[name]), name)
     raise AttributeError(f"module 'stemlm' has no attribute {name!r}")
+
+
+# AutoConfig / AutoModelForCausalLM learn model_type "stemlm" when transformers' auto modules load (cheap until then).
+_install_hf_autoregister()

@@ -1,0 +1,32 @@
+"""Hugging Face integration, kept out of the core: nothing in `stemlm` outside this package imports transformers.
+
+    from stemlm.hf import StemlmConfig, StemlmForCausalLM, load_hf_llama, register
+
+- `StemlmConfig` / `StemlmForCausalLM` (model_type "stemlm"): every FFN kind through `AutoConfig` /
+  `AutoModelForCausalLM` and `generate()`. `import stemlm` registers them with the Auto classes as soon as
+  transformers' auto modules are imported (see `stemlm.hf.autoregister`); `register()` does it explicitly.
+- A dense stemlm folder is also a Llama folder: `LlamaForCausalLM.from_pretrained(folder)` loads it unchanged
+  (transformers logs that the model types differ, then loads every weight).
+- `load_hf_llama(folder)` reads a local HF Llama folder (safetensors only, never pickle) into a dense `StemLM`.
+
+The submodules load lazily, so `import stemlm.hf` itself costs nothing until one of these names is used.
+"""
+
+from importlib import import_module
+
+_EXPORTS = {
+    "StemlmConfig": "stemlm.hf.configuration",
+    "StemlmForCausalLM": "stemlm.hf.modeling",
+    "StemlmCausalLMOutput": "stemlm.hf.modeling",
+    "load_hf_llama": "stemlm.hf.llama",
+    "llama_config_to_model_config": "stemlm.hf.llama",
+    "register": "stemlm.hf.autoregister",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+    if name in _EXPORTS:
+        return getattr(import_module(_EXPORTS[name]), name)
+    raise AttributeError(f"module 'stemlm.hf' has no attribute {name!r}")

@@ -1,0 +1,172 @@
+"""`StemlmForCausalLM`: a Hugging Face `PreTrainedModel` + `GenerationMixin` around our `StemLM`, by composition.
+
+The wrapper owns a `StemLM` and registers that model's own `model` and `lm_head` modules as its children, so
+its parameter names are exactly the checkpoint names (`model.layers.0.mlp.stem_embedding.weight`, ...) and
+`from_pretrained` / `save_pretrained` / `generate` work on a stemlm folder as on any HF model. `forward` runs
+`StemLM.forward`; nothing of the decoder is re-implemented here.
+
+transformers 5 points handled here:
+- the KV cache: `generate` hands `forward` an HF `Cache` (a `DynamicCache` by default) as `cache` (the old
+  name `past_key_values` is still accepted). `_HFCacheView` presents it through the two members our attention
+  uses, so HF keeps owning the cache (beam reordering, cropping) and our attention code stays unchanged.
+  Static (pre-allocated) caches are refused: our attention has no mask over unused cache slots.
+- weights: `_init_weights` runs only on modules whose tensors were not loaded (HF's `_is_hf_initialized` flag,
+  honoured by `transformers.initialization`), follows `StemLM.init_weights` (tables by `table_init`, norms
+  ones, everything else normal(initializer_range)), and always recomputes the unsaved buffers (RoPE
+  frequencies, hash-MoE assignment), which HF's loader leaves as uninitialised memory.
+- `_tied_weights_keys` is a dict {target: source}; HF ties only when `config.tie_word_embeddings` is set.
+- labels follow HF: `labels` are the input ids (-100 = ignore), shifted by one here; `loss` is that mean
+  cross-entropy plus `config.router_aux_loss_coef` · `aux_loss`, the summed MoE balancing (and z) losses,
+  which is also returned on its own as `aux_loss` (None for kinds without a router).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import initialization as init
+from transformers.cache_utils import DynamicCache
+from transformers.generation import GenerationMixin
+from transformers.modeling_outputs import CausalLMOutputWithPast
+from transformers.modeling_utils import PreTrainedModel
+
+from stemlm.errors import StemlmError
+from stemlm.hf.configuration import StemlmConfig
+from stemlm.model.attention import KVCache, RMSNorm
+from stemlm.model.decoder import StemLM
+from stemlm.model.moe import Experts
+
+
+@dataclass
+class StemlmCausalLMOutput(CausalLMOutputWithPast):
+    """`CausalLMOutputWithPast` plus the MoE auxiliary loss (already included in `loss` with its coefficient)."""
+
+    aux_loss: torch.Tensor | None = None
+
+
+class _HFCacheView:
+    """An HF `Cache` seen through our `KVCache` interface (`length`, `update(layer_idx, k, v)`)."""
+
+    def __init__(self, cache) -> None:
+        if getattr(cache, "is_compileable", False):
+            raise StemlmError(
+                f"{type(cache).__name__} is a static (pre-allocated) cache, which stemlm models do not support; "
+                "use the default dynamic cache (do not set cache_implementation)"
+            )
+        self.cache = cache
+
+    @property
+    def length(self) -> int:
+        return self.cache.get_seq_length()
+
+    def update(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.cache.update(k, v, layer_idx)
+
+
+class StemlmForCausalLM(PreTrainedModel, GenerationMixin):
+    config_class = StemlmConfig
+    base_model_prefix = "model"
+    main_input_name = "input_ids"
+    _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
+    _no_split_modules = ["DecoderLayer"]
+    _supports_sdpa = True  # our attention always runs scaled_dot_product_attention
+    supports_gradient_checkpointing = False
+
+    def __init__(self, config: StemlmConfig) -> None:
+        super().__init__(config)
+        stem = StemLM(config.to_model_config())
+        # Kept outside the module tree (plain attribute) so its parameters are registered once, under the
+        # wrapper's `model.` / `lm_head.` names, which are the checkpoint names.
+        object.__setattr__(self, "_stem", stem)
+        self.model = stem.model
+        self.lm_head = stem.lm_head
+        self.post_init()
+
+    @property
+    def stem(self) -> StemLM:
+        """The wrapped stemlm model (shares every parameter with this wrapper)."""
+        return self._stem
+
+    # ----- embeddings (used by HF's resize/tie helpers) -----
+    def get_input_embeddings(self) -> nn.Embedding:
+        return self.model.embed_tokens
+
+    def set_input_embeddings(self, value: nn.Embedding) -> None:
+        self.model.embed_tokens = value
+
+    def get_output_embeddings(self) -> nn.Linear:
+        return self.lm_head
+
+    def set_output_embeddings(self, value: nn.Linear) -> None:
+        self.lm_head = self._stem.lm_head = value
+
+    def resize_token_embeddings(self, *args, **kwargs):
+        raise StemlmError(
+            "resizing the vocabulary of a stemlm model is not supported: its STEM/PLE tables have one row per token "
+            "and the hash-MoE assignment depends on vocab_size; build a model with the new vocab_size instead"
+        )
+
+    # ----- initialisation -----
+    def _init_weights(self, module: nn.Module) -> None:
+        # Mirrors StemLM.init_weights; HF calls this only for modules with tensors that were not loaded, and
+        # `transformers.initialization` skips the loaded tensors of a partly loaded module.
+        if hasattr(module, "reset_buffers"):
+            # Derived, unsaved buffers (RoPE, hash assignment): always recomputed, whatever the loader left there.
+            buffer = next(module.buffers(recurse=False), None)
+            if buffer is not None and buffer.device.type != "meta":
+                module.reset_buffers(buffer.device)
+        if any(module is table for table in self._stem.stem_tables().values()):
+            rows, width = module.weight.shape
+            xavier = self.config.table_init == "xavier"
+            init.normal_(module.weight, std=(2.0 / (rows + width)) ** 0.5 if xavier else self.config.table_init_std)
+        elif isinstance(module, RMSNorm):
+            init.ones_(module.weight)
+        elif isinstance(module, (nn.Linear, nn.Embedding)):
+            init.normal_(module.weight, std=self.config.initializer_range)
+        elif isinstance(module, Experts):
+            for param in (module.gate_proj, module.up_proj, module.down_proj):
+                init.normal_(param, std=self.config.initializer_range)
+
+    # ----- forward -----
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.LongTensor | None = None,
+        cache=None,
+        inputs_embeds: torch.Tensor | None = None,
+        labels: torch.LongTensor | None = None,
+        use_cache: bool | None = None,
+        past_key_values=None,
+        **kwargs,
+    ) -> StemlmCausalLMOutput:
+        """HF-style causal LM forward. `labels` are the input ids (shifted here); -100 marks ignored positions."""
+        if inputs_embeds is not None or input_ids is None:
+            raise StemlmError("stemlm models need input_ids (STEM tables are indexed by token id), not inputs_embeds")
+        for flag in ("output_attentions", "output_hidden_states"):
+            if kwargs.get(flag):
+                raise StemlmError(f"{flag}=True is not supported by stemlm models")
+        cache = cache if cache is not None else past_key_values
+        if cache is not None and not isinstance(cache, KVCache):
+            cache = _HFCacheView(cache)
+        if cache is None and use_cache:
+            cache = _HFCacheView(DynamicCache())
+        targets = None
+        if labels is not None:
+            # HF convention: position t predicts labels[t + 1]; the last position has no target.
+            targets = F.pad(labels[:, 1:], (0, 1), value=-100)
+        out = self._stem(
+            input_ids,
+            labels=targets,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            past_key_values=cache,
+        )
+        loss = out.loss
+        if loss is not None and out.aux_loss is not None:
+            loss = loss + self.config.router_aux_loss_coef * out.aux_loss
+        returned_cache = cache.cache if isinstance(cache, _HFCacheView) else cache
+        return StemlmCausalLMOutput(loss=loss, logits=out.logits, cache=returned_cache, aux_loss=out.aux_loss)
