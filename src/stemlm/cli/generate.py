@@ -1,0 +1,161 @@
+"""`stemlm generate CKPT "prompt"`: sample a continuation from a checkpoint, printing tokens as they come.
+
+    stemlm generate runs/tiny "The capital of France is" --max-new-tokens 40 --top-p 0.9 --seed 1
+    stemlm generate runs/tiny --ids 464,3139,286 --greedy --json
+
+CKPT is a checkpoint folder or a run folder (its newest checkpoint). The prompt is tokenized with the
+checkpoint's tokenizer; `--ids` passes raw ids instead. Only the completion goes to stdout (streamed), the
+speed line to stderr; `--json` prints one object instead: prompt, completion, ids and tokens/s.
+"""
+
+from __future__ import annotations
+
+import functools
+import sys
+import time
+
+from stemlm.cli.cache_sim import add_table_flags, load_for_generation
+from stemlm.cli.common import add_json_flag, print_json
+from stemlm.errors import StemlmError
+
+EOT_TOKEN = "<|endoftext|>"
+
+
+class IncrementalDecoder:
+    """Turns a growing list of ids into printable text pieces that concatenate to the full decode.
+
+    The whole list is decoded each time and only the new suffix is returned; a suffix ending in U+FFFD (a
+    multi-byte character whose remaining bytes are still to come) is held back until it is complete.
+    """
+
+    def __init__(self, tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self.ids: list[int] = []
+        self.printed = ""
+
+    def push(self, token_id: int) -> str:
+        self.ids.append(token_id)
+        text = self.tokenizer.decode(self.ids)
+        if text.endswith("\ufffd") or not text.startswith(self.printed):
+            return ""
+        return self._advance(text)
+
+    def flush(self) -> str:
+        """Everything not yet returned (held-back bytes print as U+FFFD if they never completed)."""
+        text = self.tokenizer.decode(self.ids)
+        return self._advance(text) if text.startswith(self.printed) else ""
+
+    def _advance(self, text: str) -> str:
+        piece, self.printed = text[len(self.printed) :], text
+        return piece
+
+
+def parse_ids(text: str, vocab_size: int) -> list[int]:
+    try:
+        ids = [int(part) for part in text.replace(" ", "").split(",") if part]
+    except ValueError:
+        raise StemlmError(f"--ids {text!r} is not a comma-separated list of integers") from None
+    if not ids:
+        raise StemlmError("--ids is empty: pass at least one token id")
+    for i in ids:
+        if not 0 <= i < vocab_size:
+            raise StemlmError(f"--ids: token id {i} is out of vocabulary (valid ids: 0..{vocab_size - 1})")
+    return ids
+
+
+def _prompt_ids(args, model, tokenizer) -> list[int]:
+    if (args.prompt is None) == (args.ids is None):
+        raise StemlmError('pass exactly one of a prompt text or --ids (e.g. stemlm generate CKPT "Once upon")')
+    if args.ids is not None:
+        return parse_ids(args.ids, model.config.vocab_size)
+    if tokenizer is None:
+        raise StemlmError("this checkpoint has no tokenizer.json to encode the prompt; pass raw ids with --ids")
+    ids = tokenizer.encode(args.prompt).ids
+    if not ids:
+        raise StemlmError("the prompt encodes to no tokens; pass some text")
+    return ids
+
+
+def run(args) -> int:
+    from stemlm.generate import stream_tokens
+
+    model, tokenizer, offloaded = load_for_generation(args)  # offloaded: None unless --tables host / mmap
+    prompt_ids = _prompt_ids(args, model, tokenizer)
+    eos_id = None if args.ignore_eos or tokenizer is None else tokenizer.token_to_id(EOT_TOKEN)
+    tokens = (offloaded.stream if offloaded else functools.partial(stream_tokens, model))(
+        prompt_ids,
+        args.max_new_tokens,
+        greedy=args.greedy,
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        seed=args.seed,
+        eos_id=eos_id,
+    )
+    decoder = IncrementalDecoder(tokenizer) if tokenizer is not None else None
+    out = sys.stdout
+    new_ids: list[int] = []
+    start = time.perf_counter()
+    first = None
+    for token in tokens:
+        if first is None:
+            first = time.perf_counter() - start
+        new_ids.append(token)
+        if not args.json:
+            out.write(decoder.push(token) if decoder else f"{token} ")
+            out.flush()
+    seconds = time.perf_counter() - start
+    rate = len(new_ids) / seconds if seconds > 0 else 0.0
+    completion = tokenizer.decode(new_ids) if tokenizer is not None else None
+    if args.json:
+        print_json(
+            {
+                "prompt": tokenizer.decode(prompt_ids) if args.prompt is None and tokenizer else args.prompt,
+                "completion": completion,
+                "prompt_ids": prompt_ids,
+                "token_ids": new_ids,
+                "num_new_tokens": len(new_ids),
+                "seconds": seconds,
+                "time_to_first_token_s": first,
+                "tokens_per_s": rate,
+                **({"tables": offloaded.report()} if offloaded else {}),
+            }
+        )
+    else:
+        out.write((decoder.flush() if decoder else "") + "\n")
+        out.flush()
+        print(f"[{len(new_ids)} tokens in {seconds:.2f} s, {rate:.1f} tokens/s]", file=sys.stderr)
+        if offloaded:
+            print(offloaded.summary(), file=sys.stderr)
+    if offloaded:
+        offloaded.close()
+    return 0
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser(
+        "generate",
+        help="sample a continuation of a prompt from a checkpoint",
+        description="Sample a continuation of a prompt from a checkpoint or run folder, printing tokens as produced.",
+    )
+    p.add_argument("ckpt", metavar="CKPT", help="checkpoint folder, or run folder (uses its newest checkpoint)")
+    p.add_argument("prompt", nargs="?", help="prompt text, encoded with the checkpoint's tokenizer")
+    p.add_argument("--ids", help="comma-separated prompt token ids instead of a prompt text, e.g. 1,2,3")
+    p.add_argument("--max-new-tokens", type=int, default=64, help="most tokens to generate (default 64)")
+    p.add_argument("--greedy", action="store_true", help="always take the most likely token (no sampling)")
+    p.add_argument(
+        "--temperature", type=float, default=1.0, help="softmax temperature for sampling; 0 means greedy (default 1.0)"
+    )
+    p.add_argument("--top-k", type=int, default=0, help="sample among the k most likely tokens only; 0 = off")
+    p.add_argument(
+        "--top-p",
+        type=float,
+        default=1.0,
+        help="nucleus sampling: the smallest set of tokens with total probability >= p (default 1.0 = off)",
+    )
+    p.add_argument("--seed", type=int, default=0, help="random seed; the same seed gives the same sample")
+    p.add_argument("--ignore-eos", action="store_true", help="keep going past <|endoftext|> until --max-new-tokens")
+    p.add_argument("--device", default="cpu", help="torch device to run on, e.g. cpu or cuda (default cpu)")
+    add_table_flags(p)
+    add_json_flag(p)
+    p.set_defaults(func=run)

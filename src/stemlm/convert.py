@@ -1,0 +1,110 @@
+"""Retrofit a dense model into a STEM model: each chosen layer's up-projection becomes a token table.
+
+`retrofit_from_dense(dense, spec)` builds a STEM model whose table at layer l is `U_l = E · W_up_lᵀ` (the
+token embedding matrix [V, d] times that layer's up-projection transposed, [V, d_ff]), as later official STEM
+commits do, drops those up-projections and copies every other weight. Row t of U_l is exactly
+`up_proj_l(embed(t))`: the up-projection of the RAW embedding of t, not of the normalised hidden state the
+dense layer saw, so the retrofit is a starting point for training (`stemlm train --init-from`), not a model
+with the dense logits. `convert_checkpoint` does this for a stemlm dense checkpoint (or run folder) or a local
+Hugging Face Llama folder and writes a checkpoint with the tokenizer copied; the CLI is `stemlm convert`.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from tokenizers import Tokenizer
+
+from stemlm.checkpoint import CONFIG_NAME, TOKENIZER_NAME, save_pretrained
+from stemlm.config import resolve_layer_spec
+from stemlm.data.tokenizer import load_tokenizer
+from stemlm.errors import StemlmError
+from stemlm.model.decoder import StemLM
+
+# Rows of U_l computed per matmul: bounds the fp32 temporary at 128k-vocab, 8k-wide scale to ~1 GiB.
+ROW_CHUNK = 32768
+
+
+@torch.no_grad()
+def retrofit_table(embedding: torch.Tensor, up_proj: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """U = E · W_upᵀ ([V, d] @ [d, d_ff] -> [V, d_ff]), accumulated in >= fp32, stored in `dtype` (default: E's)."""
+    dtype = dtype or embedding.dtype
+    compute = torch.promote_types(embedding.dtype, torch.float32)  # never accumulate below fp32
+    weight = up_proj.to(compute).t()
+    table = torch.empty(embedding.shape[0], up_proj.shape[0], dtype=dtype, device=embedding.device)
+    for start in range(0, embedding.shape[0], ROW_CHUNK):
+        rows = embedding[start : start + ROW_CHUNK].to(compute)
+        table[start : start + ROW_CHUNK] = (rows @ weight).to(dtype)
+    return table
+
+
+def _check_dense(model: StemLM) -> None:
+    if model.config.special_layers:
+        raise StemlmError(
+            f"retrofit needs a dense model, but this one has {model.config.ffn!r} FFNs in layers "
+            f"{model.config.special_layers}; convert a dense checkpoint (ffn 'dense')"
+        )
+
+
+@torch.no_grad()
+def retrofit_from_dense(dense_model: StemLM, stem_layers_spec: str | list[int]) -> StemLM:
+    """A STEM model with tables U_l = E · W_up_lᵀ in the layers of `stem_layers_spec`, all else copied."""
+    _check_dense(dense_model)
+    config = dense_model.config
+    layers = resolve_layer_spec(stem_layers_spec, config.num_hidden_layers)
+    if not layers:
+        raise StemlmError(f"stem layer spec {stem_layers_spec!r} selects no layer; nothing to retrofit")
+    stem_config = config.replace(ffn="stem", stem_layers=layers)
+    embedding = dense_model.model.embed_tokens.weight
+    dropped = {f"model.layers.{i}.mlp.up_proj.weight" for i in layers}
+    if config.tie_word_embeddings:
+        dropped.add("lm_head.weight")
+    # clone: the new model must not share storage with the dense one (training it would change both).
+    state = {k: v.clone() for k, v in dense_model.state_dict().items() if k not in dropped}
+    for i in layers:
+        up = dense_model.model.layers[i].mlp.up_proj.weight
+        state[f"model.layers.{i}.mlp.stem_embedding.weight"] = retrofit_table(embedding, up)
+    if config.tie_word_embeddings:
+        state["lm_head.weight"] = state["model.embed_tokens.weight"]
+    with torch.device("meta"):
+        model = StemLM(stem_config)
+    model.load_state_dict(state, assign=True)
+    model.tie_weights()
+    model.reset_buffers(embedding.device)
+    return model.train(dense_model.training)
+
+
+def _model_type(folder: Path) -> str | None:
+    try:
+        data = json.loads((folder / CONFIG_NAME).read_text())
+    except (OSError, json.JSONDecodeError, UnicodeDecodeError):
+        return None
+    return data.get("model_type") if isinstance(data, dict) else None
+
+
+def load_dense(path: str | Path) -> tuple[StemLM, Tokenizer | None]:
+    """A dense model and its tokenizer from a stemlm checkpoint or run folder, or a local HF Llama folder."""
+    folder = Path(path)
+    if folder.is_dir() and _model_type(folder) == "llama":
+        from stemlm.hf import load_hf_llama
+
+        model = load_hf_llama(folder)
+        tokenizer = load_tokenizer(folder) if (folder / TOKENIZER_NAME).is_file() else None
+        return model, tokenizer
+    from stemlm.runs import load_checkpoint
+
+    return load_checkpoint(folder)
+
+
+def convert_checkpoint(source: str | Path, stem_layers_spec: str, out: str | Path, *, force: bool = False) -> Path:
+    """Retrofit the dense model at `source` and save it, tokenizer included, as a stemlm checkpoint at `out`."""
+    out = Path(out)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())) and not force:
+        raise StemlmError(f"output {out} already exists and is not empty; choose another --out or pass --force")
+    if out.exists() and Path(source).resolve() == out.resolve():
+        raise StemlmError("--out must differ from the source checkpoint")
+    dense, tokenizer = load_dense(source)
+    stem = retrofit_from_dense(dense, stem_layers_spec)
+    return save_pretrained(stem, out, tokenizer=tokenizer)

@@ -1,0 +1,110 @@
+"""Resolving a CKPT argument to a checkpoint folder, and loading it with its tokenizer.
+
+Every command that reads a model takes either a checkpoint folder (it holds `config.json`) or a training
+run folder, meaning that run's newest checkpoint under `RUN/checkpoints/step-N/` (the trainer writes these,
+see `stemlm.train.state`). The trainer's pointer `RUN/checkpoints/latest.json` is followed when it names a
+complete checkpoint; when it is missing or names nothing usable, the highest-numbered complete `step-*`
+folder is taken, so an interrupted save never breaks resolution.
+
+    from stemlm.runs import load_checkpoint
+    model, tokenizer = load_checkpoint("runs/tiny")      # tokenizer is None when the folder has none
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import torch
+from tokenizers import Tokenizer
+
+from stemlm.checkpoint import CONFIG_NAME, TOKENIZER_NAME, from_pretrained, weight_files
+from stemlm.errors import StemlmError
+from stemlm.model.decoder import StemLM
+
+CHECKPOINTS_DIR = "checkpoints"
+LATEST_NAME = "latest.json"
+STEP_DIR = re.compile(r"^step-(\d+)$")
+
+
+def is_checkpoint(path: Path) -> bool:
+    """A complete checkpoint: config.json plus every weights file it needs."""
+    if not (path / CONFIG_NAME).is_file():
+        return False
+    try:
+        weight_files(path)
+    except StemlmError:
+        return False
+    return True
+
+
+def _from_pointer(run: Path) -> Path | None:
+    """The checkpoint named by RUN/checkpoints/latest.json ({"step": N, "path": "step-…"}), if it is complete."""
+    pointer = run / CHECKPOINTS_DIR / LATEST_NAME
+    try:
+        data = json.loads(pointer.read_text())
+    except (OSError, json.JSONDecodeError, UnicodeDecodeError):
+        return None
+    name = data.get("path") if isinstance(data, dict) else None
+    if not isinstance(name, str) or not name:
+        return None
+    target = pointer.parent / name  # relative to checkpoints/ (an absolute path stays absolute)
+    return target if is_checkpoint(target) else None
+
+
+def step_checkpoints(run: str | Path) -> list[tuple[int, Path]]:
+    """(step, folder) of every complete checkpoint of a run, oldest first."""
+    folder = Path(run) / CHECKPOINTS_DIR
+    if not folder.is_dir():
+        return []
+    found = []
+    for child in folder.iterdir():
+        match = STEP_DIR.match(child.name)
+        if match and child.is_dir() and is_checkpoint(child):
+            found.append((int(match.group(1)), child))
+    return sorted(found)
+
+
+def resolve_checkpoint(path: str | Path) -> Path:
+    """The checkpoint folder meant by `path`: itself if it is one, else the newest checkpoint of a run folder."""
+    path = Path(path)
+    if not path.exists():
+        raise StemlmError(f"checkpoint or run folder {path} does not exist")
+    if not path.is_dir():
+        raise StemlmError(f"{path} is a file; pass a checkpoint folder or a training run folder")
+    if (path / CONFIG_NAME).is_file():
+        return path
+    if (path / CHECKPOINTS_DIR).is_dir():
+        # The pointer wins when valid: after a resume from an older step it names the live branch, while a
+        # higher-numbered folder may be left over from the abandoned one.
+        latest = _from_pointer(path)
+        if latest is not None:
+            return latest
+        steps = step_checkpoints(path)
+        if steps:
+            return steps[-1][1]
+        raise StemlmError(f"run folder {path} has no complete checkpoint yet under {path / CHECKPOINTS_DIR}")
+    raise StemlmError(
+        f"{path} is neither a checkpoint folder (no {CONFIG_NAME}) nor a run folder (no {CHECKPOINTS_DIR}/)"
+    )
+
+
+def load_checkpoint(
+    path: str | Path, *, device: str | torch.device = "cpu", dtype: torch.dtype | None = None
+) -> tuple[StemLM, Tokenizer | None]:
+    """The model (in eval mode) and tokenizer (None if the folder has no tokenizer.json) of a CKPT argument."""
+    folder = resolve_checkpoint(path)
+    model = from_pretrained(folder, device=device, dtype=dtype).eval()
+    tokenizer = None
+    if (folder / TOKENIZER_NAME).is_file():
+        try:
+            tokenizer = Tokenizer.from_file(str(folder / TOKENIZER_NAME))
+        except Exception as exc:  # tokenizers raises a bare Exception on malformed files
+            raise StemlmError(f"cannot read {folder / TOKENIZER_NAME}: {str(exc).splitlines()[0]}") from None
+        if tokenizer.get_vocab_size() > model.config.vocab_size:
+            raise StemlmError(
+                f"checkpoint {folder}: its tokenizer has {tokenizer.get_vocab_size()} tokens but the model's "
+                f"vocab_size is {model.config.vocab_size}; ids past the model vocabulary could not be embedded"
+            )
+    return model, tokenizer
