@@ -36,8 +36,9 @@ class RotaryEmbedding(nn.Module):
         self.reset_buffers(self.inv_freq.device)
 
     def reset_buffers(self, device: torch.device | str) -> None:
-        exponent = torch.arange(0, self.head_dim, 2, dtype=torch.int64, device=device).float() / self.head_dim
-        self.inv_freq = 1.0 / (self.theta**exponent)
+        # Computed on the CPU, then moved: on the meta device this arithmetic would import torch._dynamo (seconds).
+        exponent = torch.arange(0, self.head_dim, 2, dtype=torch.int64, device="cpu").float() / self.head_dim
+        self.inv_freq = (1.0 / (self.theta**exponent)).to(device)
 
     def _apply(self, fn, recurse: bool = True):
         # `model.to(torch.bfloat16)` casts every floating buffer; bf16 frequencies put RoPE angles off by whole

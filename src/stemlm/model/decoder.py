@@ -19,7 +19,7 @@ from torch import nn
 from stemlm.config import ModelConfig
 from stemlm.errors import StemlmError
 from stemlm.model.attention import Attention, KVCache, RMSNorm, RotaryEmbedding, build_attention_mask
-from stemlm.model.ffn import PLEFFN, DenseFFN, StemFFN, StemGateFFN, TableRows, TokenContext, table_of
+from stemlm.model.ffn import PLEFFN, DenseFFN, StemFFN, StemGateFFN, TableRows, TokenContext, table_of, token_table
 from stemlm.model.moe import Experts, HashMoEFFN, MoEFFN
 
 EmbedRows = Callable[[torch.Tensor], torch.Tensor]  # input_ids [B, T] -> input embeddings [B, T, hidden]
@@ -63,7 +63,7 @@ class DecoderStack(nn.Module):
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens = token_table(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary_emb = RotaryEmbedding(config.head_size, config.rope_theta)

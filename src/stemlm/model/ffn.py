@@ -52,6 +52,15 @@ def lookup(table: nn.Embedding, ctx: TokenContext, layer_idx: int) -> torch.Tens
     return rows
 
 
+def token_table(num_tokens: int, width: int) -> nn.Embedding:
+    """An uninitialised [num_tokens, width] lookup table (`StemLM.init_weights` initialises every table).
+
+    nn.Embedding would otherwise draw N(0, 1) in its constructor: wasted work for large tables, and on the
+    meta device that draw imports torch._dynamo, which costs seconds at the start of every process.
+    """
+    return nn.Embedding(num_tokens, width, _weight=torch.empty(num_tokens, width))
+
+
 class DenseFFN(nn.Module):
     """SwiGLU: down_proj(silu(gate_proj(x)) * up_proj(x))."""
 
@@ -73,7 +82,7 @@ class StemFFN(nn.Module):
         self.layer_idx = layer_idx
         self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
-        self.stem_embedding = nn.Embedding(config.vocab_size, config.intermediate_size)
+        self.stem_embedding = token_table(config.vocab_size, config.intermediate_size)
 
     def forward(self, x: torch.Tensor, ctx: TokenContext) -> torch.Tensor:
         up = lookup(self.stem_embedding, ctx, self.layer_idx)  # U_l[t], t = the input id at each position
@@ -88,7 +97,7 @@ class StemGateFFN(nn.Module):
         self.layer_idx = layer_idx
         self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
-        self.stem_embedding = nn.Embedding(config.vocab_size, config.intermediate_size)
+        self.stem_embedding = token_table(config.vocab_size, config.intermediate_size)
 
     def forward(self, x: torch.Tensor, ctx: TokenContext) -> torch.Tensor:
         gate = lookup(self.stem_embedding, ctx, self.layer_idx)  # G_l[t]
@@ -107,7 +116,7 @@ class PLEFFN(nn.Module):
         self.down_proj = nn.Linear(config.intermediate_size, d, bias=False)
         self.ple_gate = nn.Linear(d, w, bias=False)
         self.ple_proj = nn.Linear(w, d, bias=False)
-        self.ple_embedding = nn.Embedding(config.vocab_size, w)
+        self.ple_embedding = token_table(config.vocab_size, w)
 
     def forward(self, x: torch.Tensor, ctx: TokenContext) -> torch.Tensor:
         rows = lookup(self.ple_embedding, ctx, self.layer_idx)  # P_l[t]
