@@ -1,0 +1,202 @@
+"""Decode throughput with STEM tables resident vs in host memory behind the hot-row cache, at several sizes.
+
+A model of the chosen preset (random weights: speed and hit rate do not depend on them) is saved to a
+temporary checkpoint and loaded twice: tables resident on the device, and tables in host memory with a
+device cache of each size (fractions of the vocabulary). Every configuration decodes the same real id
+stream, teacher-forced: the embedded corpus's held-out text tokenized with the default tokenizer, so hit
+rates are those of real text. The caches are warm-started with token counts of the train split (as a
+server would be), every configuration then decodes `--warmup` untimed tokens of other text (kernels warm),
+and times `--decode` steps after a `--prompt` token prefill.
+Each of `--reps` repetitions decodes new text with all configurations in lockstep (one step each, in a
+rotating order, so load from other processes hits all alike); the median decode tokens/s is reported, with
+its ratio to resident and the hit rate over the timed repetitions (prefills included); every step's logits
+must be equal across configurations.
+
+    OMP_NUM_THREADS=2 python benchmarks/decode_offload.py                 # tiny preset, fp32, CPU
+    python benchmarks/decode_offload.py --decode 64 --reps 2              # quicker
+    python benchmarks/decode_offload.py --device cuda --preset paper-350m --set vocab_size=8192
+
+The last line is `RESULT host_cache20_over_resident=… hit_rate_cache20=…` (the 20% cache, LFU).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import tempfile
+import time
+from collections import Counter
+
+import torch
+
+from stemlm.checkpoint import save_pretrained
+from stemlm.data.corpus import embedded_texts
+from stemlm.data.tokenizer import default_tokenizer
+from stemlm.model import build_model
+from stemlm.offload import OffloadedLM, decode_step, forced_decode, prefill
+from stemlm.presets import get_preset
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--preset", default="tiny", help="model preset (default tiny: V 8192, STEM in layers 1 and 3)")
+    p.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="config override, e.g. --set vocab_size=8192 (repeatable)",
+    )
+    p.add_argument("--device", default="auto", help="cpu, cuda or auto (default: cuda when available)")
+    p.add_argument("--dtype", choices=list(DTYPES), help="weights and tables (default fp32 on CPU, bf16 on CUDA)")
+    p.add_argument(
+        "--fractions",
+        default="0,0.05,0.1,0.2",
+        help="cache sizes as fractions of the vocabulary (default 0,0.05,0.1,0.2; must include 0.2)",
+    )
+    p.add_argument("--policy", default="lfu", choices=("lfu", "lru"), help="cache policy (default lfu)")
+    p.add_argument("--prompt", type=int, default=64, help="prompt tokens prefilled before timing (default 64)")
+    p.add_argument("--decode", type=int, default=256, help="timed decoding steps (default 256)")
+    p.add_argument("--warmup", type=int, default=128, help="untimed decoding steps first (default 128)")
+    p.add_argument(
+        "--warm-chars",
+        type=int,
+        default=2_000_000,
+        help="warm-start the caches with token counts of this many characters of the train split "
+        "(default 2,000,000; 0 = cold caches)",
+    )
+    p.add_argument("--sync", action="store_true", help="fetch rows on the compute thread (no prefetch worker)")
+    p.add_argument("--reps", type=int, default=3, help="timed repetitions per configuration (default 3)")
+    return p.parse_args(argv)
+
+
+def warm_counts(chars: int, vocab: int) -> list[int] | None:
+    """Token counts of the first `chars` characters of the train split (spread over its documents)."""
+    if chars <= 0:
+        return None
+    texts = embedded_texts("train")
+    counts = Counter(
+        t for e in default_tokenizer().encode_batch([x[: chars // len(texts)] for x in texts]) for t in e.ids
+    )
+    return [counts.get(t, 0) for t in range(vocab)]
+
+
+def id_stream(n: int) -> list[int]:
+    tok = default_tokenizer()
+    ids: list[int] = []
+    for text in embedded_texts("heldout"):
+        ids += tok.encode(text[: 20 * n]).ids  # a prefix of each document is plenty
+        if len(ids) >= n:
+            break
+    if len(ids) < n:
+        sys.exit(f"held-out text has only {len(ids)} tokens, {n} needed")
+    return ids[:n]
+
+
+def time_decode(runs: dict[str, OffloadedLM], prompt: list[int], decode: list[int]) -> dict[str, float]:
+    """Seconds each configuration spends decoding `decode` after prefilling `prompt` (untimed).
+
+    The configurations advance in lockstep, one step each in a rotating order, so a burst of load from other
+    processes lands on all of them alike; each timed step ends with the argmax a sampler would read (the
+    device->host sync of real decoding). Every configuration's logits must equal the first one's."""
+    state = {name: prefill(lm.model, torch.tensor([prompt]), lm.rows) for name, lm in runs.items()}
+    seconds = dict.fromkeys(runs, 0.0)
+    names = list(runs)
+    for step, token in enumerate(decode):
+        reference = None
+        for name in names[step % len(names) :] + names[: step % len(names)]:
+            lm, (_, kv) = runs[name], state[name]
+            start = time.perf_counter()
+            logits, kv = decode_step(lm.model, token, kv, lm.rows)
+            int(torch.argmax(logits))
+            seconds[name] += time.perf_counter() - start
+            state[name] = (logits, kv)
+            if reference is None:
+                reference = logits
+            elif not torch.equal(logits, reference):
+                sys.exit(
+                    f"{name}: logits differ from the other configurations' by {(logits - reference).abs().max():.3g}"
+                )
+    return seconds
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    device = torch.device(
+        "cuda"
+        if args.device == "auto" and torch.cuda.is_available()
+        else "cpu"
+        if args.device == "auto"
+        else args.device
+    )
+    dtype = DTYPES[args.dtype or ("bf16" if device.type == "cuda" else "fp32")]
+    fractions = [float(f) for f in args.fractions.split(",")]
+    if 0.2 not in fractions:
+        sys.exit("--fractions must include 0.2 (the RESULT line reports it)")
+    config = get_preset(args.preset).with_overrides(args.overrides)
+    segment = args.prompt + args.decode
+    if segment > config.max_position_embeddings:
+        sys.exit(f"--prompt + --decode exceed max_position_embeddings={config.max_position_embeddings}")
+    stream = id_stream(args.warmup + args.reps * segment)
+    if max(stream) >= config.vocab_size:
+        sys.exit(f"the default tokenizer's ids exceed vocab_size {config.vocab_size}; add --set vocab_size=8192")
+    warm, timed = stream[: args.warmup], stream[args.warmup :]
+    print(
+        f"{args.preset}: {config.num_hidden_layers} layers, d {config.hidden_size}, d_ff {config.intermediate_size}, "
+        f"V {config.vocab_size}, tables in layers {config.special_layers}; {device}, {dtype}",
+        file=sys.stderr,
+    )
+
+    with tempfile.TemporaryDirectory() as tmp:
+        save_pretrained(build_model(config, seed=0).to(dtype), tmp)
+        runs = {"resident": OffloadedLM.load(tmp, "resident", device=device)}
+        counts = warm_counts(args.warm_chars, config.vocab_size)
+        for f in fractions:
+            runs[f"host+cache{f:g}"] = OffloadedLM.load(
+                tmp,
+                "host",
+                cache_fraction=f,
+                policy=args.policy,
+                device=device,
+                warm_counts=counts,
+                background=not args.sync,
+            )
+        for lm in runs.values():  # warm-up: kernels, allocator, the caches' first misses
+            for start in range(0, len(warm), segment):
+                piece = warm[start : start + segment]
+                forced_decode(lm.model, piece[:1], piece[1:], rows=lm.rows)
+        counted = {name: (lm.stats().hits, lm.stats().unique_ids) for name, lm in runs.items() if lm.stats()}
+        speeds = {name: [] for name in runs}
+        for rep in range(args.reps):  # every repetition decodes new text
+            start = rep * segment
+            seconds = time_decode(
+                runs, timed[start : start + args.prompt], timed[start + args.prompt : start + segment]
+            )
+            for name, value in seconds.items():
+                speeds[name].append(args.decode / value)
+        hit_rates = {}
+        for name, (hits, lookups) in counted.items():
+            s = runs[name].stats()
+            hit_rates[name] = (s.hits - hits) / max(1, s.unique_ids - lookups)
+        for lm in runs.values():
+            lm.close()
+
+    base = statistics.median(speeds["resident"])
+    print(f"{'configuration':<20}{'tokens/s':>10}{'ratio':>8}{'hit rate':>10}  (median of {args.reps})")
+    for name, values in speeds.items():
+        rate = statistics.median(values)
+        hit = f"{100 * hit_rates[name]:.1f}%" if name in hit_rates else "-"
+        print(f"{name:<20}{rate:>10.1f}{rate / base:>8.3f}{hit:>10}")
+    key = "host+cache0.2"
+    print(
+        f"RESULT host_cache20_over_resident={statistics.median(speeds[key]) / base:.3f} "
+        f"hit_rate_cache20={hit_rates[key]:.3f}"
+    )
+
+
+if __name__ == "__main__":
+    main()
