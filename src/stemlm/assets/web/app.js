@@ -1,0 +1,313 @@
+// The stemlm playground page: calls the JSON API of stemlm/serve/app.py and draws the results.
+// Plain browser JavaScript, no libraries, so the page works offline. Errors from the server arrive as
+// {"error": message} and are shown in the banner at the top of the page.
+"use strict";
+
+const $ = (id) => document.getElementById(id);
+const state = { info: null, tokens: [], span: null, edit: null, nearest: new Map(), contribution: null };
+
+function showError(message) {
+  $("error-text").textContent = message;
+  $("error").hidden = false;
+}
+function clearError() { $("error").hidden = true; }
+
+async function api(path, body) {
+  const response = await fetch(path, body === undefined ? {} : {
+    method: "POST", headers: { "Content-Type": "application/json" }, body: JSON.stringify(body),
+  });
+  let data = null;
+  try { data = await response.json(); } catch (_) { /* a non-JSON answer: reported below */ }
+  if (!response.ok) throw new Error((data && data.error) || `${path}: HTTP ${response.status}`);
+  return data;
+}
+
+function el(tag, className, text) {
+  const node = document.createElement(tag);
+  if (className) node.className = className;
+  if (text !== undefined) node.textContent = text;
+  return node;
+}
+const shown = (text) => text.replace(/\n/g, "↵");
+const prob = (p) => (p >= 0.001 ? p.toFixed(4) : p.toExponential(2));
+
+function sampling() {
+  const num = (id) => Number($(id).value);
+  return {
+    prompt: $("prompt").value, max_new_tokens: num("max-new-tokens"), temperature: num("temperature"),
+    top_k: num("top-k"), top_p: num("top-p"), seed: num("seed"), greedy: $("greedy").checked,
+  };
+}
+
+async function withBusy(button, work) {
+  clearError();
+  button.disabled = true;
+  try { await work(); } catch (err) { showError(err.message); } finally { button.disabled = false; }
+}
+
+// ----- model info and tabs -----
+async function loadInfo() {
+  const info = await api("/api/info");
+  state.info = info;
+  const stem = info.stem_layers.length ? `STEM layers ${info.stem_layers.join(", ")}` : "no STEM layers";
+  $("model-info").textContent =
+    `${info.checkpoint} · ffn=${info.ffn} · ${info.num_layers} layers · ${stem} · vocab ${info.vocab_size} · tables ${info.tables}`;
+  for (const s of info.strategies) $("edit-strategy").append(new Option(s, s));
+  $("edit-pad").append(new Option(`default (${info.default_pad}; saves: ${info.global_default_pad})`, ""));
+  for (const p of info.pads) $("edit-pad").append(new Option(p, p));
+  for (const name of info.entities) $("entities").append(new Option(name));
+  for (const layer of info.stem_layers) {
+    const label = el("label", "check");
+    const box = el("input");
+    Object.assign(box, { type: "checkbox", checked: true, value: layer, id: `layer-${layer}` });
+    label.append(box, ` layer ${layer}`);
+    $("edit-layers").append(label);
+  }
+  if (info.editing) {
+    $("edit-notice").textContent = `STEM row edits are unavailable: ${info.editing}`;
+    $("edit-notice").hidden = false;
+  }
+  $("save-btn").disabled = !info.can_save;
+  $("save-btn").title = info.can_save ? `saves under ${info.save_dir}` : "start the server with --save-dir to save";
+}
+
+for (const tab of document.querySelectorAll(".tab")) {
+  tab.addEventListener("click", () => {
+    for (const other of document.querySelectorAll(".tab")) {
+      other.classList.toggle("active", other === tab);
+      $(other.dataset.panel).hidden = other !== tab;
+    }
+    if (tab.id === "tab-edit") refreshTokens().catch((err) => showError(err.message));
+  });
+}
+
+// ----- generate: a POST answered with server-sent events, read from the response body -----
+async function readEvents(response, onEvent) {
+  const reader = response.body.getReader();
+  const decoder = new TextDecoder();
+  let buffer = "";
+  for (;;) {
+    const { value, done } = await reader.read();
+    if (done) break;
+    buffer += decoder.decode(value, { stream: true });
+    let cut;
+    while ((cut = buffer.indexOf("\n\n")) >= 0) {
+      const frame = buffer.slice(0, cut);
+      buffer = buffer.slice(cut + 2);
+      const event = (frame.match(/^event: (.*)$/m) || [])[1];
+      const data = (frame.match(/^data: (.*)$/m) || [])[1];
+      if (event && data) onEvent(event, JSON.parse(data));
+    }
+  }
+}
+
+function showCache(cache) {
+  if (!cache) return;
+  const c = cache.cache;
+  $("cache-stats").hidden = false;
+  $("cache-stats").textContent =
+    `STEM tables in host memory, device row cache ${cache.cache_rows} rows (${c.policy})\n` +
+    `hits ${c.hits} / ${c.unique_ids} (${(100 * c.hit_rate).toFixed(1)}%), misses ${c.misses}, ` +
+    `evictions ${c.evictions}, bypassed ${c.bypassed}, steps ${c.steps}, ` +
+    `${(c.bytes_h2d / 2 ** 20).toFixed(2)} MiB host→device, ${(1000 * c.wait_seconds).toFixed(1)} ms waiting`;
+}
+
+$("generate-btn").addEventListener("click", () => withBusy($("generate-btn"), async () => {
+  const out = $("generate-output");
+  out.replaceChildren(el("span", "prompt-text", $("prompt").value));
+  const completion = el("span", "completion");
+  out.append(completion);
+  $("generate-stats").textContent = "generating…";
+  const response = await fetch("/api/generate", {
+    method: "POST", headers: { "Content-Type": "application/json" }, body: JSON.stringify(sampling()),
+  });
+  if (!response.ok) {
+    $("generate-stats").textContent = "";
+    const data = await response.json().catch(() => ({}));
+    throw new Error(data.error || `generate: HTTP ${response.status}`);
+  }
+  let failure = null;
+  await readEvents(response, (event, data) => {
+    if (event === "token") completion.textContent += data.text;
+    if (event === "error") failure = data.error;
+    if (event === "done") {
+      $("generate-stats").textContent =
+        `${data.num_tokens} tokens in ${data.seconds.toFixed(2)} s (${data.tokens_per_s.toFixed(1)} tokens/s)`;
+      showCache(data.cache);
+    }
+  });
+  out.dataset.done = "1";
+  if (failure) throw new Error(failure);
+}));
+
+// ----- see: heat map of STEM contributions, nearest tokens on hover -----
+function heatColor(value, scale, diverging) {
+  const t = scale > 0 ? Math.min(1, Math.abs(value) / scale) : 0;
+  if (!diverging) return `rgba(37, 99, 235, ${0.08 + 0.85 * t})`;
+  return value >= 0 ? `rgba(220, 38, 38, ${0.06 + 0.85 * t})` : `rgba(37, 99, 235, ${0.06 + 0.85 * t})`;
+}
+
+function drawHeatmap() {
+  const data = state.contribution;
+  if (!data) return;
+  const metric = $("see-metric").value;
+  const grid = data[metric];
+  const scale = Math.max(...grid.flat().map(Math.abs));
+  const table = el("table");
+  const head = el("tr");
+  head.append(el("th", "", ""));
+  data.tokens.forEach((tok) => {
+    const th = el("th", "tok", shown(tok.text));
+    th.addEventListener("mouseenter", () => showNearest(tok));
+    head.append(th);
+  });
+  table.append(head);
+  data.layers.forEach((layer, row) => {
+    const tr = el("tr");
+    tr.append(el("th", "layer", `layer ${layer}`));
+    grid[row].forEach((value, pos) => {
+      const td = el("td", "cell", value.toFixed(2));
+      td.style.background = heatColor(value, scale, metric === "grad_x_input");
+      td.title = `${shown(data.tokens[pos].text)} · layer ${layer} · ${metric} ${value.toPrecision(4)}`;
+      td.addEventListener("mouseenter", () => showNearest(data.tokens[pos]));
+      tr.append(td);
+    });
+    table.append(tr);
+  });
+  $("heatmap").replaceChildren(table);
+  $("see-predicted").textContent =
+    `next token: "${shown(data.predicted.token)}" (log p ${data.logprob.toFixed(2)})`;
+}
+
+async function showNearest(token) {
+  const box = $("nearest");
+  if (!state.nearest.has(token.id)) state.nearest.set(token.id, api("/api/nearest", { token_id: token.id, k: 6 }));
+  let result;
+  try { result = await state.nearest.get(token.id); } catch (err) { state.nearest.delete(token.id); showError(err.message); return; }
+  const title = el("div", "nearest-title", `nearest to "${shown(result.query.token)}" by row cosine`);
+  const columns = el("div", "nearest-columns");
+  for (const t of result.tables) {
+    const col = el("div", "nearest-col");
+    col.append(el("h4", "", t.name));
+    for (const n of t.neighbours) col.append(el("div", "nb", `${shown(n.token)}  ${n.cosine.toFixed(2)}`));
+    columns.append(col);
+  }
+  box.replaceChildren(title, columns);
+  box.dataset.token = String(token.id);
+}
+
+$("see-btn").addEventListener("click", () => withBusy($("see-btn"), async () => {
+  state.contribution = await api("/api/contribution", { prompt: $("prompt").value });
+  drawHeatmap();
+}));
+$("see-metric").addEventListener("change", drawHeatmap);
+
+// ----- edit: pick a span, apply, compare, toggle, save -----
+async function refreshTokens() {
+  if (!$("prompt").value.trim()) { $("edit-tokens").replaceChildren(); return; }
+  const { tokens } = await api("/api/tokenize", { prompt: $("prompt").value });
+  state.tokens = tokens;
+  drawTokens();
+}
+
+function drawTokens() {
+  const edited = state.edit && $("edit-toggle").checked ? new Set(state.edit.positions) : new Set();
+  const chips = state.tokens.map((tok, pos) => {
+    const chip = el("span", "chip", shown(tok.text));
+    chip.dataset.pos = String(pos);
+    if (state.span && pos >= state.span[0] && pos < state.span[1]) chip.classList.add("picked");
+    if (edited.has(pos)) chip.classList.add("edited");
+    chip.addEventListener("click", () => pickToken(pos));
+    return chip;
+  });
+  $("edit-tokens").replaceChildren(...chips);
+}
+
+function pickToken(pos) {
+  const span = state.span;
+  if (span && pos === span[1]) state.span = [span[0], pos + 1]; // extend to the right
+  else if (span && pos === span[0] - 1) state.span = [pos, span[1]]; // extend to the left
+  else if (span && pos >= span[0] && pos < span[1]) state.span = null; // click inside: unpick
+  else state.span = [pos, pos + 1];
+  $("edit-source").value = state.span ? state.tokens.slice(state.span[0], state.span[1]).map((t) => t.text).join("").trim() : "";
+  drawTokens();
+}
+
+$("edit-source").addEventListener("input", () => { state.span = null; drawTokens(); });
+$("prompt").addEventListener("input", () => { state.span = null; state.edit = null; });
+
+function editRequest() {
+  const layers = [...document.querySelectorAll("#edit-layers input")].filter((b) => b.checked).map((b) => Number(b.value));
+  return {
+    ...sampling(), target: $("edit-target").value, source: $("edit-source").value,
+    span: state.span, strategy: $("edit-strategy").value, pad: $("edit-pad").value,
+    rows: $("edit-rows").value, layers: state.info && state.info.stem_layers.length ? layers : null, show_top: 8,
+  };
+}
+
+// One side's top-k next tokens: its probability (bar scaled to the table's largest), the other side's, and
+// the change the edit makes (edited minus before, whichever side is listed).
+function drawTop(box, top, editedSide) {
+  const table = el("table", "top-table");
+  const head = el("tr");
+  const labels = editedSide ? ["p edited", "p before"] : ["p before", "p edited"];
+  for (const h of ["token", ...labels, "change"]) head.append(el("th", "", h));
+  table.append(head);
+  const scale = Math.max(...top.map((t) => Math.max(t.prob, t.other_prob)));
+  for (const t of top) {
+    const tr = el("tr");
+    tr.append(el("td", "tok", shown(t.token)));
+    const p = el("td", "prob");
+    const bar = el("span", "bar");
+    bar.style.width = `${Math.round((100 * t.prob) / scale)}%`;
+    p.append(bar, el("span", "num", prob(t.prob)));
+    const change = editedSide ? t.prob - t.other_prob : t.other_prob - t.prob;
+    const delta = el("td", `num delta ${change > 0 ? "up" : change < 0 ? "down" : ""}`, `${change >= 0 ? "+" : "−"}${prob(Math.abs(change))}`);
+    tr.append(p, el("td", "num other", prob(t.other_prob)), delta);
+    table.append(tr);
+  }
+  box.replaceChildren(table);
+}
+
+function drawEdit() {
+  const result = state.edit;
+  if (!result) return;
+  const on = $("edit-toggle").checked;
+  const side = on ? result.after : result.before;
+  $("edit-toggle-label").textContent = on ? "edit on" : "edit off";
+  const out = $("edit-output");
+  out.replaceChildren(el("span", "prompt-text", $("prompt").value), el("span", "completion", side.text));
+  out.dataset.state = on ? "on" : "off";
+  drawTop($("edit-output-top"), side.top, on);
+  $("before-text").textContent = result.before.text;
+  $("after-text").textContent = result.after.text;
+  drawTop($("before-top"), result.before.top, false);
+  drawTop($("after-top"), result.after.top, true);
+  drawTokens();
+}
+
+$("edit-btn").addEventListener("click", () => withBusy($("edit-btn"), async () => {
+  await refreshTokens();
+  const request = editRequest();
+  const result = await api("/api/edit", request);
+  state.edit = result;
+  state.tokens = result.tokens;
+  const what = result.positions.map((p) => shown(result.tokens[p].text)).join("");
+  $("edit-summary").textContent =
+    `"${what.trim()}" → "${request.target.trim()}" at positions ${result.positions.join(", ")}, ` +
+    `layers ${result.layers.join(", ") || "none"}${result.embed ? " + embedding" : ""}; ` +
+    `largest probability change ${result.max_abs_prob_change.toFixed(4)}`;
+  $("edit-toggle").disabled = false;
+  $("edit-toggle").checked = true;
+  drawEdit();
+}));
+$("edit-toggle").addEventListener("change", drawEdit);
+
+$("save-btn").addEventListener("click", () => withBusy($("save-btn"), async () => {
+  const name = $("save-name").value.trim() || `${$("edit-source").value}-to-${$("edit-target").value}`.replace(/[^A-Za-z0-9._-]+/g, "-");
+  const result = await api("/api/save", { ...editRequest(), name });
+  $("save-status").textContent = `saved ${result.path}`;
+}));
+
+$("error-close").addEventListener("click", clearError);
+loadInfo().catch((err) => showError(err.message));

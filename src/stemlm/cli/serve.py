@@ -1,0 +1,109 @@
+"""`stemlm serve CKPT`: a local web playground to generate, see STEM contributions and edit entities.
+
+    stemlm serve runs/tiny                                   # http://127.0.0.1:7860/
+    stemlm serve runs/tiny --tables host --cache-fraction 0.2 --save-dir edited/
+
+The page works offline (no CDN). It listens on loopback unless --host says otherwise; it has no login, so
+only expose it on a network you trust. Edited checkpoints are saved only under --save-dir, each in a new
+folder, never over the served checkpoint. Needs Flask: pip install 'flask>=3.0'.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import socket
+import sys
+
+from stemlm.errors import StemlmError
+
+
+def _is_loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host == "localhost"
+
+
+def listen(host: str, port: int) -> socket.socket:
+    """A listening socket, bound here so a taken port is a one-line error (werkzeug would exit the process)."""
+    from werkzeug.serving import get_sockaddr, select_address_family
+
+    family = select_address_family(host, port)
+    try:
+        return socket.create_server(get_sockaddr(host, port, family), family=family)
+    except OSError as exc:
+        raise StemlmError(f"cannot listen on {host}:{port}: {exc.strerror or exc}; try another --port") from None
+
+
+def run(args) -> int:
+    try:
+        from werkzeug.serving import make_server
+
+        from stemlm.serve import Playground, create_app
+    except ImportError as exc:
+        raise StemlmError(f"stemlm serve needs Flask ({exc.name} is missing): pip install 'flask>=3.0'") from None
+
+    pg = Playground.load(
+        args.ckpt,
+        tables=args.tables,
+        cache_rows=args.cache_rows,
+        cache_fraction=args.cache_fraction,
+        policy=args.cache_policy,
+        device=args.device,
+        save_dir=args.save_dir,
+    )
+    try:
+        with listen(args.host, args.port) as sock:  # the server keeps its own duplicate of the descriptor
+            server = make_server(args.host, args.port, create_app(pg), threaded=True, fd=sock.fileno())
+        if not _is_loopback(args.host):
+            warning = f"listening on {args.host}: reachable from other machines, and the page has no login"
+            print(f"stemlm serve: warning: {warning}", file=sys.stderr)
+        shown = f"[{args.host}]" if ":" in args.host else args.host  # an IPv6 address in a URL needs brackets
+        print(f"stemlm serve: {pg.checkpoint} at http://{shown}:{server.port}/ (Ctrl-C stops)", file=sys.stderr)
+        try:
+            server.serve_forever()  # returns on Ctrl-C (werkzeug's server catches the KeyboardInterrupt)
+        except KeyboardInterrupt:
+            pass
+        finally:
+            server.server_close()
+        print("stemlm serve: stopped", file=sys.stderr)
+    finally:
+        pg.close()
+    return 0
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser(
+        "serve",
+        help="local web playground: generate, see STEM contributions, edit entities",
+        description="Serve a web page to generate from a checkpoint, see each position's STEM contribution per "
+        "layer and nearest tokens, and try entity edits before/after; runs offline on loopback by default.",
+    )
+    p.add_argument("ckpt", metavar="CKPT", help="checkpoint folder, or run folder (uses its newest checkpoint)")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1, this machine only)")
+    p.add_argument("--port", type=int, default=7860, help="port to listen on (default 7860; 0 picks a free one)")
+    p.add_argument(
+        "--tables",
+        choices=("resident", "host"),
+        default="resident",
+        help="where the STEM tables live: on the device (default) or in host memory behind a device row cache "
+        "whose statistics the page shows",
+    )
+    size = p.add_mutually_exclusive_group()
+    size.add_argument("--cache-rows", type=int, metavar="N", help="with --tables host: device cache of N token rows")
+    size.add_argument(
+        "--cache-fraction",
+        type=float,
+        metavar="F",
+        help="with --tables host: device cache of this fraction of the vocabulary (default 0.2)",
+    )
+    p.add_argument(
+        "--cache-policy", choices=("lfu", "lru"), default="lfu", help="with --tables host: cache policy (default lfu)"
+    )
+    p.add_argument("--device", default="cpu", help="torch device to run on, e.g. cpu or cuda (default cpu)")
+    p.add_argument(
+        "--save-dir",
+        metavar="DIR",
+        help="folder where the page may save globally edited checkpoints, one new subfolder each (off if unset)",
+    )
+    p.set_defaults(func=run)

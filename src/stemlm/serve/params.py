@@ -1,0 +1,99 @@
+"""Reading the JSON body of a playground request: typed fields with bounds, and errors a page can show.
+
+Every field error is a `StemlmError` naming the field and what it accepts; the app turns it into a 400 JSON
+response `{"error": message}` that the page shows as is. `sampling(body)` reads the generation controls
+shared by the generate and edit routes.
+
+    body = Body(request.get_json(silent=True))
+    prompt = body.text("prompt")
+    k = body.integer("top_k", default=10, low=1, high=50)
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+from stemlm.errors import StemlmError
+
+MAX_TEXT = 20_000  # characters of a prompt or entity; longer texts would not fit the context anyway
+MAX_NEW_TOKENS = 256
+
+
+class Body:
+    """The fields of one request's JSON object."""
+
+    def __init__(self, data: Any) -> None:
+        if not isinstance(data, dict):
+            raise StemlmError("the request body must be a JSON object (Content-Type: application/json)")
+        self.data = data
+
+    def _get(self, name: str, default: Any) -> Any:
+        value = self.data.get(name)
+        return default if value is None else value
+
+    def text(self, name: str, default: str | None = None, *, allow_empty: bool = False) -> str:
+        value = self._get(name, default)
+        if value is None:
+            raise StemlmError(f"missing field {name!r}")
+        if not isinstance(value, str):
+            raise StemlmError(f"{name} must be a string")
+        if len(value) > MAX_TEXT:
+            raise StemlmError(f"{name} is {len(value)} characters; the playground takes at most {MAX_TEXT}")
+        if not allow_empty and not value.strip():
+            raise StemlmError(f"{name} is empty: type some text first")
+        return value
+
+    def optional_text(self, name: str) -> str | None:
+        value = self._get(name, None)
+        return None if value is None or (isinstance(value, str) and not value.strip()) else self.text(name)
+
+    def integer(self, name: str, default: int, low: int, high: int) -> int:
+        value = self._get(name, default)
+        if isinstance(value, bool) or not isinstance(value, int | float) or value != int(value):
+            raise StemlmError(f"{name} must be a whole number between {low} and {high}, got {value!r}")
+        if not low <= value <= high:
+            raise StemlmError(f"{name} must be between {low} and {high}, got {int(value)}")
+        return int(value)
+
+    def number(self, name: str, default: float, low: float, high: float) -> float:
+        value = self._get(name, default)
+        if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+            raise StemlmError(f"{name} must be a number between {low} and {high}, got {value!r}")
+        if not low <= value <= high:
+            raise StemlmError(f"{name} must be between {low} and {high}, got {value}")
+        return float(value)
+
+    def boolean(self, name: str, default: bool) -> bool:
+        value = self._get(name, default)
+        if not isinstance(value, bool):
+            raise StemlmError(f"{name} must be true or false, got {value!r}")
+        return value
+
+    def choice(self, name: str, default: str, choices: Sequence[str]) -> str:
+        value = self._get(name, default)
+        if value not in choices:
+            raise StemlmError(f"{name} must be one of {', '.join(choices)}, got {value!r}")
+        return value
+
+    def int_list(self, name: str) -> tuple[int, ...] | None:
+        """A list of whole numbers, or None when the field is absent (meaning "all")."""
+        value = self._get(name, None)
+        if value is None:
+            return None
+        if not isinstance(value, list) or any(isinstance(v, bool) or not isinstance(v, int) for v in value):
+            raise StemlmError(f"{name} must be a list of whole numbers, got {value!r}")
+        return tuple(value)
+
+
+def sampling(body: Body) -> dict:
+    """The generation controls: max_new_tokens plus the keyword arguments of `stemlm.generate.stream_tokens`."""
+    return {
+        "max_new_tokens": body.integer("max_new_tokens", 32, 1, MAX_NEW_TOKENS),
+        "greedy": body.boolean("greedy", False),
+        "temperature": body.number("temperature", 1.0, 0.0, 10.0),
+        "top_k": body.integer("top_k", 0, 0, 1_000_000),
+        "top_p": body.number("top_p", 1.0, 1e-6, 1.0),
+        "seed": body.integer("seed", 0, 0, 2**63 - 1),
+    }

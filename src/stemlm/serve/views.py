@@ -1,0 +1,73 @@
+"""Second `StemLM` objects over the served model's tensors: a resident view of host tables, and copies for saving.
+
+The playground never writes to the model it serves. Two things still need a model object other than it:
+
+- `resident_view(lm)`: with `--tables host` the served model's tables are meta placeholders (rows come from
+  the host provider through the row cache), but editing and analysis read `model.stem_tables()` directly.
+  On a CPU device the host tables already are in compute memory, so a second module tree that shares the
+  backbone and points its tables at the provider's host matrices gives them that, with no copy.
+- `editable_copy(model, layers, rows)`: a global edit writes rows in place. To save one without racing the
+  requests that read the served model (copy-on-save), the edit goes into a module tree whose edited tables
+  are clones and whose every other tensor is shared: the extra memory is the edited tables only.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from stemlm.edit.positional import rows_to_parts, table_layers
+from stemlm.errors import StemlmError
+from stemlm.model.decoder import StemLM
+from stemlm.offload.engine import OffloadedLM
+from stemlm.offload.providers import table_parameter_names
+
+EMBED_NAME = "model.embed_tokens.weight"
+
+
+def _device(model: StemLM) -> torch.device:
+    return next(p.device for p in model.parameters() if not p.is_meta)
+
+
+def shared_copy(model: StemLM, replace: dict[str, torch.Tensor]) -> StemLM:
+    """A new StemLM whose parameters are `model`'s own tensors, except the names in `replace`."""
+    state = {**model.state_dict(keep_vars=True), **replace}
+    with torch.device("meta"):
+        copy = StemLM(model.config)
+    copy.load_state_dict(state, strict=False, assign=True)
+    copy.tie_weights()  # a replaced embedding must also be the copy's lm_head when tied
+    copy.reset_buffers(_device(model))
+    return copy.eval()
+
+
+def resident_view(lm: OffloadedLM) -> StemLM:
+    """The offloaded model with its tables read straight from the host provider (CPU device only)."""
+    provider = lm.provider
+    if provider.kind != "host":
+        raise StemlmError(f"a resident view needs host tables, not {provider.kind}")
+    if _device(lm.model).type != "cpu":
+        raise StemlmError(
+            "editing and analysis read the tables directly; with --tables host that needs --device cpu "
+            "(or serve with --tables resident)"
+        )
+    tables = {}
+    for layer, name in table_parameter_names(lm.model).items():
+        if provider.layout == "token":
+            offset, width = provider.layer_slices[layer]
+            tables[name] = provider.matrix[:, offset : offset + width]  # a strided view, no copy
+        else:
+            tables[name] = provider.tables[provider.layers.index(layer)]
+    return shared_copy(lm.model, tables)
+
+
+def editable_copy(model: StemLM, layers: Sequence[int] | None, rows: str) -> StemLM:
+    """A copy of `model` whose tables (and embedding, for row kinds with it) that `rows`/`layers` name are
+    private clones, so a global edit may be written into it while `model` keeps serving."""
+    stem, embed = rows_to_parts(rows)
+    names = table_parameter_names(model)
+    chosen = [names[i] for i in table_layers(model, layers)] if stem else []
+    if embed:
+        chosen.append(EMBED_NAME)
+    state = model.state_dict(keep_vars=True)
+    return shared_copy(model, {name: state[name].detach().clone() for name in chosen})
