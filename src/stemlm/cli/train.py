@@ -1,0 +1,322 @@
+"""`stemlm train`: train a model (default: the `tiny` STEM preset on the embedded corpus, a few CPU minutes).
+
+    stemlm train                                              # tiny STEM, embedded corpus, defaults
+    stemlm train --preset tiny-dense --steps 200 --out runs/dense
+    stemlm train --ffn stem --stem-layers 1,3 --set model.hidden_size=128 train.eval_every=50
+    stemlm train --data notes/ --tokenizer gpt2 --batch-size 4 --grad-accum 4
+    stemlm train --resume runs/dense --steps 400               # continue (bitwise on CPU)
+    stemlm train --init-from runs/retrofit/checkpoint --steps 100
+    python -m stemlm.train ...                                # the same command
+
+Progress goes to stderr; at the end the accounting summary, held-out loss and a sample continuation go to
+stdout (`--json`: one JSON object instead). Every flag maps onto a `TrainConfig` field (stemlm.train.config)
+and `--set model.<field>=V train.<field>=V` reaches every model and training field.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+from typing import Any
+
+from stemlm.cli.common import add_json_flag, print_json
+from stemlm.config import FFN_KINDS, ModelConfig
+from stemlm.errors import StemlmError
+from stemlm.train.config import TrainConfig
+
+DEFAULT_SAMPLE_PROMPT = "The king"
+
+# (flag, TrainConfig field, type, help; "{}" shows the field's default). None on the parsed namespace = not given.
+TRAIN_FLAGS = [
+    ("--steps", "steps", int, "optimizer steps (default {})"),
+    ("--batch-size", "batch_size", int, "sequences per micro-batch (default {})"),
+    ("--seq-len", "seq_len", int, "tokens per sequence (default {})"),
+    ("--grad-accum", "grad_accum", int, "micro-batches per optimizer step (default {})"),
+    ("--lr", "lr", float, "peak learning rate of the backbone (default {})"),
+    ("--warmup", "warmup", int, "linear warm-up steps before the cosine decay (default 10%% of --steps)"),
+    ("--weight-decay", "weight_decay", float, "AdamW weight decay of matrices; norms get none (default {})"),
+    ("--grad-clip", "grad_clip", float, "clip the global gradient norm to this value; 0 disables (default {})"),
+    ("--table-wd", "table_wd", float, "weight decay of the STEM tables (default {})"),
+    ("--aux-loss-coef", "aux_loss_coef", float, "weight of the MoE auxiliary loss (default {})"),
+    ("--eval-every", "eval_every", int, "steps between held-out evaluations; 0: only at the end (default {})"),
+    ("--eval-batches", "eval_batches", int, "held-out batches (of --batch-size windows) per evaluation (default {})"),
+    ("--save-every", "save_every", int, "steps between checkpoints; 0: only at the end (default {})"),
+    ("--keep-last", "keep_last", int, "checkpoints to keep (default {})"),
+    ("--seed", "seed", int, "seed of the model init and the data windows (default {})"),
+    ("--spike-factor", "spike_factor", float, "count a loss above this x the rolling median as a spike (default {})"),
+    ("--spike-window", "spike_window", int, "steps in the rolling median of the spike check (default {})"),
+    ("--threads", "threads", int, "CPU threads (default: all cores)"),
+    ("--out", "out", str, "run folder (default runs/<preset>-<ffn>-<timestamp>)"),
+    ("--tokenizer", "tokenizer", str, "default | gpt2 | path to a tokenizer.json; the model's vocab_size follows it"),
+    ("--init-from", "init_from", str, "start from the weights (and tokenizer) of this model checkpoint folder"),
+    ("--dist-timeout", "dist_timeout", float, "with --nproc: seconds a rank waits for a stalled peer (default {})"),
+]
+
+
+def register(subparsers) -> None:
+    parser = subparsers.add_parser(
+        "train",
+        help="train a model (default: tiny STEM on the embedded corpus)",
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--preset", help="model preset (default tiny); see `stemlm info --list-presets`")
+    parser.add_argument("--ffn", choices=FFN_KINDS, help="FFN kind of the selected layers (default: the preset's)")
+    parser.add_argument("--stem-layers", help="layers with the --ffn kind: all, all-but-first, odd, every:K, 1,3,...")
+    parser.add_argument(
+        "--data",
+        nargs="+",
+        metavar="PATH",
+        help="text/markdown/jsonl files or folders (default: the embedded Shakespeare + Austen corpus)",
+    )
+    defaults = {f.name: f.default for f in dataclasses.fields(TrainConfig)}
+    for flag, field, kind, text in TRAIN_FLAGS:
+        parser.add_argument(flag, dest=field, type=kind, help=text.format(defaults[field]))
+    parser.add_argument(
+        "--table-lr",
+        help=f"peak lr of the STEM tables: a number, or xN for N x --lr (default x{defaults['table_lr_scale']:g})",
+    )
+    parser.add_argument(
+        "--table-optim",
+        help="optimizer of the STEM tables: adamw (default; dense, as the official code), lazy_adamw or "
+        "rowwise_adagrad (row-sparse; see stemlm.train.table_optim)",
+    )
+    parser.add_argument(
+        "--dtype",
+        choices=("auto", "fp32", "bf16"),
+        help="autocast dtype; weights stay fp32 (default auto: bf16 on CUDA, fp32 on CPU where bf16 measured slower)",
+    )
+    parser.add_argument("--device", choices=("auto", "cpu", "cuda"), help="device (default auto)")
+    parser.add_argument(
+        "--nproc",
+        type=int,
+        default=1,
+        help="train with N processes (torch.distributed under torchrun: one per GPU, or sharing the CPU cores); "
+        "--batch-size stays the global micro-batch, split over the N processes (default 1)",
+    )
+    parser.add_argument(
+        "--parallel",
+        choices=("ddp", "fsdp"),
+        help="with --nproc > 1: replicate the backbone (ddp) or shard it per layer (fsdp, FSDP2); "
+        "STEM tables are always row-sharded (default ddp)",
+    )
+    parser.add_argument(
+        "--resume",
+        metavar="RUN_DIR",
+        help="continue this run from its newest checkpoint (or from the given checkpoint folder of a run)",
+    )
+    parser.add_argument(
+        "--set",
+        dest="overrides",
+        nargs="+",
+        action="extend",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override any field: model.<field>=V or train.<field>=V (e.g. model.hidden_size=128)",
+    )
+    parser.add_argument(
+        "--sample-prompt",
+        default=DEFAULT_SAMPLE_PROMPT,
+        help=f"prompt of the sample generation printed at the end (default {DEFAULT_SAMPLE_PROMPT!r})",
+    )
+    parser.add_argument("--sample-tokens", type=int, default=40, help="tokens of the final sample; 0 skips it")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar (eval lines still go to stderr)")
+    add_json_flag(parser)
+    parser.set_defaults(func=run, train_parser=parser)  # the parser rebuilds the workers' command (--nproc)
+
+
+def split_overrides(items: list[str]) -> tuple[list[str], dict[str, str]]:
+    """`--set` items into (model `key=value` list, train {key: value}); a missing prefix is an error."""
+    model, train = [], {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise StemlmError(f"--set {item!r} is not of the form model.<field>=VALUE or train.<field>=VALUE")
+        if key.startswith("model."):
+            model.append(item)
+        elif key.startswith("train."):
+            train[key.removeprefix("train.")] = value
+        else:
+            raise StemlmError(f"--set {item!r}: prefix the key with model. or train. (e.g. model.{key}={value})")
+    return model, train
+
+
+def train_overrides(args) -> dict[str, Any]:
+    """Training fields given on the command line (flags win over --set train.*)."""
+    from stemlm.train.config import parse_field
+
+    _, values = split_overrides(args.overrides)
+    types = {f.name: str(f.type) for f in dataclasses.fields(TrainConfig)}
+    changes: dict[str, Any] = {}
+    for key, value in values.items():
+        if key not in types:
+            raise StemlmError(f"unknown training config key {key!r}; valid keys: {', '.join(sorted(types))}")
+        changes[key] = parse_field(key, value, types[key])
+    for _, field, _, _ in TRAIN_FLAGS:
+        if getattr(args, field) is not None:
+            changes[field] = getattr(args, field)
+    for field in ("table_optim", "dtype", "device", "data", "preset", "parallel"):
+        if getattr(args, field) is not None:
+            changes[field] = getattr(args, field)
+    if args.table_lr is not None:
+        changes.update(_parse_table_lr(args.table_lr))
+    return changes
+
+
+def _parse_table_lr(text: str) -> dict[str, Any]:
+    try:
+        if text.lower().startswith("x"):
+            return {"table_lr": None, "table_lr_scale": float(text[1:])}
+        return {"table_lr": float(text)}
+    except ValueError:
+        raise StemlmError(f"--table-lr {text!r}: pass a number (e.g. 3e-3) or a multiple of --lr (e.g. x10)") from None
+
+
+def requested_model(args, base: ModelConfig | None) -> tuple[ModelConfig | None, bool]:
+    """The model config the flags ask for (None if no model flag was given) and whether vocab_size was set."""
+    from stemlm.presets import get_preset
+
+    model_sets, _ = split_overrides(args.overrides)
+    if not (args.preset or args.ffn or args.stem_layers or model_sets):
+        return None, False
+    config = get_preset(args.preset) if args.preset else (base or get_preset("tiny"))
+    if args.ffn:
+        config = config.replace(ffn=args.ffn)
+    if args.stem_layers:
+        config = config.with_overrides([f"stem_layers={args.stem_layers}"])
+    config = config.with_overrides(model_sets)
+    return config, any(item.split("=", 1)[0] == "model.vocab_size" for item in model_sets)
+
+
+def build_trainer(args):
+    """A fresh, resumed or initialised `Trainer` from the parsed arguments."""
+    from stemlm.checkpoint import load_config
+    from stemlm.cli.train_launch import trainer_class
+    from stemlm.data import get_tokenizer
+    from stemlm.runs import resolve_checkpoint
+    from stemlm.train.config import fit_vocab
+
+    trainer_cls = trainer_class()  # DistributedTrainer in a torchrun worker, else Trainer
+
+    changes = train_overrides(args)
+    tokenizer = get_tokenizer(args.tokenizer) if args.tokenizer else None
+    progress = not args.no_progress
+    if args.resume:
+        if args.init_from:
+            raise StemlmError("--resume and --init-from cannot be combined: a resumed run has its own weights")
+        run_config = load_config(resolve_checkpoint(args.resume))
+        model, vocab_set = requested_model(args, run_config)
+        if model is not None and not vocab_set:
+            model = model.replace(vocab_size=run_config.vocab_size)  # vocab follows the tokenizer, checked apart
+        changes.pop("tokenizer", None)
+        return trainer_cls.resume(
+            args.resume, model_config=model, tokenizer=tokenizer, overrides=changes, progress=progress
+        )
+    if args.init_from:
+        changes.setdefault("preset", os.path.basename(os.path.normpath(args.init_from)))
+        model, _ = requested_model(args, load_config(args.init_from))
+        return trainer_cls(model, TrainConfig().with_overrides(changes), tokenizer=tokenizer, progress=progress)
+    cfg = TrainConfig().with_overrides(changes)
+    model, vocab_set = requested_model(args, None)
+    if model is None:
+        from stemlm.presets import get_preset
+
+        model = get_preset(cfg.preset)
+    tokenizer = tokenizer or get_tokenizer("default")
+    if not vocab_set:
+        model = fit_vocab(model, tokenizer)
+    return trainer_cls(model, cfg, tokenizer=tokenizer, progress=progress)
+
+
+def run(args) -> int:
+    from stemlm.cli.train_launch import default_threads, distributed_worker, launch_workers
+
+    if args.sample_tokens < 0:
+        raise StemlmError(f"--sample-tokens must be >= 0 (0 skips the sample), got {args.sample_tokens}")
+    if args.nproc < 1:
+        raise StemlmError(f"--nproc must be at least 1, got {args.nproc}")
+    if args.nproc > 1 and "RANK" not in os.environ:
+        if not args.resume:  # fail here, before starting processes, when the batch cannot be split
+            from stemlm.dist.launch import local_batch_size
+
+            local_batch_size(TrainConfig().with_overrides(train_overrides(args)).batch_size, args.nproc)
+        return launch_workers(args)
+    import torch
+
+    threads = torch.get_num_threads()
+    try:
+        trainer = build_trainer(args)
+        torch.set_num_threads(trainer.cfg.threads or default_threads())
+        result = trainer.fit()
+        if distributed_worker():
+            # Leave the process group; rank 0 reloads the final, unsharded model when a sample is asked for.
+            trainer.finish(result["checkpoint"] if args.sample_tokens > 0 else None)
+            if not trainer.is_main:
+                return 0
+        report = final_report(trainer, result, args)
+    finally:
+        torch.set_num_threads(threads)  # in-process callers (tests) keep their own setting
+    if args.json:
+        print_json(report)
+    else:
+        print(render_report(report))
+    return 0
+
+
+def final_report(trainer, result: dict[str, Any], args) -> dict[str, Any]:
+    """The final metrics plus accounting figures and a greedy sample continuation."""
+    report = dict(result)
+    try:
+        from stemlm.accounting import summarize
+
+        summary = summarize(trainer.config, trainer.cfg.seq_len)
+        report["accounting"] = {
+            "ffn": summary["ffn"],
+            "special_layers": summary["special_layers"],
+            "parameters_total": summary["parameters"]["total"],
+            "parameters_active_per_token": summary["parameters"]["active_backbone"],
+            "table_parameters": summary["parameters"]["components"].get("stem_tables", 0)
+            + summary["parameters"]["components"].get("ple_tables", 0),
+            "training_flops_per_token": summary["flops"]["training_per_token"],
+        }
+    except ImportError:
+        report["accounting"] = None
+    if args.sample_tokens > 0:
+        report["sample"] = {"prompt": args.sample_prompt, "completion": sample(trainer, args)}
+    return report
+
+
+def sample(trainer, args) -> str:
+    from stemlm.generate import generate
+
+    ids = trainer.tokenizer.encode(args.sample_prompt).ids
+    if not ids:
+        raise StemlmError("--sample-prompt encodes to no tokens; pass some text")
+    trainer.model.eval()
+    new = generate(trainer.model, ids, args.sample_tokens, greedy=True)
+    return trainer.tokenizer.decode(new)
+
+
+def render_report(r: dict[str, Any]) -> str:
+    lines = [
+        f"run {r['run_dir']}: {r['steps']} steps, {r['tokens_seen']:,} tokens, "
+        f"{r['tokens_per_s']:,.0f} tokens/s ({r['autocast_dtype']} on {r['device']}), {r['wall_s']:.0f} s"
+    ]
+    a = r.get("accounting")
+    if a:
+        layers = ",".join(map(str, a["special_layers"])) or "none"
+        lines.append(
+            f"model: ffn {a['ffn']} in layers [{layers}]; {a['parameters_total']:,} parameters "
+            f"({a['table_parameters']:,} in tables), {a['parameters_active_per_token']:,} active per token, "
+            f"{a['training_flops_per_token'] / 1e6:.1f} MFLOPs/token to train"
+        )
+    held = "n/a" if r["heldout_loss"] is None else f"{r['heldout_loss']:.4f}"
+    lines.append(
+        f"train loss {r['train_loss']:.4f} | held-out loss {held} | skipped steps {r['skipped_steps']} | "
+        f"loss spikes {r['loss_spikes']}"
+    )
+    lines.append(f"checkpoint: {r['checkpoint']}")
+    if "sample" in r:
+        lines.append(f"sample (greedy): {(r['sample']['prompt'] + r['sample']['completion']).rstrip()}")
+    return "\n".join(lines)

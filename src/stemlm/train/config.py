@@ -1,0 +1,251 @@
+"""`TrainConfig`: every knob of a training run (data, schedule, optimizer groups, logging, checkpoints).
+
+One flat dataclass with grouped, commented fields and defaults that train the `tiny` preset on two CPU cores
+in a few minutes. The command line maps its flags onto these fields and `--set train.<field>=<value>`
+reaches every one of them (`with_overrides`). The resolved config is written into each run folder.
+
+Choices documented here rather than in code comments elsewhere:
+- weight decay applies to every matrix (projections, token embedding, LM head, router, experts), as in
+  the official STEM/Lingua code; one-dimensional parameters (RMSNorm gains, any bias) get none.
+- the STEM tables (every tensor of `model.stem_tables()`) form their own optimizer with their own peak lr
+  (`table_lr`, or `lr * table_lr_scale`) and weight decay `table_wd`, following the same warm-up + cosine
+  shape. Defaults lr x10, wd 0, by measurement: `tiny` (STEM in layers 1, 3), 150 steps of 8 x 256 tokens,
+  backbone lr 2e-3 / wd 0.1, held-out loss over 32k tokens: table lr x1 5.626 (wd 0.1) / 5.627 (wd 0);
+  x10 5.431 (wd 0) / 5.430 (wd 0.1): the lr matters (-0.20 nats), the table weight decay does not at this
+  length (one run each; PAPER.md's prototype also found x10 with wd 0 slightly better).
+- defaults size `stemlm train` to a few minutes on two CPU cores: 150 steps x 8 x 256 tokens (see the report
+  of `stemlm train`; a tiny step costs ~2.2 CPU-seconds single-threaded on the project's AVX2 machine).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import math
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from stemlm.config import ModelConfig
+from stemlm.errors import StemlmError
+
+if TYPE_CHECKING:  # torch and tokenizers load only when a run is resolved, so the CLI parser stays light
+    import torch
+    from tokenizers import Tokenizer
+
+DTYPES = ("auto", "fp32", "bf16")
+DEVICES = ("auto", "cpu", "cuda")
+PARALLEL = ("ddp", "fsdp")
+
+
+@dataclass
+class TrainConfig:
+    # --- run ---
+    preset: str = "tiny"  # the model preset the run started from (names the default run folder)
+    out: str | None = None  # run folder; None: runs/<preset>-<ffn>-<timestamp>
+    seed: int = 0  # model init and data windows
+    device: str = "auto"  # auto: cuda when available, else cpu
+    dtype: str = "auto"  # autocast dtype; master weights stay fp32. auto: bf16 on cuda, fp32 on cpu (measured)
+    threads: int | None = None  # CPU threads for the CLI; None: os.cpu_count()
+    # --- data ---
+    data: list[str] | None = None  # text/jsonl files or folders; None: the embedded corpus
+    tokenizer: str | None = None  # default | gpt2 | path; None: the --init-from checkpoint's, else default
+    init_from: str | None = None  # start from the weights of this model checkpoint folder
+    seq_len: int = 256
+    batch_size: int = 8  # sequences per micro-batch
+    grad_accum: int = 1  # micro-batches per optimizer step
+    # --- schedule: linear warm-up, then cosine to min_lr_ratio * peak ---
+    steps: int = 150
+    lr: float = 2e-3
+    warmup: int | None = None  # None: 10% of steps
+    min_lr_ratio: float = 0.1
+    # --- optimizer ---
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+    grad_clip: float = 1.0  # one global L2 norm over all parameters; 0 disables clipping
+    aux_loss_coef: float = 0.01  # MoE balancing loss weight
+    table_optim: str = "adamw"  # optimizer of the STEM table group (see stemlm.train.table_optim)
+    table_lr: float | None = None  # peak lr of the tables; None: lr * table_lr_scale
+    table_lr_scale: float = 10.0
+    table_wd: float = 0.0
+    # --- evaluation, logging, checkpoints ---
+    eval_every: int = 50  # steps between held-out evaluations (and always at the end); 0: only at the end
+    eval_batches: int = 8  # held-out batches (of batch_size windows) per evaluation
+    save_every: int = 0  # steps between checkpoints (always one at the end); 0: only at the end
+    keep_last: int = 2  # checkpoints kept
+    spike_factor: float = 1.5  # a loss above spike_factor x the rolling median counts as a spike
+    spike_window: int = 50  # steps in the rolling median (spikes count only once it is full)
+    # --- several processes (stemlm train --nproc N; batch_size stays the global micro-batch, split over N) ---
+    parallel: str = "ddp"  # backbone: ddp (replicated) or fsdp (FSDP2, sharded per layer); tables are row-sharded
+    dist_timeout: float = 300.0  # seconds a rank waits in a collective for a stalled peer before failing
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    @property
+    def warmup_steps(self) -> int:
+        return round(0.1 * self.steps) if self.warmup is None else self.warmup
+
+    @property
+    def table_peak_lr(self) -> float:
+        return self.lr * self.table_lr_scale if self.table_lr is None else self.table_lr
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.batch_size * self.seq_len * self.grad_accum
+
+    def validate(self) -> None:
+        def need(cond: bool, msg: str) -> None:
+            if not cond:
+                raise StemlmError(f"invalid training config: {msg}")
+
+        for name in ("steps", "seq_len", "batch_size", "grad_accum", "eval_batches", "keep_last", "spike_window"):
+            value = getattr(self, name)
+            need(_is_int(value) and value > 0, f"{name} must be a positive integer, got {value!r}")
+        for name in ("seed", "eval_every", "save_every"):
+            value = getattr(self, name)
+            need(_is_int(value) and value >= 0, f"{name} must be a non-negative integer, got {value!r}")
+        need(
+            self.warmup is None or (_is_int(self.warmup) and self.warmup >= 0),
+            f"warmup must be a non-negative integer, got {self.warmup!r}",
+        )
+        need(
+            self.warmup is None or not _is_int(self.steps) or self.warmup < self.steps,
+            f"warmup ({self.warmup}) must be smaller than steps ({self.steps})",
+        )
+        need(
+            self.threads is None or (_is_int(self.threads) and self.threads > 0),
+            f"threads must be a positive integer, got {self.threads!r}",
+        )
+        for name in ("lr", "table_lr_scale", "eps", "spike_factor", "dist_timeout"):
+            value = getattr(self, name)
+            need(_finite(value) and value > 0, f"{name} must be a positive number, got {value!r}")
+        for name in ("weight_decay", "table_wd", "grad_clip", "aux_loss_coef"):
+            value = getattr(self, name)
+            need(_finite(value) and value >= 0, f"{name} must be a non-negative number, got {value!r}")
+        need(
+            self.table_lr is None or (_finite(self.table_lr) and self.table_lr > 0),
+            f"table_lr must be a positive number, got {self.table_lr!r}",
+        )
+        need(
+            _finite(self.min_lr_ratio) and 0 <= self.min_lr_ratio <= 1,
+            f"min_lr_ratio must lie in [0, 1], got {self.min_lr_ratio!r}",
+        )
+        for name in ("beta1", "beta2"):
+            value = getattr(self, name)
+            need(_finite(value) and 0 <= value < 1, f"{name} must lie in [0, 1), got {value!r}")
+        need(self.dtype in DTYPES, f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        need(self.device in DEVICES, f"device must be one of {', '.join(DEVICES)}, got {self.device!r}")
+        need(self.parallel in PARALLEL, f"parallel must be one of {', '.join(PARALLEL)}, got {self.parallel!r}")
+        from stemlm.train.table_optim import TABLE_OPTIMIZERS
+
+        need(
+            self.table_optim in TABLE_OPTIMIZERS,
+            f"table_optim must be one of {', '.join(TABLE_OPTIMIZERS)}, got {self.table_optim!r}",
+        )
+        need(
+            self.data is None or (isinstance(self.data, list) and len(self.data) > 0),
+            "data must be a non-empty list of paths (or None for the embedded corpus)",
+        )
+
+    # ----- (de)serialisation -----
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> TrainConfig:
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(d) - names)
+        if unknown:
+            raise StemlmError(f"unknown training config keys {', '.join(unknown)}")
+        return cls(**d)
+
+    def replace(self, **changes: Any) -> TrainConfig:
+        return dataclasses.replace(self, **changes)
+
+    def with_overrides(self, overrides: dict[str, Any] | list[str]) -> TrainConfig:
+        """Apply overrides: a dict of typed values, or `key=value` strings (a `train.` prefix is allowed)."""
+        if isinstance(overrides, list):
+            pairs: dict[str, Any] = {}
+            for item in overrides:
+                if "=" not in item:
+                    raise StemlmError(f"override {item!r} is not of the form key=value")
+                key, value = item.split("=", 1)
+                pairs[key.strip().removeprefix("train.")] = value
+            overrides = pairs
+        fields = {f.name: f for f in dataclasses.fields(self)}
+        changes = {}
+        for key, value in overrides.items():
+            if key not in fields:
+                raise StemlmError(f"unknown training config key {key!r}; valid keys: {', '.join(sorted(fields))}")
+            changes[key] = parse_field(key, value, str(fields[key].type)) if isinstance(value, str) else value
+        return self.replace(**changes)
+
+
+def parse_field(key: str, raw: str, type_name: str) -> Any:
+    """Parse a command-line string for a field annotated `type_name` (e.g. "float | None", "list[str] | None")."""
+    optional = "None" in type_name
+    if optional and raw.strip().lower() in ("none", "null"):
+        return None
+    base = type_name.replace("| None", "").strip()
+    try:
+        if base == "bool":
+            if raw.lower() not in ("true", "false", "1", "0"):
+                raise ValueError
+            return raw.lower() in ("true", "1")
+        if base == "int":
+            return int(raw)
+        if base == "float":
+            return float(raw)
+        if base == "list[str]":
+            return [part for part in raw.split(",") if part]
+    except ValueError:
+        raise StemlmError(f"training config key {key!r} expects {type_name}, got {raw!r}") from None
+    return raw
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _finite(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+# ----- resolving a run: device, dtype, vocabulary, comparisons on resume -----
+def resolve_device(name: str) -> torch.device:
+    import torch
+
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise StemlmError("device cuda requested but torch sees no CUDA device; use --device cpu")
+    return torch.device(name)
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    # On the project's AVX2 CPU (no native bf16 matmul) a tiny-preset step under bf16 autocast measured ~13x
+    # slower than fp32 (28.5 vs 2.2 CPU-seconds), so auto picks bf16 only on a CUDA device that supports it.
+    import torch
+
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" and torch.cuda.is_bf16_supported() else torch.float32
+    return torch.bfloat16 if name == "bf16" else torch.float32
+
+
+def tokenizer_digest(tok: Tokenizer) -> str:
+    return hashlib.sha256(tok.to_str().encode()).hexdigest()[:16]
+
+
+def fit_vocab(config: ModelConfig, tok: Tokenizer) -> ModelConfig:
+    """`config` with vocab_size = the tokenizer's size rounded up to a multiple of 64 (when it differs)."""
+    size = -(-tok.get_vocab_size() // 64) * 64
+    return config if config.vocab_size == size else config.replace(vocab_size=size)
+
+
+def model_config_diff(run: ModelConfig, requested: ModelConfig) -> list[str]:
+    """`field: run X, requested Y` for every model field that differs (layer specs compared resolved)."""
+    a, b = run.to_dict(), requested.to_dict()
+    a["stem_layers"], b["stem_layers"] = run.special_layers, requested.special_layers
+    return [f"{k}: run {a[k]!r}, requested {b[k]!r}" for k in a if a[k] != b.get(k)]

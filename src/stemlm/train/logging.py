@@ -1,0 +1,127 @@
+"""Run outputs for humans and tools: metrics.jsonl, TensorBoard events, a tqdm bar and the loss-curve PNG.
+
+`RunLogger` writes one JSON object per training step (`"kind": "train"`) and per evaluation (`"kind": "eval"`)
+to RUN/metrics.jsonl and the same numbers to TensorBoard (RUN/tensorboard, tags `train/*`, `eval/*`); the
+progress bar and the one-line evaluation summaries go to stderr. On resume from step k, records after k
+(written by the interrupted run past its last checkpoint) are dropped from metrics.jsonl and purged from
+TensorBoard, so both read as one uninterrupted run. `plot_losses` draws RUN/loss.png from metrics.jsonl.
+Non-finite numbers are written as null: metrics.jsonl stays strict JSON.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+from pathlib import Path
+from typing import Any
+
+from tqdm import tqdm
+
+from stemlm.errors import StemlmError
+
+METRICS_NAME = "metrics.jsonl"
+TENSORBOARD_DIR = "tensorboard"
+PLOT_NAME = "loss.png"
+
+
+def _clean(value: Any) -> Any:
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    return value
+
+
+def read_metrics(path: str | Path) -> list[dict[str, Any]]:
+    """Every record of a metrics.jsonl (an incomplete last line, from a crash mid-write, is ignored)."""
+    records = []
+    path = Path(path)
+    if not path.is_file():
+        return records
+    for line in path.read_text().splitlines():
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return records
+
+
+class RunLogger:
+    """metrics.jsonl + TensorBoard + tqdm for one run, resumable at `start_step`."""
+
+    def __init__(self, run_dir: Path, start_step: int, total_steps: int, progress: bool = True) -> None:
+        self.path = run_dir / METRICS_NAME
+        self.progress = progress
+        try:
+            kept = [r for r in read_metrics(self.path) if r.get("step", 0) <= start_step]
+            self.path.write_text("".join(json.dumps(r) + "\n" for r in kept))
+            self.file = open(self.path, "a")
+        except OSError as exc:
+            raise StemlmError(f"could not write {self.path}: {exc.strerror or exc}") from None
+        from torch.utils.tensorboard import SummaryWriter  # imported here: tensorboard is slow to import
+
+        self.tb = SummaryWriter(str(run_dir / TENSORBOARD_DIR), purge_step=start_step + 1 if start_step else None)
+        self.bar = tqdm(
+            total=total_steps,
+            initial=start_step,
+            file=sys.stderr,
+            disable=not progress,
+            dynamic_ncols=True,
+            unit="step",
+        )
+
+    def log(self, record: dict[str, Any]) -> None:
+        clean = {k: _clean(v) for k, v in record.items()}
+        try:
+            self.file.write(json.dumps(clean) + "\n")
+            self.file.flush()
+        except OSError as exc:
+            raise StemlmError(f"could not write {self.path}: {exc.strerror or exc}") from None
+        kind, step = record["kind"], record["step"]
+        for key, value in clean.items():
+            if key not in ("kind", "step") and isinstance(value, (int, float)) and not isinstance(value, bool):
+                self.tb.add_scalar(f"{kind}/{key}", value, step)
+
+    def advance(self, loss: float, tokens_per_s: float) -> None:
+        self.bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{tokens_per_s:,.0f}", refresh=False)
+        self.bar.update(1)
+
+    def message(self, text: str) -> None:
+        if self.progress:
+            self.bar.write(text, file=sys.stderr)
+        else:
+            print(text, file=sys.stderr, flush=True)
+
+    def close(self) -> None:
+        self.bar.close()
+        self.tb.close()
+        self.file.close()
+
+
+def plot_losses(metrics_path: str | Path, png_path: str | Path, title: str = "") -> Path | None:
+    """Draw train loss per step and held-out loss per evaluation into a PNG; None if there is nothing to draw."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg  # no pyplot: no global backend state
+    from matplotlib.figure import Figure
+
+    records = read_metrics(metrics_path)
+    train = [(r["step"], r["loss"]) for r in records if r.get("kind") == "train" and r.get("loss") is not None]
+    held = [(r["step"], r["heldout_loss"]) for r in records if r.get("kind") == "eval" and r.get("heldout_loss")]
+    if not train and not held:
+        return None
+    fig = Figure(figsize=(7, 4.2), dpi=120)
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot()
+    if train:
+        ax.plot(*zip(*train, strict=True), lw=0.8, alpha=0.8, label="train loss")
+    if held:
+        ax.plot(*zip(*held, strict=True), "o-", lw=1.5, label="held-out loss")
+    ax.set_xlabel("step")
+    ax.set_ylabel("cross-entropy (nats/token)")
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    try:
+        fig.savefig(str(png_path))
+    except OSError as exc:
+        raise StemlmError(f"could not write {png_path}: {exc.strerror or exc}") from None
+    return Path(png_path)

@@ -1,0 +1,195 @@
+"""Trainer checkpoints: model files plus optimizer state and counters, written atomically, read without pickle.
+
+    RUN/checkpoints/step-000123/
+        config.json, model.safetensors, tokenizer.json   the model-core format (stemlm.checkpoint)
+        optimizer.safetensors                            every optimizer state tensor, keyed
+                                                         opt<k>.state.<param_index>.<name> (k: 0 backbone, 1 tables)
+        trainer_state.json                               step, counters, spike window, RNG states (torch as
+                                                         base64, numpy and python as lists), optimizer
+                                                         param_groups, data position, resolved config
+    RUN/checkpoints/latest.json                          {"step": 123, "path": "step-000123"}, replaced atomically
+
+A checkpoint folder is built in a temporary sibling and renamed into place (`AtomicFolder`), so a crash while
+saving leaves the previous checkpoints intact; only then is `latest.json` replaced and old checkpoints beyond
+`keep_last` removed. Any model-only reader (`stemlm generate`, `stemlm.runs.load_checkpoint`) can open these
+folders because the model files are the plain model-core format.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+import random
+import shutil
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+
+from stemlm.checkpoint import AtomicFolder, write_json, write_model_files
+from stemlm.errors import StemlmError
+from stemlm.runs import CHECKPOINTS_DIR, LATEST_NAME, STEP_DIR
+from stemlm.train.table_optim import flatten_optimizer_state, unflatten_optimizer_state
+
+STATE_NAME = "trainer_state.json"
+OPTIMIZER_NAME = "optimizer.safetensors"
+STATE_FORMAT = "stemlm-trainer-state-v1"
+
+
+def checkpoint_dir(run_dir: str | Path, step: int) -> Path:
+    return Path(run_dir) / CHECKPOINTS_DIR / f"step-{step:06d}"
+
+
+# ----- RNG states -----
+def capture_rng() -> dict[str, Any]:
+    """Global RNG states of python, numpy and torch (and CUDA when in use), as JSON-able values."""
+    version, internal, gauss = random.getstate()
+    name, keys, pos, has_gauss, cached = np.random.get_state()
+    state = {
+        "python": [version, list(internal), gauss],
+        "numpy": [name, keys.tolist(), int(pos), int(has_gauss), float(cached)],
+        "torch": base64.b64encode(torch.get_rng_state().numpy().tobytes()).decode("ascii"),
+    }
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = [base64.b64encode(s.numpy().tobytes()).decode("ascii") for s in torch.cuda.get_rng_state_all()]
+    return state
+
+
+def restore_rng(state: dict[str, Any]) -> None:
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(internal), gauss))
+    name, keys, pos, has_gauss, cached = state["numpy"]
+    np.random.set_state((name, np.asarray(keys, dtype=np.uint32), pos, has_gauss, cached))
+    torch.set_rng_state(_bytes_tensor(state["torch"]))
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all([_bytes_tensor(s) for s in state["cuda"]])
+
+
+def _bytes_tensor(text: str) -> torch.Tensor:
+    return torch.frombuffer(bytearray(base64.b64decode(text)), dtype=torch.uint8)
+
+
+# ----- optimizer state -----
+def optimizer_state(optimizers: list[torch.optim.Optimizer]) -> tuple[dict[str, torch.Tensor], list[dict]]:
+    """All optimizers' state tensors in one flat dict (`opt<k>.` prefixes) and their JSON metas."""
+    tensors: dict[str, torch.Tensor] = {}
+    metas = []
+    for k, opt in enumerate(optimizers):
+        flat, meta = flatten_optimizer_state(opt.state_dict())
+        tensors.update({f"opt{k}.{name}": t.cpu() for name, t in flat.items()})
+        metas.append({**meta, "class": type(opt).__name__})
+    return tensors, metas
+
+
+def load_optimizer_state(
+    optimizers: list[torch.optim.Optimizer], tensors: dict[str, torch.Tensor], metas: list[dict], where: Path
+) -> None:
+    """Load saved moments into `optimizers`, keeping their current hyperparameters (the config decides those)."""
+    if len(metas) != len(optimizers):
+        raise StemlmError(f"{where} holds {len(metas)} optimizer states but this run builds {len(optimizers)}")
+    for k, (opt, meta) in enumerate(zip(optimizers, metas, strict=True)):
+        if meta.get("class") != type(opt).__name__:
+            raise StemlmError(
+                f"{where}: optimizer {k} was {meta.get('class')}, this run builds {type(opt).__name__} "
+                "(was --table-optim changed?)"
+            )
+        names = [g.get("name") for g in opt.param_groups]
+        saved = [g.get("name") for g in meta["param_groups"]]
+        sizes, saved_sizes = (
+            [len(g["params"]) for g in opt.param_groups],
+            [len(g["params"]) for g in meta["param_groups"]],
+        )
+        if names != saved or sizes != saved_sizes:
+            raise StemlmError(
+                f"{where}: optimizer {k} has groups {list(zip(saved, saved_sizes, strict=True))}, this run builds "
+                f"{list(zip(names, sizes, strict=True))}; the model or optimizer layout changed"
+            )
+        hyper = [{key: v for key, v in g.items() if key != "params"} for g in opt.param_groups]
+        prefix = f"opt{k}."
+        # Cloned into fresh, aligned memory rather than views into the file buffer (see Trainer._build_model).
+        own = {name[len(prefix) :]: t.clone() for name, t in tensors.items() if name.startswith(prefix)}
+        try:
+            opt.load_state_dict(unflatten_optimizer_state(own, meta))
+        except (ValueError, KeyError, RuntimeError) as exc:
+            raise StemlmError(f"{where}: optimizer {k} state does not fit this run ({exc})") from None
+        for group, h in zip(opt.param_groups, hyper, strict=True):
+            group.update(h)
+
+
+# ----- save / load -----
+def save_checkpoint(
+    run_dir: str | Path,
+    step: int,
+    model,
+    tokenizer,
+    optimizers: list[torch.optim.Optimizer],
+    state: dict[str, Any],
+    keep_last: int,
+) -> Path:
+    """Write RUN/checkpoints/step-<step>/ atomically, point latest.json at it, prune to `keep_last`."""
+    target = checkpoint_dir(run_dir, step)
+    tensors, metas = optimizer_state(optimizers)
+    payload = {**state, "format": STATE_FORMAT, "step": step, "optimizers": metas, "rng": capture_rng()}
+    with AtomicFolder(target) as tmp:
+        write_model_files(model, tmp, tokenizer)
+        save_file(tensors, str(tmp / OPTIMIZER_NAME), metadata={"format": "pt"})
+        write_json(tmp / STATE_NAME, payload)
+    write_latest(Path(run_dir), step)
+    prune_checkpoints(Path(run_dir), keep_last)
+    return target
+
+
+def write_latest(run_dir: Path, step: int) -> None:
+    """Replace checkpoints/latest.json atomically (temp file, fsync, rename)."""
+    folder = run_dir / CHECKPOINTS_DIR
+    tmp = folder / f".{LATEST_NAME}.tmp-{os.getpid()}"
+    try:
+        with open(tmp, "w") as f:
+            json.dump({"step": step, "path": checkpoint_dir(run_dir, step).name}, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, folder / LATEST_NAME)
+    except OSError as exc:
+        tmp.unlink(missing_ok=True)
+        raise StemlmError(f"could not write {folder / LATEST_NAME}: {exc.strerror or exc}") from None
+
+
+def prune_checkpoints(run_dir: Path, keep_last: int) -> None:
+    """Delete all but the newest `keep_last` step folders, and leftovers of interrupted saves."""
+    folder = run_dir / CHECKPOINTS_DIR
+    steps = sorted((int(m.group(1)), p) for p in folder.iterdir() if (m := STEP_DIR.match(p.name)) and p.is_dir())
+    for _, path in steps[:-keep_last]:
+        shutil.rmtree(path, ignore_errors=True)
+    for path in folder.glob(".step-*"):  # AtomicFolder temp / .old folders a killed process left behind
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def read_state_json(ckpt: Path) -> dict[str, Any]:
+    """The trainer_state.json of a trainer checkpoint folder, with actionable errors."""
+    path = ckpt / STATE_NAME
+    if not path.is_file():
+        raise StemlmError(
+            f"{ckpt} has no {STATE_NAME}: it is a model checkpoint, not a trainer checkpoint; "
+            f"start from its weights with --init-from {ckpt}"
+        )
+    try:
+        state = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise StemlmError(f"{path} is corrupt ({exc})") from None
+    if not isinstance(state, dict) or state.get("format") != STATE_FORMAT:
+        raise StemlmError(f"{path} is not a {STATE_FORMAT} file")
+    return state
+
+
+def read_trainer_state(ckpt: Path) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    """(JSON state, optimizer tensors) of a trainer checkpoint folder."""
+    state = read_state_json(ckpt)
+    try:
+        tensors = load_file(str(ckpt / OPTIMIZER_NAME))
+    except (SafetensorError, OSError) as exc:
+        raise StemlmError(f"{ckpt / OPTIMIZER_NAME} is missing or corrupt ({exc})") from None
+    return state, tensors

@@ -1,0 +1,403 @@
+"""The training loop: a `Trainer` that trains a stemlm model on windows of a token dataset, evaluates, saves.
+
+    from stemlm.train import Trainer, TrainConfig
+    result = Trainer(model_config, TrainConfig(steps=400, out="runs/x")).fit()
+    result = Trainer.resume("runs/x", overrides={"steps": 800}).fit()     # continue, bitwise on CPU
+
+One step: `grad_accum` micro-batches, each the deterministic window batch `sample_batch(seed, step *
+grad_accum + k)`, forward under autocast (fp32 master weights), loss = cross-entropy + aux_loss_coef x MoE aux
+loss, backward of loss / grad_accum; then one global gradient-norm clip over all parameters and a step of every
+optimizer (`stemlm.train.optim`). A non-finite loss or gradient norm skips the update (counted as
+`skipped_steps`); a loss above `spike_factor` x the rolling median of the last `spike_window` losses is counted
+as a spike. The data position is the step number and every RNG state is checkpointed, so a resumed run
+reproduces the uninterrupted one. `fault_injection(step, loss) -> loss` (Python API only) lets tests poison a
+step's loss (NaN) or raise to simulate a crash. `stemlm.train.distributed.DistributedTrainer` runs this loop on
+N ranks by overriding the underscored hooks (`_build_optimizers`, `_accumulate_gradients`, `_clip_gradients`,
+`_load_optimizer_state`, `_make_logger`) and `is_main`.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+import statistics
+import time
+from collections import deque
+from collections.abc import Callable
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from tokenizers import Tokenizer
+
+from stemlm.checkpoint import TOKENIZER_NAME, from_pretrained, load_config, write_json
+from stemlm.config import ModelConfig
+from stemlm.errors import StemlmError
+from stemlm.model import build_model
+from stemlm.presets import get_preset
+from stemlm.runs import CHECKPOINTS_DIR, STEP_DIR, resolve_checkpoint
+from stemlm.train.config import TrainConfig, model_config_diff, resolve_device, resolve_dtype, tokenizer_digest
+from stemlm.train.logging import METRICS_NAME, PLOT_NAME, RunLogger, plot_losses
+from stemlm.train.optim import build_optimizers, clip_gradients, set_learning_rates
+from stemlm.train.state import load_optimizer_state, read_state_json, read_trainer_state, restore_rng, save_checkpoint
+
+RUN_CONFIG_NAME = "run_config.json"  # not config.json: that name marks a model checkpoint folder
+FaultInjection = Callable[[int, torch.Tensor], torch.Tensor]
+
+
+def default_run_dir(cfg: TrainConfig, config: ModelConfig) -> Path:
+    return Path("runs") / f"{cfg.preset}-{config.ffn}-{datetime.now().strftime('%Y%m%d-%H%M%S')}"
+
+
+class Trainer:
+    """One training run: model, optimizers, data and run folder; `fit()` trains to `cfg.steps`."""
+
+    is_main = True  # this process writes the run folder (rank 0 of a multi-process run: stemlm.train.distributed)
+
+    def __init__(
+        self,
+        model_config: ModelConfig | None,
+        cfg: TrainConfig,
+        *,
+        tokenizer: Tokenizer | None = None,
+        fault_injection: FaultInjection | None = None,
+        progress: bool = True,
+        _resume_from: Path | None = None,
+    ) -> None:
+        self.cfg, self.fault_injection, self.progress = cfg, fault_injection, progress
+        self.device = resolve_device(cfg.device)
+        self.amp_dtype = resolve_dtype(cfg.dtype, self.device)
+        self.tokenizer = tokenizer or _resolve_tokenizer(cfg)
+        self.model = self._build_model(model_config, _resume_from)
+        self.config = self.model.config
+        if self.tokenizer.get_vocab_size() > self.config.vocab_size:
+            raise StemlmError(
+                f"the tokenizer has {self.tokenizer.get_vocab_size()} tokens but the model's vocab_size is "
+                f"{self.config.vocab_size}; raise vocab_size or use another tokenizer"
+            )
+        if cfg.seq_len > self.config.max_position_embeddings:
+            raise StemlmError(
+                f"seq_len {cfg.seq_len} exceeds the model's max_position_embeddings "
+                f"{self.config.max_position_embeddings}"
+            )
+        self.train_data, self.heldout_data = _load_datasets(cfg, self.tokenizer)
+        self.train_data.sample_batch(cfg.batch_size, cfg.seq_len, seed=cfg.seed, step=0)  # fails early if too small
+        self.optimizers = self._build_optimizers()
+        self.step, self.skipped_steps, self.loss_spikes = 0, 0, 0
+        self.window: deque[float] = deque(maxlen=cfg.spike_window)
+        self.train_time = 0.0
+        if _resume_from is not None:
+            self.run_dir = _resume_from.parent.parent
+            self._restore(_resume_from)
+        else:
+            self.run_dir = Path(cfg.out) if cfg.out else default_run_dir(cfg, self.config)
+            self._start_run_dir()
+
+    # ----- construction -----
+    def _build_model(self, model_config: ModelConfig | None, resume_from: Path | None):
+        source = resume_from or (Path(self.cfg.init_from) if self.cfg.init_from else None)
+        if source is None:
+            config = model_config or get_preset(self.cfg.preset)
+            return build_model(config, device=self.device, seed=self.cfg.seed).train()
+        if model_config is not None:
+            diff = model_config_diff(load_config(source), model_config)
+            if diff:
+                raise StemlmError(f"model config differs from the checkpoint {source}: {'; '.join(diff)}")
+        model = from_pretrained(source, device=self.device).train()
+        # Tensors read from safetensors are views at unaligned offsets of a file buffer, and some CPU kernels round
+        # differently with differently aligned operands (measured: a resumed MoE run lost bitwise equality with
+        # the uninterrupted one after 4 steps). Fresh allocations, like an uninterrupted run's, keep it exact.
+        with torch.no_grad():
+            for param in model.parameters():
+                param.data = param.data.clone()
+        return model
+
+    def _build_optimizers(self) -> list[torch.optim.Optimizer]:
+        return build_optimizers(self.model, self.cfg)
+
+    def _start_run_dir(self) -> None:
+        ckpts = self.run_dir / CHECKPOINTS_DIR
+        if ckpts.is_dir() and any(STEP_DIR.match(p.name) for p in ckpts.iterdir()):
+            raise StemlmError(
+                f"run folder {self.run_dir} already has checkpoints; continue it with --resume {self.run_dir} "
+                "or choose another --out"
+            )
+        try:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            for stale in (METRICS_NAME, PLOT_NAME):
+                (self.run_dir / stale).unlink(missing_ok=True)
+            write_json(self.run_dir / RUN_CONFIG_NAME, self.run_config())
+        except OSError as exc:
+            raise StemlmError(f"cannot write the run folder {self.run_dir}: {exc.strerror or exc}") from None
+        # The loop draws from no global RNG today (windows and init use their own generators); seeding them, and
+        # checkpointing their states, keeps anything added later (dropout, sampling) reproducible across resumes.
+        random.seed(self.cfg.seed)
+        np.random.seed(self.cfg.seed)
+        torch.manual_seed(self.cfg.seed)
+
+    def run_config(self) -> dict[str, Any]:
+        """The resolved configuration written to RUN/run_config.json (model + train + tokenizer + derived)."""
+        return {
+            "model": self.config.to_dict(),
+            "train": self.cfg.to_dict(),
+            "tokenizer": {
+                "name": self.cfg.tokenizer or ("init_from" if self.cfg.init_from else "default"),
+                "vocab_size": self.tokenizer.get_vocab_size(),
+                "sha256_16": tokenizer_digest(self.tokenizer),
+            },
+            "resolved": {
+                "device": self.device.type,
+                "autocast_dtype": str(self.amp_dtype).removeprefix("torch."),
+                "warmup_steps": self.cfg.warmup_steps,
+                "table_peak_lr": self.cfg.table_peak_lr,
+                "tokens_per_step": self.cfg.tokens_per_step,
+                "train_tokens": self.train_data.num_tokens,
+                "heldout_tokens": self.heldout_data.num_tokens if self.heldout_data else 0,
+            },
+        }
+
+    # ----- resume -----
+    @classmethod
+    def resume(
+        cls,
+        path: str | Path,
+        *,
+        model_config: ModelConfig | None = None,
+        tokenizer: Tokenizer | None = None,
+        overrides: dict[str, Any] | None = None,
+        fault_injection: FaultInjection | None = None,
+        progress: bool = True,
+    ) -> Trainer:
+        """Continue a run from its newest checkpoint (or the given checkpoint folder of a run).
+
+        `model_config` / `tokenizer`, when given, must match the run's (else a StemlmError names the
+        difference); `overrides` change training fields, e.g. {"steps": 800}.
+        """
+        ckpt = resolve_checkpoint(path)
+        run_dir = ckpt.parent.parent
+        if ckpt.parent.name != CHECKPOINTS_DIR or not (run_dir / RUN_CONFIG_NAME).is_file():
+            raise StemlmError(f"{path} is not a training run folder (no {RUN_CONFIG_NAME}); cannot resume it")
+        try:
+            saved = json.loads((run_dir / RUN_CONFIG_NAME).read_text())
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise StemlmError(f"{run_dir / RUN_CONFIG_NAME} is corrupt ({exc})") from None
+        # The training config the checkpoint was written under (it includes earlier resumes' overrides).
+        train = read_state_json(ckpt)["config"]["train"]
+        cfg = TrainConfig.from_dict(train).with_overrides({**(overrides or {}), "out": str(run_dir)})
+        try:
+            run_tok = Tokenizer.from_file(str(ckpt / TOKENIZER_NAME))
+        except Exception as exc:  # tokenizers raises a bare Exception for a missing or malformed file
+            raise StemlmError(f"cannot read the run's tokenizer {ckpt / TOKENIZER_NAME}: {exc}") from None
+        if tokenizer is not None and tokenizer_digest(tokenizer) != tokenizer_digest(run_tok):
+            raise StemlmError(
+                f"tokenizer differs from the run's: run {saved['tokenizer']['name']!r} "
+                f"({run_tok.get_vocab_size()} tokens, sha {tokenizer_digest(run_tok)}), requested "
+                f"{tokenizer.get_vocab_size()} tokens, sha {tokenizer_digest(tokenizer)}"
+            )
+        return cls(
+            model_config, cfg, tokenizer=run_tok, fault_injection=fault_injection, progress=progress, _resume_from=ckpt
+        )
+
+    def _restore(self, ckpt: Path) -> None:
+        state = read_state_json(ckpt)
+        self._load_optimizer_state(ckpt, state)
+        self.step = state["step"]
+        self.skipped_steps, self.loss_spikes = state["skipped_steps"], state["loss_spikes"]
+        self.window.extend(state["spike_window"][-self.cfg.spike_window :])
+        self.train_time = state.get("train_time_s", 0.0)
+        restore_rng(state["rng"])
+        if self.step >= self.cfg.steps:
+            raise StemlmError(
+                f"run {self.run_dir} is already at step {self.step} of {self.cfg.steps}; "
+                "pass a larger --steps to continue"
+            )
+        try:
+            if self.is_main:
+                write_json(self.run_dir / RUN_CONFIG_NAME, self.run_config())  # now with this resume's overrides
+        except OSError as exc:
+            raise StemlmError(f"cannot write the run folder {self.run_dir}: {exc.strerror or exc}") from None
+
+    def _load_optimizer_state(self, ckpt: Path, state: dict[str, Any]) -> None:
+        if "distributed" in state:  # written by several processes: sharded, in torch.distributed.checkpoint form
+            from stemlm.train.dist_checkpoint import load_optimizers
+
+            load_optimizers(self.optimizers, ckpt, state)
+        else:
+            _, tensors = read_trainer_state(ckpt)
+            load_optimizer_state(self.optimizers, tensors, state["optimizers"], ckpt)
+
+    def state(self) -> dict[str, Any]:
+        """Counters and data position saved with each checkpoint (RNG and optimizer state are added by save)."""
+        return {
+            "skipped_steps": self.skipped_steps,
+            "loss_spikes": self.loss_spikes,
+            "spike_window": list(self.window),
+            "train_time_s": self.train_time,
+            "data": {"seed": self.cfg.seed, "next_window_step": self.step * self.cfg.grad_accum},
+            "config": {"model": self.config.to_dict(), "train": self.cfg.to_dict()},
+        }
+
+    def save(self) -> Path:
+        return save_checkpoint(
+            self.run_dir, self.step, self.model, self.tokenizer, self.optimizers, self.state(), self.cfg.keep_last
+        )
+
+    # ----- training -----
+    def autocast(self):
+        return torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.amp_dtype == torch.bfloat16)
+
+    def train_step(self) -> dict[str, Any]:
+        """One optimizer step at `self.step`; returns its metrics record and advances the step."""
+        cfg, step = self.cfg, self.step
+        mult = set_learning_rates(self.optimizers, step, cfg)
+        start = time.perf_counter()
+        losses, auxes, finite = self._accumulate_gradients(step)
+        norm = self._clip_gradients() if finite else math.nan
+        applied = finite and math.isfinite(norm)
+        if applied:
+            for opt in self.optimizers:
+                opt.step()
+        else:
+            self.skipped_steps += 1
+        for opt in self.optimizers:
+            opt.zero_grad(set_to_none=True)
+        elapsed = time.perf_counter() - start
+        self.train_time += elapsed
+        self.step += 1
+        loss = sum(losses) / len(losses)
+        spike = False
+        if applied:
+            spike = len(self.window) == cfg.spike_window and loss > cfg.spike_factor * statistics.median(self.window)
+            self.loss_spikes += spike
+            self.window.append(loss)
+        record = {
+            "kind": "train",
+            "step": self.step,
+            "loss": loss,
+            "lr": cfg.lr * mult,
+            "grad_norm": norm,
+            "tokens_per_s": cfg.tokens_per_step / elapsed,
+            "skipped": not applied,
+            "spike": spike,
+        }
+        if auxes:
+            record["aux_loss"] = sum(auxes) / len(auxes)
+        if self.model.stem_tables():
+            record["table_lr"] = cfg.table_peak_lr * mult
+        return record
+
+    def _accumulate_gradients(self, step: int) -> tuple[list[float], list[float], bool]:
+        """Forward and backward of the step's `grad_accum` micro-batches: (losses, aux losses, all finite)."""
+        cfg = self.cfg
+        losses, auxes = [], []
+        for k in range(cfg.grad_accum):
+            x, y = self.train_data.sample_batch(
+                cfg.batch_size, cfg.seq_len, seed=cfg.seed, step=step * cfg.grad_accum + k
+            )
+            x, y = x.to(self.device), y.to(self.device)
+            with self.autocast():
+                out = self.model(x, labels=y)
+            loss = out.loss if self.fault_injection is None else self.fault_injection(step + 1, out.loss)
+            total = loss if out.aux_loss is None else loss + cfg.aux_loss_coef * out.aux_loss.float()
+            losses.append(loss.item())
+            auxes += [] if out.aux_loss is None else [out.aux_loss.item()]
+            if not math.isfinite(total.item()):
+                return losses, auxes, False
+            (total / cfg.grad_accum).backward()
+        return losses, auxes, True
+
+    def _clip_gradients(self) -> float:
+        return clip_gradients(self.optimizers, self.cfg.grad_clip).item()
+
+    @torch.no_grad()
+    def evaluate(self) -> float | None:
+        """Mean held-out cross-entropy over `eval_batches` fixed batches spread over the held-out split."""
+        if self.heldout_data is None:
+            return None
+        cfg, total, count = self.cfg, 0.0, 0
+        self.model.eval()
+        windows = self.heldout_data.iter_eval_windows(cfg.seq_len, cfg.eval_batches * cfg.batch_size, cfg.batch_size)
+        for x, y in windows:
+            with self.autocast():
+                out = self.model(x.to(self.device), labels=y.to(self.device))
+            total += out.loss.item() * y.numel()
+            count += y.numel()
+        self.model.train()
+        return total / count
+
+    def fit(self) -> dict[str, Any]:
+        """Train from `self.step` to `cfg.steps`, evaluating and saving on schedule; returns the final metrics."""
+        cfg, wall = self.cfg, time.perf_counter()
+        logger = self._make_logger()
+        if self.heldout_data is None:
+            logger.message(f"note: no held-out split with a window of {cfg.seq_len} tokens; no held-out evaluation")
+        heldout, checkpoint, last = None, None, None
+        try:
+            while self.step < cfg.steps:
+                last = self.train_step()
+                logger.log(last)
+                logger.advance(last["loss"], last["tokens_per_s"])
+                if last["skipped"]:
+                    logger.message(f"step {self.step}: non-finite loss or gradient norm, update skipped")
+                elif last["spike"]:
+                    logger.message(f"step {self.step}: loss spike {last['loss']:.4f} (> {cfg.spike_factor} x median)")
+                if self.step == cfg.steps or (cfg.eval_every and self.step % cfg.eval_every == 0):
+                    heldout = self._evaluate_and_log(logger, last)
+                if self.step == cfg.steps or (cfg.save_every and self.step % cfg.save_every == 0):
+                    checkpoint = self.save()
+        finally:
+            logger.close()
+        if self.is_main:
+            plot_losses(self.run_dir / METRICS_NAME, self.run_dir / PLOT_NAME, title=self.run_dir.name)
+        tokens = cfg.tokens_per_step * self.step
+        return {
+            "run_dir": str(self.run_dir),
+            "checkpoint": str(checkpoint),
+            "steps": self.step,
+            "train_loss": last["loss"] if last else None,
+            "heldout_loss": heldout,
+            "skipped_steps": self.skipped_steps,
+            "loss_spikes": self.loss_spikes,
+            "tokens_seen": tokens,
+            "tokens_per_s": tokens / self.train_time if self.train_time else None,
+            "train_time_s": self.train_time,
+            "wall_s": time.perf_counter() - wall,
+            "device": self.device.type,
+            "autocast_dtype": str(self.amp_dtype).removeprefix("torch."),
+        }
+
+    def _make_logger(self) -> RunLogger:
+        return RunLogger(self.run_dir, self.step, self.cfg.steps, self.progress)
+
+    def _evaluate_and_log(self, logger: RunLogger, last: dict[str, Any]) -> float | None:
+        heldout = self.evaluate()
+        record = {"kind": "eval", "step": self.step, "heldout_loss": heldout, "train_loss": last["loss"]}
+        logger.log(record)
+        shown = "n/a" if heldout is None else f"{heldout:.4f} (ppl {math.exp(min(heldout, 50)):.1f})"
+        logger.message(
+            f"step {self.step}/{self.cfg.steps} | train {last['loss']:.4f} | held-out {shown} | lr {last['lr']:.2e} | "
+            f"{last['tokens_per_s']:,.0f} tok/s | skipped {self.skipped_steps} | spikes {self.loss_spikes}"
+        )
+        return heldout
+
+
+def _resolve_tokenizer(cfg: TrainConfig) -> Tokenizer:
+    from stemlm.data import get_tokenizer
+
+    if cfg.tokenizer is None and cfg.init_from and (Path(cfg.init_from) / TOKENIZER_NAME).is_file():
+        return get_tokenizer(Path(cfg.init_from) / TOKENIZER_NAME)
+    return get_tokenizer(cfg.tokenizer or "default")
+
+
+def _load_datasets(cfg: TrainConfig, tok: Tokenizer):
+    from stemlm.data import TokenDataset, load_corpus
+
+    train_texts, heldout_texts = load_corpus(cfg.data)
+    train = TokenDataset.from_texts(train_texts, tok)
+    heldout = TokenDataset.from_texts(heldout_texts, tok) if heldout_texts else None
+    if heldout is not None and heldout.num_tokens < cfg.seq_len + 1:
+        heldout = None  # too small for one window: train without held-out evaluation
+    return train, heldout

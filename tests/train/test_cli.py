@@ -1,0 +1,202 @@
+"""`stemlm train` / `python -m stemlm.train`: a tiny end-to-end run, resume, and one-line errors with exit code 2.
+
+Most calls go through `stemlm.cli.main.main([...])` in-process; one real subprocess checks the module entry
+point. Run: `OMP_NUM_THREADS=1 python -m pytest tests/train/test_cli.py -q`.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from stemlm.cli.main import build_parser, main
+from stemlm.config import ModelConfig
+from stemlm.model import build_model
+from stemlm.runs import load_checkpoint
+from stemlm.train import state as state_mod
+
+MODEL = [
+    "model.hidden_size=64",
+    "model.num_hidden_layers=2",
+    "model.intermediate_size=128",
+    "model.num_attention_heads=4",
+    "model.max_position_embeddings=64",
+]
+
+
+@pytest.fixture
+def small(train_assets):
+    """Arguments for a 4-step tiny run on the test corpus (append --out)."""
+    return [
+        "train",
+        "--data",
+        str(train_assets["data"]),
+        "--tokenizer",
+        str(train_assets["tokenizer"]),
+        "--steps",
+        "4",
+        "--seq-len",
+        "32",
+        "--batch-size",
+        "4",
+        "--eval-batches",
+        "2",
+        "--threads",
+        "1",
+        "--no-progress",
+        "--sample-tokens",
+        "5",
+        "--set",
+        *MODEL,
+        "train.eval_every=2",
+    ]
+
+
+def run_cli(args, capsys):
+    code = main(args)
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_train_json_report_and_resume(tmp_path, small, capsys):
+    threads = torch.get_num_threads()
+    code, out, err = run_cli([*small, "--out", str(tmp_path / "run"), "--json"], capsys)
+    assert code == 0, err
+    report = json.loads(out)  # exactly one JSON object on stdout
+    assert report["steps"] == 4 and report["heldout_loss"] > 0 and isinstance(report["sample"]["completion"], str)
+    config = json.loads((tmp_path / "run" / "run_config.json").read_text())
+    assert config["model"]["vocab_size"] == 320  # set from the 320-token tokenizer
+    assert config["model"]["hidden_size"] == 64 and config["train"]["eval_every"] == 2
+    model_config = ModelConfig.from_dict(config["model"])
+    assert report["accounting"]["parameters_total"] == build_model(model_config, device="meta").num_parameters()
+    assert torch.get_num_threads() == threads  # the CLI restores the caller's thread count
+    model, tok = load_checkpoint(tmp_path / "run")  # the trainer checkpoint is a model checkpoint too
+    assert tok is not None and model.config.to_hf_dict() == model_config.to_hf_dict()
+
+    code, out, err = run_cli(
+        ["train", "--resume", str(tmp_path / "run"), "--steps", "6", "--no-progress", "--sample-tokens", "0"], capsys
+    )
+    assert code == 0, err
+    assert "run " in out and "held-out loss" in out
+    steps = [
+        json.loads(line)["step"]
+        for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
+        if '"train"' in line
+    ]
+    assert steps == [1, 2, 3, 4, 5, 6]
+
+
+def one_line_error(code, out, err, fragment, after_progress=False):
+    """Exit code 2 and the error as one line: the only stderr line, or the last one after eval lines."""
+    assert code == 2
+    lines = err.strip().splitlines()
+    assert after_progress or len(lines) == 1, err
+    assert lines[-1].startswith("stemlm train: error: ") and fragment in lines[-1], lines[-1]
+    assert "Traceback" not in err
+
+
+@pytest.mark.parametrize(
+    "extra, fragment",
+    [
+        (["--steps", "0"], "steps must be a positive integer, got 0"),
+        (["--steps", "-5"], "steps must be a positive integer, got -5"),
+        (["--lr", "-1"], "lr must be a positive number"),
+        (["--warmup", "10"], "warmup (10) must be smaller than steps (4)"),
+        (["--preset", "huge"], "unknown preset 'huge'"),
+        (["--set", "model.hiden_size=3"], "unknown config key 'hiden_size'"),
+        (["--set", "train.stepz=3"], "unknown training config key 'stepz'"),
+        (["--set", "hidden_size=3"], "prefix the key with model. or train."),
+        (["--set", "model.hidden_size=big"], "'hidden_size' expects"),
+        (["--table-lr", "fast"], "--table-lr 'fast'"),
+        (["--sample-tokens", "-1"], "--sample-tokens must be >= 0"),
+        (["--threads", "0"], "threads must be a positive integer"),
+        (["--batch-size", "100000"], "lower the batch size or seq_len, or add data"),
+        (["--seq-len", "128"], "exceeds the model's max_position_embeddings 64"),
+        (["--tokenizer", "no/such/tokenizer.json"], "tokenizer file not found"),
+        (["--resume", "no/such/run"], "does not exist"),
+        (["--init-from", "no/such/ckpt"], "does not exist"),
+    ],
+)
+def test_bad_arguments(tmp_path, small, capsys, extra, fragment):
+    one_line_error(*run_cli([*small, "--out", str(tmp_path / "run"), *extra], capsys), fragment)
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize(
+    "content, fragment",
+    [(None, "data path not found"), ("", "is empty"), (b"\x00\x01binary", "looks binary")],
+)
+def test_bad_data_files(tmp_path, train_assets, capsys, content, fragment):
+    path = tmp_path / "data.txt"
+    if isinstance(content, bytes):
+        path.write_bytes(content)
+    elif content is not None:
+        path.write_text(content)
+    args = ["train", "--data", str(path), "--tokenizer", str(train_assets["tokenizer"]), "--out", str(tmp_path / "r")]
+    one_line_error(*run_cli(args, capsys), fragment)
+
+
+def test_unwritable_run_folder(tmp_path, small, capsys):
+    blocker = tmp_path / "file"
+    blocker.write_text("a regular file, so nothing can be created below it (works even as root)")
+    one_line_error(*run_cli([*small, "--out", str(blocker / "run")], capsys), "cannot write the run folder")
+
+
+@pytest.mark.skipif(hasattr(os, "geteuid") and os.geteuid() == 0, reason="root ignores directory permissions")
+def test_read_only_run_folder(tmp_path, small, capsys):
+    folder = tmp_path / "ro"
+    folder.mkdir()
+    folder.chmod(0o500)
+    try:
+        one_line_error(*run_cli([*small, "--out", str(folder / "run")], capsys), "cannot write the run folder")
+    finally:
+        folder.chmod(0o700)
+
+
+def test_disk_full_while_saving(tmp_path, small, capsys, monkeypatch):
+    def full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(state_mod, "save_file", full)
+    code, out, err = run_cli([*small, "--out", str(tmp_path / "run"), "--set", "train.eval_every=0"], capsys)
+    one_line_error(code, out, err, "No space left on device", after_progress=True)
+    assert not any(p.name.startswith(".step-") for p in (tmp_path / "run" / "checkpoints").iterdir())
+
+
+def test_resume_with_other_model_or_tokenizer(tmp_path, small, capsys):
+    assert run_cli([*small, "--out", str(tmp_path / "run"), "--sample-tokens", "0"], capsys)[0] == 0
+    resume = ["train", "--resume", str(tmp_path / "run"), "--steps", "8"]
+    one_line_error(*run_cli([*resume, "--set", "model.hidden_size=32"], capsys), "hidden_size: run 64, requested 32")
+    one_line_error(*run_cli([*resume, "--ffn", "dense"], capsys), "ffn: run 'stem', requested 'dense'")
+    one_line_error(*run_cli([*resume, "--tokenizer", "default"], capsys), "tokenizer differs from the run's")
+    one_line_error(*run_cli([*resume, "--init-from", "x"], capsys), "cannot be combined")
+    one_line_error(*run_cli([*small, "--out", str(tmp_path / "run")], capsys), "already has checkpoints")
+
+
+def test_every_flag_has_help():
+    parser = build_parser()
+    sub = next(a for a in parser._actions if a.dest == "command").choices["train"]
+    missing = [a.dest for a in sub._actions if not a.help]
+    assert not missing
+
+
+def test_module_entry_point_reports_one_line_error(tmp_path):
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "stemlm.train", "--steps", "0", "--out", str(tmp_path / "r")],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
+    assert proc.returncode == 2
+    assert (
+        proc.stderr.strip() == "stemlm train: error: invalid training config: steps must be a positive integer, got 0"
+    )
+    assert proc.stdout == ""
