@@ -1,0 +1,291 @@
+"""Multi-process training with torch.distributed: `DistributedTrainer`, the `Trainer` of one rank.
+
+    stemlm train --nproc 2 --parallel fsdp ...          # the CLI relaunches itself under torchrun
+    torchrun --nproc-per-node 2 -m stemlm.cli.main train ...   # the same, by hand
+
+Every rank builds the same model from the same seed (or reads the same checkpoint), then
+- the STEM/PLE tables are row-sharded over the ranks (`stemlm.dist.ShardedTables`, built before any
+  optimizer so the backbone optimizer never sees them) and stepped by the table optimizer on the shards;
+- the backbone is replicated with DDP (`parallel="ddp"`) or sharded with FSDP2 (`"fsdp"`: `fully_shard` per
+  decoder layer, then the root).
+The global batch is the 1-process batch: each micro-batch is the same `sample_batch(seed, step)` draw and rank
+r takes rows [r * b, (r + 1) * b), b = batch_size / N. DDP / FSDP2 average the backbone gradients and the
+tables divide theirs by N, so N processes train the same model as one (up to float rounding); the MoE
+balancing loss is the exception (its batch statistics are per rank). Gradients are synchronised on the last
+micro-batch only (DDP `no_sync`, FSDP2 `set_requires_gradient_sync(False)` before it); one clip covers the
+backbone (replicated or sharded) and the table shards. Rank 0 alone writes the run folder, metrics and progress;
+each step's table traffic, summed over ranks, is logged as `table_bytes_sent` (and `/counts`, `/ids`, `/rows`,
+`/grads`). Checkpoints: `stemlm.train.dist_checkpoint` (they resume on any number of processes).
+
+A failing rank ends the job: torchrun then stops the others, and a rank blocked in a collective gives up
+after `cfg.dist_timeout` seconds. Fault injection for tests: `STEMLM_FAULT_EXIT=RANK:STEP` makes that rank
+exit with status 1 just before it computes that (1-based) step.
+Tests: `OMP_NUM_THREADS=1 python -m pytest tests/dist/test_train_dist.py -q`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import random
+import sys
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from tokenizers import Tokenizer
+
+from stemlm.checkpoint import from_pretrained, load_config
+from stemlm.config import ModelConfig
+from stemlm.dist.launch import destroy_distributed, init_distributed, local_batch_size
+from stemlm.dist.sharded_tables import ShardedTables
+from stemlm.presets import get_preset
+from stemlm.train.config import TrainConfig
+from stemlm.train.dist_checkpoint import load_optimizers, save_distributed_checkpoint
+from stemlm.train.logging import RunLogger
+from stemlm.train.table_optim import clip_grad_norm_mixed, make_table_optimizer
+from stemlm.train.trainer import FaultInjection, Trainer, default_run_dir
+
+FAULT_ENV = "STEMLM_FAULT_EXIT"
+TRAFFIC_KINDS = ("counts", "ids", "rows", "grads")
+
+
+class DistributedTrainer(Trainer):
+    """A `Trainer` for one rank of a torchrun job (the process group is joined on construction)."""
+
+    def __init__(
+        self,
+        model_config: ModelConfig | None,
+        cfg: TrainConfig,
+        *,
+        tokenizer: Tokenizer | None = None,
+        fault_injection: FaultInjection | None = None,
+        progress: bool = True,
+        _resume_from: Path | None = None,
+    ) -> None:
+        device = None if cfg.device == "auto" else cfg.device
+        self.dist = init_distributed(device=device, timeout_s=cfg.dist_timeout)
+        self.local_batch = local_batch_size(cfg.batch_size, self.dist.world_size)
+        if _resume_from is None and cfg.out is None:
+            cfg = cfg.replace(out=self._shared_run_dir(model_config, cfg))
+        super().__init__(
+            model_config,
+            cfg,
+            tokenizer=tokenizer,
+            fault_injection=fault_injection,
+            progress=progress and self.dist.is_main,
+            _resume_from=_resume_from,
+        )
+
+    @property
+    def is_main(self) -> bool:
+        return self.dist.is_main
+
+    def _shared_run_dir(self, model_config: ModelConfig | None, cfg: TrainConfig) -> str:
+        # The default folder name carries a timestamp: rank 0 picks it, the others take its choice.
+        name = [None]
+        if self.dist.is_main:
+            config = model_config or (load_config(cfg.init_from) if cfg.init_from else get_preset(cfg.preset))
+            name = [str(default_run_dir(cfg, config))]
+        dist.broadcast_object_list(name, src=0)
+        return name[0]
+
+    # ----- construction: shard the tables, wrap the backbone, then build the optimizers -----
+    def _build_model(self, model_config, resume_from):
+        model = super()._build_model(model_config, resume_from)
+        from torch.distributed.device_mesh import init_device_mesh
+
+        self.mesh = init_device_mesh(self.device.type, (self.dist.world_size,))
+        self.tables = ShardedTables(model) if model.stem_tables() else None
+        if self.cfg.parallel == "fsdp":
+            from torch.distributed.fsdp import fully_shard
+
+            for layer in model.model.layers:
+                fully_shard(layer, mesh=self.mesh)
+            fully_shard(model, mesh=self.mesh)
+            self.net = model
+        else:
+            from torch.nn.parallel import DistributedDataParallel
+
+            ids = [self.device.index] if self.device.type == "cuda" else None
+            self.net = DistributedDataParallel(model, device_ids=ids)
+        return model
+
+    def _build_optimizers(self) -> list[torch.optim.Optimizer]:
+        optimizers = super()._build_optimizers()  # the backbone only: the tables left the model's parameters
+        if self.tables is not None:
+            cfg = self.cfg
+            table_opt = make_table_optimizer(
+                cfg.table_optim,
+                self.tables.parameters(),
+                lr=cfg.table_peak_lr,
+                betas=(cfg.beta1, cfg.beta2),
+                eps=cfg.eps,
+                weight_decay=cfg.table_wd,
+            )
+            for group in table_opt.param_groups:
+                group.update(name="tables", peak_lr=cfg.table_peak_lr)
+            optimizers.append(table_opt)
+        return optimizers
+
+    def _start_run_dir(self) -> None:
+        if self.is_main:
+            super()._start_run_dir()
+        else:
+            random.seed(self.cfg.seed)
+            np.random.seed(self.cfg.seed)
+            torch.manual_seed(self.cfg.seed)
+        dist.barrier()
+
+    def run_config(self) -> dict[str, Any]:
+        config = super().run_config()
+        config["distributed"] = {
+            "world_size": self.dist.world_size,
+            "backend": self.dist.backend,
+            "parallel": self.cfg.parallel,
+            "local_batch_size": self.local_batch,
+        }
+        return config
+
+    def _make_logger(self) -> RunLogger | _QuietLogger:
+        return super()._make_logger() if self.is_main else _QuietLogger()
+
+    # ----- one step -----
+    def _table_kwargs(self, x: torch.Tensor) -> dict[str, Any]:
+        return {} if self.tables is None else {"table_rows": self.tables.lookup(x)}
+
+    def _sync(self, last: bool):
+        """Synchronise gradients on the last micro-batch only."""
+        if self.cfg.parallel == "fsdp":
+            self.net.set_requires_gradient_sync(last)
+            return contextlib.nullcontext()
+        return contextlib.nullcontext() if last else self.net.no_sync()
+
+    def _accumulate_gradients(self, step: int) -> tuple[list[float], list[float], bool]:
+        cfg, n = self.cfg, self.dist.world_size
+        rows = slice(self.dist.rank * self.local_batch, (self.dist.rank + 1) * self.local_batch)
+        losses, auxes = [], []
+        for k in range(cfg.grad_accum):
+            x, y = self.train_data.sample_batch(
+                cfg.batch_size, cfg.seq_len, seed=cfg.seed, step=step * cfg.grad_accum + k
+            )
+            x, y = x[rows].to(self.device), y[rows].to(self.device)
+            with self._sync(k == cfg.grad_accum - 1):
+                with self.autocast():
+                    out = self.net(x, labels=y, **self._table_kwargs(x))
+                loss = out.loss if self.fault_injection is None else self.fault_injection(step + 1, out.loss)
+                aux = out.aux_loss.float() if out.aux_loss is not None else None
+                total = loss if aux is None else loss + cfg.aux_loss_coef * aux
+                # One all_reduce: the global mean loss and aux, and whether any rank went non-finite, so that
+                # every rank skips together (a rank leaving the loop alone would stall the others' collectives).
+                stats = torch.stack(
+                    [
+                        loss.detach().float(),
+                        aux.detach() if aux is not None else torch.zeros((), device=loss.device),
+                        (~torch.isfinite(total.detach())).float(),
+                    ]
+                )
+                dist.all_reduce(stats)
+                mean_loss, mean_aux, bad = (stats / n).tolist()
+                losses.append(mean_loss)
+                auxes += [] if aux is None else [mean_aux]
+                if bad > 0:
+                    return losses, auxes, False
+                (total / cfg.grad_accum).backward()
+        return losses, auxes, True
+
+    def _clip_gradients(self) -> float:
+        backbone = [p for group in self.optimizers[0].param_groups for p in group["params"]]
+        shards = self.tables.parameters() if self.tables is not None else ()
+        max_norm = self.cfg.grad_clip if self.cfg.grad_clip > 0 else float("inf")
+        return clip_grad_norm_mixed(backbone, max_norm, sharded_params=shards).item()
+
+    def train_step(self) -> dict[str, Any]:
+        _maybe_inject_exit(self.dist.rank, self.step + 1)
+        if self.tables is not None:
+            self.tables.comm.pop_step()  # drop the held-out evaluation's lookups: count this step's traffic only
+        record = super().train_step()
+        if self.tables is not None:
+            record.update(self._table_traffic())
+        return record
+
+    def _table_traffic(self) -> dict[str, int]:
+        """This step's bytes sent between ranks for the table exchange, summed over the ranks (collective)."""
+        sent = self.tables.comm.pop_step()
+        counts = torch.tensor([sent.get(f"table_bytes_sent/{kind}", 0) for kind in TRAFFIC_KINDS], dtype=torch.int64)
+        counts = counts.to(self.device)
+        dist.all_reduce(counts)
+        values = counts.tolist()
+        return {"table_bytes_sent": sum(values)} | {
+            f"table_bytes_sent/{kind}": v for kind, v in zip(TRAFFIC_KINDS, values, strict=True)
+        }
+
+    @torch.no_grad()
+    def evaluate(self) -> float | None:
+        """Held-out loss over the same windows as one process, each batch split over the ranks."""
+        if self.heldout_data is None:
+            return None
+        cfg, n, rank = self.cfg, self.dist.world_size, self.dist.rank
+        totals = torch.zeros(2, dtype=torch.float64)
+        self.model.eval()
+        windows = self.heldout_data.iter_eval_windows(cfg.seq_len, cfg.eval_batches * cfg.batch_size, cfg.batch_size)
+        for x, y in windows:
+            part_x, part_y = x.tensor_split(n)[rank], y.tensor_split(n)[rank]
+            weight = 1.0
+            if part_x.shape[0] == 0:  # a short last batch: this rank still takes part in the collectives
+                part_x, part_y, weight = x[:1], y[:1], 0.0
+            part_x, part_y = part_x.to(self.device), part_y.to(self.device)
+            with self.autocast():
+                out = self.model(part_x, labels=part_y, **self._table_kwargs(part_x))
+            totals += torch.tensor([out.loss.item() * part_y.numel(), part_y.numel()], dtype=torch.float64) * weight
+        self.model.train()
+        totals = totals.to(self.device)
+        dist.all_reduce(totals)
+        return (totals[0] / totals[1]).item()
+
+    # ----- checkpoints -----
+    def save(self) -> Path:
+        return save_distributed_checkpoint(self)
+
+    def _load_optimizer_state(self, ckpt: Path, state: dict[str, Any]) -> None:
+        load_optimizers(self.optimizers, ckpt, state, tables=self.tables, mesh=self.mesh)
+
+    def fit(self) -> dict[str, Any]:
+        result = super().fit()
+        result.update(world_size=self.dist.world_size, parallel=self.cfg.parallel)
+        return result
+
+    def finish(self, checkpoint: str | Path | None = None) -> None:
+        """Leave the process group; on rank 0, replace `model` by the unsharded one from `checkpoint`
+        (e.g. the final one) so the caller can generate or evaluate with it."""
+        destroy_distributed()
+        if checkpoint is not None and self.is_main:
+            self.model = from_pretrained(checkpoint, device=self.device).eval()
+
+
+class _QuietLogger:
+    """The logger of ranks other than 0: they train silently."""
+
+    def log(self, record: dict[str, Any]) -> None:
+        pass
+
+    def advance(self, loss: float, tokens_per_s: float) -> None:
+        pass
+
+    def message(self, text: str) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def _maybe_inject_exit(rank: int, step: int) -> None:
+    spec = os.environ.get(FAULT_ENV)
+    if not spec:
+        return
+    target_rank, _, target_step = spec.partition(":")
+    if int(target_rank) == rank and int(target_step) == step:
+        print(f"{FAULT_ENV}: rank {rank} exits before step {step}", file=sys.stderr, flush=True)
+        os._exit(1)

@@ -1,0 +1,76 @@
+"""Fixtures for the distributed trainer tests: a small corpus, a 320-token BPE, and tiny model / run configs.
+
+`dist_assets` writes six ~12k-character documents of the embedded corpus as text files and trains a byte-level
+BPE on them once per session; token shards go to a session cache (STEMLM_CACHE, set by `dist_cache`).
+`model_config(ffn)` is a 2-layer, hidden-64 model whose vocabulary of 333 rows is odd, so two ranks hold
+unequal table shards (167 and 166 rows); `train_config(assets, out, **overrides)` is a 6-step run with a
+global batch of 4 windows of 32 tokens, evaluated and checkpointed every 3 steps (Adam eps: see there).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from stemlm.config import ModelConfig
+from stemlm.data import load_embedded_corpus, save_tokenizer, train_bpe
+from stemlm.train.config import TrainConfig
+
+VOCAB = 333
+
+
+@pytest.fixture(scope="session")
+def dist_assets(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("dist_assets")
+    data = root / "data"
+    data.mkdir()
+    docs = load_embedded_corpus()
+    picked = [docs[i] for i in range(0, len(docs), max(1, len(docs) // 6))][:6]
+    texts = [d.text[5_000:17_000] for d in picked]  # past the front matter
+    for i, text in enumerate(texts):
+        (data / f"doc{i}.txt").write_text(text)
+    tokenizer = save_tokenizer(train_bpe(texts, vocab_size=320), root / "tok")
+    return {"data": data, "tokenizer": tokenizer, "cache": root / "cache"}
+
+
+@pytest.fixture
+def dist_cache(dist_assets, monkeypatch):
+    monkeypatch.setenv("STEMLM_CACHE", str(dist_assets["cache"]))
+
+
+def model_config(ffn: str) -> ModelConfig:
+    return ModelConfig(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        ffn=ffn,
+        stem_layers="odd",
+    )
+
+
+def train_config(assets: dict[str, Path], out: Path, **overrides) -> TrainConfig:
+    base = dict(
+        data=[str(assets["data"])],
+        tokenizer=str(assets["tokenizer"]),
+        seq_len=32,
+        batch_size=4,
+        steps=6,
+        lr=3e-3,
+        # Adam divides by sqrt(v) + eps: a gradient entry that is float noise (a sum that cancels to ~1e-11, whose
+        # sign depends on summation order) moves its weight by lr * g / eps. eps 1e-6 keeps that below 1e-6, so
+        # 1 and 2 processes (different summation orders) can be compared at 1e-5; with 1e-8 single table
+        # entries differed by 3e-4 while every loss still agreed to 1e-6.
+        eps=1e-6,
+        eval_every=3,
+        eval_batches=2,
+        save_every=3,
+        keep_last=5,
+        out=str(out),
+        device="cpu",
+    )
+    return TrainConfig(**{**base, **overrides})
