@@ -88,8 +88,15 @@ class EditRecord:
 def load_countries() -> tuple[Country, ...]:
     text = resources.files("stemlm.assets").joinpath("facts/countries.json").read_text(encoding="utf-8")
     return tuple(
-        Country(c["name"], c["capital"], c["region"], c["subregion"], c["demonym"], tuple(c["languages"]),
-                tuple(c["currencies"]))
+        Country(
+            c["name"],
+            c["capital"],
+            c["region"],
+            c["subregion"],
+            c["demonym"],
+            tuple(c["languages"]),
+            tuple(c["currencies"]),
+        )
         for c in json.loads(text)["countries"]
     )
 
@@ -116,9 +123,11 @@ def fact_prompts(split: str = "train", relations: tuple[str, ...] = RELATIONS) -
     return prompts
 
 
-def fact_documents(repeats: int = 20, lines_per_document: int = 64, seed: int = 0) -> list[str]:
-    """Training text: every training-template statement `repeats` times, shuffled into documents."""
-    statements = [p.prompt + p.answer + "." for p in fact_prompts("train")] * repeats
+def fact_documents(
+    repeats: int = 20, lines_per_document: int = 64, seed: int = 0, relations: tuple[str, ...] = RELATIONS
+) -> list[str]:
+    """Training text: every training-template statement of `relations` `repeats` times, shuffled into documents."""
+    statements = [p.prompt + p.answer + "." for p in fact_prompts("train", relations)] * repeats
     random.Random(seed).shuffle(statements)
     return ["\n".join(statements[i : i + lines_per_document]) for i in range(0, len(statements), lines_per_document)]
 
@@ -135,12 +144,19 @@ def edit_records(
         others = [o for o in countries if o.fact(relation) != c.fact(relation)]
         target = rng.choice(others)
         neighbors = rng.sample([o for o in others if o is not target], k=min(num_neighbors, len(others) - 1))
-        records.append(EditRecord(
-            subject=c.name, target_subject=target.name, relation=relation, prompt=train_t[0].format(s=c.name),
-            true_target=f" {c.fact(relation)}", new_target=f" {target.fact(relation)}",
-            paraphrase_prompts=[t.format(s=c.name) for t in train_t[1:] + heldout_t],
-            neighborhood=[FactPrompt(o.name, relation, train_t[0].format(s=o.name), f" {o.fact(relation)}")
-                          for o in neighbors],
-        ))
+        records.append(
+            EditRecord(
+                subject=c.name,
+                target_subject=target.name,
+                relation=relation,
+                prompt=train_t[0].format(s=c.name),
+                true_target=f" {c.fact(relation)}",
+                new_target=f" {target.fact(relation)}",
+                paraphrase_prompts=[t.format(s=c.name) for t in train_t[1:] + heldout_t],
+                neighborhood=[
+                    FactPrompt(o.name, relation, train_t[0].format(s=o.name), f" {o.fact(relation)}") for o in neighbors
+                ],
+            )
+        )
     rng.shuffle(records)
     return records[:num_records] if num_records else records

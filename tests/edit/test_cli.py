@@ -1,0 +1,162 @@
+"""`stemlm edit` and `stemlm eval edits` end to end on tiny checkpoints, including the one-line errors."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from stemlm.checkpoint import from_pretrained, save_pretrained
+from stemlm.cli.main import main
+
+PROMPT = "Country: Spain. Capital:"
+
+
+@pytest.fixture
+def checkpoints(edit_model, fact_tokenizer, tmp_path):
+    stem, dense = tmp_path / "stem", tmp_path / "dense"
+    save_pretrained(edit_model(), stem, tokenizer=fact_tokenizer)
+    save_pretrained(edit_model("dense"), dense, tokenizer=fact_tokenizer)
+    return str(stem), str(dense)
+
+
+def _json(capsys, argv):
+    assert main(argv) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def test_positional_edit_json(checkpoints, capsys):
+    stem, _ = checkpoints
+    out = _json(
+        capsys,
+        [
+            "edit",
+            stem,
+            "--prompt",
+            PROMPT,
+            "--source",
+            "Spain",
+            "--target",
+            "Germany",
+            "--json",
+            "--top-k",
+            "3",
+            "--max-new-tokens",
+            "4",
+        ],
+    )
+    assert out["mode"] == "positional" and out["layers"] == [1, 2] and len(out["positions"]) == 1
+    for view in (out["before"], out["after"]):
+        assert len(view["top_k"]) == 3 and all(0 <= t["prob"] <= 1 for t in view["top_k"])
+    assert out["before"]["top_k"] != out["after"]["top_k"]
+
+
+def test_text_output_shows_before_and_after(checkpoints, capsys):
+    stem, _ = checkpoints
+    assert main(["edit", stem, "--prompt", PROMPT, "--source", "Spain", "--target", "Germany"]) == 0
+    out = capsys.readouterr().out
+    assert "before:" in out and "after:" in out and "positional edit" in out
+
+
+def test_global_edit_saved(checkpoints, capsys, tmp_path, fact_tokenizer):
+    stem, _ = checkpoints
+    out_dir = tmp_path / "edited"
+    out = _json(capsys, ["edit", stem, "--source", "Spain", "--target", "Germany", "--save", str(out_dir), "--json"])
+    assert out["mode"] == "global" and out["saved"] == str(out_dir) and out["before"] is None
+    original, edited = from_pretrained(stem), from_pretrained(out_dir)
+    (s,), (g,) = fact_tokenizer.encode(" Spain").ids, fact_tokenizer.encode(" Germany").ids
+    for layer in (1, 2):
+        assert torch.equal(edited.stem_tables()[layer].weight[s], original.stem_tables()[layer].weight[g])
+    assert json.loads((out_dir / "edits.json").read_text())["edits"][0]["source"] == "Spain"
+
+
+def test_inject_saved_with_new_token(checkpoints, capsys, tmp_path):
+    stem, _ = checkpoints
+    out_dir = tmp_path / "injected"
+    out = _json(
+        capsys,
+        [
+            "edit",
+            stem,
+            "--inject",
+            "Zorbia",
+            "--target",
+            "Chile",
+            "--save",
+            str(out_dir),
+            "--prompt",
+            "Country: Zorbia. Capital:",
+            "--json",
+        ],
+    )
+    assert out["mode"] == "inject" and out["edit"]["added_to_tokenizer"] and out["edit"]["rows"] == "both"
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(out_dir / "tokenizer.json"))
+    assert out["edit"]["token_id"] in tok.encode("Country: Zorbia.").ids
+
+
+@pytest.mark.parametrize(
+    "extra,message",
+    [
+        (["--prompt", PROMPT, "--source", "France", "--target", "Germany"], "does not occur in the prompt"),
+        (["--prompt", PROMPT, "--source", "Spain", "--target", " "], "empty entity name"),
+        (["--prompt", PROMPT, "--source", "Spain", "--target", "Germany", "--layers", "0"], "not a STEM layer"),
+        (["--source", "Spain", "--target", "Germany"], "needs --prompt"),
+        (["--prompt", PROMPT, "--target", "Germany"], "pass --source"),
+        (["--prompt", PROMPT, "--source", "Spain", "--target", "Germany", "--top-k", "0"], "--top-k must be"),
+    ],
+)
+def test_bad_input_is_one_line_error(checkpoints, capsys, extra, message):
+    stem, _ = checkpoints
+    assert main(["edit", stem, *extra]) == 2
+    err = capsys.readouterr().err.strip()
+    assert message in err and len(err.splitlines()) == 1 and err.startswith("stemlm edit: error:")
+
+
+def test_dense_checkpoint_is_refused_but_embedding_control_runs(checkpoints, capsys):
+    _, dense = checkpoints
+    assert main(["edit", dense, "--prompt", PROMPT, "--source", "Spain", "--target", "Germany"]) == 2
+    assert "no STEM tables" in capsys.readouterr().err
+    out = _json(
+        capsys,
+        ["edit", dense, "--prompt", PROMPT, "--source", "Spain", "--target", "Germany", "--rows", "embed", "--json"],
+    )
+    assert out["rows"] == "embed"
+
+
+def test_eval_edits_json_with_dense_control(checkpoints, capsys, tmp_path):
+    stem, dense = checkpoints
+    out = _json(
+        capsys,
+        [
+            "eval",
+            "edits",
+            stem,
+            "--records",
+            "2",
+            "--fluency-tokens",
+            "0",
+            "--dense",
+            dense,
+            "--out",
+            str(tmp_path / "r.json"),
+            "--json",
+        ],
+    )
+    assert set(out["variants"]) == {"stem", "embed", "both", "dense-embed"}
+    for summary in out["variants"].values():
+        assert summary["records"] == 2 and 0.0 <= summary["efficacy"] <= 1.0
+    assert json.loads((tmp_path / "r.json").read_text()) == out
+
+
+def test_eval_edits_table_and_errors(checkpoints, capsys):
+    stem, dense = checkpoints
+    assert main(["eval", "edits", dense, "--records", "1", "--fluency-tokens", "0"]) == 0
+    table = capsys.readouterr().out
+    assert table.startswith("| variant |") and "| embed |" in table
+    assert main(["eval", "edits", stem, "--relation", "moons"]) == 2
+    assert "unknown relation" in capsys.readouterr().err
+    assert main(["eval", "edits", dense, "--variants", "stem", "--records", "1"]) == 2
+    assert "no STEM tables" in capsys.readouterr().err
