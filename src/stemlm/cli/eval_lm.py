@@ -1,0 +1,102 @@
+"""`stemlm eval lm CKPT`: run EleutherAI's lm-evaluation-harness (offline) on a checkpoint.
+
+    stemlm eval lm runs/tiny                                   # the five shipped tasks (tag `stemlm`)
+    stemlm eval lm runs/tiny --tasks stemlm_facts_capital,stemlm_cloze --limit 50 --json
+    stemlm eval lm runs/tiny --include-path my_tasks/ --tasks my_task --out results.json
+
+Tasks come from the shipped folder and any `--include-path` folders (lm-eval YAML; `dataset_path: json`
+with `data_files` relative to the YAML works from any working directory). Nothing is downloaded:
+`--builtin` also indexes lm-eval's own tasks, which then only run if their datasets are already in the
+local Hugging Face cache. This module adds the `lm` subcommand to the `stemlm eval` group.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from stemlm.cli.common import add_json_flag, print_json
+from stemlm.errors import StemlmError
+
+
+def _limit(text: str) -> int | float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--limit {text!r} is not a number") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"--limit must be positive, got {text}")
+    return value if value < 1 else int(value)
+
+
+def register_eval(subparsers) -> None:
+    parser = subparsers.add_parser(
+        "lm",
+        help="run lm-evaluation-harness tasks (offline)",
+        description="Evaluate a checkpoint with EleutherAI's lm-evaluation-harness on local task files.",
+    )
+    parser.add_argument("checkpoint", metavar="CKPT", help="a checkpoint folder or a training run folder")
+    parser.add_argument(
+        "--tasks",
+        metavar="T1,T2",
+        help="comma-separated task names, tags or glob patterns (default: the shipped stemlm tasks)",
+    )
+    parser.add_argument("--limit", type=_limit, help="examples per task: an integer, or a fraction below 1")
+    parser.add_argument(
+        "--include-path",
+        action="append",
+        default=[],
+        metavar="DIR",
+        help="a folder of extra task YAMLs (repeatable); its tasks override shipped ones of the same name",
+    )
+    parser.add_argument("--num-fewshot", type=int, metavar="K", help="few-shot examples per prompt (default: task's)")
+    parser.add_argument("--batch-size", type=int, default=8, help="sequences per forward (default: 8)")
+    parser.add_argument("--max-length", type=int, metavar="L", help="context window (default: the model's maximum)")
+    parser.add_argument("--builtin", action="store_true", help="also index lm-eval's built-in tasks (cached data only)")
+    parser.add_argument("--seed", type=int, default=0, help="seed for lm-eval's sampling and few-shot choice")
+    parser.add_argument("--device", default="cpu", help="torch device to run on (default: cpu)")
+    parser.add_argument("--out", metavar="FILE", help="also write lm-eval's full results as JSON to FILE")
+    add_json_flag(parser)
+    parser.set_defaults(func=run)
+
+
+def run(args) -> int:
+    from stemlm.evaluation.lm_eval_adapter import StemlmLM, run_lm_eval, summarize_results
+
+    tasks = [t.strip() for t in args.tasks.split(",") if t.strip()] if args.tasks else None
+    if args.tasks is not None and not tasks:
+        raise StemlmError("--tasks is empty: name at least one task")
+    lm = StemlmLM.from_checkpoint(
+        args.checkpoint, device=args.device, batch_size=args.batch_size, max_length=args.max_length
+    )
+    results = run_lm_eval(
+        lm,
+        tasks,
+        limit=args.limit,
+        include_paths=args.include_path,
+        num_fewshot=args.num_fewshot,
+        builtin=args.builtin,
+        seed=args.seed,
+    )
+    summary = summarize_results(results)
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(results, indent=2, default=str), encoding="utf-8")
+    if args.json:
+        print_json(
+            {
+                "checkpoint": args.checkpoint,
+                "limit": args.limit,
+                "results": summary,
+                "n_samples": results.get("n-samples", {}),
+            }
+        )
+        return 0
+    width = max(len(t) for t in summary)
+    for task, metrics in summary.items():
+        print(f"{task:<{width}}  " + "  ".join(f"{k} {v:.4f}" for k, v in metrics.items()))
+    if args.out:
+        print(f"full results: {args.out}", file=sys.stderr)
+    return 0

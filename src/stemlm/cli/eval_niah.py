@@ -1,0 +1,139 @@
+"""`stemlm eval niah CKPT` (needle-in-a-haystack grid) and `stemlm eval niah-data` (passkey training data).
+
+    stemlm eval niah runs/tiny --lengths 256,512,1024 --depths 0,0.25,0.5,0.75,1 --samples 4 --out niah/
+    stemlm eval niah runs/tiny --lengths 256 --depths 0.5 --needles 4 --digits 4 --json
+    stemlm eval niah-data --out niah_train.jsonl --num 2000 --lengths 128,256   # then train with --data
+
+`niah` writes `niah.json` (accuracy per cell, per length, overall) and `niah_heatmap.png` into `--out`;
+lengths above the model's max_position_embeddings are refused. `niah-data` writes {"text": ...} jsonl
+documents (needle sample + answer) that a small model needs in its training mix to learn retrieval at all.
+This module adds both subcommands to the `stemlm eval` group (one registration function each).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from stemlm.cli.common import add_json_flag, print_json
+from stemlm.errors import StemlmError
+
+
+def _ints(text: str) -> list[int]:
+    try:
+        values = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of integers") from None
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: give positive integers, e.g. 256,512,1024")
+    return values
+
+
+def _floats(text: str) -> list[float]:
+    try:
+        values = [float(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of numbers") from None
+    if not values or not all(0.0 <= v <= 1.0 for v in values):
+        raise argparse.ArgumentTypeError(f"{text!r}: depths are fractions in [0, 1], e.g. 0,0.5,1")
+    return values
+
+
+def register_eval(subparsers) -> None:
+    parser = subparsers.add_parser(
+        "niah",
+        help="needle-in-a-haystack accuracy grid and heatmap",
+        description="RULER-style needle-in-a-haystack: accuracy over context lengths x needle depths.",
+    )
+    parser.add_argument("checkpoint", metavar="CKPT", help="a checkpoint folder or a training run folder")
+    parser.add_argument(
+        "--lengths", type=_ints, default=[256, 512, 1024], help="context lengths in tokens (default: 256,512,1024)"
+    )
+    parser.add_argument(
+        "--depths",
+        type=_floats,
+        default=[0.0, 0.25, 0.5, 0.75, 1.0],
+        help="needle depths in [0, 1] (default: 0,0.25,0.5,0.75,1)",
+    )
+    parser.add_argument("--samples", type=int, default=4, help="samples per (length, depth) cell (default: 4)")
+    parser.add_argument(
+        "--needles", type=int, default=1, help="needles per haystack; >1 is the multi-key variant (default: 1)"
+    )
+    parser.add_argument("--digits", type=int, default=7, help="digits of each magic number (default: 7)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of keys, numbers and distractor positions")
+    parser.add_argument("--device", default="cpu", help="torch device to run on (default: cpu)")
+    parser.add_argument(
+        "--out",
+        default="eval-niah",
+        metavar="DIR",
+        help="folder for niah.json and niah_heatmap.png (default: eval-niah)",
+    )
+    add_json_flag(parser)
+    parser.set_defaults(func=run)
+
+
+def register_eval_data(subparsers) -> None:
+    data = subparsers.add_parser(
+        "niah-data",
+        help="write passkey-retrieval training documents (jsonl)",
+        description="Synthetic needle-in-a-haystack training documents (prompt + answer) as jsonl for --data.",
+    )
+    data.add_argument("--out", required=True, metavar="FILE", help="the jsonl file to write")
+    data.add_argument("--num", type=int, default=1000, help="number of documents (default: 1000)")
+    data.add_argument(
+        "--lengths", type=_ints, default=[128, 256], help="document lengths in tokens to draw from (default: 128,256)"
+    )
+    data.add_argument("--needles", type=_ints, default=[1, 2, 4], help="needle counts to draw from (default: 1,2,4)")
+    data.add_argument("--digits", type=int, default=7, help="digits of each magic number (default: 7)")
+    data.add_argument("--seed", type=int, default=1234, help="seed (default 1234, distinct from evaluation seeds)")
+    data.add_argument(
+        "--tokenizer", default="default", help="tokenizer that lengths are measured in (default: default)"
+    )
+    data.set_defaults(func=run_data)
+
+
+def run(args) -> int:
+    from stemlm.evaluation.niah import model_answerer, plot_niah_heatmap, run_niah
+    from stemlm.evaluation.perplexity import load_eval_checkpoint
+
+    model, tokenizer = load_eval_checkpoint(args.checkpoint, device=args.device)
+    result = run_niah(
+        model_answerer(model, tokenizer),
+        tokenizer,
+        args.lengths,
+        args.depths,
+        samples=args.samples,
+        needles=args.needles,
+        digits=args.digits,
+        seed=args.seed,
+        max_context=model.config.max_position_embeddings,
+        keep_outputs=True,
+    )
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "niah.json").write_text(json.dumps(result, indent=2), encoding="utf-8")
+    plot_niah_heatmap(result, out / "niah_heatmap.png", title=f"{result['variant']}: {Path(args.checkpoint).name}")
+    if args.json:
+        print_json({k: v for k, v in result.items() if k != "outputs"} | {"out": str(out)})
+        return 0
+    print(f"{result['variant']}: accuracy {result['accuracy']:.3f}")
+    for length, acc in result["by_length"].items():
+        print(f"  length {length:>6}: {acc:.3f}")
+    print(f"wrote {out / 'niah.json'} and {out / 'niah_heatmap.png'}", file=sys.stderr)
+    return 0
+
+
+def run_data(args) -> int:
+    from stemlm.data import get_tokenizer
+    from stemlm.evaluation.niah import passkey_documents, write_jsonl
+
+    if args.num < 1:
+        raise StemlmError(f"--num must be positive, got {args.num}")
+    docs = passkey_documents(
+        get_tokenizer(args.tokenizer), args.num, args.lengths, needles=args.needles, digits=args.digits, seed=args.seed
+    )
+    path = write_jsonl(docs, args.out)
+    print(f"wrote {len(docs)} documents to {path}", file=sys.stderr)
+    return 0

@@ -1,0 +1,73 @@
+"""`stemlm eval ppl CKPT`: held-out loss, perplexity and bits per byte with a sliding window.
+
+    stemlm eval ppl runs/tiny                                  # the embedded corpus's held-out split
+    stemlm eval ppl runs/tiny --data notes.txt docs/ --seq-len 512 --stride 256 --json
+    stemlm eval ppl runs/tiny --max-tokens 20000               # quick estimate over every document
+
+Each document is scored on its own after `<|endoftext|>`; a long one is cut into windows of `--seq-len`
+tokens advancing by `--stride`, each token scored once (see `stemlm.evaluation.perplexity`). `--data`
+files are scored whole (no split). This module adds the `ppl` subcommand to the `stemlm eval` group.
+"""
+
+from __future__ import annotations
+
+import sys
+
+from stemlm.cli.common import add_json_flag, print_json
+
+
+def register_eval(subparsers) -> None:
+    parser = subparsers.add_parser(
+        "ppl",
+        help="held-out loss, perplexity and bits per byte",
+        description="Loss, perplexity and bits per byte of a checkpoint on held-out text, with a sliding window.",
+    )
+    parser.add_argument("checkpoint", metavar="CKPT", help="a checkpoint folder or a training run folder")
+    parser.add_argument(
+        "--data",
+        nargs="+",
+        metavar="PATH",
+        help="text/markdown/jsonl files or folders to score whole (default: the embedded corpus held-out split)",
+    )
+    parser.add_argument(
+        "--seq-len", type=int, metavar="L", help="window length in tokens (default: the model's maximum)"
+    )
+    parser.add_argument("--stride", type=int, metavar="S", help="tokens the window advances by, 1..L (default: L)")
+    parser.add_argument("--max-tokens", type=int, metavar="N", help="score only about N tokens, spread over documents")
+    parser.add_argument("--batch-size", type=int, default=8, help="windows per forward (default: 8)")
+    parser.add_argument("--device", default="cpu", help="torch device to run on (default: cpu)")
+    add_json_flag(parser)
+    parser.set_defaults(func=run)
+
+
+def run(args) -> int:
+    from stemlm.evaluation.perplexity import evaluate_perplexity, load_eval_checkpoint
+
+    model, tokenizer = load_eval_checkpoint(args.checkpoint, device=args.device)
+    if args.data:
+        from stemlm.data import read_texts
+
+        texts, source = read_texts(args.data), " ".join(args.data)
+    else:
+        from stemlm.data import embedded_texts
+
+        texts, source = embedded_texts("heldout"), "embedded corpus (held-out split)"
+    result = evaluate_perplexity(
+        model,
+        tokenizer,
+        texts,
+        window=args.seq_len,
+        stride=args.stride,
+        max_tokens=args.max_tokens,
+        batch_size=args.batch_size,
+    )
+    if args.json:
+        print_json({"checkpoint": args.checkpoint, "data": source, **result.to_dict()})
+        return 0
+    print(f"data: {source}", file=sys.stderr)
+    print(
+        f"loss {result.loss:.4f}  perplexity {result.perplexity:.2f}  bits/byte {result.bits_per_byte:.4f}  "
+        f"({result.tokens:,} tokens, {result.bytes:,} bytes, {result.documents} documents; "
+        f"window {result.window}, stride {result.stride})"
+    )
+    return 0

@@ -1,0 +1,242 @@
+"""A stemlm model inside EleutherAI's lm-evaluation-harness: the `StemlmLM` adapter and `run_lm_eval`.
+
+`StemlmLM` subclasses `lm_eval.api.model.LM` directly (rather than wrapping the HF-integrated model in
+lm-eval's `HFLM`): it drives the model with its own `tokenizers` tokenizer and KV-cache generation, and its
+`loglikelihood_rolling` is literally `stemlm.evaluation.perplexity.token_logprobs`, so lm-eval and
+`stemlm eval ppl` share one windowing implementation instead of two that must be kept in agreement.
+Every request is conditioned on `<|endoftext|>` first, the separator the trainer puts before each
+document, so a context starts the way training documents do (an empty context is just that token).
+Contexts longer than the model's window keep their rightmost tokens.
+
+The adapter is registered with lm-eval under the name `stemlm` (`model_args="pretrained=CKPT"`).
+Importing this module switches `datasets` and the Hub to offline mode: tasks must come from local files.
+
+    from stemlm.evaluation.lm_eval_adapter import StemlmLM, run_lm_eval
+    results = run_lm_eval(StemlmLM.from_checkpoint("runs/tiny"), tasks=None, limit=20)   # shipped tasks
+"""
+
+from __future__ import annotations
+
+import os
+
+# Before lm_eval (and with it `datasets`) is imported: they read these once, at import time.
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import logging  # noqa: E402
+from pathlib import Path  # noqa: E402
+from typing import Any  # noqa: E402
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+from lm_eval.api.model import LM  # noqa: E402
+from lm_eval.api.registry import register_model  # noqa: E402
+from tokenizers import Tokenizer  # noqa: E402
+
+from stemlm.errors import StemlmError  # noqa: E402
+from stemlm.evaluation.perplexity import load_eval_checkpoint, model_device, token_logprobs  # noqa: E402
+from stemlm.model.decoder import StemLM  # noqa: E402
+
+DEFAULT_MAX_GEN_TOKS = 64
+
+
+@register_model("stemlm")
+class StemlmLM(LM):
+    """lm-eval's three request types on a `StemLM` and its tokenizer (greedy or sampled generation)."""
+
+    def __init__(
+        self,
+        model: StemLM,
+        tokenizer: Tokenizer,
+        *,
+        batch_size: int = 8,
+        max_length: int | None = None,
+        max_gen_toks: int = DEFAULT_MAX_GEN_TOKS,
+    ) -> None:
+        from stemlm.data.tokenizer import eot_id
+
+        super().__init__()
+        self.model = model.eval()
+        self.tok = tokenizer
+        self.eot_token_id = eot_id(tokenizer)
+        self.batch_size = int(batch_size)
+        self.max_length = int(max_length or model.config.max_position_embeddings)
+        if not 2 <= self.max_length <= model.config.max_position_embeddings:
+            raise StemlmError(
+                f"max_length {self.max_length} must be between 2 and the model's max_position_embeddings="
+                f"{model.config.max_position_embeddings}"
+            )
+        self.max_gen_toks = int(max_gen_toks)
+
+    # ----- construction from lm-eval's model_args -----
+    @classmethod
+    def from_checkpoint(cls, pretrained: str | Path, *, device: str | None = None, **kwargs: Any) -> StemlmLM:
+        """Load CKPT (a checkpoint or run folder); its tokenizer, or the default one when it has none."""
+        model, tokenizer = load_eval_checkpoint(str(pretrained), device=device or "cpu")
+        return cls(model, tokenizer, **kwargs)
+
+    @classmethod
+    def create_from_arg_obj(cls, arg_dict: dict[str, Any], additional_config: dict | None = None) -> StemlmLM:
+        args = {**{k: v for k, v in (additional_config or {}).items() if v is not None}, **arg_dict}
+        args.pop("max_batch_size", None)
+        if "pretrained" not in args:
+            raise StemlmError("model_args needs pretrained=CKPT (a stemlm checkpoint or run folder)")
+        return cls.from_checkpoint(args.pop("pretrained"), **args)
+
+    @classmethod
+    def create_from_arg_string(cls, arg_string: str, additional_config: dict | None = None) -> StemlmLM:
+        from lm_eval.utils import simple_parse_args_string
+
+        return cls.create_from_arg_obj(simple_parse_args_string(arg_string), additional_config)
+
+    # ----- helpers -----
+    def encode(self, text: str) -> list[int]:
+        return self.tok.encode(text, add_special_tokens=False).ids
+
+    def _score(self, context: list[int], continuation: list[int]) -> tuple[list[int], int]:
+        # The forward input (rightmost max_length tokens of context + continuation, minus the last) and
+        # the number of continuation tokens it predicts (all of them: they are the last targets).
+        if len(continuation) > self.max_length:
+            raise StemlmError(f"a continuation of {len(continuation)} tokens does not fit the window {self.max_length}")
+        return (context + continuation)[-(self.max_length + 1) : -1], len(continuation)
+
+    # ----- the three request types -----
+    @torch.no_grad()
+    def loglikelihood(self, requests, disable_tqdm: bool = False) -> list[tuple[float, bool]]:
+        """(sum of log p(continuation tokens | context), whether greedy decoding would produce them)."""
+        items = []
+        for i, req in enumerate(requests):
+            context, continuation = req.args[0], req.args[1]
+            # Trailing spaces of the context go to the continuation (as lm-eval's HFLM does), so "Answer: " +
+            # "Paris" is scored as the natural tokens "Answer:" + " Paris", not a lone space token.
+            stripped = context.rstrip()
+            context, continuation = stripped, context[len(stripped) :] + continuation
+            cont = self.encode(continuation)
+            inputs, n = self._score([self.eot_token_id, *self.encode(context)], cont)
+            items.append((i, inputs, cont, n))
+        results: list[tuple[float, bool]] = [(0.0, True)] * len(items)
+        items.sort(key=lambda item: -len(item[1]))  # similar lengths share a batch: little padding
+        device = model_device(self.model)
+        for start in range(0, len(items), self.batch_size):
+            batch = [item for item in items[start : start + self.batch_size] if item[3] > 0]
+            if not batch:
+                continue
+            width = len(batch[0][1])
+            # Right padding needs no attention mask: causal attention never lets a real token see a pad.
+            inputs = torch.full((len(batch), width), self.eot_token_id, dtype=torch.long, device=device)
+            for row, (_, ids, _, _) in enumerate(batch):
+                inputs[row, : len(ids)] = torch.tensor(ids, device=device)
+            logp = F.log_softmax(self.model(inputs).logits.float(), dim=-1)
+            for row, (i, ids, cont, n) in enumerate(batch):
+                rows = logp[row, len(ids) - n : len(ids)]
+                target = torch.tensor(cont, device=device)
+                total = float(rows.gather(-1, target[:, None]).sum())
+                results[i] = (total, bool((rows.argmax(-1) == target).all()))
+        return results
+
+    def loglikelihood_rolling(self, requests, disable_tqdm: bool = False) -> list[float]:
+        """Log-likelihood of each whole text: `token_logprobs` windows of `max_length`, stride = window."""
+        out = []
+        for req in requests:
+            ids = self.encode(req.args[0])
+            logp = token_logprobs(self.model, [self.eot_token_id, *ids], self.max_length, None, self.batch_size)
+            out.append(float(logp.double().sum()))
+        return out
+
+    def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
+        """Generate from each context until one of its `until` strings (cut off), `<|endoftext|>` or
+        `max_gen_toks` tokens; greedy unless the task asks for `do_sample` with a temperature > 0."""
+        from stemlm.generate import stream_tokens
+
+        out = []
+        for req in requests:
+            context, kwargs = req.args[0], dict(req.args[1] or {})
+            until = kwargs.get("until") or []
+            until = [until] if isinstance(until, str) else list(until)
+            max_new = int(kwargs.get("max_gen_toks", self.max_gen_toks))
+            if max_new >= self.max_length:
+                raise StemlmError(
+                    f"max_gen_toks {max_new} leaves no room for a context in the window {self.max_length}"
+                )
+            prompt = [self.eot_token_id, *self.encode(context)][-(self.max_length - max_new) :]
+            temperature = float(kwargs.get("temperature", 0.0) or 0.0)
+            greedy = not kwargs.get("do_sample", False) or temperature <= 0
+            ids: list[int] = []
+            text = ""
+            for token in stream_tokens(
+                self.model,
+                prompt,
+                max_new,
+                greedy=greedy,
+                temperature=temperature or 1.0,
+                seed=int(kwargs.get("seed", 0)),
+                eos_id=self.eot_token_id,
+            ):
+                if token == self.eot_token_id:
+                    break
+                ids.append(token)
+                text = self.tok.decode(ids)
+                if any(stop in text for stop in until):
+                    break
+            cut = min([text.find(s) for s in until if s in text], default=len(text))
+            out.append(text[:cut])
+        return out
+
+
+def run_lm_eval(
+    lm: StemlmLM,
+    tasks: list[str] | None = None,
+    *,
+    limit: int | float | None = None,
+    include_paths: list[str | Path] | None = None,
+    num_fewshot: int | None = None,
+    builtin: bool = False,
+    seed: int = 0,
+) -> dict[str, Any]:
+    """Run lm-eval's `simple_evaluate` on `tasks` (default: the shipped ones); returns its results dict.
+
+    Task names are resolved and checked by `stemlm.evaluation.tasks.load_task_configs` first, so an
+    unknown task or an incomplete task file fails with a one-line error before any model call.
+    """
+    from lm_eval import simple_evaluate
+
+    from stemlm.evaluation.tasks import load_task_configs
+
+    specs, manager = load_task_configs(tasks, include_paths, builtin=builtin)
+    logging.getLogger("lm_eval").setLevel(logging.WARNING)
+    try:
+        results = simple_evaluate(
+            model=lm,
+            tasks=specs,
+            limit=limit,
+            num_fewshot=num_fewshot,
+            task_manager=manager,
+            bootstrap_iters=0,
+            log_samples=False,
+            random_seed=seed,
+            numpy_random_seed=seed,
+            torch_random_seed=seed,
+            fewshot_random_seed=seed,
+        )
+    except StemlmError:
+        raise
+    except Exception as exc:  # lm-eval / datasets errors: surface them as one actionable line
+        raise StemlmError(f"lm-eval failed: {type(exc).__name__}: {str(exc).strip().splitlines()[0]}") from exc
+    return results
+
+
+def summarize_results(results: dict[str, Any]) -> dict[str, dict[str, float]]:
+    """{task: {metric: value}} from lm-eval's results, dropping stderr entries and the filter suffix."""
+    summary = {}
+    for task, metrics in results.get("results", {}).items():
+        values = {}
+        for key, value in metrics.items():
+            metric = key.split(",")[0]
+            if (
+                metric not in ("alias", "sample_len")
+                and not metric.endswith("_stderr")
+                and isinstance(value, (int, float))
+            ):
+                values[metric] = float(value)
+        summary[task] = values
+    return summary

@@ -1,0 +1,201 @@
+"""Held-out perplexity with a sliding window: loss, perplexity and bits per byte of any text.
+
+Each document is scored on its own, conditioned on the `<|endoftext|>` separator the trainer puts between
+documents, so its first token is predicted too. A document longer than the window is cut into windows of
+at most `window` tokens whose right ends advance by `stride`; each window scores only the tokens no
+earlier window scored, so every token is scored exactly once, with at least `window - stride` tokens of
+left context (the last window always ends at the document's end with a full window of context). With
+`stride == window` this is exactly lm-eval's `loglikelihood_rolling` windowing (the `StemlmLM` adapter
+uses these same functions). Bits per byte = total nats / (ln 2 · UTF-8 bytes of the scored text), the
+tokenizer-independent number to compare models with different vocabularies.
+
+    from stemlm.evaluation.perplexity import evaluate_perplexity
+    result = evaluate_perplexity(model, tokenizer, texts, window=512, stride=256)
+    print(result.perplexity, result.bits_per_byte)
+
+CLI: `stemlm eval ppl CKPT [--data PATH ...] [--seq-len L] [--stride S] [--max-tokens N] [--json]`.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+
+import torch
+import torch.nn.functional as F
+from tokenizers import Tokenizer
+
+from stemlm.errors import StemlmError
+from stemlm.model.decoder import StemLM
+
+
+@dataclass(frozen=True)
+class Window:
+    """One forward over `seq[start:end]` (predicting `seq[start + 1 : end + 1]`); the first `skip`
+    predictions were already scored by an earlier window."""
+
+    start: int
+    end: int
+    skip: int
+
+
+def rolling_windows(num_targets: int, window: int, stride: int | None = None) -> list[Window]:
+    """Windows over a sequence `[prefix] + tokens` with `num_targets` tokens to predict (positions 1..n).
+
+    Right ends are `min(window, n)`, then `+ stride` each time up to n; each window starts `window` tokens
+    before its end (or at 0) and scores the targets after the previous end.
+    """
+    stride = window if stride is None else stride
+    if window < 1:
+        raise StemlmError(f"window (seq_len) must be a positive number of tokens, got {window}")
+    if not 1 <= stride <= window:
+        raise StemlmError(f"stride must be between 1 and the window ({window}), got {stride}")
+    windows: list[Window] = []
+    scored = 0  # targets 1..scored are done
+    while scored < num_targets:
+        end = min(window if not windows else scored + stride, num_targets)
+        start = max(0, end - window)
+        windows.append(Window(start, end, scored - start))
+        scored = end
+    return windows
+
+
+def model_device(model: torch.nn.Module) -> torch.device:
+    return next(model.parameters()).device
+
+
+@torch.no_grad()
+def token_logprobs(
+    model: StemLM, sequence: Sequence[int], window: int, stride: int | None = None, batch_size: int = 8
+) -> torch.Tensor:
+    """Log-probability (float32, nats) of each of `sequence[1:]` given its left context within the window.
+
+    `sequence[0]` is the conditioning prefix (normally `<|endoftext|>`). Windows of equal length are run
+    as one batch, so a long document costs `ceil(n / stride)` window forwards in few model calls.
+    """
+    if window > model.config.max_position_embeddings:
+        raise StemlmError(
+            f"window of {window} tokens exceeds the model's max_position_embeddings="
+            f"{model.config.max_position_embeddings}; pass a smaller --seq-len"
+        )
+    seq = torch.as_tensor(list(sequence), dtype=torch.long, device=model_device(model))
+    out = torch.full((max(len(seq) - 1, 0),), float("nan"), dtype=torch.float32, device=seq.device)
+    by_length: dict[int, list[Window]] = defaultdict(list)
+    for w in rolling_windows(len(seq) - 1, window, stride):
+        by_length[w.end - w.start].append(w)
+    for length, group in by_length.items():
+        for i in range(0, len(group), batch_size):
+            chunk = group[i : i + batch_size]
+            inputs = torch.stack([seq[w.start : w.end] for w in chunk])
+            targets = torch.stack([seq[w.start + 1 : w.end + 1] for w in chunk])
+            logp = F.log_softmax(model(inputs).logits.float(), dim=-1)
+            picked = logp.gather(-1, targets[..., None])[..., 0]
+            for row, w in enumerate(chunk):
+                out[w.start + w.skip : w.end] = picked[row, w.skip : length]
+    return out
+
+
+def load_eval_checkpoint(path: str, device: str = "cpu") -> tuple[StemLM, Tokenizer]:
+    """Model and tokenizer of a CKPT argument; the default tokenizer when the checkpoint has none (and fits)."""
+    from stemlm.data.tokenizer import default_tokenizer
+    from stemlm.runs import load_checkpoint
+
+    model, tokenizer = load_checkpoint(path, device=device)
+    if tokenizer is None:
+        tokenizer = default_tokenizer()
+        if tokenizer.get_vocab_size() > model.config.vocab_size:
+            raise StemlmError(
+                f"checkpoint {path} has no tokenizer.json and the default tokenizer does not fit its vocab_size "
+                f"{model.config.vocab_size}; save the tokenizer with the checkpoint"
+            )
+    return model, tokenizer
+
+
+@dataclass
+class PerplexityResult:
+    loss: float  # mean nats per scored token
+    perplexity: float
+    bits_per_byte: float
+    nats: float
+    tokens: int
+    bytes: int
+    documents: int
+    window: int
+    stride: int
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def _truncate(text: str, ids: list[int], offsets: list[tuple[int, int]], cap: int) -> tuple[str, list[int]]:
+    # Cut at a token boundary and keep the text those tokens cover, so bytes match the scored tokens; a cut
+    # inside a multi-byte character (byte-level BPE splits some) moves right to the character's end.
+    while cap < len(ids) and offsets[cap][0] < offsets[cap - 1][1]:
+        cap += 1
+    if len(ids) <= cap:
+        return text, ids
+    return text[: offsets[cap - 1][1]], ids[:cap]
+
+
+def evaluate_perplexity(
+    model: StemLM,
+    tokenizer: Tokenizer,
+    texts: Sequence[str],
+    *,
+    window: int | None = None,
+    stride: int | None = None,
+    prefix_id: int | None = None,
+    max_tokens: int | None = None,
+    batch_size: int = 8,
+) -> PerplexityResult:
+    """Score every text (documents separately) and aggregate nats, tokens and bytes over all of them.
+
+    `window` defaults to the model's max_position_embeddings and `stride` to the window. `max_tokens`
+    scores only the first ceil(max_tokens / len(texts)) tokens of each document (a quick estimate that
+    still covers every document). `prefix_id` defaults to the tokenizer's `<|endoftext|>`.
+    """
+    from stemlm.data.tokenizer import eot_id
+
+    window = window or model.config.max_position_embeddings
+    stride = stride or window
+    rolling_windows(0, window, stride)  # validate the arguments before any work
+    texts = [t for t in texts if t]
+    if not texts:
+        raise StemlmError("no text to score: the data is empty")
+    if max_tokens is not None and max_tokens < 1:
+        raise StemlmError(f"max_tokens must be positive, got {max_tokens}")
+    prefix = eot_id(tokenizer) if prefix_id is None else prefix_id
+    cap = None if max_tokens is None else -(-max_tokens // len(texts))
+    was_training = model.training
+    model.eval()
+    nats, tokens, nbytes = 0.0, 0, 0
+    try:
+        for text, enc in zip(texts, tokenizer.encode_batch(texts, add_special_tokens=False), strict=True):
+            ids = enc.ids
+            if cap is not None:
+                text, ids = _truncate(text, ids, enc.offsets, cap)
+            if max(ids, default=0) >= model.config.vocab_size:
+                raise StemlmError(
+                    f"the tokenizer produced id {max(ids)} but the model's vocab_size is {model.config.vocab_size}; "
+                    "use the checkpoint's own tokenizer"
+                )
+            logp = token_logprobs(model, [prefix, *ids], window, stride, batch_size)
+            nats -= float(logp.double().sum())
+            tokens += len(ids)
+            nbytes += len(text.encode("utf-8"))
+    finally:
+        model.train(was_training)
+    loss = nats / tokens
+    return PerplexityResult(
+        loss=loss,
+        perplexity=math.exp(loss),
+        bits_per_byte=nats / (math.log(2) * nbytes),
+        nats=nats,
+        tokens=tokens,
+        bytes=nbytes,
+        documents=len(texts),
+        window=window,
+        stride=stride,
+    )
