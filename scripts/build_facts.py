@@ -23,8 +23,10 @@ PACKAGES = ("countryinfo==1.0.1", "pycountry==26.2.16")
 
 
 def download(spec: str, folder: Path) -> zipfile.ZipFile:
-    subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary=:all:", "-d",
-                    str(folder), spec], check=True)
+    subprocess.run(
+        [sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary=:all:", "-d", str(folder), spec],
+        check=True,
+    )
     name = spec.split("==")[0]
     (wheel,) = folder.glob(f"{name}-*.whl")
     return zipfile.ZipFile(wheel)

@@ -12,7 +12,19 @@ import importlib
 import sys
 
 # Subcommand modules, in the order `stemlm --help` lists them.
-SUBCOMMANDS = ["info", "tokenizer", "generate", "convert"]
+SUBCOMMANDS = [
+    "info",
+    "train",
+    "tokenizer",
+    "generate",
+    "convert",
+    "cache-sim",
+    "edit",
+    "eval",
+    "analyze",
+    "experiment",
+    "serve",
+]
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -11,6 +11,7 @@ folder, never over the served checkpoint. Needs Flask: pip install 'flask>=3.0'.
 from __future__ import annotations
 
 import ipaddress
+import os
 import socket
 import sys
 
@@ -69,7 +70,12 @@ def run(args) -> int:
         print("stemlm serve: stopped", file=sys.stderr)
     finally:
         pg.close()
-    return 0
+    # werkzeug's request threads are daemons; tearing the interpreter down under one that still holds torch's
+    # thread pool intermittently aborts ("terminate called without an active exception", exit -6), so a server
+    # that was stopped leaves at once, its own resources already released above.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def register(subparsers) -> None:
