@@ -6,8 +6,7 @@ registering the Hugging Face Auto classes when transformers is imported by the u
     from stemlm import ModelConfig, build_model, from_pretrained
 """
 
-from importlib import import_module
-
+from stemlm._lazy import lazy_exports
 from stemlm.hf.autoregister import install as _install_hf_autoregister
 
 __version__ = "0.1.0"
@@ -21,13 +20,7 @@ _EXPORTS = {
     "save_pretrained": "stemlm.checkpoint",
 }
 
-__all__ = sorted(_EXPORTS)
-
-
-def __getattr__(name: str):
-    if name in _EXPORTS:
-        return getattr(import_module(_EXPORTS[name]), name)
-    raise AttributeError(f"module 'stemlm' has no attribute {name!r}")
+__getattr__, __all__ = lazy_exports(__name__, _EXPORTS)
 
 
 # AutoConfig / AutoModelForCausalLM learn model_type "stemlm" when transformers' auto modules load (cheap until then).

@@ -151,6 +151,17 @@ def save_pretrained(
 # ----------------------------------------------------------------------------------------------------------
 # load
 # ----------------------------------------------------------------------------------------------------------
+def read_json_object(path: Path) -> dict:
+    """A JSON file that must hold one object (config.json and the like), with one-line errors."""
+    try:
+        data = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise StemlmError(f"{path} is not valid JSON ({exc})") from None
+    if not isinstance(data, dict):
+        raise StemlmError(f"{path} does not hold a JSON object")
+    return data
+
+
 def load_config(directory: str | Path) -> ModelConfig:
     directory = Path(directory)
     if not directory.is_dir():
@@ -160,12 +171,7 @@ def load_config(directory: str | Path) -> ModelConfig:
     path = directory / CONFIG_NAME
     if not path.is_file():
         raise StemlmError(f"{directory} has no {CONFIG_NAME}: not a stemlm checkpoint folder")
-    try:
-        data = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise StemlmError(f"{path} is not valid JSON ({exc})") from None
-    if not isinstance(data, dict):
-        raise StemlmError(f"{path} does not hold a JSON object")
+    data = read_json_object(path)
     if data.get("model_type") != MODEL_TYPE:
         raise StemlmError(f"{path} is for model type {data.get('model_type')!r}, not {MODEL_TYPE!r}")
     try:

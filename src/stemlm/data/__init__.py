@@ -8,7 +8,7 @@ Modules: `corpus` (embedded Shakespeare + Austen corpus, document split), `sourc
     from stemlm.data import load_corpus, get_tokenizer, TokenDataset
 """
 
-from importlib import import_module
+from stemlm._lazy import lazy_exports
 
 _EXPORTS = {
     "Document": "stemlm.data.corpus",
@@ -30,10 +30,4 @@ _EXPORTS = {
     "build_shard": "stemlm.data.shards",
 }
 
-__all__ = sorted(_EXPORTS)
-
-
-def __getattr__(name: str):
-    if name in _EXPORTS:
-        return getattr(import_module(_EXPORTS[name]), name)
-    raise AttributeError(f"module 'stemlm.data' has no attribute {name!r}")
+__getattr__, __all__ = lazy_exports(__name__, _EXPORTS)

@@ -9,7 +9,7 @@ lm-eval is imported only when the adapter is used:
     from stemlm.evaluation import evaluate_perplexity, run_niah
 """
 
-from importlib import import_module
+from stemlm._lazy import lazy_exports
 
 _EXPORTS = {
     "evaluate_perplexity": "stemlm.evaluation.perplexity",
@@ -29,10 +29,4 @@ _EXPORTS = {
     "plot_niah_heatmap": "stemlm.evaluation.niah",
 }
 
-__all__ = sorted(_EXPORTS)
-
-
-def __getattr__(name: str):
-    if name in _EXPORTS:
-        return getattr(import_module(_EXPORTS[name]), name)
-    raise AttributeError(f"module 'stemlm.evaluation' has no attribute {name!r}")
+__getattr__, __all__ = lazy_exports(__name__, _EXPORTS)

@@ -12,7 +12,7 @@
 The submodules load lazily, so `import stemlm.hf` itself costs nothing until one of these names is used.
 """
 
-from importlib import import_module
+from stemlm._lazy import lazy_exports
 
 _EXPORTS = {
     "StemlmConfig": "stemlm.hf.configuration",
@@ -23,10 +23,4 @@ _EXPORTS = {
     "register": "stemlm.hf.autoregister",
 }
 
-__all__ = sorted(_EXPORTS)
-
-
-def __getattr__(name: str):
-    if name in _EXPORTS:
-        return getattr(import_module(_EXPORTS[name]), name)
-    raise AttributeError(f"module 'stemlm.hf' has no attribute {name!r}")
+__getattr__, __all__ = lazy_exports(__name__, _EXPORTS)

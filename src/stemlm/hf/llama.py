@@ -12,13 +12,12 @@ Plain JSON parsing keeps this independent of transformers, so it costs no transf
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from stemlm.checkpoint import CONFIG_NAME, WEIGHTS_NAME, read_state
+from stemlm.checkpoint import CONFIG_NAME, WEIGHTS_NAME, read_json_object, read_state
 from stemlm.config import ModelConfig
 from stemlm.errors import StemlmError
 from stemlm.model.decoder import StemLM
@@ -85,13 +84,7 @@ def _read_llama_config(folder: Path) -> dict[str, Any]:
     path = folder / CONFIG_NAME
     if not path.is_file():
         raise StemlmError(f"{folder} has no {CONFIG_NAME}: not a Hugging Face model folder")
-    try:
-        data = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise StemlmError(f"{path} is not valid JSON ({exc})") from None
-    if not isinstance(data, dict):
-        raise StemlmError(f"{path} does not hold a JSON object")
-    return data
+    return read_json_object(path)
 
 
 def load_hf_llama(

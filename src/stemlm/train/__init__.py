@@ -10,7 +10,7 @@ progress, loss plot), `trainer` (the loop). Names load lazily so `import stemlm.
 The command line is `stemlm train` (or `python -m stemlm.train`), see `stemlm.cli.train`.
 """
 
-from importlib import import_module
+from stemlm._lazy import lazy_exports
 
 _EXPORTS = {
     "TrainConfig": "stemlm.train.config",
@@ -21,10 +21,4 @@ _EXPORTS = {
     "save_checkpoint": "stemlm.train.state",
 }
 
-__all__ = sorted(_EXPORTS)
-
-
-def __getattr__(name: str):
-    if name in _EXPORTS:
-        return getattr(import_module(_EXPORTS[name]), name)
-    raise AttributeError(f"module 'stemlm.train' has no attribute {name!r}")
+__getattr__, __all__ = lazy_exports(__name__, _EXPORTS)
