@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 
 # Subcommand modules, in the order `stemlm --help` lists them.
@@ -47,6 +48,10 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("stemlm: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:
+        # The reader went away (`stemlm info --json | head`): not an error; silence the flush at exit too.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141
     except (ValueError, OSError, KeyError, RuntimeError) as exc:  # user-facing problems; bugs surface with --debug
         if args.debug:
             raise
