@@ -14,24 +14,15 @@ from pathlib import Path
 import pytest
 
 from stemlm.config import ModelConfig
-from stemlm.data import load_embedded_corpus, save_tokenizer, train_bpe
 from stemlm.train.config import TrainConfig
+from tests.small_corpus import write_small_corpus
 
 VOCAB = 333
 
 
 @pytest.fixture(scope="session")
 def dist_assets(tmp_path_factory) -> dict[str, Path]:
-    root = tmp_path_factory.mktemp("dist_assets")
-    data = root / "data"
-    data.mkdir()
-    docs = load_embedded_corpus()
-    picked = [docs[i] for i in range(0, len(docs), max(1, len(docs) // 6))][:6]
-    texts = [d.text[5_000:17_000] for d in picked]  # past the front matter
-    for i, text in enumerate(texts):
-        (data / f"doc{i}.txt").write_text(text)
-    tokenizer = save_tokenizer(train_bpe(texts, vocab_size=320), root / "tok")
-    return {"data": data, "tokenizer": tokenizer, "cache": root / "cache"}
+    return write_small_corpus(tmp_path_factory.mktemp("dist_assets"))
 
 
 @pytest.fixture

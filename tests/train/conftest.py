@@ -13,26 +13,14 @@ from pathlib import Path
 import pytest
 
 from stemlm.config import ModelConfig
-from stemlm.data import load_embedded_corpus, save_tokenizer, train_bpe
 from stemlm.train.config import TrainConfig
-
-VOCAB = 320
-DOC_CHARS = 12_000
+from tests.small_corpus import TOKENIZER_VOCAB as VOCAB
+from tests.small_corpus import write_small_corpus
 
 
 @pytest.fixture(scope="session")
 def train_assets(tmp_path_factory) -> dict[str, Path]:
-    root = tmp_path_factory.mktemp("train_assets")
-    data = root / "data"
-    data.mkdir()
-    docs = load_embedded_corpus()
-    # Documents spread over the corpus (both sources); their first characters are often front matter, so skip it.
-    picked = [docs[i] for i in range(0, len(docs), max(1, len(docs) // 6))][:6]
-    texts = [d.text[5_000 : 5_000 + DOC_CHARS] for d in picked]
-    for i, text in enumerate(texts):
-        (data / f"doc{i}.txt").write_text(text)
-    tokenizer = save_tokenizer(train_bpe(texts, vocab_size=VOCAB), root / "tok")
-    return {"data": data, "tokenizer": tokenizer, "cache": root / "cache"}
+    return write_small_corpus(tmp_path_factory.mktemp("train_assets"))
 
 
 @pytest.fixture(autouse=True)
