@@ -52,6 +52,30 @@ def test_weight_decay_per_group(make_model_config):
         torch.testing.assert_close(p.detach(), before[name] * factor, rtol=1e-6, atol=0)
 
 
+def test_embed_like_tables_gives_the_embedding_the_table_lr_and_wd(make_model_config):
+    # The dense control of STEM's lr x10 tables: only the token embedding moves to the tables' lr and wd.
+    model = build_model(make_model_config("dense"))
+    cfg = TrainConfig(lr=0.1, weight_decay=0.5, table_lr_scale=3.0, table_wd=0.25, embed_like_tables=True)
+    (opt,) = build_optimizers(model, cfg)
+    groups = {g["name"]: g for g in opt.param_groups}
+    assert groups["embed"]["params"] == [model.model.embed_tokens.weight]
+    assert all(p is not model.model.embed_tokens.weight for p in groups["decay"]["params"])
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)
+    set_learning_rates([opt], cfg.warmup_steps, cfg)  # first post-warm-up step: multiplier 1
+    opt.step()
+    for name, p in model.named_parameters():
+        factor = (
+            1 - 0.3 * 0.25
+            if name == "model.embed_tokens.weight"
+            else 1.0
+            if name.endswith("norm.weight")
+            else 1 - 0.1 * 0.5
+        )
+        torch.testing.assert_close(p.detach(), before[name] * factor, rtol=1e-6, atol=0)
+
+
 def test_schedule_values():
     cfg = TrainConfig(steps=100, warmup=10, min_lr_ratio=0.1)
     assert lr_multiplier(0, cfg) == pytest.approx(0.1)

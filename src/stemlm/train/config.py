@@ -69,6 +69,7 @@ class TrainConfig:
     table_lr: float | None = None  # peak lr of the tables; None: lr * table_lr_scale
     table_lr_scale: float = 10.0
     table_wd: float = 0.0
+    embed_like_tables: bool = False  # token embedding at the tables' peak lr and wd (the fair dense control)
     # --- evaluation, logging, checkpoints ---
     eval_every: int = 50  # steps between held-out evaluations (and always at the end); 0: only at the end
     eval_batches: int = 8  # held-out batches (of batch_size windows) per evaluation

@@ -8,7 +8,10 @@
 - the table optimizer (only when the model has token tables): every tensor of `model.stem_tables()` in one
   group with its own peak lr and weight decay, built by `stemlm.train.table_optim.make_table_optimizer`
   under the name `cfg.table_optim` (`adamw`: dense, the official behaviour; the row-sparse ones switch the
-  tables to sparse gradients here).
+  tables to sparse gradients here);
+- with `cfg.embed_like_tables`, the token embedding leaves `decay` for its own backbone group `embed` at the
+  tables' peak lr and weight decay: the control that tells "STEM helps" from "a per-token table at lr x10
+  helps" (a dense model whose only per-token table gets the same treatment).
 
 Every group carries `peak_lr`; `set_learning_rates(optimizers, step, cfg)` sets `lr = peak_lr * lr_multiplier`
 so the schedule is a pure function of the step (nothing to checkpoint). `clip_gradients` computes the one
@@ -51,6 +54,12 @@ def build_optimizers(model: StemLM, cfg: TrainConfig) -> list[torch.optim.Optimi
         {"params": parts["decay"], "weight_decay": cfg.weight_decay, "name": "decay", "peak_lr": cfg.lr},
         {"params": parts["no_decay"], "weight_decay": 0.0, "name": "no_decay", "peak_lr": cfg.lr},
     ]
+    if cfg.embed_like_tables:
+        embed = model.model.embed_tokens.weight
+        backbone_groups[0]["params"] = [p for p in parts["decay"] if p is not embed]
+        backbone_groups.append(
+            {"params": [embed], "weight_decay": cfg.table_wd, "name": "embed", "peak_lr": cfg.table_peak_lr}
+        )
     backbone_groups = [g for g in backbone_groups if g["params"]]
     optimizers: list[torch.optim.Optimizer] = [torch.optim.AdamW(backbone_groups, lr=cfg.lr, betas=betas, eps=cfg.eps)]
     if parts["tables"]:
