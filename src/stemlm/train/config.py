@@ -49,6 +49,7 @@ class TrainConfig:
     # --- data ---
     data: list[str] | None = None  # text/jsonl files or folders; None: the embedded corpus
     tokenizer: str | None = None  # default | gpt2 | path; None: the --init-from checkpoint's, else default
+    separator: str = "<|endoftext|>"  # special token placed after every document (Llama-3: <|end_of_text|>)
     init_from: str | None = None  # start from the weights of this model checkpoint folder
     seq_len: int = 256
     batch_size: int = 8  # sequences per micro-batch
@@ -239,10 +240,34 @@ def tokenizer_digest(tok: Tokenizer) -> str:
     return hashlib.sha256(tok.to_str().encode()).hexdigest()[:16]
 
 
+def fitted_vocab_size(tok: Tokenizer) -> int:
+    """The tokenizer's size rounded up to a multiple of 64 (tensor-core friendly table and head shapes)."""
+    return -(-tok.get_vocab_size() // 64) * 64
+
+
 def fit_vocab(config: ModelConfig, tok: Tokenizer) -> ModelConfig:
-    """`config` with vocab_size = the tokenizer's size rounded up to a multiple of 64 (when it differs)."""
-    size = -(-tok.get_vocab_size() // 64) * 64
+    """`config` with vocab_size = `fitted_vocab_size(tok)` (when it differs)."""
+    size = fitted_vocab_size(tok)
     return config if config.vocab_size == size else config.replace(vocab_size=size)
+
+
+def check_vocab(config: ModelConfig, tok: Tokenizer, *, requested: str, vocab_set: bool, fit: bool) -> ModelConfig:
+    """The model config a run trains, never silently resized: a requested vocab_size must suit the tokenizer.
+
+    `fit` (`--fit-vocab`) resizes to the tokenizer; an explicit `model.vocab_size` (`vocab_set`) is kept when it
+    holds every token id; otherwise (a named preset) vocab_size must equal the fitted size, else a StemlmError
+    names both sizes. `requested` names the source in the message (e.g. "preset paper-1b").
+    """
+    if fit:
+        return fit_vocab(config, tok)
+    size, tokens = fitted_vocab_size(tok), tok.get_vocab_size()
+    if config.vocab_size == size or (vocab_set and config.vocab_size >= tokens):
+        return config
+    raise StemlmError(
+        f"{requested} has vocab_size {config.vocab_size} but the tokenizer has {tokens} tokens (fitted vocab_size "
+        f"{size}); pass --fit-vocab to train with vocab_size {size}, a tokenizer of {config.vocab_size} tokens, "
+        f"or --set model.vocab_size=N (N >= {tokens})"
+    )
 
 
 def model_config_diff(run: ModelConfig, requested: ModelConfig) -> list[str]:

@@ -396,8 +396,8 @@ def _load_datasets(cfg: TrainConfig, tok: Tokenizer):
     from stemlm.data import TokenDataset, load_corpus
 
     train_texts, heldout_texts = load_corpus(cfg.data)
-    train = TokenDataset.from_texts(train_texts, tok)
-    heldout = TokenDataset.from_texts(heldout_texts, tok) if heldout_texts else None
+    train = TokenDataset.from_texts(train_texts, tok, separator=cfg.separator)
+    heldout = TokenDataset.from_texts(heldout_texts, tok, separator=cfg.separator) if heldout_texts else None
     if heldout is not None and heldout.num_tokens < cfg.seq_len + 1:
         heldout = None  # too small for one window: train without held-out evaluation
     return train, heldout
