@@ -17,5 +17,5 @@ if ! .venv/bin/python -c "import torch" >/dev/null 2>&1; then
     echo "stemlm setup: no torch found; installing the CPU wheel ${STEMLM_TORCH:-torch==2.13.0}"
     "${PIP[@]}" install "${STEMLM_TORCH:-torch==2.13.0}"
 fi
-"${PIP[@]}" install -e ".[dev,eval]"
+"${PIP[@]}" install -e ".[dev,eval,gguf]"
 .venv/bin/python -c "import torch, stemlm; print(f'stemlm setup: ok (torch {torch.__version__})')"

@@ -11,15 +11,13 @@ Hugging Face Llama folder and writes a checkpoint with the tokenizer copied; the
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import torch
 from tokenizers import Tokenizer
 
-from stemlm.checkpoint import CONFIG_NAME, TOKENIZER_NAME, save_pretrained
+from stemlm.checkpoint import save_pretrained
 from stemlm.config import resolve_layer_spec
-from stemlm.data.tokenizer import load_tokenizer
 from stemlm.errors import StemlmError
 from stemlm.model.decoder import StemLM
 
@@ -76,26 +74,11 @@ def retrofit_from_dense(dense_model: StemLM, stem_layers_spec: str | list[int]) 
     return model.train(dense_model.training)
 
 
-def _model_type(folder: Path) -> str | None:
-    try:
-        data = json.loads((folder / CONFIG_NAME).read_text())
-    except (OSError, json.JSONDecodeError, UnicodeDecodeError):
-        return None
-    return data.get("model_type") if isinstance(data, dict) else None
-
-
 def load_dense(path: str | Path) -> tuple[StemLM, Tokenizer | None]:
     """A dense model and its tokenizer from a stemlm checkpoint or run folder, or a local HF Llama folder."""
-    folder = Path(path)
-    if folder.is_dir() and _model_type(folder) == "llama":
-        from stemlm.hf import load_hf_llama
-
-        model = load_hf_llama(folder)
-        tokenizer = load_tokenizer(folder) if (folder / TOKENIZER_NAME).is_file() else None
-        return model, tokenizer
     from stemlm.runs import load_checkpoint
 
-    return load_checkpoint(folder)
+    return load_checkpoint(path)
 
 
 def convert_checkpoint(source: str | Path, stem_layers_spec: str, out: str | Path, *, force: bool = False) -> Path:

@@ -8,6 +8,9 @@ folder is taken, so an interrupted save never breaks resolution.
 
     from stemlm.runs import load_checkpoint
     model, tokenizer = load_checkpoint("runs/tiny")      # tokenizer is None when the folder has none
+
+A Hugging Face Llama folder (config.json with model_type "llama") loads as a dense model through
+`stemlm.hf.load_hf_llama`, so every command taking a CKPT also takes an imported model.
 """
 
 from __future__ import annotations
@@ -90,12 +93,25 @@ def resolve_checkpoint(path: str | Path) -> Path:
     )
 
 
+def _model_type(folder: Path) -> str | None:
+    try:
+        data = json.loads((folder / CONFIG_NAME).read_text())
+    except (OSError, json.JSONDecodeError, UnicodeDecodeError):
+        return None
+    return data.get("model_type") if isinstance(data, dict) else None
+
+
 def load_checkpoint(
     path: str | Path, *, device: str | torch.device = "cpu", dtype: torch.dtype | None = None
 ) -> tuple[StemLM, Tokenizer | None]:
     """The model (in eval mode) and tokenizer (None if the folder has no tokenizer.json) of a CKPT argument."""
     folder = resolve_checkpoint(path)
-    model = from_pretrained(folder, device=device, dtype=dtype).eval()
+    if _model_type(folder) == "llama":  # a Hugging Face Llama folder (e.g. from `stemlm convert --from-gguf`)
+        from stemlm.hf.llama import load_hf_llama
+
+        model = load_hf_llama(folder, device=device, dtype=dtype).eval()
+    else:
+        model = from_pretrained(folder, device=device, dtype=dtype).eval()
     tokenizer = None
     if (folder / TOKENIZER_NAME).is_file():
         try:

@@ -1,10 +1,13 @@
-"""`stemlm convert --from-dense CKPT --stem-layers SPEC --out DIR`: retrofit a dense model into a STEM one.
+"""`stemlm convert`: import a GGUF model, or retrofit a dense model into a STEM one.
 
+    stemlm convert --from-gguf SmolLM2-135M-Instruct.Q4_1.gguf --out ckpt/smollm2
+    stemlm convert --from-dense ckpt/smollm2 --stem-layers 0 --out ckpt/smollm2-stem0
     stemlm convert --from-dense runs/tiny-dense --stem-layers odd --out ckpt/tiny-retrofit
     stemlm train --preset tiny --init-from ckpt/tiny-retrofit ...
 
-CKPT is a stemlm dense checkpoint, a run folder (its newest checkpoint) or a local Hugging Face Llama folder
-(config.json with model_type "llama"). Each selected layer's up-projection becomes the table E · W_upᵀ (see
+`--from-gguf` writes a Hugging Face Llama folder (dequantised fp32 weights, tokenizer, chat template; see
+`stemlm.gguf_import`). `--from-dense` takes a stemlm dense checkpoint, a run folder (its newest checkpoint) or
+a local Hugging Face Llama folder; each selected layer's up-projection becomes the table E · W_upᵀ (see
 `stemlm.convert`); the tokenizer is copied. `--json` prints the output path and the new config.
 """
 
@@ -13,12 +16,26 @@ from __future__ import annotations
 import sys
 
 from stemlm.cli.common import add_json_flag, print_json
+from stemlm.errors import StemlmError
 
 
 def run(args) -> int:
+    if args.from_gguf is not None:
+        from stemlm.gguf_import import convert_gguf, summary
+
+        if args.stem_layers is not None:
+            raise StemlmError("--stem-layers applies to --from-dense; import the GGUF first, then retrofit it")
+        out = convert_gguf(args.from_gguf, args.out, force=args.force)
+        if args.json:
+            print_json({"out": str(out), "config": summary(out)})
+        else:
+            print(f"wrote Hugging Face Llama folder {out}", file=sys.stderr)
+        return 0
     from stemlm.checkpoint import load_config
     from stemlm.convert import convert_checkpoint
 
+    if args.stem_layers is None:
+        raise StemlmError("--from-dense needs --stem-layers (e.g. 0, odd, 1,3,5)")
     out = convert_checkpoint(args.from_dense, args.stem_layers, args.out, force=args.force)
     config = load_config(out)
     if args.json:
@@ -31,22 +48,23 @@ def run(args) -> int:
 def register(subparsers) -> None:
     p = subparsers.add_parser(
         "convert",
-        help="retrofit a dense checkpoint into a STEM checkpoint",
-        description="Retrofit a dense checkpoint (stemlm or local HF Llama) into STEM: tables U_l = E · W_up_lᵀ.",
+        help="import a GGUF model, or retrofit a dense checkpoint into a STEM checkpoint",
+        description="Import a Llama GGUF file as a Hugging Face Llama folder (--from-gguf), or retrofit a dense "
+        "checkpoint (stemlm or local HF Llama) into STEM with tables U_l = E · W_up_lᵀ (--from-dense).",
     )
-    p.add_argument(
+    source = p.add_mutually_exclusive_group(required=True)
+    source.add_argument(
         "--from-dense",
-        required=True,
         metavar="CKPT",
         help="dense stemlm checkpoint or run folder, or a local Hugging Face Llama folder",
     )
+    source.add_argument("--from-gguf", metavar="FILE", help="a Llama-architecture GGUF file (llama.cpp format)")
     p.add_argument(
         "--stem-layers",
-        required=True,
         metavar="SPEC",
-        help="layers to turn into STEM layers: all, all-but-first, odd, even, half, every:K or 1,3,5",
+        help="(--from-dense) layers to turn into STEM layers: all, all-but-first, odd, even, half, every:K or 1,3,5",
     )
-    p.add_argument("--out", required=True, metavar="DIR", help="folder to write the STEM checkpoint to")
+    p.add_argument("--out", required=True, metavar="DIR", help="folder to write the converted model to")
     p.add_argument("--force", action="store_true", help="overwrite --out if it already holds files")
     add_json_flag(p)
     p.set_defaults(func=run)
