@@ -1,16 +1,19 @@
 """Train-step time of our dense model, our STEM model and `transformers.LlamaForCausalLM`, on one shape.
 
-One step = forward with labels + backward + AdamW step (one AdamW over all parameters, foreach, as torch picks;
-the STEM tables get dense gradients, like the official code). The three models are built in one process
-and timed round-robin (every repetition runs each model once, in a rotating order, after warm-up steps) so
-that load from other processes on a shared machine hits all three alike; medians are reported. The predicted
-STEM/dense ratio is the ratio of training FLOPs per token from `stemlm.accounting` (matmuls only, causal
-attention): it ignores the lookups, the dense table gradients and the larger optimizer state of STEM.
+Our two models are timed through the trainer's real step, `stemlm.train.Trainer.train_step()`: the
+deterministic window batch of the embedded corpus, forward with labels, backward, the one global gradient-norm
+clip over all parameters, the scheduled learning rates and every optimizer of `build_optimizers` (backbone
+AdamW with its decay / no-decay groups; for STEM the table optimizer `--table-optim`, by default
+`TrainConfig`'s default). The HF Llama step mirrors it with the same pieces (same groups, `clip_grad_norm_mixed`,
+AdamW). All three are built in one process and timed round-robin (each repetition runs every model once, in a
+rotating order, after warm-up steps) so that load from other processes hits them alike; medians are reported.
+The predicted STEM/dense ratio is the ratio of training FLOPs per token from `stemlm.accounting` (matmuls
+only, causal attention): it ignores the lookups, the table optimizer and the embedding/norm work.
 
-    python benchmarks/train_step.py                                        # tiny-like shape, fp32, CPU
+    python benchmarks/train_step.py                                        # tiny shape, fp32, CPU
     python benchmarks/train_step.py --threads 1 --clock cpu --reps 20      # on a shared, busy CPU
-    python benchmarks/train_step.py --batch 4 --seq 128 --reps 5           # quicker
-    python benchmarks/train_step.py --device cuda --reps 30
+    python benchmarks/train_step.py --table-optim adamw                    # dense AdamW on the tables
+    python benchmarks/train_step.py --device cuda --dtype bf16 --reps 30
 
 The last line is `RESULT stem_over_dense=… ours_over_hf=… predicted_stem_over_dense=…` (time ratios, > 1 =
 slower than the denominator).
@@ -19,14 +22,19 @@ slower than the denominator).
 from __future__ import annotations
 
 import argparse
+import math
 import statistics
+import tempfile
 import time
 
 import torch
 
 from stemlm.accounting import total_parameters, training_flops_per_token
 from stemlm.config import ModelConfig
-from stemlm.model import build_model
+from stemlm.train.config import TrainConfig
+from stemlm.train.optim import set_learning_rates
+from stemlm.train.table_optim import TABLE_OPTIMIZERS, clip_grad_norm_mixed
+from stemlm.train.trainer import Trainer
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -35,10 +43,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--layers", type=int, default=4, help="number of layers (default 4)")
     p.add_argument("--heads", type=int, default=4, help="attention heads (default 4, no GQA)")
     p.add_argument("--ffn-dim", type=int, default=768, help="FFN width d_ff (default 768)")
-    p.add_argument("--vocab", type=int, default=8192, help="vocabulary size (default 8192)")
+    p.add_argument("--vocab", type=int, default=8192, help="vocabulary size, >= the tokenizer's (default 8192)")
     p.add_argument("--stem-layers", default="1,3", help="STEM layer spec for the STEM model (default 1,3)")
     p.add_argument("--batch", type=int, default=8, help="sequences per step (default 8)")
     p.add_argument("--seq", type=int, default=256, help="tokens per sequence (default 256)")
+    p.add_argument("--table-optim", choices=TABLE_OPTIMIZERS, default=None, help="STEM table optimizer")
+    p.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32", help="autocast dtype (default fp32)")
     p.add_argument("--warmup", type=int, default=2, help="untimed steps per model first (default 2)")
     p.add_argument("--reps", type=int, default=10, help="timed steps per model, round-robin (default 10)")
     p.add_argument("--threads", type=int, default=0, help="torch intra-op threads; 0 keeps torch's default")
@@ -71,18 +81,59 @@ def hf_llama(config: ModelConfig) -> torch.nn.Module:
     return LlamaForCausalLM(hf_config)
 
 
-def make_step(name: str, model: torch.nn.Module, ids: torch.Tensor, targets: torch.Tensor):
-    """A function running one train step and returning its (forward+backward, optimizer) durations."""
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1)
+class Timed:
+    """Wraps a trainer's `_accumulate_gradients` to record the forward+backward share of each step."""
 
-    def step(clock) -> tuple[float, float]:
+    def __init__(self, fn, clock) -> None:
+        self.fn, self.clock, self.last = fn, clock, 0.0
+
+    def __call__(self, step: int):
+        start = self.clock()
+        out = self.fn(step)
+        self.last = self.clock() - start
+        return out
+
+
+def trainer_step(trainer: Trainer, clock):
+    """One real trainer step -> (forward+backward, clip + optimizers + bookkeeping) durations."""
+    timed = Timed(trainer._accumulate_gradients, clock)
+    trainer._accumulate_gradients = timed  # instance attribute: the step itself is untouched
+
+    def step() -> tuple[float, float]:
         start = clock()
-        optimizer.zero_grad(set_to_none=True)
-        # HF shifts labels inside; ours takes the targets already shifted. Same FLOPs either way.
-        loss = model(input_ids=ids, labels=ids).loss if name == "hf" else model(ids, labels=targets).loss
+        trainer.train_step()
+        total = clock() - start
+        return timed.last, total - timed.last
+
+    return step
+
+
+def hf_step(model: torch.nn.Module, cfg: TrainConfig, batch, device: torch.device, clock):
+    """The trainer's step for an HF model: same groups, schedule, clip and AdamW."""
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    no_decay = [p for p in model.parameters() if p.dim() < 2]
+    groups = [
+        {"params": decay, "weight_decay": cfg.weight_decay, "peak_lr": cfg.lr},
+        {"params": no_decay, "weight_decay": 0.0, "peak_lr": cfg.lr},
+    ]
+    opt = torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps)
+    ids = batch.to(device)
+    amp = cfg.dtype == "bf16"
+    state = {"step": 0}
+
+    def step() -> tuple[float, float]:
+        start = clock()
+        set_learning_rates([opt], state["step"], cfg)
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=amp):
+            loss = model(input_ids=ids, labels=ids).loss  # HF shifts labels inside: same FLOPs
+        loss_value = loss.item()
         loss.backward()
         middle = clock()
-        optimizer.step()
+        norm = clip_grad_norm_mixed(list(model.parameters()), cfg.grad_clip).item()
+        if math.isfinite(loss_value) and math.isfinite(norm):
+            opt.step()
+        opt.zero_grad(set_to_none=True)
+        state["step"] += 1
         return middle - start, clock() - middle
 
     return step
@@ -111,40 +162,48 @@ def main(argv: list[str] | None = None) -> None:
         ffn="dense",
     )
     stem = dense.replace(ffn="stem", stem_layers=args.stem_layers)
-    models = {
-        "dense": build_model(dense, device=device, seed=0).train(),
-        "stem": build_model(stem, device=device, seed=0).train(),
-        "hf": hf_llama(dense).to(device).train(),
-    }
-    gen = torch.Generator().manual_seed(0)
-    tokens = torch.randint(0, args.vocab, (args.batch, args.seq + 1), generator=gen).to(device)
-    ids, targets = tokens[:, :-1], tokens[:, 1:]
-    steps = {name: make_step(name, model, ids, targets) for name, model in models.items()}
+    total = args.warmup + args.reps + 1
+    cfg = TrainConfig(
+        steps=total, batch_size=args.batch, seq_len=args.seq, device=args.device, dtype=args.dtype, eval_every=0
+    )
+    if args.table_optim:
+        cfg = cfg.replace(table_optim=args.table_optim)
     clock = clock_for(args.clock, device)
-    for step in steps.values():
-        for _ in range(args.warmup):
-            step(clock)
-    phases: dict[str, list[tuple[float, float]]] = {name: [] for name in steps}
-    names = list(steps)
-    for rep in range(args.reps):
-        for k in range(len(names)):  # rotate the order so no model always runs right after another
-            name = names[(rep + k) % len(names)]
-            phases[name].append(steps[name](clock))
-    report(args, device, dense, stem, phases)
+    with tempfile.TemporaryDirectory() as tmp:
+        trainers = {
+            name: Trainer(config, cfg.replace(out=f"{tmp}/{name}"), progress=False)
+            for name, config in (("dense", dense), ("stem", stem))
+        }
+        batch, _ = trainers["dense"].train_data.sample_batch(args.batch, args.seq + 1, seed=0, step=0)
+        torch.manual_seed(0)
+        hf = hf_llama(dense).to(device).train()
+        steps = {name: trainer_step(t, clock) for name, t in trainers.items()}
+        steps["hf"] = hf_step(hf, cfg, batch[:, : args.seq], device, clock)
+        for step in steps.values():
+            for _ in range(args.warmup):
+                step()
+        phases: dict[str, list[tuple[float, float]]] = {name: [] for name in steps}
+        names = list(steps)
+        for rep in range(args.reps):
+            for k in range(len(names)):  # rotate the order so no model always runs right after another
+                name = names[(rep + k) % len(names)]
+                phases[name].append(steps[name]())
+    report(args, cfg, device, dense, stem, phases)
 
 
-def report(args, device, dense: ModelConfig, stem: ModelConfig, phases: dict[str, list[tuple[float, float]]]) -> None:
+def report(args, cfg, device, dense: ModelConfig, stem: ModelConfig, phases) -> None:
     n_tok = args.batch * args.seq
     flops = {"dense": training_flops_per_token(dense, args.seq), "stem": training_flops_per_token(stem, args.seq)}
     flops["hf"] = flops["dense"]
     params = {"dense": total_parameters(dense), "stem": total_parameters(stem), "hf": total_parameters(dense)}
     print(
         f"shape: d={args.hidden} L={args.layers} d_ff={args.ffn_dim} V={args.vocab} batch={args.batch}x{args.seq} "
-        f"fp32 on {device}, threads={torch.get_num_threads()}, STEM layers {stem.special_layers}, "
-        f"{args.reps} reps after {args.warmup} warm-up, {args.clock} clock"
+        f"{cfg.dtype} on {device}, threads={torch.get_num_threads()}, STEM layers {stem.special_layers}, "
+        f"table optimizer {cfg.table_optim}, clip {cfg.grad_clip}, {args.reps} reps after {args.warmup} warm-up, "
+        f"{args.clock} clock"
     )
     print(
-        f"{'model':<6} {'params':>10} {'GFLOP/step':>11} {'median ms':>10} {'fwd+bwd':>8} {'AdamW':>7} "
+        f"{'model':<6} {'params':>10} {'GFLOP/step':>11} {'median ms':>10} {'fwd+bwd':>8} {'clip+opt':>8} "
         f"{'min ms':>8} {'max ms':>8} {'tok/s':>7} {'GFLOP/s':>8}"
     )
     median = {}
@@ -155,16 +214,18 @@ def report(args, device, dense: ModelConfig, stem: ModelConfig, phases: dict[str
         fwd_bwd, opt = statistics.median(a for a, _ in ps), statistics.median(b for _, b in ps)
         print(
             f"{name:<6} {params[name]:>10,} {gflop:>11.2f} {median[name] * 1e3:>10.1f} {fwd_bwd * 1e3:>8.1f} "
-            f"{opt * 1e3:>7.1f} {min(totals) * 1e3:>8.1f} {max(totals) * 1e3:>8.1f} {n_tok / median[name]:>7.0f} "
+            f"{opt * 1e3:>8.1f} {min(totals) * 1e3:>8.1f} {max(totals) * 1e3:>8.1f} {n_tok / median[name]:>7.0f} "
             f"{gflop / median[name]:>8.1f}"
         )
     stem_over_dense = median["stem"] / median["dense"]
     ours_over_hf = median["dense"] / median["hf"]
     predicted = flops["stem"] / flops["dense"]
     fwd_bwd = {name: statistics.median(a for a, _ in ps) for name, ps in phases.items()}
+    opt = {name: statistics.median(b for _, b in ps) for name, ps in phases.items()}
     print(
-        f"STEM/dense time {stem_over_dense:.3f} (forward+backward only {fwd_bwd['stem'] / fwd_bwd['dense']:.3f}; "
-        f"FLOPs predict {predicted:.3f}); ours/HF {ours_over_hf:.3f}"
+        f"STEM/dense time {stem_over_dense:.3f} = {stem_over_dense / predicted:.3f} x predicted {predicted:.3f}; "
+        f"forward+backward {fwd_bwd['stem'] / fwd_bwd['dense']:.3f}, clip+optimizers "
+        f"{(opt['stem'] - opt['dense']) * 1e3:+.1f} ms vs dense; ours/HF {ours_over_hf:.3f}"
     )
     print(
         f"RESULT stem_over_dense={stem_over_dense:.3f} ours_over_hf={ours_over_hf:.3f} "

@@ -121,11 +121,23 @@ def one_line_error(code, out, err, fragment, after_progress=False):
         (["--tokenizer", "no/such/tokenizer.json"], "tokenizer file not found"),
         (["--resume", "no/such/run"], "does not exist"),
         (["--init-from", "no/such/ckpt"], "does not exist"),
+        (["--tables", "host", "--table-optim", "adamw"], "--tables host needs a row-sparse table optimizer"),
     ],
 )
 def test_bad_arguments(tmp_path, small, capsys, extra, fragment):
     one_line_error(*run_cli([*small, "--out", str(tmp_path / "run"), *extra], capsys), fragment)
     assert not (tmp_path / "run").exists()
+
+
+def test_host_tables_report(tmp_path, small, capsys):
+    code, out, _ = run_cli(
+        [*small, "--out", str(tmp_path / "run"), "--tables", "host", "--table-optim", "lazy_adamw"], capsys
+    )
+    assert code == 0
+    # Layer 1 of 2 is STEM ("odd"): one 320 x 128 fp32 table, its two lazy_adamw moments and int64 row steps.
+    table = 320 * 128 * 4
+    saved = table + 2 * table + 320 * 8
+    assert f"tables in host memory: {saved / 2**20:,.1f} MiB kept off the cpu ({table / 2**20:,.1f} MiB tables" in out
 
 
 @pytest.mark.parametrize(

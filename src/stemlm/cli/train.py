@@ -90,6 +90,13 @@ def register(subparsers) -> None:
         "rowwise_adagrad (row-sparse; see stemlm.train.table_optim)",
     )
     parser.add_argument(
+        "--tables",
+        choices=("device", "host"),
+        help="where the STEM tables and their optimizer state live while training: device (default) or host "
+        "(rows gathered to the device ahead of each step, row-sparse update on the host; see "
+        "stemlm.train.host_tables)",
+    )
+    parser.add_argument(
         "--dtype",
         choices=("auto", "fp32", "bf16"),
         help="autocast dtype; weights stay fp32 (default auto: bf16 on CUDA, fp32 on CPU where bf16 measured slower)",
@@ -163,7 +170,7 @@ def train_overrides(args) -> dict[str, Any]:
     for _, field, _, _ in TRAIN_FLAGS:
         if getattr(args, field) is not None:
             changes[field] = getattr(args, field)
-    for field in ("table_optim", "dtype", "device", "data", "preset", "parallel"):
+    for field in ("table_optim", "tables", "dtype", "device", "data", "preset", "parallel"):
         if getattr(args, field) is not None:
             changes[field] = getattr(args, field)
     if args.table_lr is not None:
@@ -303,7 +310,7 @@ def sample(trainer, args) -> str:
     if not ids:
         raise StemlmError("--sample-prompt encodes to no tokens; pass some text")
     trainer.model.eval()
-    new = generate(trainer.model, ids, args.sample_tokens, greedy=True)
+    new = generate(trainer.model, ids, args.sample_tokens, greedy=True, **trainer.inference_rows())
     return trainer.tokenizer.decode(new)
 
 
@@ -325,6 +332,13 @@ def render_report(r: dict[str, Any]) -> str:
         f"train loss {r['train_loss']:.4f} | held-out loss {held} | skipped steps {r['skipped_steps']} | "
         f"loss spikes {r['loss_spikes']}"
     )
+    if r.get("tables") == "host":
+        overlap = "n/a" if r["host_overlap"] is None else f"{r['host_overlap']:.0%}"
+        lines.append(
+            f"tables in host memory: {r['device_bytes_saved'] / 2**20:,.1f} MiB kept off the {r['device']} "
+            f"({r['host_table_bytes'] / 2**20:,.1f} MiB tables + {r['host_optimizer_bytes'] / 2**20:,.1f} MiB "
+            f"optimizer state); host work hidden behind compute: {overlap}"
+        )
     lines.append(f"checkpoint: {r['checkpoint']}")
     if "sample" in r:
         lines.append(f"sample (greedy): {(r['sample']['prompt'] + r['sample']['completion']).rstrip()}")

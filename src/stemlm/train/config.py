@@ -35,6 +35,7 @@ if TYPE_CHECKING:  # torch and tokenizers load only when a run is resolved, so t
 DTYPES = ("auto", "fp32", "bf16")
 DEVICES = ("auto", "cpu", "cuda")
 PARALLEL = ("ddp", "fsdp")
+TABLE_PLACES = ("device", "host")
 
 
 @dataclass
@@ -71,6 +72,7 @@ class TrainConfig:
     table_lr_scale: float = 10.0
     table_wd: float = 0.0
     embed_like_tables: bool = False  # token embedding at the tables' peak lr and wd (the fair dense control)
+    tables: str = "device"  # where the tables and their optimizer live: device, or host (stemlm.train.host_tables)
     # --- evaluation, logging, checkpoints ---
     eval_every: int = 50  # steps between held-out evaluations (and always at the end); 0: only at the end
     eval_batches: int = 8  # held-out batches (of batch_size windows) per evaluation
@@ -139,6 +141,7 @@ class TrainConfig:
             need(_finite(value) and 0 <= value < 1, f"{name} must lie in [0, 1), got {value!r}")
         need(self.dtype in DTYPES, f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
         need(self.device in DEVICES, f"device must be one of {', '.join(DEVICES)}, got {self.device!r}")
+        need(self.tables in TABLE_PLACES, f"tables must be one of {', '.join(TABLE_PLACES)}, got {self.tables!r}")
         need(self.parallel in PARALLEL, f"parallel must be one of {', '.join(PARALLEL)}, got {self.parallel!r}")
         from stemlm.train.table_optim import TABLE_OPTIMIZERS
 

@@ -41,6 +41,7 @@ from stemlm.checkpoint import from_pretrained, load_config
 from stemlm.config import ModelConfig
 from stemlm.dist.launch import destroy_distributed, init_distributed, local_batch_size
 from stemlm.dist.sharded_tables import ShardedTables
+from stemlm.errors import StemlmError
 from stemlm.presets import get_preset
 from stemlm.train.config import TrainConfig
 from stemlm.train.dist_checkpoint import load_optimizers, save_distributed_checkpoint
@@ -129,6 +130,11 @@ class DistributedTrainer(Trainer):
                 group.update(name="tables", peak_lr=cfg.table_peak_lr)
             optimizers.append(table_opt)
         return optimizers
+
+    def _make_host_tables(self):
+        if self.cfg.tables == "host":
+            raise StemlmError("--tables host is not supported with --nproc > 1 yet")
+        return None
 
     def _start_run_dir(self) -> None:
         if self.is_main:

@@ -81,7 +81,7 @@ def optimizer_state(optimizers: list[torch.optim.Optimizer]) -> tuple[dict[str, 
     for k, opt in enumerate(optimizers):
         flat, meta = flatten_optimizer_state(opt.state_dict())
         tensors.update({f"opt{k}.{name}": t.cpu() for name, t in flat.items()})
-        metas.append({**meta, "class": type(opt).__name__})
+        metas.append({**meta, "class": _class_name(opt)})
     return tensors, metas
 
 
@@ -92,9 +92,9 @@ def load_optimizer_state(
     if len(metas) != len(optimizers):
         raise StemlmError(f"{where} holds {len(metas)} optimizer states but this run builds {len(optimizers)}")
     for k, (opt, meta) in enumerate(zip(optimizers, metas, strict=True)):
-        if meta.get("class") != type(opt).__name__:
+        if meta.get("class") != _class_name(opt):
             raise StemlmError(
-                f"{where}: optimizer {k} was {meta.get('class')}, this run builds {type(opt).__name__} "
+                f"{where}: optimizer {k} was {meta.get('class')}, this run builds {_class_name(opt)} "
                 "(was --table-optim changed?)"
             )
         names = [g.get("name") for g in opt.param_groups]
@@ -118,6 +118,12 @@ def load_optimizer_state(
             raise StemlmError(f"{where}: optimizer {k} state does not fit this run ({exc})") from None
         for group, h in zip(opt.param_groups, hyper, strict=True):
             group.update(h)
+
+
+def _class_name(opt) -> str:
+    # A host-table optimizer (stemlm.train.host_tables) wraps the table optimizer; checkpoints name the inner
+    # one, so a run can resume with its tables on the device or on the host.
+    return type(getattr(opt, "inner", opt)).__name__
 
 
 # ----- save / load -----

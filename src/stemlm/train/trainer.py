@@ -116,7 +116,28 @@ class Trainer:
         return model
 
     def _build_optimizers(self) -> list[torch.optim.Optimizer]:
-        return build_optimizers(self.model, self.cfg)
+        self.host_tables = self._make_host_tables()
+        optimizers = build_optimizers(self.model, self.cfg)
+        if self.host_tables is not None:
+            optimizers[-1] = self.host_tables.wrap(optimizers[-1], self.cfg.table_optim)
+        return optimizers
+
+    def _make_host_tables(self):
+        """`--tables host`: the tables and their optimizer leave the device (stemlm.train.host_tables)."""
+        if self.cfg.tables != "host":
+            return None
+        from stemlm.train.host_tables import HostTables
+
+        cfg = self.cfg
+
+        def ids_for(window: int) -> torch.Tensor:
+            return self.train_data.sample_batch(cfg.batch_size, cfg.seq_len, seed=cfg.seed, step=window)[0]
+
+        return HostTables(self.model, self.device, ids_for, cfg.grad_accum)
+
+    def inference_rows(self) -> dict[str, Any]:
+        """Keyword arguments for a no-grad forward of `self.model` (evaluation, sampling)."""
+        return {} if self.host_tables is None else {"table_rows": self.host_tables.lookup}
 
     def _start_run_dir(self) -> None:
         ckpts = self.run_dir / CHECKPOINTS_DIR
@@ -258,7 +279,7 @@ class Trainer:
         norm = self._clip_gradients() if finite else math.nan
         applied = finite and math.isfinite(norm)
         if applied:
-            for opt in self.optimizers:
+            for opt in reversed(self.optimizers):  # tables first: a host-table update then overlaps the backbone's
                 opt.step()
         else:
             self.skipped_steps += 1
@@ -294,12 +315,12 @@ class Trainer:
         cfg = self.cfg
         losses, auxes = [], []
         for k in range(cfg.grad_accum):
-            x, y = self.train_data.sample_batch(
-                cfg.batch_size, cfg.seq_len, seed=cfg.seed, step=step * cfg.grad_accum + k
-            )
+            window = step * cfg.grad_accum + k
+            x, y = self.train_data.sample_batch(cfg.batch_size, cfg.seq_len, seed=cfg.seed, step=window)
             x, y = x.to(self.device), y.to(self.device)
+            rows = {} if self.host_tables is None else {"table_rows": self.host_tables.train_rows(window, x)}
             with self.autocast():
-                out = self.model(x, labels=y)
+                out = self.model(x, labels=y, **rows)
             loss = out.loss if self.fault_injection is None else self.fault_injection(step + 1, out.loss)
             total = loss if out.aux_loss is None else loss + cfg.aux_loss_coef * out.aux_loss.float()
             losses.append(loss.item())
@@ -307,6 +328,8 @@ class Trainer:
             if not math.isfinite(total.item()):
                 return losses, auxes, False
             (total / cfg.grad_accum).backward()
+        if self.host_tables is not None:
+            self.host_tables.finish_grads()
         return losses, auxes, True
 
     def _clip_gradients(self) -> float:
@@ -322,7 +345,7 @@ class Trainer:
         windows = self.heldout_data.iter_eval_windows(cfg.seq_len, cfg.eval_batches * cfg.batch_size, cfg.batch_size)
         for x, y in windows:
             with self.autocast():
-                out = self.model(x.to(self.device), labels=y.to(self.device))
+                out = self.model(x.to(self.device), labels=y.to(self.device), **self.inference_rows())
             total += out.loss.item() * y.numel()
             count += y.numel()
         self.model.train()
@@ -367,6 +390,7 @@ class Trainer:
             "wall_s": time.perf_counter() - wall,
             "device": self.device.type,
             "autocast_dtype": str(self.amp_dtype).removeprefix("torch."),
+            **(self.host_tables.summary(self.optimizers[-1]) if self.host_tables is not None else {}),
         }
 
     def _make_logger(self) -> RunLogger:
