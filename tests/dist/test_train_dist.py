@@ -25,6 +25,7 @@ from stemlm.checkpoint import read_state
 from stemlm.cli.main import build_parser, main
 from stemlm.cli.train_launch import failure_message, worker_argv
 from stemlm.data import TokenDataset, load_corpus, load_tokenizer
+from stemlm.data.prepare import prepare
 from stemlm.errors import StemlmError
 from stemlm.model import build_model
 from stemlm.runs import resolve_checkpoint
@@ -42,6 +43,8 @@ FITS = {
     "stem-fsdp": ("stem", dict(parallel="fsdp", table_optim="lazy_adamw")),
     "dense-ddp": ("dense", dict(parallel="ddp")),
     "dense-fsdp": ("dense", dict(parallel="fsdp", grad_accum=2)),
+    # A `stemlm data prepare` folder: rank 0 opens it, each rank reads only its rows of the global batch.
+    "stem-ddp-shards": ("stem", dict(parallel="ddp", grad_accum=2, data="shards")),
 }
 # name -> (run folder whose step-3 checkpoint is resumed on 2 ranks, overrides)
 RESUMES = {
@@ -83,6 +86,13 @@ def _layout_check(rank: int) -> dict:
     return {"block": torch.equal(block, full[start:stop]), "back": torch.equal(blocks_to_strided(block, tables), local)}
 
 
+def fit_config(assets, root, side: str, name: str) -> TrainConfig:
+    overrides = dict(FITS[name][1])
+    if overrides.get("data") == "shards":
+        overrides.update(data=[str(root / "shards")], tokenizer=None)
+    return train_config(assets, root / side / name, **overrides)
+
+
 def _worker(rank: int, world: int, port: int, root, assets) -> None:
     torch.set_num_threads(1)
     os.environ.update(
@@ -93,9 +103,8 @@ def _worker(rank: int, world: int, port: int, root, assets) -> None:
     from stemlm.dist.launch import destroy_distributed
     from stemlm.train.distributed import DistributedTrainer
 
-    for name, (ffn, overrides) in FITS.items():
-        cfg = train_config(assets, root / "two" / name, **overrides)
-        DistributedTrainer(model_config(ffn), cfg, progress=False).fit()
+    for name, (ffn, _) in FITS.items():
+        DistributedTrainer(model_config(ffn), fit_config(assets, root, "two", name), progress=False).fit()
     for name, (source, overrides) in RESUMES.items():
         if rank == 0:
             shutil.copytree(root / source, root / "resumed" / name)
@@ -115,9 +124,9 @@ def runs(dist_assets, tmp_path_factory):
     root = tmp_path_factory.mktemp("dist_runs")
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("STEMLM_CACHE", str(dist_assets["cache"]))
-        for name, (ffn, overrides) in FITS.items():
-            cfg = train_config(dist_assets, root / "one" / name, **overrides)
-            Trainer(model_config(ffn), cfg, progress=False).fit()
+        prepare([dist_assets["data"]], load_tokenizer(dist_assets["tokenizer"]), root / "shards", heldout_fraction=0.3, progress=False)
+        for name, (ffn, _) in FITS.items():
+            Trainer(model_config(ffn), fit_config(dist_assets, root, "one", name), progress=False).fit()
         # fork: the ranks inherit the imported modules (a fresh interpreter costs ~10 s on a loaded machine).
         mp.start_processes(_worker, args=(2, free_port(), root, dist_assets), nprocs=2, start_method="fork")
     return root

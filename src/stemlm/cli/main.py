@@ -17,6 +17,7 @@ SUBCOMMANDS = [
     "info",
     "train",
     "tokenizer",
+    "data",
     "generate",
     "convert",
     "cache-sim",

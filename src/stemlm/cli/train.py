@@ -210,6 +210,7 @@ def build_trainer(args):
     from stemlm.data import get_tokenizer
     from stemlm.runs import resolve_checkpoint
     from stemlm.train.config import check_vocab
+    from stemlm.train.data import resolve_tokenizer
 
     trainer_cls = trainer_class()  # DistributedTrainer in a torchrun worker, else Trainer
 
@@ -237,7 +238,7 @@ def build_trainer(args):
         from stemlm.presets import get_preset
 
         model = get_preset(cfg.preset)
-    tokenizer = tokenizer or get_tokenizer("default")
+    tokenizer = tokenizer or resolve_tokenizer(cfg)  # default, or a prepared --data folder's own
     # The tiny default follows the tokenizer; a named preset or an explicit vocab_size is never resized silently.
     explicit = bool(args.preset) or vocab_set
     requested = f"preset {args.preset}" if args.preset else "model.vocab_size"

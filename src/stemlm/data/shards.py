@@ -120,11 +120,13 @@ class TokenDataset:
         window = torch.from_numpy(self.tokens[starts[:, None] + np.arange(seq_len + 1)].astype(np.int64))
         return window[:, :-1].contiguous(), window[:, 1:].contiguous()
 
-    def sample_batch(self, batch_size: int, seq_len: int, *, seed: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Random windows as (inputs, targets) LongTensors of shape [batch_size, seq_len].
+    def sample_batch(
+        self, batch_size: int, seq_len: int, *, seed: int, step: int, rows: slice | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Random windows as (inputs, targets) LongTensors of shape [batch_size, seq_len] (or only `rows` of it).
 
         The RNG is derived from (seed, step) only, so the batch at a given step never depends on what was
-        drawn before it (exact resumption; each data-parallel rank can pass its own seed).
+        drawn before it (exact resumption); a data-parallel rank reads just its `rows` of the global batch.
         """
         self._check_window(seq_len)
         if batch_size < 1:
@@ -136,7 +138,7 @@ class TokenDataset:
             )
         rng = np.random.default_rng([seed, step])
         starts = rng.integers(0, self.num_tokens - seq_len, size=batch_size)
-        return self._windows(starts, seq_len)
+        return self._windows(starts if rows is None else starts[rows], seq_len)
 
     def num_eval_windows(self, seq_len: int) -> int:
         """How many non-overlapping windows of `seq_len` (+1 target token) the data holds."""

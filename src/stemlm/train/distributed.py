@@ -44,6 +44,7 @@ from stemlm.dist.sharded_tables import ShardedTables
 from stemlm.errors import StemlmError
 from stemlm.presets import get_preset
 from stemlm.train.config import TrainConfig
+from stemlm.train.data import load_datasets_distributed
 from stemlm.train.dist_checkpoint import load_optimizers, save_distributed_checkpoint
 from stemlm.train.logging import RunLogger
 from stemlm.train.table_optim import clip_grad_norm_mixed, make_table_optimizer
@@ -114,6 +115,9 @@ class DistributedTrainer(Trainer):
             self.net = DistributedDataParallel(model, device_ids=ids)
         return model
 
+    def _load_data(self) -> tuple[Any, Any]:
+        return load_datasets_distributed(self.cfg, self.tokenizer, self.is_main)
+
     def _build_optimizers(self) -> list[torch.optim.Optimizer]:
         optimizers = super()._build_optimizers()  # the backbone only: the tables left the model's parameters
         if self.tables is not None:
@@ -175,9 +179,9 @@ class DistributedTrainer(Trainer):
         losses, auxes = [], []
         for k in range(cfg.grad_accum):
             x, y = self.train_data.sample_batch(
-                cfg.batch_size, cfg.seq_len, seed=cfg.seed, step=step * cfg.grad_accum + k
-            )
-            x, y = x[rows].to(self.device), y[rows].to(self.device)
+                cfg.batch_size, cfg.seq_len, seed=cfg.seed, step=step * cfg.grad_accum + k, rows=rows
+            )  # this rank's rows only: no rank reads the others' windows
+            x, y = x.to(self.device), y.to(self.device)
             with self._sync(k == cfg.grad_accum - 1):
                 with self.autocast():
                     out = self.net(x, labels=y, **self._table_kwargs(x))

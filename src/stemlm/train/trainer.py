@@ -40,6 +40,7 @@ from stemlm.model import build_model
 from stemlm.presets import get_preset
 from stemlm.runs import CHECKPOINTS_DIR, STEP_DIR, resolve_checkpoint
 from stemlm.train.config import TrainConfig, model_config_diff, resolve_device, resolve_dtype, tokenizer_digest
+from stemlm.train.data import load_datasets, resolve_tokenizer
 from stemlm.train.logging import METRICS_NAME, PLOT_NAME, RunLogger, plot_losses
 from stemlm.train.optim import build_optimizers, clip_gradients, set_learning_rates
 from stemlm.train.state import load_optimizer_state, read_state_json, read_trainer_state, restore_rng, save_checkpoint
@@ -70,7 +71,7 @@ class Trainer:
         self.cfg, self.fault_injection, self.progress = cfg, fault_injection, progress
         self.device = resolve_device(cfg.device)
         self.amp_dtype = resolve_dtype(cfg.dtype, self.device)
-        self.tokenizer = tokenizer or _resolve_tokenizer(cfg)
+        self.tokenizer = tokenizer or resolve_tokenizer(cfg)
         self.model = self._build_model(model_config, _resume_from)
         self.config = self.model.config
         if self.tokenizer.get_vocab_size() > self.config.vocab_size:
@@ -83,7 +84,7 @@ class Trainer:
                 f"seq_len {cfg.seq_len} exceeds the model's max_position_embeddings "
                 f"{self.config.max_position_embeddings}"
             )
-        self.train_data, self.heldout_data = _load_datasets(cfg, self.tokenizer)
+        self.train_data, self.heldout_data = self._load_data()
         self.train_data.sample_batch(cfg.batch_size, cfg.seq_len, seed=cfg.seed, step=0)  # fails early if too small
         self.optimizers = self._build_optimizers()
         self.step, self.skipped_steps, self.loss_spikes = 0, 0, 0
@@ -138,6 +139,9 @@ class Trainer:
     def inference_rows(self) -> dict[str, Any]:
         """Keyword arguments for a no-grad forward of `self.model` (evaluation, sampling)."""
         return {} if self.host_tables is None else {"table_rows": self.host_tables.lookup}
+
+    def _load_data(self) -> tuple[Any, Any]:
+        return load_datasets(self.cfg, self.tokenizer)
 
     def _start_run_dir(self) -> None:
         ckpts = self.run_dir / CHECKPOINTS_DIR
@@ -406,22 +410,3 @@ class Trainer:
             f"{last['tokens_per_s']:,.0f} tok/s | skipped {self.skipped_steps} | spikes {self.loss_spikes}"
         )
         return heldout
-
-
-def _resolve_tokenizer(cfg: TrainConfig) -> Tokenizer:
-    from stemlm.data import get_tokenizer
-
-    if cfg.tokenizer is None and cfg.init_from and (Path(cfg.init_from) / TOKENIZER_NAME).is_file():
-        return get_tokenizer(Path(cfg.init_from) / TOKENIZER_NAME)
-    return get_tokenizer(cfg.tokenizer or "default")
-
-
-def _load_datasets(cfg: TrainConfig, tok: Tokenizer):
-    from stemlm.data import TokenDataset, load_corpus
-
-    train_texts, heldout_texts = load_corpus(cfg.data)
-    train = TokenDataset.from_texts(train_texts, tok, separator=cfg.separator)
-    heldout = TokenDataset.from_texts(heldout_texts, tok, separator=cfg.separator) if heldout_texts else None
-    if heldout is not None and heldout.num_tokens < cfg.seq_len + 1:
-        heldout = None  # too small for one window: train without held-out evaluation
-    return train, heldout

@@ -1,0 +1,346 @@
+"""`prepare`: tokenize a user corpus once, in parallel, into memory-mapped token shards plus a manifest.
+
+    stemlm data prepare corpus/ extra.jsonl web.parquet --tokenizer gpt2 --out shards/ --workers 8
+
+Inputs are files or folders (searched recursively for *.txt, *.md, *.jsonl and *.parquet, hidden entries
+skipped, sorted): a text or markdown file is one document, a JSON Lines file one document per line (the
+`text_field` of each object), a parquet file one document per row of its `text_field` column (read in record
+batches with pyarrow). Each file is one task for a pool of worker processes (spawned, so tokenizers' own
+threads are never forked); a worker streams its file, puts the separator token after every document and
+appends the ids to its own part file, so memory stays bounded by one record batch. A document goes to the
+held-out split when the hash of its text falls below `heldout_fraction`: the split depends on the text alone,
+never on file order or worker count, and duplicate documents never straddle the split.
+
+The output folder holds `train-NNNNN.<dtype>.bin` / `heldout-NNNNN.<dtype>.bin` shards (raw uint16 ids when
+the vocabulary fits, else uint32; consecutive files joined up to `shard_tokens` each), a copy of the tokenizer
+and `manifest.json`: format, tokenizer digest and size, separator, dtype, per-shard tokens / documents /
+sha256, per-source path / sha256 / bytes / documents, totals. The output is identical for any worker count.
+It is built in a temporary sibling folder and renamed into place; an existing `out` is never overwritten.
+Bad input raises one `StemlmError` naming the file (and line for JSON Lines). `stemlm.data.stream` reads it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+from collections.abc import Iterator
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass
+from multiprocessing import get_context
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from tokenizers import Tokenizer
+
+from stemlm.data.tokenizer import EOT_TOKEN, TOKENIZER_FILE, separator_id
+from stemlm.errors import StemlmError
+
+MANIFEST_NAME = "manifest.json"
+MANIFEST_FORMAT = "stemlm-prepared-v1"
+SUFFIXES = (".txt", ".md", ".jsonl", ".parquet")
+SPLITS = ("train", "heldout")
+ENCODE_CHUNK = 256  # documents per encode_batch call
+HASH_CHUNK = 1 << 20
+SHARD_TOKENS = 1 << 28  # input files are joined into shards of about this many tokens (512 MiB as uint16)
+
+
+@dataclass(frozen=True)
+class Task:
+    """One input file for one worker: everything it needs, picklable."""
+
+    index: int
+    path: str
+    separator: str
+    text_field: str
+    heldout_fraction: float
+    dtype: str
+    work_dir: str
+
+
+def find_files(paths: list[str | Path]) -> list[Path]:
+    """Every input file of `paths`, folders expanded in sorted order; an error for a missing or empty path."""
+    if not paths:
+        raise StemlmError("no data paths given")
+    files: list[Path] = []
+    for arg in map(Path, paths):
+        if arg.is_dir():
+            found = [
+                p
+                for p in sorted(arg.rglob("*"))
+                if p.is_file() and p.suffix in SUFFIXES and not any(s.startswith(".") for s in p.relative_to(arg).parts)
+            ]
+            if not found:
+                raise StemlmError(f"folder {arg} has no {', '.join(SUFFIXES)} files")
+            files += found
+        elif arg.is_file():
+            files.append(arg)
+        else:
+            raise StemlmError(f"data path not found: {arg}")
+    return files
+
+
+# ----- reading documents (in a worker) -----
+def _decode(raw: bytes, where: str) -> str:
+    if b"\0" in raw:
+        raise StemlmError(f"{where} looks binary (contains NUL bytes); pass UTF-8 text, jsonl or parquet files")
+    try:
+        return raw.decode("utf-8-sig")  # -sig drops a byte-order mark that some editors write
+    except UnicodeDecodeError as exc:
+        raise StemlmError(f"{where} is not valid UTF-8 (byte {exc.start}); convert it to UTF-8") from None
+
+
+def _text_docs(path: Path, field: str) -> Iterator[str]:
+    text = _decode(path.read_bytes(), str(path))
+    if text.strip():
+        yield text
+
+
+def _jsonl_docs(path: Path, field: str) -> Iterator[str]:
+    with open(path, "rb") as f:
+        for lineno, raw in enumerate(f, start=1):
+            line = _decode(raw, f"{path} line {lineno}")
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise StemlmError(f"{path} line {lineno}: invalid JSON ({exc.msg})") from None
+            if not isinstance(record, dict) or not isinstance(record.get(field), str):
+                raise StemlmError(f"{path} line {lineno}: expected a JSON object with a string {field!r} field")
+            if record[field].strip():
+                yield record[field]
+
+
+def _parquet_docs(path: Path, field: str) -> Iterator[str]:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    try:
+        table = pq.ParquetFile(path)
+    except (pa.ArrowException, OSError) as exc:
+        raise StemlmError(f"{path} is not a readable parquet file ({str(exc).splitlines()[0]})") from None
+    names = table.schema_arrow.names
+    if field not in names:
+        raise StemlmError(f"{path}: no column {field!r} (columns: {', '.join(names)}); pass --text-field")
+    if not pa.types.is_string(table.schema_arrow.field(field).type) and not pa.types.is_large_string(
+        table.schema_arrow.field(field).type
+    ):
+        raise StemlmError(f"{path}: column {field!r} is {table.schema_arrow.field(field).type}, not text")
+    for batch in table.iter_batches(columns=[field]):
+        for text in batch.column(0).to_pylist():
+            if text and text.strip():
+                yield text
+
+
+READERS = {".jsonl": _jsonl_docs, ".parquet": _parquet_docs}
+
+
+def file_sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(HASH_CHUNK):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def is_heldout(text: str, fraction: float) -> bool:
+    """The split of a document, from its text alone (the first 8 bytes of its sha256 as a uniform draw)."""
+    if fraction <= 0:
+        return False
+    draw = int.from_bytes(hashlib.sha256(text.encode("utf-8")).digest()[:8], "little") / 2.0**64
+    return draw < fraction
+
+
+_WORKER: dict[str, Tokenizer] = {}  # the tokenizer of this worker process, parsed once by init_worker
+
+
+def init_worker(tokenizer_json: str, single_threaded: bool) -> None:
+    if single_threaded:  # N worker processes already use the cores: no rayon thread pool in each
+        os.environ["TOKENIZERS_PARALLELISM"] = "false"
+    _WORKER["tokenizer"] = Tokenizer.from_str(tokenizer_json)
+
+
+def tokenize_file(task: Task) -> dict[str, Any]:
+    """Tokenize one file into `work_dir/<index>.<split>.bin`; returns its source and per-split counts."""
+    tok = _WORKER["tokenizer"]
+    sep, dtype, path = separator_id(tok, task.separator), np.dtype(task.dtype), Path(task.path)
+    encode = getattr(tok, "encode_batch_fast", tok.encode_batch)
+    reader = READERS.get(path.suffix, _text_docs)
+    outs = {s: open(Path(task.work_dir) / f"{task.index:05d}.{s}.bin", "wb") for s in SPLITS}
+    stats = {s: {"tokens": 0, "documents": 0, "sha": hashlib.sha256()} for s in SPLITS}
+    pending: dict[str, list[str]] = {s: [] for s in SPLITS}
+
+    def flush(split: str) -> None:
+        for enc in encode(pending[split], add_special_tokens=False):
+            data = np.asarray([*enc.ids, sep], dtype=dtype).tobytes()
+            outs[split].write(data)
+            stats[split]["sha"].update(data)
+            stats[split]["tokens"] += len(enc.ids) + 1
+        stats[split]["documents"] += len(pending[split])
+        pending[split].clear()
+
+    try:
+        for text in reader(path, task.text_field):
+            split = "heldout" if is_heldout(text, task.heldout_fraction) else "train"
+            pending[split].append(text)
+            if len(pending[split]) >= ENCODE_CHUNK:
+                flush(split)
+        for split in SPLITS:
+            flush(split)
+    finally:
+        for f in outs.values():
+            f.close()
+    return {
+        "index": task.index,
+        "source": {"path": str(path), "sha256": file_sha256(path), "bytes": path.stat().st_size},
+        "splits": {s: {"tokens": v["tokens"], "documents": v["documents"], "sha256": v["sha"].hexdigest()}
+                   for s, v in stats.items()},
+    }  # fmt: skip
+
+
+# ----- the whole run (in the main process) -----
+def prepare(
+    paths: list[str | Path],
+    tokenizer: Tokenizer,
+    out: str | Path,
+    *,
+    workers: int = 1,
+    separator: str = EOT_TOKEN,
+    text_field: str = "text",
+    heldout_fraction: float = 0.0,
+    shard_tokens: int = SHARD_TOKENS,
+    progress: bool = True,
+) -> dict[str, Any]:
+    """Tokenize `paths` into the shard folder `out` (which must not exist); returns the manifest."""
+    out = Path(out)
+    if out.exists():
+        raise StemlmError(f"{out} already exists; choose another --out or delete it first")
+    if workers < 1:
+        raise StemlmError(f"workers must be at least 1, got {workers}")
+    if not 0.0 <= heldout_fraction < 1.0:
+        raise StemlmError(f"heldout fraction must lie in [0, 1), got {heldout_fraction}")
+    separator_id(tokenizer, separator)  # fail before any work when the separator is unknown
+    files = find_files(paths)
+    vocab = tokenizer.get_vocab_size(with_added_tokens=True)
+    dtype = np.dtype(np.uint16 if vocab <= 2**16 else np.uint32)
+    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    try:
+        tasks = [
+            Task(i, str(p), separator, text_field, heldout_fraction, dtype.name, str(tmp)) for i, p in enumerate(files)
+        ]
+        results = _run_tasks(tasks, tokenizer.to_str(), workers, progress)
+        manifest = _assemble(tmp, results, tokenizer, separator, dtype, shard_tokens)
+        tmp.replace(out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return manifest
+
+
+def _run_tasks(tasks: list[Task], tokenizer_json: str, workers: int, progress: bool) -> list[dict[str, Any]]:
+    from tqdm.auto import tqdm
+
+    bar = tqdm(total=len(tasks), unit="file", desc="tokenizing", disable=not progress, dynamic_ncols=True)
+    results, tokens = [], 0
+    try:
+        pool = None
+        if workers == 1 or len(tasks) == 1:
+            init_worker(tokenizer_json, single_threaded=False)
+            stream = map(tokenize_file, tasks)
+        else:
+            pool = ProcessPoolExecutor(
+                max_workers=min(workers, len(tasks)),
+                mp_context=get_context("spawn"),
+                initializer=init_worker,
+                initargs=(tokenizer_json, True),
+            )
+            stream = pool.map(tokenize_file, tasks)  # results in input order: the output never depends on timing
+        for result in stream:
+            results.append(result)
+            tokens += sum(s["tokens"] for s in result["splits"].values())
+            bar.set_postfix(tokens=f"{tokens:,}", refresh=False)
+            bar.update()
+    finally:
+        bar.close()
+        if pool is not None:
+            pool.shutdown(cancel_futures=True)
+    return results
+
+
+def _merge_parts(
+    tmp: Path, split: str, parts: list[tuple[Path, dict]], shard_tokens: int, dtype: np.dtype
+) -> list[dict[str, Any]]:
+    """Consecutive per-file parts joined into shards of about `shard_tokens` (few memory maps however many
+    files); a part that fills a shard alone is renamed, the others are copied once while hashing."""
+    groups: list[list[tuple[Path, dict]]] = []
+    for part in parts:
+        if not groups or sum(info["tokens"] for _, info in groups[-1]) >= shard_tokens:
+            groups.append([])
+        groups[-1].append(part)
+    shards = []
+    for k, group in enumerate(groups):
+        name = f"{split}-{k:05d}.{dtype.name}.bin"
+        if len(group) == 1:
+            group[0][0].rename(tmp / name)
+            sha = group[0][1]["sha256"]
+        else:
+            h = hashlib.sha256()
+            with open(tmp / name, "wb") as out:
+                for part, _ in group:
+                    with open(part, "rb") as f:
+                        while chunk := f.read(HASH_CHUNK):
+                            h.update(chunk)
+                            out.write(chunk)
+                    part.unlink()
+            sha = h.hexdigest()
+        tokens, documents = (sum(info[key] for _, info in group) for key in ("tokens", "documents"))
+        shards.append({"file": name, "tokens": tokens, "documents": documents, "sha256": sha})
+    return shards
+
+
+def _assemble(
+    tmp: Path, results: list[dict], tokenizer: Tokenizer, separator: str, dtype: np.dtype, shard_tokens: int
+) -> dict:
+    from stemlm.train.config import tokenizer_digest
+
+    shards: dict[str, list[dict]] = {}
+    for split in SPLITS:
+        parts = []
+        for result in results:
+            part, info = tmp / f"{result['index']:05d}.{split}.bin", result["splits"][split]
+            if info["tokens"]:
+                parts.append((part, info))
+            else:
+                part.unlink()
+        shards[split] = _merge_parts(tmp, split, parts, shard_tokens, dtype)
+    if not shards["train"]:
+        raise StemlmError("the inputs hold no training documents (every file empty, or all held out)")
+    tokenizer.save(str(tmp / TOKENIZER_FILE))
+    manifest = {
+        "format": MANIFEST_FORMAT,
+        "tokenizer": {
+            "file": TOKENIZER_FILE,
+            "sha256_16": tokenizer_digest(tokenizer),
+            "vocab_size": tokenizer.get_vocab_size(),
+        },
+        "separator": {"token": separator, "id": separator_id(tokenizer, separator)},
+        "dtype": dtype.name,
+        "splits": {
+            s: {
+                "tokens": sum(x["tokens"] for x in shards[s]),
+                "documents": sum(x["documents"] for x in shards[s]),
+                "shards": shards[s],
+            }
+            for s in SPLITS
+        },
+        "sources": [{**r["source"], "documents": sum(v["documents"] for v in r["splits"].values())} for r in results],
+    }
+    with open(tmp / MANIFEST_NAME, "w") as f:
+        json.dump(manifest, f, indent=1)
+        f.flush()
+        os.fsync(f.fileno())
+    return manifest

@@ -1,0 +1,88 @@
+"""The data of a training run: its tokenizer and its (train, held-out) datasets, in one process or on N ranks.
+
+`--data DIR` naming a folder written by `stemlm data prepare` streams its memory-mapped shards
+(`stemlm.data.stream`: sampled without replacement per epoch, the folder's tokenizer unless `--tokenizer` says
+otherwise, which must then match it). Anything else (text/jsonl files and folders, or the embedded corpus) is
+read, split and tokenized into a cached shard as before (`stemlm.data.shards`: uniform window draws).
+
+On N ranks (`load_datasets_distributed`) rank 0 alone reads the manifest or the text and builds the shards;
+the others wait at a broadcast, then open rank 0's files (memory maps: no rank reads text or loads tokens).
+A problem found by rank 0 is broadcast and raised on every rank, so no rank is left waiting.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from tokenizers import Tokenizer
+
+from stemlm.checkpoint import TOKENIZER_NAME
+from stemlm.errors import StemlmError
+from stemlm.train.config import TrainConfig
+
+
+def prepared_folder(cfg: TrainConfig) -> Path | None:
+    """The prepared shard folder of `cfg.data`, or None for text data / the embedded corpus."""
+    from stemlm.data.stream import is_prepared
+
+    if not cfg.data or not any(is_prepared(p) for p in cfg.data):
+        return None
+    if len(cfg.data) != 1:
+        raise StemlmError("--data takes one prepared shard folder alone (prepare all inputs into one folder)")
+    return Path(cfg.data[0])
+
+
+def resolve_tokenizer(cfg: TrainConfig) -> Tokenizer:
+    """`cfg.tokenizer`, else the --init-from checkpoint's, else the prepared folder's, else the default."""
+    from stemlm.data import get_tokenizer
+    from stemlm.data.stream import prepared_tokenizer
+
+    if cfg.tokenizer is not None:
+        return get_tokenizer(cfg.tokenizer)
+    if cfg.init_from and (Path(cfg.init_from) / TOKENIZER_NAME).is_file():
+        return get_tokenizer(Path(cfg.init_from) / TOKENIZER_NAME)
+    folder = prepared_folder(cfg)
+    return prepared_tokenizer(folder) if folder is not None else get_tokenizer("default")
+
+
+def load_datasets(cfg: TrainConfig, tok: Tokenizer) -> tuple[Any, Any]:
+    """(train, heldout or None) datasets of the run; held-out is dropped when too small for one window."""
+    folder = prepared_folder(cfg)
+    if folder is not None:
+        from stemlm.data.stream import open_prepared
+
+        train, heldout = open_prepared(folder, tok)
+    else:
+        from stemlm.data import TokenDataset, load_corpus
+
+        train_texts, heldout_texts = load_corpus(cfg.data)
+        train = TokenDataset.from_texts(train_texts, tok, separator=cfg.separator)
+        heldout = TokenDataset.from_texts(heldout_texts, tok, separator=cfg.separator) if heldout_texts else None
+    if heldout is not None and heldout.num_tokens < cfg.seq_len + 1:
+        heldout = None  # too small for one window: train without held-out evaluation
+    return train, heldout
+
+
+def load_datasets_distributed(cfg: TrainConfig, tok: Tokenizer, is_main: bool) -> tuple[Any, Any]:
+    """`load_datasets` on rank 0, then the same files opened (not rebuilt) on the other ranks."""
+    import torch.distributed as dist
+
+    message: list[Any] = [None]
+    if is_main:
+        try:
+            train, heldout = load_datasets(cfg, tok)
+            message = [{"paths": [d.path if d is not None else None for d in (train, heldout)]}]
+        except (StemlmError, OSError) as exc:
+            message = [{"error": str(exc)}]
+    dist.broadcast_object_list(message, src=0)
+    if "error" in message[0]:
+        raise StemlmError(message[0]["error"])
+    if is_main:
+        return train, heldout
+    if prepared_folder(cfg) is not None:
+        return load_datasets(cfg, tok)  # a manifest read and one memory map per shard: no corpus is read
+    from stemlm.data import TokenDataset
+
+    train_path, heldout_path = message[0]["paths"]
+    return TokenDataset.from_file(train_path), TokenDataset.from_file(heldout_path) if heldout_path else None
