@@ -28,14 +28,16 @@ from typing import Any
 
 from stemlm.config import ModelConfig
 from stemlm.errors import StemlmError
+from stemlm.ngram_layout import ngram_layout
 
 PARAM_COMPONENTS = tuple(
     "embed_tokens lm_head attention norms ffn_dense stem_proj stem_tables "
-    "moe_router moe_experts moe_shared ple_proj ple_tables".split()
+    "moe_router moe_experts moe_shared ple_proj ple_tables ngram_tables engram_proj memory_proj memory_values".split()
 )
-TABLE_COMPONENTS = ("stem_tables", "ple_tables")
+TABLE_COMPONENTS = ("stem_tables", "ple_tables", "ngram_tables", "memory_values")
 FLOP_COMPONENTS = tuple(
-    "attn_proj attn_scores ffn_dense stem_proj moe_router moe_experts moe_shared ple_proj lm_head".split()
+    "attn_proj attn_scores ffn_dense stem_proj moe_router moe_experts moe_shared ple_proj engram_proj memory_proj "
+    "lm_head".split()
 )
 ATTENTION_MODES = ("causal", "full")
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 1}
@@ -72,9 +74,35 @@ def _layer(config: ModelConfig, layer_idx: int) -> tuple[dict[str, int], dict[st
         params["ffn_dense"] = used["ffn_dense"] = 3 * d * f
         params["ple_proj"] = used["ple_proj"] = 2 * d * config.ple_dim  # ple_gate d->w and ple_proj w->d
         params["ple_tables"], row = V * config.ple_dim, config.ple_dim
+    elif kind in ("stem_ngram", "engram", "memory"):
+        row = _lookup_layer(config, kind, params, used)
     else:
         raise StemlmError(f"no accounting for ffn kind {kind!r}")
     return params, used, row
+
+
+def _lookup_layer(config: ModelConfig, kind: str, params: dict[str, int], used: dict[str, int]) -> int:
+    """Parameters / matmul weights of the n-gram, Engram and memory kinds; returns the row entries looked up."""
+    d, f, V = config.hidden_size, config.intermediate_size, config.vocab_size
+    if kind == "memory":
+        h, dk, n, k = config.memory_heads, config.memory_key_dim, config.memory_keys, config.memory_topk
+        # query d -> h·dk, the sub-keys (each entry one MAC per token), W_gate and W_out d -> d
+        params["memory_proj"] = used["memory_proj"] = d * h * dk + h * n * dk + 2 * d * d
+        params["memory_values"] = n * n * d
+        return h * k * d  # h·k value rows read per token (distinct in each head; heads may repeat a row)
+    hasher = ngram_layout(config)
+    if kind == "stem_ngram":
+        params["stem_proj"] = used["stem_proj"] = 2 * d * f
+        params["stem_tables"] = V * f
+        params["ngram_tables"] = hasher.num_rows * f
+        return f * (1 + hasher.num_keys)  # U[t] plus one row per order x head
+    e = config.engram_dim
+    params["ffn_dense"] = used["ffn_dense"] = 3 * d * f
+    # W_K and W_V (e -> d) and the depthwise conv (d x kernel weights, each one MAC per token)
+    params["engram_proj"] = used["engram_proj"] = 2 * e * d + d * config.engram_kernel
+    params["norms"] += 3 * d  # query, key and conv-input norms
+    params["ngram_tables"] = hasher.num_rows * (e // hasher.num_keys)
+    return e
 
 
 def _add(total: dict[str, int], part: dict[str, int]) -> None:
@@ -371,7 +399,7 @@ def summarize(config: ModelConfig, seq_len: int, attention: str = "causal", dtyp
         },
         "paper_convention": paper_convention(config),
     }
-    if config.ffn in ("stem", "stem_gate") and config.special_layers:
+    if config.ffn in ("stem", "stem_gate", "stem_ngram") and config.special_layers:
         d, f = config.hidden_size, config.intermediate_size
         out["stem"] = {
             "layer_saving_fraction": layer_saving_fraction(config, seq_len, attention),

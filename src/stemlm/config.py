@@ -15,14 +15,15 @@ from typing import Any
 
 from stemlm.errors import StemlmError
 
-FFN_KINDS = ("dense", "stem", "stem_gate", "moe", "hash_moe", "ple")
+FFN_KINDS = ("dense", "stem", "stem_gate", "moe", "hash_moe", "ple", "stem_ngram", "engram", "memory")
 # Kinds whose layers own a token-indexed table (they need the input ids at every position).
-TABLE_KINDS = ("stem", "stem_gate", "ple")
+TABLE_KINDS = ("stem", "stem_gate", "ple", "stem_ngram")
 LAYER_SPECS = ("all", "all-but-first", "odd", "even", "half", "none")
 MODEL_TYPE = "stemlm"
 _POSITIVE_INTS = (
     "vocab_size hidden_size intermediate_size num_hidden_layers num_attention_heads max_position_embeddings "
-    "num_experts num_experts_per_tok ple_dim"
+    "num_experts num_experts_per_tok ple_dim stem_ngram_heads engram_dim engram_heads engram_kernel memory_keys "
+    "memory_topk memory_heads memory_key_dim"
 ).split()
 
 
@@ -104,6 +105,19 @@ class ModelConfig:
     hash_seed: int = 0
     # --- PLE (Gemma-3n style per-layer embedding next to a dense FFN) ---
     ple_dim: int = 256
+    # --- n-gram keyed STEM, Engram, product-key memory (stemlm.model.ngram / engram / memory_layer) ---
+    stem_ngram_orders: str = "2"  # n-gram orders added to U[t]: "2" (bigrams) or "2,3"
+    stem_ngram_heads: int = 2  # hash heads per order, each with its own prime-sized table
+    stem_ngram_rows: int | None = None  # rows per head (rounded up to a prime); None: vocab_size
+    engram_orders: str = "2,3"
+    engram_heads: int = 4
+    engram_rows: int | None = None  # rows per head (rounded up to a prime); None: vocab_size
+    engram_dim: int = 256  # width of the concatenated n-gram memory e_t (split evenly over orders x heads)
+    engram_kernel: int = 4  # the short causal conv's kernel (its dilation is the largest order)
+    memory_keys: int = 128  # sub-keys per half: memory_keys² value rows
+    memory_topk: int = 16
+    memory_heads: int = 4
+    memory_key_dim: int = 64  # query width per head (two halves of memory_key_dim / 2)
     model_type: str = field(default=MODEL_TYPE)
 
     def __post_init__(self) -> None:
@@ -179,6 +193,33 @@ class ModelConfig:
             f"num_experts_per_tok={self.num_experts_per_tok} exceeds num_experts={self.num_experts}",
         )
         resolve_layer_spec(self.stem_layers, self.num_hidden_layers)
+        self._validate_lookup_kinds(need)
+
+    def _validate_lookup_kinds(self, need) -> None:
+        for name in ("stem_ngram_orders", "engram_orders"):
+            orders = str(getattr(self, name)).replace(" ", "").split(",")
+            ok = all(o.isdigit() and int(o) >= 2 for o in orders) and len(set(orders)) == len(orders)
+            need(
+                ok,
+                f"{name} must be a comma list of distinct n-gram orders >= 2 such as '2' or '2,3', got "
+                f"{getattr(self, name)!r}",
+            )
+        for name in ("stem_ngram_rows", "engram_rows"):
+            value = getattr(self, name)
+            need(
+                value is None or (isinstance(value, int) and not isinstance(value, bool) and value > 0),
+                f"{name} must be a positive integer or None, got {value!r}",
+            )
+        keys = len(str(self.engram_orders).split(",")) * self.engram_heads
+        need(
+            self.engram_dim % keys == 0,
+            f"engram_dim={self.engram_dim} must divide evenly over orders x heads = {keys} hash heads",
+        )
+        need(self.memory_key_dim % 2 == 0, f"memory_key_dim={self.memory_key_dim} must be even (two halves)")
+        need(
+            self.memory_topk <= self.memory_keys,
+            f"memory_topk={self.memory_topk} exceeds memory_keys={self.memory_keys}",
+        )
 
     # ----- (de)serialisation -----
     def to_dict(self) -> dict[str, Any]:

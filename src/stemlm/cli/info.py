@@ -17,7 +17,7 @@ from typing import Any
 
 from stemlm.accounting import ATTENTION_MODES, DTYPE_BYTES, active_parameters, summarize, total_parameters
 from stemlm.cli.common import add_json_flag, print_json
-from stemlm.config import ModelConfig
+from stemlm.config import FFN_KINDS, ModelConfig
 from stemlm.errors import StemlmError
 from stemlm.presets import get_preset, list_presets
 
@@ -35,6 +35,7 @@ def register(subparsers) -> None:
     source.add_argument("--preset", metavar="NAME", help="a named preset (see --list-presets)")
     source.add_argument("--config", metavar="PATH", help="a config.json file or a checkpoint folder holding one")
     source.add_argument("--list-presets", action="store_true", help="list the presets with their sizes and exit")
+    parser.add_argument("--ffn", choices=FFN_KINDS, help="FFN kind of the selected layers (default: the preset's)")
     parser.add_argument(
         "--set",
         dest="overrides",
@@ -99,6 +100,8 @@ def resolve(args) -> tuple[str, ModelConfig]:
         name, config = args.config, load_config_file(args.config)
     else:
         raise StemlmError("give --preset NAME, --config PATH or --list-presets")
+    if args.ffn:
+        config = config.replace(ffn=args.ffn)
     if args.overrides:
         config = config.with_overrides(args.overrides)
     return name, config

@@ -285,7 +285,7 @@ def final_report(trainer, result: dict[str, Any], args) -> dict[str, Any]:
     """The final metrics plus accounting figures and a greedy sample continuation."""
     report = dict(result)
     try:
-        from stemlm.accounting import summarize
+        from stemlm.accounting import TABLE_COMPONENTS, summarize
 
         summary = summarize(trainer.config, trainer.cfg.seq_len)
         report["accounting"] = {
@@ -293,8 +293,7 @@ def final_report(trainer, result: dict[str, Any], args) -> dict[str, Any]:
             "special_layers": summary["special_layers"],
             "parameters_total": summary["parameters"]["total"],
             "parameters_active_per_token": summary["parameters"]["active_backbone"],
-            "table_parameters": summary["parameters"]["components"].get("stem_tables", 0)
-            + summary["parameters"]["components"].get("ple_tables", 0),
+            "table_parameters": sum(summary["parameters"]["components"].get(k, 0) for k in TABLE_COMPONENTS),
             "training_flops_per_token": summary["flops"]["training_per_token"],
         }
     except ImportError:

@@ -48,6 +48,19 @@ class StemlmConfig(PreTrainedConfig):
     hash_seed: int = 0
     # --- PLE ---
     ple_dim: int = 256
+    # --- n-gram keyed STEM, Engram, product-key memory ---
+    stem_ngram_orders: str = "2"
+    stem_ngram_heads: int = 2
+    stem_ngram_rows: int | None = None
+    engram_orders: str = "2,3"
+    engram_heads: int = 4
+    engram_rows: int | None = None
+    engram_dim: int = 256
+    engram_kernel: int = 4
+    memory_keys: int = 128
+    memory_topk: int = 16
+    memory_heads: int = 4
+    memory_key_dim: int = 64
     # --- HF wrapper only (not part of ModelConfig) ---
     router_aux_loss_coef: float = 0.01  # Switch Transformers' alpha
 

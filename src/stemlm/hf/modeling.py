@@ -118,13 +118,19 @@ class StemlmForCausalLM(PreTrainedModel, GenerationMixin):
             buffer = next(module.buffers(recurse=False), None)
             if buffer is not None and buffer.device.type != "meta":
                 module.reset_buffers(buffer.device)
+        own = self._stem.init_stds()  # n-gram / memory kinds: tables and raw parameters with their own std
+        mine = [param for param in module.parameters(recurse=False) if id(param) in own]
+        for param in mine:
+            init.normal_(param, std=own[id(param)])
+        if mine:
+            return
         if any(module is table for table in self._stem.stem_tables().values()):
             rows, width = module.weight.shape
             xavier = self.config.table_init == "xavier"
             init.normal_(module.weight, std=(2.0 / (rows + width)) ** 0.5 if xavier else self.config.table_init_std)
         elif isinstance(module, RMSNorm):
             init.ones_(module.weight)
-        elif isinstance(module, (nn.Linear, nn.Embedding)):
+        elif isinstance(module, (nn.Linear, nn.Embedding, nn.EmbeddingBag, nn.Conv1d)):
             init.normal_(module.weight, std=self.config.initializer_range)
         elif isinstance(module, Experts):
             for param in (module.gate_proj, module.up_proj, module.down_proj):

@@ -19,8 +19,22 @@ from torch import nn
 from stemlm.config import ModelConfig
 from stemlm.errors import StemlmError
 from stemlm.model.attention import Attention, KVCache, RMSNorm, RotaryEmbedding, build_attention_mask
-from stemlm.model.ffn import PLEFFN, DenseFFN, StemFFN, StemGateFFN, TableRows, TokenContext, table_of, token_table
+from stemlm.model.decoding_state import fill_lookup_context
+from stemlm.model.engram import EngramFFN
+from stemlm.model.ffn import (
+    PLEFFN,
+    DenseFFN,
+    MemoryRows,
+    StemFFN,
+    StemGateFFN,
+    TableRows,
+    TokenContext,
+    table_of,
+    token_table,
+)
+from stemlm.model.memory_layer import MemoryFFN
 from stemlm.model.moe import Experts, HashMoEFFN, MoEFFN
+from stemlm.model.ngram import StemNgramFFN, ngram_hasher
 
 EmbedRows = Callable[[torch.Tensor], torch.Tensor]  # input_ids [B, T] -> input embeddings [B, T, hidden]
 
@@ -40,9 +54,9 @@ def build_ffn(config: ModelConfig, layer_idx: int) -> nn.Module:
     kind = config.layer_ffn(layer_idx)
     if kind == "dense":
         return DenseFFN(config.hidden_size, config.intermediate_size)
-    return {"stem": StemFFN, "stem_gate": StemGateFFN, "ple": PLEFFN, "moe": MoEFFN, "hash_moe": HashMoEFFN}[kind](
-        config, layer_idx
-    )
+    kinds = {"stem": StemFFN, "stem_gate": StemGateFFN, "ple": PLEFFN, "moe": MoEFFN, "hash_moe": HashMoEFFN}
+    kinds.update(stem_ngram=StemNgramFFN, engram=EngramFFN, memory=MemoryFFN)
+    return kinds[kind](config, layer_idx)
 
 
 class DecoderLayer(nn.Module):
@@ -74,6 +88,7 @@ class StemLM(nn.Module):
         super().__init__()
         self.config = config
         self.model = DecoderStack(config)
+        self.ngram_hasher = ngram_hasher(config)  # shared by every n-gram layer; None for other kinds
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.tie_weights()
 
@@ -89,12 +104,15 @@ class StemLM(nn.Module):
         use_cache: bool = False,
         table_rows: TableRows | None = None,
         embed_rows: EmbedRows | None = None,
+        ngram_rows: TableRows | None = None,
+        memory_rows: MemoryRows | None = None,
     ) -> ModelOutput:
         """Logits for `input_ids` [B, T]. `labels` [B, T] are the targets of each position (not shifted here);
         `attention_mask` [B, past + T] marks real tokens with 1 (left padding); `past_key_values` continues a
         cache from an earlier call (`use_cache=True` starts one). `embed_rows(input_ids) -> [B, T, hidden]`,
         when given, supplies the input embeddings instead of `embed_tokens` (editing from outside, like
-        `table_rows`); the lm_head is unaffected even when tied."""
+        `table_rows`); the lm_head is unaffected even when tied. `ngram_rows` / `memory_rows` supply the rows
+        of n-gram and memory layers from outside (see `stemlm.model.ngram` and `stemlm.model.memory_layer`)."""
         check_token_ids(input_ids, self.config.vocab_size)
         input_ids = input_ids.long()  # embedding and hash lookups need int64/int32; narrower ids are accepted
         B, T = input_ids.shape
@@ -112,7 +130,8 @@ class StemLM(nn.Module):
         x = self.model.embed_tokens(input_ids) if embed_rows is None else _embeddings_from(self, embed_rows, input_ids)
         rope = self.model.rotary_emb(position_ids, x.dtype)
         mask = build_attention_mask(T, past_len, attention_mask, input_ids.device)
-        ctx = TokenContext(input_ids=input_ids, table_rows=table_rows)
+        ctx = TokenContext(input_ids=input_ids, table_rows=table_rows, ngram_rows=ngram_rows, memory_rows=memory_rows)
+        fill_lookup_context(ctx, self.ngram_hasher, attention_mask, cache, past_len)
         for layer in self.model.layers:
             x = layer(x, rope, mask, cache, ctx)
         logits = self.lm_head(self.model.norm(x))
@@ -132,6 +151,25 @@ class StemLM(nn.Module):
                 tables[i] = table
         return tables
 
+    def ngram_tables(self) -> dict[int, nn.Embedding]:
+        """Layer index -> hashed n-gram table (stem_ngram, engram): [Σ prime sizes, width], row ids shared by layers."""
+        found = {}
+        for i, layer in enumerate(self.model.layers):
+            found[i] = getattr(layer.mlp, "ngram_embedding", None) or getattr(layer.mlp, "engram_embedding", None)
+        return {i: t for i, t in found.items() if isinstance(t, nn.Embedding)}
+
+    def memory_tables(self) -> dict[int, nn.EmbeddingBag]:
+        """Layer index -> value table of a product-key memory layer ([memory_keys², hidden])."""
+        return {i: b.mlp.memory_values for i, b in enumerate(self.model.layers) if isinstance(b.mlp, MemoryFFN)}
+
+    def init_stds(self) -> dict[int, float]:
+        """id(parameter) -> init std for the parameters whose module asks for its own (n-gram, memory kinds)."""
+        stds = {}
+        for module in self.modules():
+            if module is not self and hasattr(module, "init_stds"):
+                stds.update(module.init_stds())
+        return stds
+
     @torch.no_grad()
     def init_weights(self, seed: int | None = None) -> None:
         """Initialise every parameter: N(0, initializer_range) for projections and embeddings, ones for norms,
@@ -140,8 +178,11 @@ class StemLM(nn.Module):
         generator.manual_seed(0 if seed is None else seed)
         std = self.config.initializer_range
         tables = {id(t.weight) for t in self.stem_tables().values()}
+        own = self.init_stds()
         for name, param in self.named_parameters():
-            if id(param) in tables:
+            if id(param) in own:
+                _normal_(param, own[id(param)], generator)
+            elif id(param) in tables:
                 if self.config.table_init == "xavier":
                     table_std = math.sqrt(2.0 / (param.shape[0] + param.shape[1]))
                 else:

@@ -25,6 +25,8 @@ from stemlm.config import ModelConfig
 from stemlm.errors import StemlmError
 
 TableRows = Callable[[int, torch.Tensor], torch.Tensor]
+# (layer_idx, value ids [N, k]) -> (rows [U, width], positions [N, k] into rows): the rows fetched on demand
+MemoryRows = Callable[[int, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 
 
 @dataclass
@@ -35,6 +37,13 @@ class TokenContext:
     table_rows: TableRows | None = None  # external row source; None = each layer's own table
     aux_losses: list[torch.Tensor] = field(default_factory=list)  # MoE balancing / z-losses, summed by the model
     expert_counts: dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> tokens routed per expert
+    # --- n-gram, Engram and memory kinds (stemlm.model.ngram / engram / memory_layer) ---
+    ngram_ids: torch.Tensor | None = None  # [B, T, K] hashed n-gram row ids, computed from the ids before compute
+    ngram_rows: TableRows | None = None  # external source of n-gram rows: (layer_idx, ngram_ids) -> [B, T, K, w]
+    memory_rows: MemoryRows | None = None  # external value rows of memory layers (fetched on demand)
+    state: dict | None = None  # the decoding state of earlier positions (ids, Engram conv inputs); None: no cache
+    past_len: int = 0  # positions already in the cache
+    valid: torch.Tensor | None = None  # [B, T] bool, False at left-padding positions; None: all real
 
 
 def lookup(table: nn.Embedding, ctx: TokenContext, layer_idx: int) -> torch.Tensor:

@@ -5,7 +5,8 @@
 - backbone AdamW with two groups: `decay` (every parameter with two or more dimensions: projections, token
   embedding, LM head, router, stacked experts; the official code decays these too) and `no_decay` (norm gains
   and any bias, i.e. one-dimensional parameters);
-- the table optimizer (only when the model has token tables): every tensor of `model.stem_tables()` in one
+- the table optimizer (only when the model has token tables): every tensor of `model.stem_tables()` (and the
+  hashed n-gram tables and memory values of the `stem_ngram` / `engram` / `memory` kinds) in one
   group with its own peak lr and weight decay, built by `stemlm.train.table_optim.make_table_optimizer`
   under the name `cfg.table_optim` (`adamw`: dense, the official behaviour; the row-sparse ones switch the
   tables to sparse gradients here);
@@ -33,6 +34,8 @@ from stemlm.train.table_optim import clip_grad_norm_mixed, make_table_optimizer,
 def split_parameters(model: StemLM) -> dict[str, list[nn.Parameter]]:
     """Parameters by group name: `decay`, `no_decay`, `tables` (each parameter exactly once, tied ones once)."""
     table_ids = {id(t.weight) for t in model.stem_tables().values()}
+    # Hashed n-gram tables and memory values are row-sparse lookups too: they join the table group.
+    table_ids |= {id(t.weight) for t in (*model.ngram_tables().values(), *model.memory_tables().values())}
     groups: dict[str, list[nn.Parameter]] = {"decay": [], "no_decay": [], "tables": []}
     for param in model.parameters():  # parameters() yields a tied weight once
         if not param.requires_grad:

@@ -1,0 +1,84 @@
+"""`engram`: a dense SwiGLU FFN plus the Engram conditional-memory branch (arXiv 2601.07372).
+
+    e_t   = concat_k E[id_k(t)]                      hashed 2/3-gram rows, K = orders x heads (stemlm.model.ngram)
+    g_t   = sigmoid( ssqrt( <norm_q(x_t), norm_k(W_K e_t)> / sqrt(d) ) )     a scalar context gate, ssqrt = sign·sqrt|.|
+    v_t   = g_t · W_V e_t
+    y_t   = dense(x_t) + v_t + silu( conv( norm_c(v) )_t )                   causal depthwise conv, kernel 4,
+                                                                             dilation = the largest order
+The branch follows the paper and DeepSeek's public demo (read for facts, written anew). One deliberate
+difference: the paper adds the branch to the residual stream before a block's attention; here it runs at the
+FFN position of its layer, beside the kept dense FFN and from the same normalised input, so that it enters
+through the per-layer FFN seam like every other kind. The hashing is shared by all Engram layers of a model
+(offload reads one row per n-gram id for every layer) and the paper's tokenizer compression (merging ids
+that normalise to the same text) is not applied: ids are hashed as they are.
+
+Decoding: the conv needs the conv inputs of the (kernel - 1) · dilation positions before the new ones. They
+are kept, for every position, in the cache's decoding state (`TokenContext.state`, like the keys and values
+of a KV cache), so a cropped cache stays consistent; left-padding positions feed zeros, as a sequence start
+does. FLOPs: W_K and W_V are matmuls, the conv costs 2 · d · kernel per token (FlopCounterMode counts it);
+the gate's dot product and the row concatenation are not matmuls and are not counted.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from stemlm.config import ModelConfig
+from stemlm.model.attention import RMSNorm
+from stemlm.model.ffn import TokenContext, token_table
+from stemlm.model.ngram import ngram_hasher, ngram_lookup
+
+
+class EngramFFN(nn.Module):
+    def __init__(self, config: ModelConfig, layer_idx: int) -> None:
+        super().__init__()
+        self.layer_idx = layer_idx
+        d, f, e = config.hidden_size, config.intermediate_size, config.engram_dim
+        hasher = ngram_hasher(config)
+        self.gate_proj = nn.Linear(d, f, bias=False)
+        self.up_proj = nn.Linear(d, f, bias=False)
+        self.down_proj = nn.Linear(f, d, bias=False)
+        self.engram_embedding = token_table(hasher.num_rows, e // hasher.num_keys)
+        self.engram_key_proj = nn.Linear(e, d, bias=False)
+        self.engram_value_proj = nn.Linear(e, d, bias=False)
+        self.engram_query_norm = RMSNorm(d, config.rms_norm_eps)
+        self.engram_key_norm = RMSNorm(d, config.rms_norm_eps)
+        self.engram_conv_norm = RMSNorm(d, config.rms_norm_eps)
+        self.dilation = hasher.context + 1
+        self.engram_conv = nn.Conv1d(d, d, config.engram_kernel, groups=d, dilation=self.dilation, bias=False)
+        self.context = (config.engram_kernel - 1) * self.dilation  # earlier positions one output reads
+
+    def init_stds(self) -> dict[int, float]:
+        # N(0, 1) rows as nn.Embedding (and the demo) draw them: the key is normalised and W_V is small.
+        return {id(self.engram_embedding.weight): 1.0}
+
+    def forward(self, x: torch.Tensor, ctx: TokenContext) -> torch.Tensor:
+        dense = self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        memory = ngram_lookup(self.engram_embedding, ctx, self.layer_idx).flatten(-2).to(x.dtype)  # e_t
+        key = self.engram_key_norm(self.engram_key_proj(memory))
+        score = (self.engram_query_norm(x) * key).sum(-1, keepdim=True) / math.sqrt(x.shape[-1])
+        gate = torch.sigmoid(score.sign() * score.abs().clamp_min(1e-6).sqrt())
+        value = gate * self.engram_value_proj(memory)
+        return dense + value + F.silu(self._conv(self.engram_conv_norm(value), ctx))
+
+    def _conv(self, inputs: torch.Tensor, ctx: TokenContext) -> torch.Tensor:
+        """Causal dilated depthwise conv over [B, T, d], continuing the positions kept in the decoding state."""
+        if ctx.valid is not None:
+            inputs = inputs * ctx.valid[..., None].to(inputs.dtype)
+        B, T, d = inputs.shape
+        key = f"engram_conv.{self.layer_idx}"
+        past = None
+        if ctx.state is not None:
+            past = ctx.state.get(key)
+            past = None if past is None or ctx.past_len == 0 else past[:, : ctx.past_len]
+            ctx.state[key] = inputs if past is None else torch.cat([past, inputs.to(past.dtype)], dim=1)
+        left = inputs.new_zeros(B, self.context, d)
+        if past is not None:
+            keep = min(self.context, past.shape[1])
+            left[:, self.context - keep :] = past[:, past.shape[1] - keep :].to(inputs.dtype)
+        full = torch.cat([left, inputs], dim=1).transpose(1, 2)  # [B, d, context + T]
+        return self.engram_conv(full).transpose(1, 2)

@@ -1,0 +1,77 @@
+"""`memory`: a product-key memory layer in place of the FFN ("Memory Layers at Scale", arXiv 2412.09764).
+
+Per head h (of `memory_heads`), with n = `memory_keys` sub-keys per half and k = `memory_topk`:
+
+    q = W_q x                                 split into halves q1, q2 of memory_key_dim / 2
+    s1 = q1 K1_hᵀ, s2 = q2 K2_hᵀ              two sub-key tables of n keys each (n² product keys)
+    top-k of s1 and of s2, the k² sums s1_i + s2_j, their top-k -> value ids i·n + j, scores s
+    m = Σ_h Σ_top-k softmax(s) · V[id]        the [n², d] value table read with EmbeddingBag (mode sum)
+    y = W_out( m ⊙ silu(W_gate x) )           the paper's SiLU-gated output
+
+The value ids depend on the hidden state, so unlike STEM or n-gram rows they cannot be known before the
+layer runs: `model(..., memory_rows=fn)` lets offload fetch them on demand (`fn(layer_idx, ids [N, h·k]) ->
+(rows [U, d], positions [N, h·k])`), on the critical path of the forward. FLOPs (matmuls only): the query
+projection, the sub-key scores (every key entry is one MAC per token) and W_gate, W_out. The top-k, the k²
+candidate sums and the weighted EmbeddingBag sum of h·k rows are not matmuls and are not counted (nor does
+FlopCounterMode count them).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from stemlm.config import ModelConfig
+from stemlm.errors import StemlmError
+from stemlm.model.ffn import TokenContext
+
+
+class MemoryFFN(nn.Module):
+    def __init__(self, config: ModelConfig, layer_idx: int) -> None:
+        super().__init__()
+        self.layer_idx = layer_idx
+        d, h, dk, n = config.hidden_size, config.memory_heads, config.memory_key_dim, config.memory_keys
+        self.heads, self.num_keys, self.topk = h, n, config.memory_topk
+        self.memory_query = nn.Linear(d, h * dk, bias=False)
+        # [heads, 2 halves, n keys, dk / 2]; uninitialised here, StemLM.init_weights draws them.
+        self.memory_keys = nn.Parameter(torch.empty(h, 2, n, dk // 2))
+        self.memory_values = nn.EmbeddingBag(n * n, d, mode="sum", _weight=torch.empty(n * n, d))
+        self.memory_gate = nn.Linear(d, d, bias=False)
+        self.memory_out = nn.Linear(d, d, bias=False)
+
+    def init_stds(self) -> dict[int, float]:
+        # Keys ~ 1/sqrt(fan-in) so the scores start O(1); values ~ 1/sqrt(d) as in the PKM reference setup.
+        return {
+            id(self.memory_keys): self.memory_keys.shape[-1] ** -0.5,
+            id(self.memory_values.weight): self.memory_values.embedding_dim**-0.5,
+        }
+
+    def select(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Value ids and weights of every position of x [N, d]: ([N, h·k] int64, [N, h·k] softmax weights)."""
+        N, k, n = x.shape[0], self.topk, self.num_keys
+        q = self.memory_query(x).view(N, self.heads, 2, -1).permute(1, 2, 0, 3)  # [h, 2, N, dk/2]
+        scores = torch.matmul(q, self.memory_keys.to(q.dtype).transpose(-1, -2))  # [h, 2, N, n]
+        s1, i1 = scores[:, 0].topk(k, dim=-1)  # [h, N, k]
+        s2, i2 = scores[:, 1].topk(k, dim=-1)
+        sums = (s1[..., :, None] + s2[..., None, :]).flatten(-2)  # the k² candidate product keys
+        ids = (i1[..., :, None] * n + i2[..., None, :]).flatten(-2)
+        best, pos = sums.topk(k, dim=-1)
+        weights = torch.softmax(best.float(), dim=-1)
+        ids = ids.gather(-1, pos)
+        return ids.permute(1, 0, 2).reshape(N, -1), weights.permute(1, 0, 2).reshape(N, -1)
+
+    def forward(self, x: torch.Tensor, ctx: TokenContext) -> torch.Tensor:
+        shape = x.shape
+        flat = x.reshape(-1, shape[-1])
+        ids, weights = self.select(flat)
+        if ctx.memory_rows is None:
+            weights = weights.to(self.memory_values.weight.dtype)
+            memory = self.memory_values(ids, per_sample_weights=weights)
+        else:
+            rows, positions = ctx.memory_rows(self.layer_idx, ids)
+            if tuple(positions.shape) != tuple(ids.shape) or rows.shape[-1] != self.memory_values.embedding_dim:
+                raise StemlmError(f"memory_rows returned rows {list(rows.shape)} / positions {list(positions.shape)}")
+            memory = F.embedding_bag(positions, rows, per_sample_weights=weights.to(rows.dtype), mode="sum")
+        out = self.memory_out(memory.to(x.dtype) * F.silu(self.memory_gate(flat)))
+        return out.reshape(shape)

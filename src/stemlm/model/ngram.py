@@ -1,0 +1,115 @@
+"""Hashed n-gram keys and `stem_ngram`, STEM whose up-projection row is keyed by the token and its n-grams.
+
+    stem_ngram:  y = down_proj( silu(gate_proj(x)) * (U[t] + Σ_k H[id_k(t_{-n+1..0})]) )
+
+Keys. For every order n (`orders`, e.g. (2,) or (2, 3)) the last n input ids are mixed as in Engram
+(arXiv 2601.07372): `mix = XOR_j (t_{-j} + 1) * m_j` with odd multipliers m_j drawn from `seed`, then each of
+`heads` hash heads takes `mix mod p_h`, p_h its own prime table size (distinct primes >= `rows`), so two
+n-grams collide in every head only rarely. The heads' tables are stacked into one [Σ p_h, width] table and
+`NgramHasher.ids` returns row ids into it, [B, T, K] with K = len(orders) · heads. A position before the
+start of the sequence (or a left-padding position) is the id V (one past the vocabulary).
+
+The multipliers depend on the model's `hash_seed` only, not on the layer, so every n-gram layer of a model
+looks up the same row ids: offload then fetches one token-major row per id for all layers at once (as for
+the STEM token tables), and the ids depend on the input ids alone, so they are known before any compute.
+
+`model(..., ngram_rows=fn)` supplies the n-gram rows from outside (`fn(layer_idx, ngram_ids) ->
+[B, T, K, width]`), the way `table_rows` supplies the token rows; positional edits act through `table_rows`
+on U_l[t] only, the n-gram rows are added unchanged.
+"""
+
+from __future__ import annotations
+
+import random
+
+import torch
+from torch import nn
+
+from stemlm.config import ModelConfig
+from stemlm.errors import StemlmError
+from stemlm.model.ffn import TokenContext, lookup, token_table
+from stemlm.ngram_layout import NgramLayout, ngram_layout
+
+INT64_MAX = 2**63 - 1
+
+
+class NgramHasher:
+    """Row ids of the hashed n-grams ending at every position (no parameters; the same for every layer)."""
+
+    def __init__(self, vocab_size: int, layout: NgramLayout, seed: int) -> None:
+        self.vocab_size, self.orders, self.heads = vocab_size, layout.orders, layout.heads
+        self.context = max(self.orders) - 1  # previous ids a position needs
+        # Ids + 1 are in [1, V + 1] (V = no token); products stay below 2^63 so the XOR and mod are exact in int64.
+        bound = max(1, INT64_MAX // (vocab_size + 1) // 2)
+        rng = random.Random(seed)
+        self.multipliers = [2 * rng.randrange(bound) + 1 for _ in range(max(self.orders))]
+        self.sizes = list(layout.sizes)
+        self.offsets = [sum(self.sizes[:k]) for k in range(len(self.sizes))]
+        self.num_rows = sum(self.sizes)
+
+    @property
+    def num_keys(self) -> int:
+        return len(self.sizes)
+
+    def ids(self, input_ids: torch.Tensor, prev_ids: torch.Tensor) -> torch.Tensor:
+        """[B, T, K] row ids for `input_ids` [B, T] given the `prev_ids` [B, context] just before them (-1 or V:
+        no token). Any device; int64 arithmetic only, so every device gives the same ids."""
+        none = self.vocab_size
+        prev = prev_ids.long().masked_fill(prev_ids < 0, none)
+        seq = torch.cat([prev[:, prev.shape[1] - self.context :], input_ids.long().masked_fill(input_ids < 0, none)], 1)
+        seq = seq + 1  # so id 0 still depends on its multiplier
+        T = input_ids.shape[1]
+        shifted = [seq[:, self.context - j : self.context - j + T] for j in range(max(self.orders))]
+        out, k = [], 0
+        for n in self.orders:
+            mix = shifted[0] * self.multipliers[0]
+            for j in range(1, n):
+                mix = torch.bitwise_xor(mix, shifted[j] * self.multipliers[j])
+            for _ in range(self.heads):
+                out.append(torch.remainder(mix, self.sizes[k]) + self.offsets[k])
+                k += 1
+        return torch.stack(out, dim=-1)
+
+
+def ngram_hasher(config: ModelConfig) -> NgramHasher | None:
+    """The model's hasher (one per model: all n-gram layers share it), or None for kinds without n-gram keys."""
+    layout = ngram_layout(config)
+    return None if layout is None else NgramHasher(config.vocab_size, layout, config.hash_seed)
+
+
+def ngram_lookup(table: nn.Embedding, ctx: TokenContext, layer_idx: int) -> torch.Tensor:
+    """The n-gram rows of every position, [B, T, K, width]: from `table`, or from `ctx.ngram_rows` when set."""
+    ids = ctx.ngram_ids
+    if ids is None:
+        raise StemlmError("an n-gram layer ran without n-gram ids in its TokenContext (call it through StemLM)")
+    if ctx.ngram_rows is None:
+        return table(ids)
+    rows = ctx.ngram_rows(layer_idx, ids)
+    expected = (*ids.shape, table.embedding_dim)
+    if tuple(rows.shape) != expected:
+        raise StemlmError(
+            f"ngram_rows returned shape {list(rows.shape)} for layer {layer_idx}; expected {list(expected)}"
+        )
+    return rows
+
+
+class StemNgramFFN(nn.Module):
+    """STEM with the up-projection row U[t] plus the rows of the hashed n-grams ending at t."""
+
+    def __init__(self, config: ModelConfig, layer_idx: int) -> None:
+        super().__init__()
+        self.layer_idx = layer_idx
+        hasher = ngram_hasher(config)
+        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+        self.stem_embedding = token_table(config.vocab_size, config.intermediate_size)
+        self.ngram_embedding = token_table(hasher.num_rows, config.intermediate_size)
+
+    def init_stds(self) -> dict[int, float]:
+        # Zero n-gram rows: the layer starts as plain STEM and learns what the n-grams add.
+        return {id(self.ngram_embedding.weight): 0.0}
+
+    def forward(self, x: torch.Tensor, ctx: TokenContext) -> torch.Tensor:
+        up = lookup(self.stem_embedding, ctx, self.layer_idx)  # U_l[t]; positional edits act here
+        up = up + ngram_lookup(self.ngram_embedding, ctx, self.layer_idx).sum(dim=-2)  # + Σ_k H_l[id_k]
+        return self.down_proj(torch.nn.functional.silu(self.gate_proj(x)) * up.to(x.dtype))
