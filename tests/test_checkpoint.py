@@ -152,7 +152,7 @@ def test_interrupted_save_keeps_previous_checkpoint(saved, tiny_model, monkeypat
 
     monkeypatch.setattr(checkpoint, "save_file", dying_save_file)
     with pytest.raises(RuntimeError if isinstance(error, RuntimeError) else StemlmError):
-        save_pretrained(tiny_model("moe", seed=9), saved)
+        save_pretrained(tiny_model("moe", seed=9), saved, force=True)
     assert {p.name: p.read_bytes() for p in saved.iterdir()} == files_before
     after = read_state(saved)
     assert after.keys() == before.keys() and all(torch.equal(after[k], before[k]) for k in before)
@@ -162,7 +162,7 @@ def test_interrupted_save_keeps_previous_checkpoint(saved, tiny_model, monkeypat
 
 def test_save_replaces_existing_checkpoint(saved, tiny_model):
     model = tiny_model("hash_moe", seed=2)
-    save_pretrained(model, saved, max_shard_bytes=60_000)
+    save_pretrained(model, saved, max_shard_bytes=60_000, force=True)
     assert not (saved / checkpoint.WEIGHTS_NAME).exists()  # the old single file does not linger beside shards
     ids = torch.randint(0, 256, (1, 5))
     assert torch.equal(_logits(from_pretrained(saved), ids), _logits(model, ids))

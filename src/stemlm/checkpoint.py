@@ -6,17 +6,17 @@
     model-0000k-of-0000n.safetensors + model.safetensors.index.json when larger than `max_shard_bytes`
     tokenizer.json                   optional: the HF tokenizer the model was trained with
 
-A tied lm_head is saved once (as model.embed_tokens.weight) and re-tied on load. Every write goes to a
-temporary sibling folder that is fsynced and renamed into place, so an interrupted save never damages the
-previous checkpoint at that path.
+    stemlm-manifest.json             SHA-256 of every file, written at save (`stemlm verify CKPT` checks them)
+
+A tied lm_head is saved once (as model.embed_tokens.weight) and re-tied on load. Every write goes through
+`stemlm.safe_write.AtomicFolder`: a temporary sibling folder, fsynced and renamed into place, so an
+interrupted save never damages the previous checkpoint, and an existing folder is never replaced unless
+asked (`force`) and it is an earlier output of the same command.
 """
 
 from __future__ import annotations
 
 import json
-import os
-import shutil
-import tempfile
 from pathlib import Path
 
 import torch
@@ -26,65 +26,13 @@ from safetensors.torch import save_file
 from stemlm.config import MODEL_TYPE, ModelConfig
 from stemlm.errors import StemlmError
 from stemlm.model.decoder import StemLM
+from stemlm.safe_write import AtomicFolder, fsync_tree  # noqa: F401  (re-exported: the writers' import path)
 
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
 INDEX_NAME = "model.safetensors.index.json"
 TOKENIZER_NAME = "tokenizer.json"
 DEFAULT_MAX_SHARD_BYTES = 4 * 1024**3
-
-
-# ----------------------------------------------------------------------------------------------------------
-# atomic folder writes
-# ----------------------------------------------------------------------------------------------------------
-def fsync_tree(directory: Path) -> None:
-    for path in sorted(directory.rglob("*")):
-        if path.is_file():
-            with open(path, "rb") as f:
-                os.fsync(f.fileno())
-    fd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-class AtomicFolder:
-    """Context manager yielding a temporary folder that replaces `target` only if the block succeeds.
-
-    The old folder (if any) is moved aside, the new one renamed in, then the old one deleted: at every
-    instant either the old or the new complete folder exists at `target` or beside it as `.old`.
-    """
-
-    def __init__(self, target: str | Path) -> None:
-        self.target = Path(target)
-
-    def __enter__(self) -> Path:
-        parent = self.target.parent
-        try:
-            parent.mkdir(parents=True, exist_ok=True)
-            self.tmp = Path(tempfile.mkdtemp(prefix=f".{self.target.name}.tmp-", dir=parent))
-        except OSError as exc:
-            raise StemlmError(f"cannot write to {parent}: {exc.strerror or exc}") from None
-        return self.tmp
-
-    def __exit__(self, exc_type, exc, tb) -> None:
-        if exc_type is not None:
-            shutil.rmtree(self.tmp, ignore_errors=True)
-            if isinstance(exc, OSError) and not isinstance(exc, StemlmError):
-                raise StemlmError(f"could not write {self.target}: {exc.strerror or exc}") from None
-            return
-        try:
-            fsync_tree(self.tmp)
-            old = self.target.with_name(f".{self.target.name}.old")
-            if self.target.exists():
-                shutil.rmtree(old, ignore_errors=True)
-                os.replace(self.target, old)
-            os.replace(self.tmp, self.target)
-            shutil.rmtree(old, ignore_errors=True)
-        except OSError as exc:
-            shutil.rmtree(self.tmp, ignore_errors=True)
-            raise StemlmError(f"could not write {self.target}: {exc.strerror or exc}") from None
 
 
 def write_json(path: Path, obj) -> None:
@@ -140,10 +88,21 @@ def write_model_files(
 
 
 def save_pretrained(
-    model: StemLM, directory: str | Path, tokenizer=None, max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES
+    model: StemLM,
+    directory: str | Path,
+    tokenizer=None,
+    max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+    *,
+    force: bool = False,
+    sources: tuple = (),
+    producer: str = "stemlm save_pretrained",
 ) -> Path:
-    """Save `model` (and optionally its `tokenizers.Tokenizer`) as an HF-style folder, atomically."""
-    with AtomicFolder(directory) as tmp:
+    """Save `model` (and optionally its `tokenizers.Tokenizer`) as an HF-style folder, atomically.
+
+    An existing non-empty `directory` is refused unless `force` and it was written by the same `producer`
+    (see `stemlm.safe_write.check_target`); `sources` are folders the result must never replace.
+    """
+    with AtomicFolder(directory, producer=producer, force=force, sources=sources) as tmp:
         write_model_files(model, tmp, tokenizer, max_shard_bytes)
     return Path(directory)
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -165,8 +166,8 @@ class ModelConfig:
         for name in ("rope_theta", "rms_norm_eps", "initializer_range", "table_init_std"):
             value = getattr(self, name)
             need(
-                isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0,
-                f"{name} must be a positive number, got {value!r}",
+                isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value > 0,
+                f"{name} must be a positive finite number, got {value!r}",
             )
         for name in ("tie_word_embeddings", "moe_shared_expert", "router_z_loss"):
             need(isinstance(getattr(self, name), bool), f"{name} must be true or false, got {getattr(self, name)!r}")

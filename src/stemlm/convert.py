@@ -20,7 +20,9 @@ from stemlm.checkpoint import save_pretrained
 from stemlm.config import resolve_layer_spec
 from stemlm.errors import StemlmError
 from stemlm.model.decoder import StemLM
+from stemlm.safe_write import check_target
 
+PRODUCER = "stemlm convert"  # names convert's outputs in their manifest (what --force may replace)
 # Rows of U_l computed per matmul: bounds the fp32 temporary at 128k-vocab, 8k-wide scale to ~1 GiB.
 ROW_CHUNK = 32768
 
@@ -82,12 +84,25 @@ def load_dense(path: str | Path) -> tuple[StemLM, Tokenizer | None]:
 
 
 def convert_checkpoint(source: str | Path, stem_layers_spec: str, out: str | Path, *, force: bool = False) -> Path:
-    """Retrofit the dense model at `source` and save it, tokenizer included, as a stemlm checkpoint at `out`."""
-    out = Path(out)
-    if out.exists() and (not out.is_dir() or any(out.iterdir())) and not force:
-        raise StemlmError(f"output {out} already exists and is not empty; choose another --out or pass --force")
-    if out.exists() and Path(source).resolve() == out.resolve():
-        raise StemlmError("--out must differ from the source checkpoint")
+    """Retrofit the dense model at `source` and save it, tokenizer included, as a stemlm checkpoint at `out`.
+
+    An existing non-empty `out` is refused unless `force` and it is an earlier output of `stemlm convert`;
+    `out` is never the source nor a folder holding it (`stemlm.safe_write.check_target`).
+    """
+    guard = {"producer": PRODUCER, "force": force, "sources": _sources(source)}
+    check_target(out, **guard)  # before the (possibly long) load
     dense, tokenizer = load_dense(source)
     stem = retrofit_from_dense(dense, stem_layers_spec)
-    return save_pretrained(stem, out, tokenizer=tokenizer)
+    return save_pretrained(stem, out, tokenizer=tokenizer, **guard)
+
+
+def _sources(source: str | Path) -> list[Path]:
+    """The source argument and, for a run folder, the checkpoint it resolves to."""
+    from stemlm.runs import resolve_checkpoint
+
+    paths = [Path(source)]
+    try:
+        paths.append(resolve_checkpoint(source))
+    except StemlmError:
+        pass  # an HF Llama folder, or a missing path (load_dense names that problem)
+    return paths

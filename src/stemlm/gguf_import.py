@@ -27,6 +27,7 @@ import numpy as np
 import torch
 
 from stemlm.checkpoint import CONFIG_NAME, WEIGHTS_NAME, AtomicFolder, write_json
+from stemlm.safe_write import check_target
 from stemlm.errors import StemlmError
 
 # GGUF tensor names (after "blk.N.") -> HF Llama names (after "model.layers.N.").
@@ -244,8 +245,8 @@ def convert_gguf(path: str | Path, out: str | Path, *, force: bool = False) -> P
     from safetensors.torch import save_file
 
     out = Path(out)
-    if out.exists() and (not out.is_dir() or any(out.iterdir())) and not force:
-        raise StemlmError(f"output {out} already exists and is not empty; choose another --out or pass --force")
+    guard = {"producer": "stemlm convert --from-gguf", "force": force, "sources": [path]}
+    check_target(out, **guard)  # refused if `out` holds files, unless an earlier import and --force
     reader = open_gguf(path)
     meta = metadata(reader)
     names = {t.name for t in reader.tensors}
@@ -256,7 +257,7 @@ def convert_gguf(path: str | Path, out: str | Path, *, force: bool = False) -> P
     state = llama_state(reader, config)
     tokenizer = build_tokenizer(meta)
     generation = {k: config[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if k in config}
-    with AtomicFolder(out) as tmp:
+    with AtomicFolder(out, **guard) as tmp:
         save_file({k: v.contiguous() for k, v in state.items()}, str(tmp / WEIGHTS_NAME), metadata={"format": "pt"})
         write_json(tmp / CONFIG_NAME, config)
         write_json(tmp / "generation_config.json", generation)

@@ -65,6 +65,8 @@ def register(subparsers) -> None:
         help="(--from-dense) layers to turn into STEM layers: all, all-but-first, odd, even, half, every:K or 1,3,5",
     )
     p.add_argument("--out", required=True, metavar="DIR", help="folder to write the converted model to")
-    p.add_argument("--force", action="store_true", help="overwrite --out if it already holds files")
+    p.add_argument(
+        "--force", action="store_true", help="replace --out if it holds an earlier convert output (never anything else)"
+    )
     add_json_flag(p)
     p.set_defaults(func=run)

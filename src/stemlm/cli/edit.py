@@ -30,6 +30,19 @@ def load_for_edit(ckpt: str):
     return model, tokenizer
 
 
+def _save_sources(args) -> tuple:
+    """The folders --save must never replace (the CKPT argument and what it resolves to); checked before loading."""
+    if args.save is None:
+        return ()
+    from stemlm.edit.table_edits import EDIT_PRODUCER
+    from stemlm.runs import resolve_checkpoint
+    from stemlm.safe_write import check_target
+
+    sources = (args.ckpt, resolve_checkpoint(args.ckpt))
+    check_target(args.save, producer=EDIT_PRODUCER, force=args.force, sources=sources, flag="--save")
+    return sources
+
+
 def parse_layers(spec: str | None, model) -> list[int] | None:
     from stemlm.config import resolve_layer_spec
 
@@ -61,7 +74,7 @@ def _view(model, tokenizer, prompt_ids, hooks, max_new_tokens: int, top_k: int) 
 
 def run(args) -> int:
     from stemlm.edit.positional import edit_hooks, make_edit
-    from stemlm.edit.spans import DEFAULT_PAD, GLOBAL_DEFAULT_PAD
+    from stemlm.edit.spans import DEFAULT_PAD, GLOBAL_DEFAULT_PAD, check_distinct
     from stemlm.edit.table_edits import TableEditor
 
     if args.inject is None and args.source is None:
@@ -73,6 +86,9 @@ def run(args) -> int:
     positional = args.save is None and args.inject is None
     if positional and args.prompt is None:
         raise StemlmError('a positional edit needs --prompt, e.g. --prompt "Country: Spain. Capital:"')
+    if args.source is not None:
+        check_distinct(args.source, args.target)
+    sources = _save_sources(args)
     model, tokenizer = load_for_edit(args.ckpt)
     layers = parse_layers(args.layers, model)
     args.rows = args.rows or ("both" if args.inject is not None else "stem")
@@ -115,7 +131,7 @@ def run(args) -> int:
         report["edit"] = record.description
         after = _maybe_view(model, tokenizer, prompt_ids, args)
         if args.save is not None:
-            report["saved"] = str(editor.save(args.save))
+            report["saved"] = str(editor.save(args.save, force=args.force, sources=sources))
     report.update(prompt=args.prompt, before=before, after=after)
     if args.json:
         print_json(report)
@@ -181,6 +197,9 @@ def register(subparsers) -> None:
     p.add_argument("--target", required=True, help="the entity whose rows are used instead, e.g. Germany")
     p.add_argument("--inject", metavar="TOKEN", help="give this new or rare token the target's rows (global)")
     p.add_argument("--save", metavar="OUT", help="apply the edit to the tables and save a new checkpoint at OUT")
+    p.add_argument(
+        "--force", action="store_true", help="let --save replace an earlier edit save there (never anything else)"
+    )
     p.add_argument("--max-new-tokens", type=int, default=8, help="greedy tokens shown before/after (default 8)")
     p.add_argument("--top-k", type=int, default=5, help="next-token probabilities shown (default 5)")
     add_edit_flags(p)

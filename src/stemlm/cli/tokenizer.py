@@ -39,6 +39,7 @@ def register(subparsers) -> None:
         "--seed", type=int, default=DEFAULT_SEED, help=f"seed of the document split (default {DEFAULT_SEED})"
     )
     train.add_argument("--out", required=True, metavar="DIR", help="directory to write tokenizer.json into")
+    train.add_argument("--force", action="store_true", help="replace DIR/tokenizer.json (never a checkpoint's)")
     add_json_flag(train)
     train.set_defaults(func=run_train)
 
@@ -51,12 +52,13 @@ def register(subparsers) -> None:
 
 def run_train(args) -> int:
     from stemlm.data.sources import load_corpus
-    from stemlm.data.tokenizer import eot_id, save_tokenizer, train_bpe
+    from stemlm.data.tokenizer import check_tokenizer_target, eot_id, save_tokenizer, train_bpe
 
     start = time.perf_counter()
+    check_tokenizer_target(args.out, force=args.force)  # before training, so a refusal costs nothing
     train_texts, _ = load_corpus(args.data, args.heldout_fraction, args.seed)
     tok = train_bpe(train_texts, vocab_size=args.vocab_size, min_frequency=args.min_frequency)
-    path = save_tokenizer(tok, args.out)
+    path = save_tokenizer(tok, args.out, force=args.force)
     result = {
         "path": str(path),
         "vocab_size": tok.get_vocab_size(),

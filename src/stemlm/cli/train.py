@@ -195,11 +195,8 @@ def requested_model(args, base: ModelConfig | None) -> tuple[ModelConfig | None,
     if not (args.preset or args.ffn or args.stem_layers or model_sets):
         return None, False
     config = get_preset(args.preset) if args.preset else (base or get_preset("tiny"))
-    if args.ffn:
-        config = config.replace(ffn=args.ffn)
-    if args.stem_layers:
-        config = config.with_overrides([f"stem_layers={args.stem_layers}"])
-    config = config.with_overrides(model_sets)
+    flags = [f"ffn={args.ffn}"] * bool(args.ffn) + [f"stem_layers={args.stem_layers}"] * bool(args.stem_layers)
+    config = config.with_overrides(flags + model_sets)  # one change, validated once: the final config counts
     return config, any(item.split("=", 1)[0] == "model.vocab_size" for item in model_sets)
 
 

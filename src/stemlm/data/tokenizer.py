@@ -56,13 +56,33 @@ def train_bpe(
     return tok
 
 
-def save_tokenizer(tok: Tokenizer, directory: str | Path) -> Path:
-    """Write `tokenizer.json` (the Hugging Face format) into `directory`; returns the file path."""
-    path = Path(directory) / TOKENIZER_FILE
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(TOKENIZER_FILE + ".tmp")
-    tok.save(str(tmp))
-    tmp.replace(path)
+def check_tokenizer_target(directory: str | Path, *, force: bool = False) -> None:
+    """Raise unless `save_tokenizer(tok, directory, force=force)` may write (see there)."""
+    directory = Path(directory)
+    if directory.exists() and not directory.is_dir():
+        raise StemlmError(f"--out {directory} is a file; pass a folder")
+    if (directory / "config.json").is_file():
+        raise StemlmError(f"--out {directory} is a model checkpoint folder; write the tokenizer somewhere else")
+    if (directory / TOKENIZER_FILE).exists() and not force:
+        raise StemlmError(f"{directory / TOKENIZER_FILE} already exists; choose another --out or pass --force")
+
+
+def save_tokenizer(tok: Tokenizer, directory: str | Path, *, force: bool = False) -> Path:
+    """Write `tokenizer.json` (the Hugging Face format) into `directory` atomically; returns the file path.
+
+    An existing tokenizer.json is replaced only with `force`, and never one of a model checkpoint folder (its
+    tokenizer must keep matching its weights).
+    """
+    from stemlm.safe_write import atomic_write_text
+
+    check_tokenizer_target(directory, force=force)
+    directory = Path(directory)
+    path = directory / TOKENIZER_FILE
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise StemlmError(f"cannot create {directory}: {exc.strerror or exc}") from None
+    atomic_write_text(path, tok.to_str(pretty=True))
     return path
 
 

@@ -166,3 +166,9 @@ def _pad_row(pad: str, eot_id: int | None) -> RowChoice:
 
 def tokenizer_eot(tokenizer: Tokenizer) -> int | None:
     return tokenizer.token_to_id(EOT_TOKEN)
+
+
+def check_distinct(source: str, target: str) -> None:
+    """An edit of an entity into itself changes nothing; say so instead of reporting a no-op as an edit."""
+    if source.strip() == target.strip():
+        raise StemlmError(f"source and target are the same entity ({target.strip()!r}); the edit would change nothing")

@@ -31,6 +31,7 @@ from stemlm.errors import StemlmError
 from stemlm.model.decoder import EmbedRows, StemLM
 from stemlm.model.ffn import TableRows
 
+EDIT_PRODUCER = "stemlm edit --save"  # names an edit save in its manifest
 EDITS_NAME = "edits.json"
 
 
@@ -207,9 +208,13 @@ class TableEditor:
         while self.records:
             self.undo()
 
-    def save(self, directory: str | Path) -> Path:
-        """Write the edited model, its tokenizer and `edits.json` (the applied edits, oldest first) atomically."""
-        with AtomicFolder(directory) as tmp:
+    def save(self, directory: str | Path, *, force: bool = False, sources: tuple = ()) -> Path:
+        """Write the edited model, its tokenizer and `edits.json` (the applied edits, oldest first) atomically.
+
+        An existing non-empty `directory` is refused unless `force` and it holds an earlier edit save;
+        `sources` (the edited checkpoint) are never replaced (`stemlm.safe_write.check_target`).
+        """
+        with AtomicFolder(directory, producer=EDIT_PRODUCER, force=force, sources=sources, flag="--save") as tmp:
             write_model_files(self.model, tmp, self.tokenizer)
             write_json(tmp / EDITS_NAME, {"edits": [r.description for r in self.records]})
         return Path(directory)

@@ -77,6 +77,8 @@ class TrainConfig:
     eval_every: int = 50  # steps between held-out evaluations (and always at the end); 0: only at the end
     eval_batches: int = 8  # held-out batches (of batch_size windows) per evaluation
     save_every: int = 0  # steps between checkpoints (always one at the end); 0: only at the end
+    save_minutes: float = 10.0  # also save when this much wall time passed since the last save; 0: never
+    max_skipped: int = 10  # stop (an error) after this many consecutive skipped, non-finite steps; 0: never
     keep_last: int = 2  # checkpoints kept
     spike_factor: float = 1.5  # a loss above spike_factor x the rolling median counts as a spike
     spike_window: int = 50  # steps in the rolling median (spikes count only once it is full)
@@ -107,7 +109,7 @@ class TrainConfig:
         for name in ("steps", "seq_len", "batch_size", "grad_accum", "eval_batches", "keep_last", "spike_window"):
             value = getattr(self, name)
             need(_is_int(value) and value > 0, f"{name} must be a positive integer, got {value!r}")
-        for name in ("seed", "eval_every", "save_every"):
+        for name in ("seed", "eval_every", "save_every", "max_skipped"):
             value = getattr(self, name)
             need(_is_int(value) and value >= 0, f"{name} must be a non-negative integer, got {value!r}")
         need(
@@ -125,7 +127,7 @@ class TrainConfig:
         for name in ("lr", "table_lr_scale", "eps", "spike_factor", "dist_timeout"):
             value = getattr(self, name)
             need(_finite(value) and value > 0, f"{name} must be a positive number, got {value!r}")
-        for name in ("weight_decay", "table_wd", "grad_clip", "aux_loss_coef"):
+        for name in ("weight_decay", "table_wd", "grad_clip", "aux_loss_coef", "save_minutes"):
             value = getattr(self, name)
             need(_finite(value) and value >= 0, f"{name} must be a non-negative number, got {value!r}")
         need(
@@ -273,8 +275,19 @@ def check_vocab(config: ModelConfig, tok: Tokenizer, *, requested: str, vocab_se
     )
 
 
+def _resolved(config: ModelConfig) -> dict[str, Any]:
+    d = config.to_dict()
+    d.update(
+        stem_layers=config.special_layers,
+        head_dim=config.head_size,
+        num_key_value_heads=config.kv_heads,
+        moe_intermediate_size=config.expert_size,
+    )
+    return d
+
+
 def model_config_diff(run: ModelConfig, requested: ModelConfig) -> list[str]:
-    """`field: run X, requested Y` for every model field that differs (layer specs compared resolved)."""
-    a, b = run.to_dict(), requested.to_dict()
-    a["stem_layers"], b["stem_layers"] = run.special_layers, requested.special_layers
+    """`field: run X, requested Y` for every model field that differs, compared resolved (a preset's head_dim
+    None and a checkpoint's 64 are the same model when hidden_size / heads = 64)."""
+    a, b = _resolved(run), _resolved(requested)
     return [f"{k}: run {a[k]!r}, requested {b[k]!r}" for k in a if a[k] != b.get(k)]

@@ -41,6 +41,7 @@ from stemlm.model import build_model
 from stemlm.train.state import (
     STATE_FORMAT,
     STATE_NAME,
+    TRAIN_PRODUCER,
     capture_rng,
     checkpoint_dir,
     load_optimizer_state,
@@ -182,10 +183,10 @@ def save_distributed_checkpoint(trainer) -> Path:
             write_json(tmp / STATE_NAME, payload)
 
     if main:
-        with AtomicFolder(target) as tmp:
+        with AtomicFolder(target, producer=TRAIN_PRODUCER, owned=True) as tmp:
             write(tmp)
         write_latest(Path(trainer.run_dir), trainer.step)
-        prune_checkpoints(Path(trainer.run_dir), trainer.cfg.keep_last)
+        prune_checkpoints(Path(trainer.run_dir), trainer.cfg.keep_last, written=trainer.step)
     else:
         write(None)
     dist.barrier()  # nobody moves on before the checkpoint is in place

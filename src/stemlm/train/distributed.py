@@ -85,6 +85,14 @@ class DistributedTrainer(Trainer):
     def is_main(self) -> bool:
         return self.dist.is_main
 
+    distributed = True
+
+    def _agree(self, *flags: bool) -> tuple[bool, ...]:
+        # One tiny all-reduce per step: a signal seen by any rank (or its save clock) stops / saves them all.
+        votes = torch.tensor([float(f) for f in flags], device=self.device)
+        dist.all_reduce(votes, op=dist.ReduceOp.MAX)
+        return tuple(bool(v) for v in votes.tolist())
+
     def _shared_run_dir(self, model_config: ModelConfig | None, cfg: TrainConfig) -> str:
         # The default folder name carries a timestamp: rank 0 picks it, the others take its choice.
         name = [None]

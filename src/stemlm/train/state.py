@@ -9,17 +9,17 @@
                                                          param_groups, data position, resolved config
     RUN/checkpoints/latest.json                          {"step": 123, "path": "step-000123"}, replaced atomically
 
-A checkpoint folder is built in a temporary sibling and renamed into place (`AtomicFolder`), so a crash while
-saving leaves the previous checkpoints intact; only then is `latest.json` replaced and old checkpoints beyond
-`keep_last` removed. Any model-only reader (`stemlm generate`, `stemlm.runs.load_checkpoint`) can open these
-folders because the model files are the plain model-core format.
+A checkpoint folder is built in a temporary sibling and renamed into place (`AtomicFolder`, which also records
+each file's SHA-256 in `stemlm-manifest.json`), so a crash while saving leaves the previous checkpoints
+intact; only then is `latest.json` replaced and older checkpoints beyond `keep_last` removed (never the one
+just written, never a later step's folder). Any model-only reader (`stemlm generate`,
+`stemlm.runs.load_checkpoint`) can open these folders because the model files are the plain model-core format.
 """
 
 from __future__ import annotations
 
 import base64
 import json
-import os
 import random
 import shutil
 from pathlib import Path
@@ -33,11 +33,13 @@ from safetensors.torch import load_file, save_file
 from stemlm.checkpoint import AtomicFolder, write_json, write_model_files
 from stemlm.errors import StemlmError
 from stemlm.runs import CHECKPOINTS_DIR, LATEST_NAME, STEP_DIR
+from stemlm.safe_write import atomic_write_text, remove_leftovers
 from stemlm.train.table_optim import flatten_optimizer_state, unflatten_optimizer_state
 
 STATE_NAME = "trainer_state.json"
 OPTIMIZER_NAME = "optimizer.safetensors"
 STATE_FORMAT = "stemlm-trainer-state-v1"
+TRAIN_PRODUCER = "stemlm train"  # names a trainer checkpoint in its manifest
 
 
 def checkpoint_dir(run_dir: str | Path, step: int) -> Path:
@@ -140,38 +142,51 @@ def save_checkpoint(
     target = checkpoint_dir(run_dir, step)
     tensors, metas = optimizer_state(optimizers)
     payload = {**state, "format": STATE_FORMAT, "step": step, "optimizers": metas, "rng": capture_rng()}
-    with AtomicFolder(target) as tmp:
+    with AtomicFolder(target, producer=TRAIN_PRODUCER, owned=True) as tmp:
         write_model_files(model, tmp, tokenizer)
         save_file(tensors, str(tmp / OPTIMIZER_NAME), metadata={"format": "pt"})
         write_json(tmp / STATE_NAME, payload)
     write_latest(Path(run_dir), step)
-    prune_checkpoints(Path(run_dir), keep_last)
+    prune_checkpoints(Path(run_dir), keep_last, written=step)
     return target
 
 
 def write_latest(run_dir: Path, step: int) -> None:
     """Replace checkpoints/latest.json atomically (temp file, fsync, rename)."""
-    folder = run_dir / CHECKPOINTS_DIR
-    tmp = folder / f".{LATEST_NAME}.tmp-{os.getpid()}"
-    try:
-        with open(tmp, "w") as f:
-            json.dump({"step": step, "path": checkpoint_dir(run_dir, step).name}, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, folder / LATEST_NAME)
-    except OSError as exc:
-        tmp.unlink(missing_ok=True)
-        raise StemlmError(f"could not write {folder / LATEST_NAME}: {exc.strerror or exc}") from None
+    text = json.dumps({"step": step, "path": checkpoint_dir(run_dir, step).name})
+    atomic_write_text(run_dir / CHECKPOINTS_DIR / LATEST_NAME, text)
 
 
-def prune_checkpoints(run_dir: Path, keep_last: int) -> None:
-    """Delete all but the newest `keep_last` step folders, and leftovers of interrupted saves."""
+def prune_checkpoints(run_dir: Path, keep_last: int, written: int | None = None) -> None:
+    """Keep the newest `keep_last` step folders up to the one just `written`; remove leftovers of killed saves.
+
+    Folders past `written` are left alone: after a resume from an older step they belong to the abandoned
+    branch (the live branch replaces them as it reaches them), and the folder just written is never removed.
+    """
     folder = run_dir / CHECKPOINTS_DIR
     steps = sorted((int(m.group(1)), p) for p in folder.iterdir() if (m := STEP_DIR.match(p.name)) and p.is_dir())
-    for _, path in steps[:-keep_last]:
+    history = [(n, p) for n, p in steps if written is None or n <= written]
+    for _, path in history[:-keep_last]:
         shutil.rmtree(path, ignore_errors=True)
-    for path in folder.glob(".step-*"):  # AtomicFolder temp / .old folders a killed process left behind
-        shutil.rmtree(path, ignore_errors=True)
+    # An interrupted save's temp folder, an `.X.old` whose replacement is in place, a pointer's temp file.
+    # An `.X.old` without X is the only copy left by a kill mid-swap (load_config names it): kept.
+    old = [p.name for p in folder.glob(".step-*.old") if not (folder / p.name[1:].removesuffix(".old")).is_dir()]
+    remove_leftovers(folder, [".step-*.tmp-*", f".{LATEST_NAME}.tmp-*"])
+    for path in folder.glob(".step-*.old"):
+        if path.name not in old:
+            shutil.rmtree(path, ignore_errors=True)
+
+
+# (key, type, description) every trainer_state.json must satisfy before the trainer trusts it.
+STATE_FIELDS = [
+    ("step", int, "a non-negative integer"),
+    ("skipped_steps", int, "a non-negative integer"),
+    ("loss_spikes", int, "a non-negative integer"),
+    ("spike_window", list, "a list of numbers"),
+    ("rng", dict, "an object"),
+    ("optimizers", list, "a list"),
+    ("config", dict, "an object"),
+]
 
 
 def read_state_json(ckpt: Path) -> dict[str, Any]:
@@ -188,6 +203,21 @@ def read_state_json(ckpt: Path) -> dict[str, Any]:
         raise StemlmError(f"{path} is corrupt ({exc})") from None
     if not isinstance(state, dict) or state.get("format") != STATE_FORMAT:
         raise StemlmError(f"{path} is not a {STATE_FORMAT} file")
+    return state
+
+
+def read_resumable_state(ckpt: Path) -> dict[str, Any]:
+    """`read_state_json` plus the type checks a resume relies on (a hand-edited file fails in one line)."""
+    state = read_state_json(ckpt)
+    path = ckpt / STATE_NAME
+    for key, kind, what in STATE_FIELDS:
+        value = state.get(key)
+        if not isinstance(value, kind) or isinstance(value, bool) or (kind is int and value < 0):
+            raise StemlmError(f"{path}: {key!r} must be {what}, got {value!r:.60}; the file was edited or damaged")
+    if not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in state["spike_window"]):
+        raise StemlmError(f"{path}: 'spike_window' must be a list of numbers; the file was edited or damaged")
+    if not isinstance(state["config"].get("train"), dict):
+        raise StemlmError(f"{path}: 'config' has no 'train' object; the file was edited or damaged")
     return state
 
 

@@ -8,11 +8,14 @@ One step: `grad_accum` micro-batches, each the deterministic window batch `sampl
 grad_accum + k)`, forward under autocast (fp32 master weights), loss = cross-entropy + aux_loss_coef x MoE aux
 loss, backward of loss / grad_accum; then one global gradient-norm clip over all parameters and a step of every
 optimizer (`stemlm.train.optim`). A non-finite loss or gradient norm skips the update (counted as
-`skipped_steps`); a loss above `spike_factor` x the rolling median of the last `spike_window` losses is counted
-as a spike. The data position is the step number and every RNG state is checkpointed, so a resumed run
-reproduces the uninterrupted one. `fault_injection(step, loss) -> loss` (Python API only) lets tests poison a
-step's loss (NaN) or raise to simulate a crash. `stemlm.train.distributed.DistributedTrainer` runs this loop on
-N ranks by overriding the underscored hooks (`_build_optimizers`, `_accumulate_gradients`, `_clip_gradients`,
+`skipped_steps`; `max_skipped` in a row stop the run with an error); a non-finite loss, or one above
+`spike_factor` x the rolling median of the last `spike_window` losses, is counted as a spike. SIGINT / SIGTERM
+end the run after the current step with a checkpoint of it (`stemlm.train.guard`); checkpoints are also written
+every `save_every` steps and every `save_minutes` of wall time. The data position is the step number and every
+RNG state is checkpointed, so a resumed run reproduces the uninterrupted one. `fault_injection(step, loss) ->
+loss` (Python API only) lets tests poison a step's loss (NaN) or raise to simulate a crash.
+`stemlm.train.distributed.DistributedTrainer` runs this loop on N ranks by overriding the underscored hooks
+(`_build_optimizers`, `_accumulate_gradients`, `_clip_gradients`, `_agree`,
 `_load_optimizer_state`, `_make_logger`) and `is_main`.
 """
 
@@ -41,9 +44,17 @@ from stemlm.presets import get_preset
 from stemlm.runs import CHECKPOINTS_DIR, STEP_DIR, resolve_checkpoint
 from stemlm.train.config import TrainConfig, model_config_diff, resolve_device, resolve_dtype, tokenizer_digest
 from stemlm.train.data import load_datasets, resolve_tokenizer
+from stemlm.train.guard import DivergenceGuard, StopSignals, check_run_dir
 from stemlm.train.logging import METRICS_NAME, PLOT_NAME, RunLogger, plot_losses
 from stemlm.train.optim import build_optimizers, clip_gradients, set_learning_rates
-from stemlm.train.state import load_optimizer_state, read_state_json, read_trainer_state, restore_rng, save_checkpoint
+from stemlm.train.state import (
+    load_optimizer_state,
+    read_resumable_state,
+    read_state_json,
+    read_trainer_state,
+    restore_rng,
+    save_checkpoint,
+)
 
 RUN_CONFIG_NAME = "run_config.json"  # not config.json: that name marks a model checkpoint folder
 FaultInjection = Callable[[int, torch.Tensor], torch.Tensor]
@@ -144,6 +155,7 @@ class Trainer:
         return load_datasets(self.cfg, self.tokenizer)
 
     def _start_run_dir(self) -> None:
+        check_run_dir(self.run_dir)
         ckpts = self.run_dir / CHECKPOINTS_DIR
         if ckpts.is_dir() and any(STEP_DIR.match(p.name) for p in ckpts.iterdir()):
             raise StemlmError(
@@ -210,7 +222,7 @@ class Trainer:
         except (json.JSONDecodeError, UnicodeDecodeError) as exc:
             raise StemlmError(f"{run_dir / RUN_CONFIG_NAME} is corrupt ({exc})") from None
         # The training config the checkpoint was written under (it includes earlier resumes' overrides).
-        train = read_state_json(ckpt)["config"]["train"]
+        train = read_resumable_state(ckpt)["config"]["train"]
         cfg = TrainConfig.from_dict(train).with_overrides({**(overrides or {}), "out": str(run_dir)})
         try:
             run_tok = Tokenizer.from_file(str(ckpt / TOKENIZER_NAME))
@@ -293,10 +305,12 @@ class Trainer:
         self.train_time += elapsed
         self.step += 1
         loss = sum(losses) / len(losses)
-        spike = False
+        # A jump to a non-finite loss is a spike too, though the step is skipped; only applied losses enter the window.
+        spike = not math.isfinite(loss) or (
+            len(self.window) == cfg.spike_window and loss > cfg.spike_factor * statistics.median(self.window)
+        )
+        self.loss_spikes += spike
         if applied:
-            spike = len(self.window) == cfg.spike_window and loss > cfg.spike_factor * statistics.median(self.window)
-            self.loss_spikes += spike
             self.window.append(loss)
         record = {
             "kind": "train",
@@ -361,20 +375,37 @@ class Trainer:
         logger = self._make_logger()
         if self.heldout_data is None:
             logger.message(f"note: no held-out split with a window of {cfg.seq_len} tokens; no held-out evaluation")
-        heldout, checkpoint, last = None, None, None
+        heldout, checkpoint, last, stopped = None, None, None, None
+        guard, saved_at = DivergenceGuard(cfg.max_skipped), time.monotonic()
         try:
-            while self.step < cfg.steps:
-                last = self.train_step()
-                logger.log(last)
-                logger.advance(last["loss"], last["tokens_per_s"])
-                if last["skipped"]:
-                    logger.message(f"step {self.step}: non-finite loss or gradient norm, update skipped")
-                elif last["spike"]:
-                    logger.message(f"step {self.step}: loss spike {last['loss']:.4f} (> {cfg.spike_factor} x median)")
-                if self.step == cfg.steps or (cfg.eval_every and self.step % cfg.eval_every == 0):
-                    heldout = self._evaluate_and_log(logger, last)
-                if self.step == cfg.steps or (cfg.save_every and self.step % cfg.save_every == 0):
-                    checkpoint = self.save()
+            with StopSignals(abort_on_second=not self.distributed) as signals:
+                while self.step < cfg.steps:
+                    last = self.train_step()
+                    logger.log(last)
+                    logger.advance(last["loss"], last["tokens_per_s"])
+                    if last["skipped"]:
+                        logger.message(f"step {self.step}: non-finite loss or gradient norm, update skipped")
+                    elif last["spike"]:
+                        logger.message(
+                            f"step {self.step}: loss spike {last['loss']:.4f} (> {cfg.spike_factor} x median)"
+                        )
+                    guard.update(last)
+                    # Every rank must take the same decision (a save is collective): `_agree` reduces them.
+                    due = cfg.save_minutes and time.monotonic() - saved_at >= 60 * cfg.save_minutes
+                    stop, due = self._agree(signals.requested is not None, bool(due))
+                    if stop and self.step < cfg.steps:
+                        stopped = signals.requested or "SIGTERM"
+                        break
+                    if self.step == cfg.steps or (cfg.eval_every and self.step % cfg.eval_every == 0):
+                        heldout = self._evaluate_and_log(logger, last)
+                    if due or self.step == cfg.steps or (cfg.save_every and self.step % cfg.save_every == 0):
+                        checkpoint, saved_at = self.save(), time.monotonic()
+            if stopped is not None and last is not None:
+                checkpoint = self.save()  # the last completed step
+                logger.message(
+                    f"stopped by {stopped} after step {self.step}/{cfg.steps}; checkpoint {checkpoint}; "
+                    f"continue with: stemlm train --resume {self.run_dir}"
+                )
         finally:
             logger.close()
         if self.is_main:
@@ -395,7 +426,14 @@ class Trainer:
             "device": self.device.type,
             "autocast_dtype": str(self.amp_dtype).removeprefix("torch."),
             **(self.host_tables.summary(self.optimizers[-1]) if self.host_tables is not None else {}),
+            "stopped_by": stopped,
         }
+
+    distributed = False  # a torchrun worker (stemlm.train.distributed): signals are torchrun's to escalate
+
+    def _agree(self, *flags: bool) -> tuple[bool, ...]:
+        """The decisions every process takes (one process: its own; DistributedTrainer: any rank's)."""
+        return flags
 
     def _make_logger(self) -> RunLogger:
         return RunLogger(self.run_dir, self.step, self.cfg.steps, self.progress)

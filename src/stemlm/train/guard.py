@@ -1,0 +1,100 @@
+"""What keeps a training run safe to start, stop and leave alone: run-folder checks, signals, divergence.
+
+- `check_run_dir(path)`: `--out` must be new, empty, or an earlier run folder of `stemlm train` without
+  checkpoints; a model checkpoint folder (it holds config.json) or a folder with other files is refused, so a
+  run never writes metrics.jsonl / loss.png over someone else's files.
+- `StopSignals`: while `fit()` runs, SIGINT (Ctrl-C) and SIGTERM only raise a flag; the trainer finishes the
+  current step, saves a checkpoint of it, writes loss.png and metrics, and prints the `--resume` command. A
+  second signal in a single process aborts at once (KeyboardInterrupt); in a torchrun worker it does not,
+  because torchrun forwards the terminal's Ctrl-C as a SIGTERM of its own and kills stragglers itself.
+- `DivergenceGuard`: after `max_skipped_in_row` consecutive skipped (non-finite) steps, a one-line
+  StemlmError naming the step, the lr and the last finite loss.
+"""
+
+from __future__ import annotations
+
+import math
+import signal
+import threading
+from pathlib import Path
+from typing import Any
+
+from stemlm.checkpoint import CONFIG_NAME
+from stemlm.errors import StemlmError
+from stemlm.runs import CHECKPOINTS_DIR
+
+# What an earlier `stemlm train` may have left in its run folder before its first checkpoint.
+RUN_FOLDER_ENTRIES = {"run_config.json", "metrics.jsonl", "loss.png", "tensorboard", CHECKPOINTS_DIR}
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
+def check_run_dir(path: str | Path) -> None:
+    """Raise unless a new run may write into `path` (see the module docstring)."""
+    path = Path(path)
+    if not path.exists():
+        return
+    if not path.is_dir():
+        raise StemlmError(f"--out {path} is a file; pass a folder for the run")
+    if (path / CONFIG_NAME).is_file():
+        raise StemlmError(
+            f"--out {path} is a model checkpoint folder; train into a new folder (start from it with --init-from)"
+        )
+    foreign = sorted(p.name for p in path.iterdir() if p.name not in RUN_FOLDER_ENTRIES)
+    if foreign:
+        raise StemlmError(
+            f"--out {path} already holds files that are not a stemlm run (e.g. {foreign[0]}); choose another --out"
+        )
+
+
+class StopSignals:
+    """Context manager: SIGINT / SIGTERM set `requested` (the signal's name) instead of killing the process."""
+
+    def __init__(self, abort_on_second: bool = True) -> None:
+        self.requested: str | None = None
+        self.abort_on_second = abort_on_second
+        self.previous: dict[int, Any] = {}
+
+    def __enter__(self) -> StopSignals:
+        if threading.current_thread() is threading.main_thread():  # handlers can only be set there
+            for sig in STOP_SIGNALS:
+                self.previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def _handle(self, signum, frame) -> None:
+        if self.requested is not None and self.abort_on_second:
+            raise KeyboardInterrupt
+        self.requested = self.requested or signal.Signals(signum).name
+
+    def __exit__(self, *exc) -> None:
+        for sig, handler in self.previous.items():
+            signal.signal(sig, handler)
+
+
+class DivergenceGuard:
+    """Counts consecutive skipped steps; raises once `limit` are reached (0 disables the stop)."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit, self.in_row, self.last_finite = limit, 0, None
+
+    def update(self, record: dict[str, Any]) -> None:
+        if not record["skipped"]:
+            self.in_row = 0
+            self.last_finite = record["loss"]
+            return
+        self.in_row += 1
+        if self.limit and self.in_row >= self.limit:
+            last = "none yet" if self.last_finite is None else f"{self.last_finite:.4f}"
+            raise StemlmError(
+                f"training diverged: {self.in_row} consecutive steps with a non-finite loss or gradient up to step "
+                f"{record['step']} (lr {record['lr']:.3g}, last finite loss {last}); lower --lr or resume from an "
+                "earlier checkpoint (--max-skipped 0 never stops)"
+            )
+
+
+def exit_code(signal_name: str) -> int:
+    """The shell's code for a process ended by that signal: 130 for SIGINT, 143 for SIGTERM."""
+    return 128 + int(getattr(signal, signal_name))
+
+
+def is_finite(value: float) -> bool:
+    return isinstance(value, (int, float)) and math.isfinite(value)
