@@ -27,8 +27,8 @@ import numpy as np
 import torch
 
 from stemlm.checkpoint import CONFIG_NAME, WEIGHTS_NAME, AtomicFolder, write_json
-from stemlm.safe_write import check_target
 from stemlm.errors import StemlmError
+from stemlm.safe_write import check_target
 
 # GGUF tensor names (after "blk.N.") -> HF Llama names (after "model.layers.N.").
 LAYER_NAMES = {
