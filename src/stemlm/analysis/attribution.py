@@ -10,12 +10,14 @@ prompt position:
   supports the prediction).
 
 Rows enter through the `table_rows` hook as leaf tensors that require grad, so gradients reach the exact
-rows each position used; FFN outputs are read by temporary forward hooks removed before returning.
+rows each position used; FFN outputs are read by temporary forward hooks, removed before returning, that record
+only the calling thread's forward (a served model may be decoding for another request meanwhile).
 `plot_attribution` draws both as token x layer heat maps.
 """
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -40,11 +42,16 @@ def attribute(model: StemLM, prompt_ids: Sequence[int], token_id: int | None = N
         return leaf
 
     outputs: dict[int, torch.Tensor] = {}
+    me = threading.get_ident()
+
+    def capture(i: int, out) -> None:
+        # Hooks live on the shared module: a server thread decoding at the same time fires them too. Only this
+        # call's own forward (same thread) is recorded, so concurrent requests never see each other's outputs.
+        if threading.get_ident() == me:
+            outputs[i] = out[0].detach()
+
     handles = [
-        model.model.layers[i].mlp.register_forward_hook(
-            lambda _m, _inp, out, i=i: outputs.__setitem__(i, out[0].detach())
-        )
-        for i in tables
+        model.model.layers[i].mlp.register_forward_hook(lambda _m, _inp, out, i=i: capture(i, out)) for i in tables
     ]
     try:
         with torch.enable_grad():

@@ -10,6 +10,7 @@ folder, never over the served checkpoint. Needs Flask: pip install 'flask>=3.0'.
 
 from __future__ import annotations
 
+import argparse
 import ipaddress
 import os
 import socket
@@ -23,6 +24,17 @@ def _is_loopback(host: str) -> bool:
         return ipaddress.ip_address(host).is_loopback
     except ValueError:
         return host == "localhost"
+
+
+def port_number(text: str) -> int:
+    """argparse type of --port: an integer in 0..65535 (0: a free port)."""
+    try:
+        port = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a port number") from None
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"{port} is outside 0..65535")
+    return port
 
 
 def listen(host: str, port: int) -> socket.socket:
@@ -41,6 +53,7 @@ def run(args) -> int:
         from werkzeug.serving import make_server
 
         from stemlm.serve import Playground, create_app
+        from stemlm.serve.app import trusted_hosts
     except ImportError as exc:
         raise StemlmError(f"stemlm serve needs Flask ({exc.name} is missing): pip install 'flask>=3.0'") from None
 
@@ -55,7 +68,8 @@ def run(args) -> int:
     )
     try:
         with listen(args.host, args.port) as sock:  # the server keeps its own duplicate of the descriptor
-            server = make_server(args.host, args.port, create_app(pg), threaded=True, fd=sock.fileno())
+            app = create_app(pg, trusted_hosts(args.host, args.allow_host))
+            server = make_server(args.host, args.port, app, threaded=True, fd=sock.fileno())
         if not _is_loopback(args.host):
             warning = f"listening on {args.host}: reachable from other machines, and the page has no login"
             print(f"stemlm serve: warning: {warning}", file=sys.stderr)
@@ -87,7 +101,17 @@ def register(subparsers) -> None:
     )
     p.add_argument("ckpt", metavar="CKPT", help="checkpoint folder, or run folder (uses its newest checkpoint)")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1, this machine only)")
-    p.add_argument("--port", type=int, default=7860, help="port to listen on (default 7860; 0 picks a free one)")
+    p.add_argument(
+        "--port", type=port_number, default=7860, help="port to listen on (default 7860; 0 picks a free one)"
+    )
+    p.add_argument(
+        "--allow-host",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="also answer requests whose Host header is NAME (repeatable; default: loopback names and --host only, "
+        "which guards against DNS rebinding)",
+    )
     p.add_argument(
         "--tables",
         choices=("resident", "host"),

@@ -265,7 +265,7 @@ def run(args) -> int:
         result = trainer.fit()
         if distributed_worker():
             # Leave the process group; rank 0 reloads the final, unsharded model when a sample is asked for.
-            trainer.finish(result["checkpoint"] if args.sample_tokens > 0 else None)
+            trainer.finish(result["checkpoint"] if args.sample_tokens > 0 and not result.get("stopped_by") else None)
             if not trainer.is_main:
                 return 0
         report = final_report(trainer, result, args)
@@ -275,6 +275,10 @@ def run(args) -> int:
         print_json(report)
     else:
         print(render_report(report))
+    if result.get("stopped_by") and not distributed_worker():
+        from stemlm.train.guard import exit_code
+
+        return exit_code(result["stopped_by"])  # 130 / 143, as if the signal had ended the process
     return 0
 
 
@@ -295,7 +299,7 @@ def final_report(trainer, result: dict[str, Any], args) -> dict[str, Any]:
         }
     except ImportError:
         report["accounting"] = None
-    if args.sample_tokens > 0:
+    if args.sample_tokens > 0 and not result.get("stopped_by"):  # a stopped run exits without the sample
         report["sample"] = {"prompt": args.sample_prompt, "completion": sample(trainer, args)}
     return report
 

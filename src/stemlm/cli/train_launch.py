@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 import re
 import shlex
+import signal
 import subprocess
 import sys
 import threading
@@ -22,6 +23,7 @@ from stemlm.errors import StemlmError
 # Namespace entries that are not flags of the workers' command line.
 NOT_FORWARDED = {"nproc", "func", "train_parser", "command", "debug", "help"}
 TAIL_CHARS = 20_000  # the end of the workers' stderr kept for torchrun's failure summary
+STOPPED_MARK = "continue with: stemlm train --resume"  # rank 0's line after a stop by signal (Trainer.fit)
 
 
 def distributed_worker() -> bool:
@@ -71,6 +73,22 @@ def launch_workers(args) -> int:
     cmd = torchrun_command(args.nproc, worker_argv(args))
     print(f"stemlm train: starting {args.nproc} processes: {shlex.join(cmd)}", file=sys.stderr, flush=True)
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    with ForwardStop(proc) as stop:
+        code, tail = _relay(proc)
+    if stop.requested and STOPPED_MARK in tail:  # the ranks saved the last step
+        from stemlm.train.guard import exit_code
+
+        run = args.resume or args.out or "RUN_FOLDER"
+        again = f"stemlm train --resume {run} --nproc {args.nproc}"
+        print(f"stemlm train: stopped by {stop.requested}; continue with: {again}", file=sys.stderr)
+        return exit_code(stop.requested)
+    if code != 0:
+        raise StemlmError(failure_message(tail, code, args))
+    return 0
+
+
+def _relay(proc: subprocess.Popen) -> tuple[int, str]:
+    """Pass the workers' output through (stderr as it comes); (exit code, stderr tail) once all are done."""
     out: list[bytes] = []
     reader = threading.Thread(target=lambda: out.append(proc.stdout.read()), daemon=True)
     reader.start()
@@ -85,9 +103,43 @@ def launch_workers(args) -> int:
     reader.join()
     sys.stdout.write(b"".join(out).decode(errors="replace"))
     sys.stdout.flush()
-    if code != 0:
-        raise StemlmError(failure_message(tail, code, args))
-    return 0
+    return code, tail
+
+
+class ForwardStop:
+    """While torchrun runs: SIGINT / SIGTERM reach it once (it stops the ranks, which save the last step) and
+    this process keeps relaying their output instead of dying, which would break their pipes mid-save.
+
+    A Ctrl-C at a terminal already reaches torchrun (same foreground process group), so it is not sent twice.
+    """
+
+    def __init__(self, proc: subprocess.Popen) -> None:
+        self.proc, self.requested, self.previous = proc, None, {}
+
+    def __enter__(self) -> ForwardStop:
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                self.previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def _handle(self, signum, frame) -> None:
+        if self.requested is not None:
+            return
+        self.requested = signal.Signals(signum).name
+        if signum != signal.SIGINT or not _terminal_delivered_it():
+            self.proc.send_signal(signum)
+
+    def __exit__(self, *exc) -> None:
+        for sig, handler in self.previous.items():
+            signal.signal(sig, handler)
+
+
+def _terminal_delivered_it() -> bool:
+    """Whether this process runs in the terminal's foreground group (then a Ctrl-C also reached torchrun)."""
+    try:
+        return os.tcgetpgrp(sys.stdin.fileno()) == os.getpgrp()
+    except OSError:
+        return False
 
 
 def failure_message(stderr_tail: str, code: int, args) -> str:

@@ -3,7 +3,8 @@
     from stemlm.serve import Playground, create_app
     app = create_app(Playground.load("runs/tiny"))      # a WSGI app; `stemlm serve` runs it threaded
 
-Routes (every /api answer is JSON; a bad request gets 4xx with `{"error": message}`, never a traceback):
+Routes (every /api answer is JSON; a bad request gets 4xx with `{"error": message}`, never a traceback; a Host
+header outside `trusted_hosts` gets 400):
 
     GET  /                  the page (vanilla HTML/JS/CSS from stemlm/assets/web, nothing from a CDN)
     GET  /api/info          the checkpoint: layers, STEM layers, table placement, edit strategies, saving
@@ -25,6 +26,7 @@ import json
 import logging
 import time
 import traceback
+from collections.abc import Sequence
 from importlib import resources
 from pathlib import Path
 
@@ -93,9 +95,26 @@ def _token_events(pg: Playground, tokens, start: float):
         yield sse("error", {"error": f"internal error ({type(exc).__name__}); see the server log"})
 
 
-def create_app(pg: Playground) -> Flask:
+LOOPBACK_NAMES = ("localhost", "127.0.0.1", "[::1]")
+
+
+def trusted_hosts(host: str = "127.0.0.1", extra: Sequence[str] = ()) -> list[str]:
+    """Host header names the server answers: loopback, the address it is bound to, and `extra` (--allow-host).
+
+    Anything else is refused (400), so a page on another site cannot reach this server through a DNS name it
+    re-points at 127.0.0.1 (DNS rebinding). A wildcard bind (0.0.0.0, ::) adds no name: pass --allow-host.
+    """
+    names = list(LOOPBACK_NAMES)
+    if host not in ("0.0.0.0", "::", ""):
+        names.append(f"[{host}]" if ":" in host else host)
+    return names + [name for name in extra if name not in names]
+
+
+def create_app(pg: Playground, hosts: Sequence[str] | None = None) -> Flask:
+    """The WSGI app; `hosts`: the accepted Host header names (default `trusted_hosts()`: loopback only)."""
     app = Flask(__name__, static_folder=str(web_dir()), static_url_path="/static")
     app.config["MAX_CONTENT_LENGTH"] = 1 << 20
+    app.config["TRUSTED_HOSTS"] = list(hosts) if hosts is not None else trusted_hosts()  # checked on every request
     app.json.sort_keys = False
 
     @app.errorhandler(StemlmError)
@@ -112,7 +131,10 @@ def create_app(pg: Playground) -> Flask:
         return jsonify(error=f"internal error ({type(exc).__name__}); see the server log"), 500
 
     def body() -> Body:
-        return Body(request.get_json(silent=True))
+        try:
+            return Body(request.get_json(silent=True))
+        except RecursionError:  # JSON nested thousands deep: the parser's recursion limit, not a server fault
+            raise StemlmError("the request body is nested too deeply") from None
 
     @app.get("/")
     def index():
