@@ -39,6 +39,15 @@ def test_edit_records_swap_to_a_different_object():
         assert r.new_target == " " + facts.country(r.target_subject).capital
         assert r.subject in r.prompt and all(r.subject in p for p in r.paraphrase_prompts)
         assert all(n.subject != r.subject for n in r.neighborhood)
+        train, heldout = facts.TEMPLATES["capital"]
+        # Paraphrases are held-out phrasings only; the other training templates are their own prompt set.
+        assert r.paraphrase_prompts == [t.format(s=r.subject) for t in heldout]
+        assert r.train_prompts == [t.format(s=r.subject) for t in train[1:]]
+        target = facts.country(r.target_subject)
+        for p in r.portability:  # the subject's other relations, answered as the target country would
+            assert p.relation != "capital" and p.new_answer == f" {target.fact(p.relation)}" != p.true_answer
+        distinct = {c.capital for c in facts.load_countries()}
+        assert r.choices["capital"] == len(distinct)
 
 
 def test_unknown_relation_and_country_are_clear_errors():

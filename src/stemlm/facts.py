@@ -7,8 +7,9 @@ MIT-licensed `countryinfo` data). From them this module makes
 - evaluation prompts on the training templates and on held-out templates never trained on
   (`fact_prompts`), each a prompt whose greedy continuation should start with the answer;
 - CounterFact-style edit records for STEM row swapping (`edit_records`): the subject's rows are replaced by
-  another country's rows, so the "new target" is that country's fact; paraphrase prompts use held-out
-  templates, neighbourhood prompts ask the same relation of other subjects.
+  another country's rows, so the "new target" is that country's fact; the other training templates, the
+  held-out templates (paraphrases), other subjects (neighbourhood) and the subject's other relations
+  (portability: language, currency, region follow the target country) are probed separately.
 """
 
 from __future__ import annotations
@@ -72,16 +73,27 @@ class FactPrompt:
     answer: str  # the continuation, with its leading space
 
 
+@dataclass(frozen=True)
+class PortabilityPrompt:
+    relation: str  # another relation of the edited subject
+    prompt: str
+    true_answer: str  # the subject's own object
+    new_answer: str  # the target subject's object: what a portable edit now gives
+
+
 @dataclass
 class EditRecord:
     subject: str  # the entity named in the text (its rows are replaced)
     target_subject: str  # the entity whose rows are used instead
     relation: str
-    prompt: str
+    prompt: str  # a training template (the edit prompt)
     true_target: str
     new_target: str
-    paraphrase_prompts: list[str] = field(default_factory=list)
-    neighborhood: list[FactPrompt] = field(default_factory=list)
+    paraphrase_prompts: list[str] = field(default_factory=list)  # held-out phrasings only
+    neighborhood: list[FactPrompt] = field(default_factory=list)  # other subjects, same relation
+    train_prompts: list[str] = field(default_factory=list)  # the other training templates
+    portability: list[PortabilityPrompt] = field(default_factory=list)  # other relations of the subject
+    choices: dict[str, int] = field(default_factory=dict)  # relation -> distinct objects (greedy chance 1/n)
 
 
 @lru_cache(maxsize=1)
@@ -135,9 +147,14 @@ def fact_documents(
 def edit_records(
     relation: str = "capital", num_records: int | None = None, num_neighbors: int = 5, seed: int = 0
 ) -> list[EditRecord]:
-    """Pairs (subject, target_subject) with different objects for `relation`, CounterFact style."""
+    """Pairs (subject, target_subject) with different objects for `relation`, CounterFact style.
+
+    The edit prompt is the first training template, `train_prompts` the other training templates,
+    `paraphrase_prompts` the held-out templates only; `portability` asks the other relations (first training
+    template) where subject and target differ; `choices` counts each relation's distinct objects."""
     rng = random.Random(seed)
     countries = [c for c in load_countries() if c.fact(relation) is not None]
+    choices = {r: len({c.fact(r) for c in load_countries()} - {None}) for r in RELATIONS}
     train_t, heldout_t = TEMPLATES[relation]
     records = []
     for c in countries:
@@ -152,10 +169,17 @@ def edit_records(
                 prompt=train_t[0].format(s=c.name),
                 true_target=f" {c.fact(relation)}",
                 new_target=f" {target.fact(relation)}",
-                paraphrase_prompts=[t.format(s=c.name) for t in train_t[1:] + heldout_t],
+                paraphrase_prompts=[t.format(s=c.name) for t in heldout_t],
                 neighborhood=[
                     FactPrompt(o.name, relation, train_t[0].format(s=o.name), f" {o.fact(relation)}") for o in neighbors
                 ],
+                train_prompts=[t.format(s=c.name) for t in train_t[1:]],
+                portability=[
+                    PortabilityPrompt(r, TEMPLATES[r][0][0].format(s=c.name), f" {c.fact(r)}", f" {target.fact(r)}")
+                    for r in RELATIONS
+                    if r != relation and None not in (c.fact(r), target.fact(r)) and c.fact(r) != target.fact(r)
+                ],
+                choices=choices,
             )
         )
     rng.shuffle(records)

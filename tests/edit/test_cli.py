@@ -147,7 +147,9 @@ def test_eval_edits_json_with_dense_control(checkpoints, capsys, tmp_path):
     )
     assert set(out["variants"]) == {"stem", "embed", "both", "dense-embed"}
     for summary in out["variants"].values():
-        assert summary["records"] == 2 and 0.0 <= summary["efficacy"] <= 1.0
+        train = summary["all_records"]["train"]["new_greedy"]
+        assert summary["records"] == 2 and 0 <= summary["known"] <= 2 and 0.0 <= train["edited"] <= 1.0
+        assert {"heldout", "locality_other", "locality_same"} <= set(summary["all_records"])
     assert json.loads((tmp_path / "r.json").read_text()) == out
 
 
@@ -155,7 +157,8 @@ def test_eval_edits_table_and_errors(checkpoints, capsys):
     stem, dense = checkpoints
     assert main(["eval", "edits", dense, "--records", "1", "--fluency-tokens", "0"]) == 0
     table = capsys.readouterr().out
-    assert table.startswith("| variant |") and "| embed |" in table
+    assert table.startswith("| variant | known / records |") and "| embed | " in table
+    assert "Cells: edited (unedited)" in table and "- known:" in table
     assert main(["eval", "edits", stem, "--relation", "moons"]) == 2
     assert "unknown relation" in capsys.readouterr().err
     assert main(["eval", "edits", dense, "--variants", "stem", "--records", "1"]) == 2

@@ -217,35 +217,12 @@ def _variants(spec: str, model) -> list[str]:
     return variants
 
 
-SUMMARY_COLUMNS = (
-    "efficacy",
-    "paraphrase",
-    "neighborhood",
-    "known_efficacy",
-    "erased",
-    "new_greedy",
-    "fluency",
-    "unedited_fluency",
-)
-
-
-def format_table(rows: dict[str, dict]) -> str:
-    """A markdown table of edit summaries, one row per variant."""
-    lines = [
-        "| variant | records | known | " + " | ".join(SUMMARY_COLUMNS) + " |",
-        "|---" * (3 + len(SUMMARY_COLUMNS)) + "|",
-    ]
-    for name, r in rows.items():
-        cells = [f"{r[c]:.3f}" if isinstance(r.get(c), float) else "-" for c in SUMMARY_COLUMNS]
-        lines.append(f"| {name} | {r['records']} | {r['known']} | " + " | ".join(cells) + " |")
-    return "\n".join(lines)
-
-
 def run_eval(args) -> int:
     import json
     from pathlib import Path
 
     from stemlm.edit.evaluate import evaluate_edits
+    from stemlm.edit.report import format_edit_table
     from stemlm.facts import RELATIONS, edit_records
 
     if args.relation not in RELATIONS:
@@ -255,7 +232,15 @@ def run_eval(args) -> int:
     records = edit_records(args.relation, args.records or None, seed=args.seed)
     model, tokenizer = load_for_edit(args.ckpt)
     layers = parse_layers(args.layers, model)
-    settings = dict(strategy=args.strategy, pad=args.pad, mode=args.mode, fluency_tokens=args.fluency_tokens)
+    if args.fluency_records < 0:
+        raise StemlmError(f"--fluency-records must be >= 0, got {args.fluency_records}")
+    settings = dict(
+        strategy=args.strategy,
+        pad=args.pad,
+        mode=args.mode,
+        fluency_tokens=args.fluency_tokens,
+        fluency_records=args.fluency_records,
+    )
     results: dict = {"checkpoint": args.ckpt, "relation": args.relation, "seed": args.seed, "variants": {}}
     for variant in _variants(args.variants, model):
         print(f"evaluating {variant} rows on {len(records)} records ...", file=sys.stderr)
@@ -272,7 +257,7 @@ def run_eval(args) -> int:
     if args.json:
         print_json(results)
     else:
-        print(format_table(results["variants"]))
+        print(format_edit_table(results["variants"]))
     return 0
 
 
@@ -280,9 +265,10 @@ def register_eval(subparsers) -> None:
     """`stemlm eval edits`: registered into the `eval` command's sub-commands (see stemlm.cli.eval)."""
     p = subparsers.add_parser(
         "edits",
-        help="edit efficacy / paraphrase / neighbourhood / fluency over fact records",
-        description="Evaluate positional (or global) row-swap edits on CounterFact-style "
-        "records of the fact world, for STEM rows, embedding rows and both.",
+        help="edit metrics (training / held-out prompts, portability, locality) beside unedited values",
+        description="Evaluate positional (or global) row-swap edits on CounterFact-style records of the fact "
+        "world, for STEM rows, embedding rows and both: each figure beside its unedited value and chance level, "
+        "over the records the model knows (their number is shown).",
     )
     p.add_argument("ckpt", metavar="CKPT", help="checkpoint folder, or run folder (uses its newest checkpoint)")
     p.add_argument("--records", type=int, default=50, help="number of edit records (default 50; 0 = all)")
@@ -301,6 +287,9 @@ def register_eval(subparsers) -> None:
     )
     p.add_argument("--dense", metavar="CKPT", help="also evaluate this dense checkpoint (embedding rows) as control")
     p.add_argument("--fluency-tokens", type=int, default=24, help="greedy tokens for the fluency entropy (0 = skip)")
+    p.add_argument(
+        "--fluency-records", type=int, default=10, help="records whose generations measure fluency (default 10)"
+    )
     p.add_argument("--out", metavar="FILE", help="also write the results as JSON to FILE")
     add_edit_flags(p, with_rows=False)
     add_json_flag(p)

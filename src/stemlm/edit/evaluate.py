@@ -1,24 +1,33 @@
-"""Edit metrics on CounterFact-style records: efficacy, paraphrase, neighbourhood and generation fluency.
+"""Edit metrics on CounterFact-style records, each beside its unedited value and its chance level.
 
-For each `stemlm.facts.EditRecord` the subject's rows are replaced by the target subject's rows and
+For each `stemlm.facts.EditRecord` the subject's rows are replaced by the target subject's rows, and every
+probe below is scored twice on the same text, edited and unedited:
 
-- efficacy: the new target's full continuation outscores the true one on the edited prompt (sums of token
-  log-probabilities, so multi-token answers compare fairly as sequences);
-- paraphrase: the same on the record's other prompts (other training templates and held-out ones);
-- neighbourhood: other subjects keep their answer (their true target still beats the record's new target).
-  Positional mode puts the neighbour prompt after the edited sentence ("The capital of Spain[edited] is
-  Berlin. The capital of Chile is"), since a positional edit cannot reach a text without the source; global
-  mode asks neighbour prompts on their own with the edited rows wherever the source tokens occur;
-- fluency: the n-gram entropy of a greedy generation from the edited prompt (ROME's measure: 2/3 bigram +
+- prompt sets `train` (the edit prompt and the other training templates) and `heldout` (held-out phrasings
+  only: the paraphrases): `new_greedy` (the greedy continuation is exactly the new object; chance 1/K for a
+  relation with K objects), `new_beats_true` (P(new) > P(true) as sums of token log-probabilities; chance
+  0.5) and `true_greedy` (the greedy continuation is still the true object);
+- `portability`: the subject's other relations (language, currency, ...; every attribute in the bio world)
+  should follow the target subject: `new_greedy`, `new_beats_true` with the other relation's chance;
+- locality, positional mode: after the edited sentence ("The capital of Spain[edited] is Berlin.") ask
+  `locality_other` another subject ("The capital of Chile is") or `locality_same` the same subject at an
+  unedited position ("The capital of Spain is"); an edit that leaks through attention fails them.
+  `kept_greedy` (its own answer is still the greedy continuation), `own_beats_new` and `unchanged` (the
+  teacher-forced argmax along its answer is identical to the unedited model's on the same text, 1 when
+  nothing leaks, whatever the model knows);
+- `neighborhood`, global mode only (a global edit changes the source tokens everywhere, so other subjects
+  asked on their own are what it can break): the same three figures;
+- fluency: the n-gram entropy of a greedy generation from the edit prompt (ROME's measure: 2/3 bigram +
   4/3 trigram entropy in bits over words, averaged), beside the unedited model's.
 
-Also reported: the same metrics unedited (the baseline each edit moves from), `known` (records whose true
-target is the unedited greedy continuation) and the metrics on those, `erased` (greedy no longer gives the
-true target) and `new_greedy` (greedy now gives the new target), and the mean log-prob margin new - true.
-Row kinds: "stem" (table rows), "embed" (token embedding rows: the only kind a dense model has), "both".
+A record is `known` when the unedited greedy continuation of its edit prompt is its true object. Summaries
+are over known records (`scored_on`), since an edit of a fact the model does not know moves nothing that
+was there; the same figures over all records are under `all_records`. Scoring is batched across records
+(positional edits carry one edit per batch row through `batch_hooks`).
 
-    from stemlm.edit.evaluate import evaluate_edits
+    from stemlm.edit.evaluate import evaluate_edits, format_edit_table
     result = evaluate_edits(model, tokenizer, edit_records("capital", 50), rows="stem")
+    print(format_edit_table({"stem": result}))
 """
 
 from __future__ import annotations
@@ -40,10 +49,14 @@ from stemlm.model.decoder import StemLM
 
 MODES = ("positional", "global")
 FLUENCY_TOKENS = 24
-METRICS = ("efficacy", "paraphrase", "neighborhood")
-
+BATCH_ROWS = 128
+EDIT_SETS = ("train", "heldout", "portability")  # probes that should follow the edit
+LOCAL_SETS = ("locality_other", "locality_same", "neighborhood")  # probes that should not
+SET_METRICS = {s: ("new_greedy", "new_beats_true", "true_greedy") for s in EDIT_SETS}
+SET_METRICS.update({s: ("kept_greedy", "own_beats_new", "unchanged") for s in LOCAL_SETS})
 
 Item = tuple[list[int], list[int]]  # (prompt ids, continuation ids)
+Score = tuple[float, bool, tuple[int, ...]]  # (sum of continuation log-probs, greedy exact match, argmax ids)
 
 
 def encode(tokenizer: Tokenizer, text: str) -> list[int]:
@@ -51,10 +64,20 @@ def encode(tokenizer: Tokenizer, text: str) -> list[int]:
 
 
 @torch.no_grad()
-def score_items(model: StemLM, items: Sequence[Item], hooks: Hooks = (None, None)) -> list[tuple[float, bool]]:
-    """(sum of continuation log-probs, greedy exact match) of each (prompt, continuation), in one forward.
+def score_items(
+    model: StemLM, items: Sequence[Item], hooks: Hooks = (None, None), batch_rows: int | None = None
+) -> list[Score]:
+    """(sum of continuation log-probs, greedy exact match, argmax ids) of each (prompt, continuation).
 
-    Rows are right-padded; with causal attention padding after a sequence never changes its scores."""
+    Rows are right-padded; with causal attention padding after a sequence never changes its scores. Hooks
+    see the whole batch, so they must be built for exactly these rows: `batch_rows` (chunking) is only for
+    hook-free calls."""
+    if batch_rows is not None and len(items) > batch_rows:
+        if hooks != (None, None):
+            raise ValueError("chunked scoring needs hook-free calls; build hooks per chunk instead")
+        return [s for k in range(0, len(items), batch_rows) for s in score_items(model, items[k : k + batch_rows])]
+    if not items:
+        return []
     width = max(len(p) + len(c) for p, c in items)
     ids = torch.zeros(len(items), width, dtype=torch.long, device=next(model.parameters()).device)
     for b, (p, c) in enumerate(items):
@@ -64,15 +87,18 @@ def score_items(model: StemLM, items: Sequence[Item], hooks: Hooks = (None, None
     for b, (p, c) in enumerate(items):
         rows = logp[b, len(p) - 1 : len(p) - 1 + len(c)]
         target = torch.as_tensor(list(c), device=rows.device)
-        out.append((float(rows.gather(1, target[:, None]).sum()), bool((rows.argmax(-1) == target).all())))
+        argmax = rows.argmax(-1)
+        out.append(
+            (float(rows.gather(1, target[:, None]).sum()), bool((argmax == target).all()), tuple(argmax.tolist()))
+        )
     return out
 
 
 def score_continuations(
     model: StemLM, prompt_ids: Sequence[int], continuations: Sequence[Sequence[int]], hooks: Hooks = (None, None)
 ) -> list[tuple[float, bool]]:
-    """`score_items` for several continuations of one prompt."""
-    return score_items(model, [(list(prompt_ids), list(c)) for c in continuations], hooks)
+    """(sum of log-probs, greedy exact match) of several continuations of one prompt."""
+    return [s[:2] for s in score_items(model, [(list(prompt_ids), list(c)) for c in continuations], hooks)]
 
 
 def ngram_entropy(text: str, ns: tuple[int, ...] = (2, 3), weights: tuple[float, ...] = (2 / 3, 4 / 3)) -> float:
@@ -89,15 +115,16 @@ def ngram_entropy(text: str, ns: tuple[int, ...] = (2, 3), weights: tuple[float,
 
 @dataclass
 class Query:
-    kind: str  # efficacy | paraphrase | neighborhood
+    kind: str  # one of EDIT_SETS or LOCAL_SETS
     prompt: list[int]
-    good: list[int]  # the continuation that should win (new target for efficacy/paraphrase, own answer for neighbours)
-    bad: list[int]
-    span: list[int] | None  # the prefix holding the edited subject (positional mode)
+    good: list[int]  # should win: the new object (EDIT_SETS) or the probe's own answer (LOCAL_SETS)
+    bad: list[int]  # the true object (EDIT_SETS) or the record's new object (LOCAL_SETS)
+    span: list[int] | None  # the prefix whose source occurrences are edited (positional mode)
+    choices: int | None = None  # objects of the probed relation: greedy chance 1/choices
 
 
 class _Editor:
-    """One record's edit: its queries, and hooks scoring them edited in one batched forward."""
+    """One record's edit and its queries."""
 
     def __init__(self, model, tokenizer, record: EditRecord, rows, strategy, pad, layers, mode) -> None:
         self.model, self.tokenizer, self.record, self.mode = model, tokenizer, record, mode
@@ -113,39 +140,51 @@ class _Editor:
         rec = self.record
         return make_edit(self.model, self.tokenizer, span, rec.subject, rec.target_subject, **self.kw)
 
-    def hooks(self, queries: list[Query]) -> Hooks:
-        """Hooks for the batch of `items(queries)`: two rows per query, each with its query's edit."""
-        if self.mode == "global":
-            return self.global_hooks
-        edits = [self.edit(q.span) for q in queries]
-        return batch_hooks(self.model, [e for e in edits for _ in range(2)])
+    def _editable(self, ids: list[int]) -> bool:
+        try:
+            locate(self.tokenizer, ids, self.record.subject, self.model.config.vocab_size)
+            if self.mode == "positional":
+                self.edit(ids)
+        except StemlmError:
+            # The subject tokenizes differently inside this template, or a fixed strategy does not fit the
+            # name lengths of this form (bare "Spain" vs spaced " Spain"): nothing to edit, no probe.
+            return False
+        return True
 
     def queries(self) -> list[Query]:
         tok, rec = self.tokenizer, self.record
         true, new = encode(tok, rec.true_target), encode(tok, rec.new_target)
+        k = rec.choices.get(rec.relation)
         prompt = encode(tok, rec.prompt)
-        out = [Query("efficacy", prompt, new, true, prompt)]
-        for text in rec.paraphrase_prompts:
-            ids = encode(tok, text)
-            try:
-                locate(tok, ids, rec.subject, self.model.config.vocab_size)
-                if self.mode == "positional":
-                    self.edit(ids)
-            except StemlmError:
-                # No span to edit (the subject tokenizes differently inside this template), or a fixed strategy
-                # that does not fit the name lengths of this form (bare "Spain" vs spaced " Spain").
-                continue
-            out.append(Query("paraphrase", ids, new, true, ids))
+        out = [Query("train", prompt, new, true, prompt, k)]  # first: the edit prompt (decides `known`)
+        for kind, texts in (("train", rec.train_prompts), ("heldout", rec.paraphrase_prompts)):
+            for ids in (encode(tok, t) for t in texts):
+                if self._editable(ids):
+                    out.append(Query(kind, ids, new, true, ids, k))
+        for p in rec.portability:
+            ids = encode(tok, p.prompt)
+            if self._editable(ids):
+                out.append(
+                    Query(
+                        "portability",
+                        ids,
+                        encode(tok, p.new_answer),
+                        encode(tok, p.true_answer),
+                        ids,
+                        rec.choices.get(p.relation),
+                    )
+                )
+        if self.mode == "global":
+            for nb in rec.neighborhood:
+                if nb.answer != rec.new_target:
+                    out.append(Query("neighborhood", encode(tok, nb.prompt), encode(tok, nb.answer), new, None))
+            return out
         context = encode(tok, f"{rec.prompt}{rec.new_target}.")
         for nb in rec.neighborhood:
-            if nb.answer == rec.new_target:
-                continue
-            if self.mode == "positional":
-                out.append(
-                    Query("neighborhood", context + encode(tok, f" {nb.prompt}"), encode(tok, nb.answer), new, context)
-                )
-            else:
-                out.append(Query("neighborhood", encode(tok, nb.prompt), encode(tok, nb.answer), new, None))
+            if nb.answer != rec.new_target:
+                ids = context + encode(tok, f" {nb.prompt}")
+                out.append(Query("locality_other", ids, encode(tok, nb.answer), new, context))
+        out.append(Query("locality_same", context + encode(tok, f" {rec.prompt}"), true, new, context))
         return out
 
 
@@ -153,72 +192,131 @@ def _items(queries: list[Query]) -> list[Item]:
     return [item for q in queries for item in ((q.prompt, q.good), (q.prompt, q.bad))]
 
 
-def _cached(cache: dict | None, key, compute):
-    if cache is None:
-        return compute()
-    if key not in cache:
-        cache[key] = compute()
-    return cache[key]
+def _score_edited(model, editors: list[_Editor], queries: list[list[Query]], batch_rows: int) -> list[list[Score]]:
+    """Edited scores of every record's items: positional edits batched across records (each batch row carries
+    its own query's edit), global edits one forward per record (their hooks act on whole token ids)."""
+    if not editors:
+        return []
+    if editors[0].mode == "global":
+        return [score_items(model, _items(qs), e.global_hooks) for e, qs in zip(editors, queries, strict=True)]
+    flat = [(r, q, e.edit(q.span)) for r, (e, qs) in enumerate(zip(editors, queries, strict=True)) for q in qs]
+    rows = [(r, item, ed) for r, q, ed in flat for item in ((q.prompt, q.good), (q.prompt, q.bad))]
+    scores: list[list[Score]] = [[] for _ in editors]
+    for k in range(0, len(rows), batch_rows):
+        chunk = rows[k : k + batch_rows]
+        hooks = batch_hooks(model, [ed for _, _, ed in chunk])
+        for (r, _, _), s in zip(chunk, score_items(model, [it for _, it, _ in chunk], hooks), strict=True):
+            scores[r].append(s)
+    return scores
 
 
-def _fill(out: dict, tag: str, queries: list[Query], scores: list[tuple[float, bool]]) -> None:
-    by_kind: dict[str, list[float]] = {"paraphrase": [], "neighborhood": []}
+def _score_unedited(model, items_per_record: list[list[Item]], cache: dict | None, batch_rows: int):
+    """Unedited scores, each distinct item computed once (and kept in `cache` across calls for this model)."""
+    cache = {} if cache is None else cache
+    missing = list({(tuple(p), tuple(c)) for items in items_per_record for p, c in items} - set(cache))
+    for key, s in zip(
+        missing, score_items(model, [(list(p), list(c)) for p, c in missing], batch_rows=batch_rows), strict=True
+    ):
+        cache[key] = s
+    return [[cache[(tuple(p), tuple(c))] for p, c in items] for items in items_per_record]
+
+
+def _record_row(record: EditRecord, queries: list[Query], edited: list[Score], plain: list[Score]) -> dict:
+    """Per-record values: for each probe set and metric, (edited mean, unedited mean, greedy chance)."""
+    sums: dict[str, dict[str, list]] = {}
     for k, q in enumerate(queries):
-        (good, good_greedy), (bad, bad_greedy) = scores[2 * k], scores[2 * k + 1]
-        if q.kind == "efficacy":
-            out[f"{tag}efficacy"], out[f"{tag}margin"] = float(good > bad), good - bad
-            out[f"{tag}new_greedy"], out[f"{tag}true_greedy"] = good_greedy, bad_greedy
+        (eg, eg_greedy, eg_argmax), (eb, _, _) = edited[2 * k], edited[2 * k + 1]
+        (ug, ug_greedy, ug_argmax), (ub, _, _) = plain[2 * k], plain[2 * k + 1]
+        _, eb_greedy, _ = edited[2 * k + 1]
+        _, ub_greedy, _ = plain[2 * k + 1]
+        m = sums.setdefault(q.kind, {})
+        if q.kind in EDIT_SETS:
+            m.setdefault("new_greedy", []).append((eg_greedy, ug_greedy, 1 / q.choices if q.choices else None))
+            m.setdefault("new_beats_true", []).append((eg > eb, ug > ub, 0.5))
+            m.setdefault("true_greedy", []).append((eb_greedy, ub_greedy, None))
         else:
-            by_kind[q.kind].append(float(good > bad))
-    for kind, values in by_kind.items():
-        out[f"{tag}{kind}"] = sum(values) / len(values) if values else float("nan")
+            m.setdefault("kept_greedy", []).append((eg_greedy, ug_greedy, None))
+            m.setdefault("own_beats_new", []).append((eg > eb, ug > ub, 0.5))
+            m.setdefault("unchanged", []).append((eg_argmax == ug_argmax, True, None))
+    row: dict = {"subject": record.subject, "target_subject": record.target_subject}
+    for kind, metrics in sums.items():
+        for name, values in metrics.items():
+            chances = [c for _, _, c in values if c is not None]
+            row[f"{kind}:{name}"] = (
+                sum(float(e) for e, _, _ in values) / len(values),
+                sum(float(u) for _, u, _ in values) / len(values),
+                sum(chances) / len(chances) if chances else None,
+            )
+        row[f"{kind}:n"] = len(next(iter(metrics.values())))
+    (eg, _, _), (eb, eb_greedy, _) = edited[0], edited[1]
+    (ug, _, _), (ub, ub_greedy, _) = plain[0], plain[1]
+    row.update(known=ub_greedy, erased=not eb_greedy, margin=eg - eb, unedited_margin=ug - ub)
+    return row
 
 
-def _record_metrics(editor: _Editor, fluency_tokens: int, cache: dict | None) -> dict:
-    model, tok, rec = editor.model, editor.tokenizer, editor.record
-    queries = editor.queries()
-    items = _items(queries)
-    out: dict = {"subject": rec.subject, "target_subject": rec.target_subject}
-    _fill(out, "", queries, score_items(model, items, editor.hooks(queries)))
-    key = ("score", id(model), tuple((tuple(p), tuple(c)) for p, c in items))
-    _fill(out, "unedited_", queries, _cached(cache, key, lambda: score_items(model, items)))
-    out["known"], out["erased"] = out["unedited_true_greedy"], not out["true_greedy"]
-    if fluency_tokens:
-        prompt = queries[0].prompt
-        if editor.mode == "global":  # a global edit applies to generated tokens too
-            hooks = decode = editor.global_hooks
-        else:  # positional: substituted at prefill, read from the KV cache afterwards
-            hooks, decode = edit_hooks(model, editor.edit(prompt)), (None, None)
-        edited_ids = greedy_generate(model, prompt, fluency_tokens, prefill=hooks, decode=decode)
-        key = ("generate", id(model), tuple(prompt), fluency_tokens)
-        plain = _cached(cache, key, lambda: greedy_generate(model, prompt, fluency_tokens))
-        out["fluency"], out["unedited_fluency"] = (
-            ngram_entropy(tok.decode(edited_ids)),
-            ngram_entropy(tok.decode(plain)),
-        )
-        out["generation"] = tok.decode(edited_ids)
-    return out
+def _fluency(editor: _Editor, prompt: list[int], tokens: int, cache: dict | None) -> tuple[float, float, str]:
+    model, tok = editor.model, editor.tokenizer
+    if editor.mode == "global":  # a global edit applies to generated tokens too
+        hooks = decode = editor.global_hooks
+    else:  # positional: substituted at prefill, read from the KV cache afterwards
+        hooks, decode = edit_hooks(model, editor.edit(prompt)), (None, None)
+    edited_ids = greedy_generate(model, prompt, tokens, prefill=hooks, decode=decode)
+    key = ("generate", tuple(prompt), tokens)
+    if cache is None or key not in cache:
+        plain = greedy_generate(model, prompt, tokens)
+        if cache is None:
+            return ngram_entropy(tok.decode(edited_ids)), ngram_entropy(tok.decode(plain)), tok.decode(edited_ids)
+        cache[key] = plain
+    return ngram_entropy(tok.decode(edited_ids)), ngram_entropy(tok.decode(cache[key])), tok.decode(edited_ids)
 
 
-def _mean(values: list[float]) -> float | None:
-    values = [v for v in values if not math.isnan(v)]
+def _mean(values) -> float | None:
+    values = [v for v in values if v is not None and not math.isnan(v)]
     return sum(values) / len(values) if values else None
 
 
+def summarize_sets(per_record: list[dict]) -> dict:
+    """set -> metric -> {"edited", "unedited", "chance"} (means over records) plus set -> "n" (probes)."""
+    out: dict = {}
+    for kind in (*EDIT_SETS, *LOCAL_SETS):
+        rows = [r for r in per_record if f"{kind}:n" in r]
+        if not rows:
+            continue
+        entry: dict = {"n": sum(r[f"{kind}:n"] for r in rows), "records": len(rows)}
+        for name in SET_METRICS[kind]:
+            triples = [r[f"{kind}:{name}"] for r in rows]
+            entry[name] = {
+                "edited": _mean([t[0] for t in triples]),
+                "unedited": _mean([t[1] for t in triples]),
+                "chance": _mean([t[2] for t in triples]),
+            }
+        out[kind] = entry
+    return out
+
+
 def summarize(per_record: list[dict]) -> dict:
-    """Means over records of every metric, edited and unedited, over all records and over `known` ones."""
-    summary: dict = {"records": len(per_record), "known": sum(r["known"] for r in per_record)}
-    keys = [*METRICS, "margin", "fluency"]
-    for prefix in ("", "unedited_"):
-        for key in keys:
-            values = [float(r[f"{prefix}{key}"]) for r in per_record if f"{prefix}{key}" in r]
-            if values:
-                summary[f"{prefix}{key}"] = _mean(values)
+    """Summary of per-record rows: counts, the sets over known records and over all records, erased,
+    margins and fluency (means over known records; `all_records` keeps every record)."""
     known = [r for r in per_record if r["known"]]
-    for key in METRICS:
-        summary[f"known_{key}"] = _mean([r[key] for r in known])
-    summary["erased"] = _mean([float(r["erased"]) for r in known])
-    summary["new_greedy"] = _mean([float(r["new_greedy"]) for r in per_record])
+    summary: dict = {
+        "records": len(per_record),
+        "known": len(known),
+        "scored_on": "known",
+        "sets": summarize_sets(known),
+        "erased": _mean([float(r["erased"]) for r in known]),
+        "margin": {
+            "edited": _mean([r["margin"] for r in known]),
+            "unedited": _mean([r["unedited_margin"] for r in known]),
+        },
+        "all_records": summarize_sets(per_record),
+    }
+    fluent = [r for r in per_record if "fluency" in r]
+    if fluent:
+        summary["fluency"] = {
+            "edited": _mean([r["fluency"] for r in fluent]),
+            "unedited": _mean([r["unedited_fluency"] for r in fluent]),
+            "n": len(fluent),
+        }
     return summary
 
 
@@ -236,25 +334,31 @@ def evaluate_edits(
     fluency_records: int | None = None,
     details: bool = False,
     cache: dict | None = None,
+    batch_rows: int = BATCH_ROWS,
 ) -> dict:
     """Summary metrics (and with `details`, one dict per record) of swapping each record's subject rows.
 
     Fluency (greedy generations, the slow part) is measured on the first `fluency_records` records (all: None).
     `cache`, a dict the caller keeps for one model, reuses the unedited scores and generations across calls
-    (they do not depend on the edit settings), halving the cost of evaluating several variants."""
+    (they do not depend on the edit settings). Positional scoring runs `batch_rows` rows per forward."""
     if mode not in MODES:
         raise StemlmError(f"unknown edit mode {mode!r}; choose one of {', '.join(MODES)}")
     if not records:
         raise StemlmError("no edit records to evaluate")
     pad = pad or (DEFAULT_PAD if mode == "positional" else GLOBAL_DEFAULT_PAD)
+    editors = [_Editor(model, tokenizer, r, rows, strategy, pad, layers, mode) for r in records]
+    queries = [e.queries() for e in editors]
+    edited = _score_edited(model, editors, queries, batch_rows)
+    plain = _score_unedited(model, [_items(qs) for qs in queries], cache, batch_rows)
     per_record = [
-        _record_metrics(
-            _Editor(model, tokenizer, r, rows, strategy, pad, layers, mode),
-            fluency_tokens if fluency_records is None or k < fluency_records else 0,
-            cache,
-        )
-        for k, r in enumerate(records)
+        _record_row(e.record, qs, ed, pl) for e, qs, ed, pl in zip(editors, queries, edited, plain, strict=True)
     ]
+    if fluency_tokens:
+        for k, (e, qs, row) in enumerate(zip(editors, queries, per_record, strict=True)):
+            if fluency_records is None or k < fluency_records:
+                row["fluency"], row["unedited_fluency"], row["generation"] = _fluency(
+                    e, qs[0].prompt, fluency_tokens, cache
+                )
     result = {
         "rows": rows,
         "mode": mode,

@@ -34,6 +34,7 @@ from stemlm.accounting import training_flops_per_token
 from stemlm.config import ModelConfig
 from stemlm.data import EOT_TOKEN, embedded_texts, train_bpe
 from stemlm.edit.evaluate import evaluate_edits, summarize
+from stemlm.edit.report import format_edit_table
 from stemlm.edit.spans import entity_ids
 from stemlm.errors import StemlmError
 from stemlm.facts import edit_records, fact_documents, fact_prompts
@@ -322,21 +323,6 @@ def run_knowledge(cfg: KnowledgeConfig, log=print) -> dict:
 # ----------------------------------------------------------------------------------------------------------
 # report
 # ----------------------------------------------------------------------------------------------------------
-EDIT_COLUMNS = (
-    "efficacy",
-    "paraphrase",
-    "neighborhood",
-    "known_efficacy",
-    "known_paraphrase",
-    "erased",
-    "new_greedy",
-    "margin",
-    "unedited_margin",
-    "fluency",
-    "unedited_fluency",
-)
-
-
 def _cell(value) -> str:
     return f"{value:.3f}" if isinstance(value, float) else "-" if value is None else str(value)
 
@@ -347,10 +333,7 @@ def markdown_table(header: list[str], rows: list[list]) -> str:
 
 
 def edit_table(summaries: dict[str, dict]) -> str:
-    return markdown_table(
-        ["variant", "records", "known", *EDIT_COLUMNS],
-        [[name, s["records"], s["known"], *(s.get(c) for c in EDIT_COLUMNS)] for name, s in summaries.items()],
-    )
+    return format_edit_table(summaries)
 
 
 def recall_table(results: dict) -> str:
