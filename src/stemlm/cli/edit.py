@@ -242,11 +242,12 @@ def run_eval(args) -> int:
         fluency_records=args.fluency_records,
     )
     results: dict = {"checkpoint": args.ckpt, "relation": args.relation, "seed": args.seed, "variants": {}}
+    cache: dict = {}  # unedited scores and generations, shared by every variant of this model
     for variant in _variants(args.variants, model):
         print(f"evaluating {variant} rows on {len(records)} records ...", file=sys.stderr)
         chosen = layers if variant != "embed" else None
         results["variants"][variant] = evaluate_edits(
-            model, tokenizer, records, rows=variant, layers=chosen, **settings
+            model, tokenizer, records, rows=variant, layers=chosen, cache=cache, **settings
         )
     if args.dense is not None:
         print(f"evaluating the dense control {args.dense} (embedding rows) ...", file=sys.stderr)

@@ -4,7 +4,8 @@
 - `positional`: per-call edits at a prompt's span through the model's `table_rows` / `embed_rows` hooks
   (`make_edit`, `edited_forward`, `positional_edit` context manager, `generate_edited` with the KV cache).
 - `table_edits`: global edits and injection written into the tables with exact undo (`TableEditor`).
-- `evaluate`: efficacy / paraphrase / neighbourhood / fluency on CounterFact-style records (`evaluate_edits`).
+- `evaluate`: edit metrics on CounterFact-style records beside unedited values and chance (`evaluate_edits`);
+  `report`: their text table with a legend (`format_edit_table`).
 
     from stemlm.edit import make_edit, positional_edit
     edit = make_edit(model, tokenizer, prompt_ids, "Spain", "Germany")

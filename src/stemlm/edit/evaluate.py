@@ -201,19 +201,27 @@ def _score_edited(model, editors: list[_Editor], queries: list[list[Query]], bat
         return [score_items(model, _items(qs), e.global_hooks) for e, qs in zip(editors, queries, strict=True)]
     flat = [(r, q, e.edit(q.span)) for r, (e, qs) in enumerate(zip(editors, queries, strict=True)) for q in qs]
     rows = [(r, item, ed) for r, q, ed in flat for item in ((q.prompt, q.good), (q.prompt, q.bad))]
+    order = sorted(range(len(rows)), key=lambda k: len(rows[k][1][0]) + len(rows[k][1][1]))  # little padding
+    flat_scores: list[Score | None] = [None] * len(rows)
+    for k in range(0, len(order), batch_rows):
+        chunk = order[k : k + batch_rows]
+        hooks = batch_hooks(model, [rows[j][2] for j in chunk])
+        for j, s in zip(chunk, score_items(model, [rows[j][1] for j in chunk], hooks), strict=True):
+            flat_scores[j] = s
     scores: list[list[Score]] = [[] for _ in editors]
-    for k in range(0, len(rows), batch_rows):
-        chunk = rows[k : k + batch_rows]
-        hooks = batch_hooks(model, [ed for _, _, ed in chunk])
-        for (r, _, _), s in zip(chunk, score_items(model, [it for _, it, _ in chunk], hooks), strict=True):
-            scores[r].append(s)
+    for (r, _, _), s in zip(rows, flat_scores, strict=True):
+        scores[r].append(s)
     return scores
+
+
+def _length(item) -> int:
+    return len(item[0]) + len(item[1])
 
 
 def _score_unedited(model, items_per_record: list[list[Item]], cache: dict | None, batch_rows: int):
     """Unedited scores, each distinct item computed once (and kept in `cache` across calls for this model)."""
     cache = {} if cache is None else cache
-    missing = list({(tuple(p), tuple(c)) for items in items_per_record for p, c in items} - set(cache))
+    missing = sorted({(tuple(p), tuple(c)) for items in items_per_record for p, c in items} - set(cache), key=_length)
     for key, s in zip(
         missing, score_items(model, [(list(p), list(c)) for p, c in missing], batch_rows=batch_rows), strict=True
     ):

@@ -51,7 +51,7 @@ def _pair(entry: dict | None) -> str:
 
 
 def _columns(summaries: dict[str, dict]) -> list[tuple[str, str, str]]:
-    present = {s for summary in summaries.values() for s in summary.get("sets", {})}
+    present = {s for summary in summaries.values() for s in (*summary.get("sets", {}), *summary.get("all_records", {}))}
     return [c for c in COLUMNS if c[0] in present]
 
 
@@ -77,6 +77,13 @@ def format_edit_table(summaries: dict[str, dict]) -> str:
         values = [v for v in values if v is not None]
         if values:
             chance.append(f"{kind} new greedy {values[0]:.3g}")
+    unknown = [name for name, s in summaries.items() if not s["known"]]
+    if unknown:
+        lines += [
+            "",
+            f"No known records for {', '.join(unknown)}: nothing to edit, so no figures (see all_records "
+            "in --json for the unfiltered values).",
+        ]
     lines += [
         "",
         "Cells: edited (unedited). Chance: " + ", ".join(chance + ["P(new)>P(true) and P(own)>P(new) 0.5"]) + ".",
