@@ -121,7 +121,7 @@ def one_line_error(code, out, err, fragment, after_progress=False):
         (["--tokenizer", "no/such/tokenizer.json"], "tokenizer file not found"),
         (["--resume", "no/such/run"], "does not exist"),
         (["--init-from", "no/such/ckpt"], "does not exist"),
-        (["--tables", "host", "--table-optim", "adamw"], "--tables host needs a row-sparse table optimizer"),
+        (["--tables", "host", "--table-optim", "adamw"], "tables=host needs a row-sparse table optimizer"),
     ],
 )
 def test_bad_arguments(tmp_path, small, capsys, extra, fragment):

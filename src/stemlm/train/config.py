@@ -144,6 +144,10 @@ class TrainConfig:
         need(self.dtype in DTYPES, f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
         need(self.device in DEVICES, f"device must be one of {', '.join(DEVICES)}, got {self.device!r}")
         need(self.tables in TABLE_PLACES, f"tables must be one of {', '.join(TABLE_PLACES)}, got {self.tables!r}")
+        need(
+            self.tables == "device" or self.table_optim in ("lazy_adamw", "rowwise_adagrad"),
+            f"tables=host needs a row-sparse table optimizer (lazy_adamw or rowwise_adagrad), got {self.table_optim!r}",
+        )
         need(self.parallel in PARALLEL, f"parallel must be one of {', '.join(PARALLEL)}, got {self.parallel!r}")
         from stemlm.train.table_optim import TABLE_OPTIMIZERS
 

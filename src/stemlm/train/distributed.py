@@ -39,9 +39,9 @@ from tokenizers import Tokenizer
 
 from stemlm.checkpoint import from_pretrained, load_config
 from stemlm.config import ModelConfig
+from stemlm.dist.host_shards import HostShardedTables
 from stemlm.dist.launch import destroy_distributed, init_distributed, local_batch_size
 from stemlm.dist.sharded_tables import ShardedTables
-from stemlm.errors import StemlmError
 from stemlm.presets import get_preset
 from stemlm.train.config import TrainConfig
 from stemlm.train.data import load_datasets_distributed
@@ -108,7 +108,9 @@ class DistributedTrainer(Trainer):
         from torch.distributed.device_mesh import init_device_mesh
 
         self.mesh = init_device_mesh(self.device.type, (self.dist.world_size,))
-        self.tables = ShardedTables(model) if model.stem_tables() else None
+        self.tables = None
+        if model.stem_tables():
+            self.tables = HostShardedTables(model, self.device) if self.cfg.tables == "host" else ShardedTables(model)
         if self.cfg.parallel == "fsdp":
             from torch.distributed.fsdp import fully_shard
 
@@ -144,9 +146,7 @@ class DistributedTrainer(Trainer):
         return optimizers
 
     def _make_host_tables(self):
-        if self.cfg.tables == "host":
-            raise StemlmError("--tables host is not supported with --nproc > 1 yet")
-        return None
+        return None  # --tables host: the row shards themselves live on the host (HostShardedTables)
 
     def _start_run_dir(self) -> None:
         if self.is_main:
@@ -273,6 +273,10 @@ class DistributedTrainer(Trainer):
     def fit(self) -> dict[str, Any]:
         result = super().fit()
         result.update(world_size=self.dist.world_size, parallel=self.cfg.parallel)
+        if isinstance(self.tables, HostShardedTables):
+            tables, state = self.tables.host_bytes(self.optimizers[-1])
+            result.update(tables="host", device_bytes_saved=tables + state, host_table_bytes=tables)
+            result.update(host_optimizer_bytes=state, host_overlap=None)  # per rank; fetched on demand
         return result
 
     def finish(self, checkpoint: str | Path | None = None) -> None:

@@ -220,14 +220,19 @@ class AsyncTableOptimizer:
             self.inner.step()
 
         self.host._timed(run)
+        self._prefetch_next_step()  # queued behind the update: reads the updated rows, while the backbone steps
 
     def zero_grad(self, set_to_none: bool = True) -> None:
+        self.host.clear_grads()
+        self.host._timed(self.inner.zero_grad, set_to_none)
+        self._prefetch_next_step()  # a skipped step has no update; the gather is queued here instead
+
+    def _prefetch_next_step(self) -> None:
         host = self.host
-        host.clear_grads()
-        host._timed(self.inner.zero_grad, set_to_none)
-        host.pending.clear()  # gathers of a step cut short by a non-finite loss are never used
-        wps = host.windows_per_step
-        host.prefetch((host.last_window // wps + 1) * wps)  # queued behind the update: reads the updated rows
+        first = (host.last_window // host.windows_per_step + 1) * host.windows_per_step
+        for window in [w for w in host.pending if w != first]:  # a step cut short by a non-finite loss
+            del host.pending[window]
+        host.prefetch(first)
 
     def state_dict(self) -> dict:
         self.host.sync()
