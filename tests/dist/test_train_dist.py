@@ -45,6 +45,8 @@ FITS = {
     "dense-fsdp": ("dense", dict(parallel="fsdp", grad_accum=2)),
     # A `stemlm data prepare` folder: rank 0 opens it, each rank reads only its rows of the global batch.
     "stem-ddp-shards": ("stem", dict(parallel="ddp", grad_accum=2, data="shards")),
+    # Memory levers under FSDP2: per-block activation checkpointing (applied before fully_shard), chunked loss.
+    "stem-fsdp-memory": ("stem", dict(parallel="fsdp", activation_checkpointing=True, loss_chunk=24)),
 }
 # name -> (run folder whose step-3 checkpoint is resumed on 2 ranks, overrides)
 RESUMES = {

@@ -51,6 +51,7 @@ TRAIN_FLAGS = [
     ("--tokenizer", "tokenizer", str, "default | gpt2 | path to a tokenizer.json (default: the default one)"),
     ("--separator", "separator", str, "special token placed after every document (default {})"),
     ("--init-from", "init_from", str, "start from the weights (and tokenizer) of this model checkpoint folder"),
+    ("--loss-chunk", "loss_chunk", int, "lm_head + loss this many tokens at a time (no full logits kept); 0: off"),
     ("--dist-timeout", "dist_timeout", float, "with --nproc: seconds a rank waits for a stalled peer (default {})"),
 ]
 
@@ -102,6 +103,12 @@ def register(subparsers) -> None:
         help="autocast dtype; weights stay fp32 (default auto: bf16 on CUDA, fp32 on CPU where bf16 measured slower)",
     )
     parser.add_argument("--device", choices=("auto", "cpu", "cuda"), help="device (default auto)")
+    parser.add_argument(
+        "--activation-checkpointing",
+        action="store_true",
+        default=None,
+        help="recompute each decoder block's activations in backward (less memory, ~1 extra forward)",
+    )
     parser.add_argument(
         "--nproc",
         type=int,
@@ -170,7 +177,7 @@ def train_overrides(args) -> dict[str, Any]:
     for _, field, _, _ in TRAIN_FLAGS:
         if getattr(args, field) is not None:
             changes[field] = getattr(args, field)
-    for field in ("table_optim", "tables", "dtype", "device", "data", "preset", "parallel"):
+    for field in ("table_optim", "tables", "dtype", "device", "data", "preset", "parallel", "activation_checkpointing"):
         if getattr(args, field) is not None:
             changes[field] = getattr(args, field)
     if args.table_lr is not None:

@@ -13,7 +13,6 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from stemlm.config import ModelConfig
@@ -32,6 +31,7 @@ from stemlm.model.ffn import (
     table_of,
     token_table,
 )
+from stemlm.model.loss import chunked_cross_entropy, cross_entropy
 from stemlm.model.memory_layer import MemoryFFN
 from stemlm.model.moe import Experts, HashMoEFFN, MoEFFN
 from stemlm.model.ngram import StemNgramFFN, ngram_hasher
@@ -41,7 +41,7 @@ EmbedRows = Callable[[torch.Tensor], torch.Tensor]  # input_ids [B, T] -> input 
 
 @dataclass
 class ModelOutput:
-    logits: torch.Tensor  # [B, T, V]
+    logits: torch.Tensor | None  # [B, T, V]; None when the loss was computed in chunks (forward's loss_chunk)
     # Mean cross-entropy of logits[:, t] against labels[:, t] (labels are the already shifted targets, -100 =
     # ignored), without the aux loss; None without labels.
     loss: torch.Tensor | None = None
@@ -106,13 +106,16 @@ class StemLM(nn.Module):
         embed_rows: EmbedRows | None = None,
         ngram_rows: TableRows | None = None,
         memory_rows: MemoryRows | None = None,
+        loss_chunk: int = 0,
     ) -> ModelOutput:
         """Logits for `input_ids` [B, T]. `labels` [B, T] are the targets of each position (not shifted here);
         `attention_mask` [B, past + T] marks real tokens with 1 (left padding); `past_key_values` continues a
         cache from an earlier call (`use_cache=True` starts one). `embed_rows(input_ids) -> [B, T, hidden]`,
         when given, supplies the input embeddings instead of `embed_tokens` (editing from outside, like
         `table_rows`); the lm_head is unaffected even when tied. `ngram_rows` / `memory_rows` supply the rows
-        of n-gram and memory layers from outside (see `stemlm.model.ngram` and `stemlm.model.memory_layer`)."""
+        of n-gram and memory layers from outside (see `stemlm.model.ngram` and `stemlm.model.memory_layer`).
+        `loss_chunk` > 0 with `labels` computes the loss `loss_chunk` tokens at a time (`stemlm.model.loss`) and
+        returns no logits (None)."""
         check_token_ids(input_ids, self.config.vocab_size)
         input_ids = input_ids.long()  # embedding and hash lookups need int64/int32; narrower ids are accepted
         B, T = input_ids.shape
@@ -134,10 +137,12 @@ class StemLM(nn.Module):
         fill_lookup_context(ctx, self.ngram_hasher, attention_mask, cache, past_len)
         for layer in self.model.layers:
             x = layer(x, rope, mask, cache, ctx)
-        logits = self.lm_head(self.model.norm(x))
-        loss = None
-        if labels is not None:
-            loss = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=-100)
+        x = self.model.norm(x)
+        if labels is not None and loss_chunk > 0:
+            logits, loss = None, chunked_cross_entropy(x, self.lm_head, labels, loss_chunk)
+        else:
+            logits = self.lm_head(x)
+            loss = cross_entropy(logits, labels) if labels is not None else None
         aux = torch.stack(ctx.aux_losses).sum() if ctx.aux_losses else None
         return ModelOutput(logits, loss, aux, cache, ctx.expert_counts)
 

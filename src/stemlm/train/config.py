@@ -73,6 +73,9 @@ class TrainConfig:
     table_wd: float = 0.0
     embed_like_tables: bool = False  # token embedding at the tables' peak lr and wd (the fair dense control)
     tables: str = "device"  # where the tables and their optimizer live: device, or host (stemlm.train.host_tables)
+    # --- memory levers (stemlm.train.memory; the math is unchanged) ---
+    loss_chunk: int = 0  # > 0: lm_head + cross-entropy this many tokens at a time, no full [tokens, V] logits kept
+    activation_checkpointing: bool = False  # recompute each decoder block's activations in backward
     # --- evaluation, logging, checkpoints ---
     eval_every: int = 50  # steps between held-out evaluations (and always at the end); 0: only at the end
     eval_batches: int = 8  # held-out batches (of batch_size windows) per evaluation
@@ -109,7 +112,7 @@ class TrainConfig:
         for name in ("steps", "seq_len", "batch_size", "grad_accum", "eval_batches", "keep_last", "spike_window"):
             value = getattr(self, name)
             need(_is_int(value) and value > 0, f"{name} must be a positive integer, got {value!r}")
-        for name in ("seed", "eval_every", "save_every", "max_skipped"):
+        for name in ("seed", "eval_every", "save_every", "max_skipped", "loss_chunk"):
             value = getattr(self, name)
             need(_is_int(value) and value >= 0, f"{name} must be a non-negative integer, got {value!r}")
         need(

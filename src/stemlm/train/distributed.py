@@ -192,7 +192,7 @@ class DistributedTrainer(Trainer):
             x, y = x.to(self.device), y.to(self.device)
             with self._sync(k == cfg.grad_accum - 1):
                 with self.autocast():
-                    out = self.net(x, labels=y, **self._table_kwargs(x))
+                    out = self.net(x, labels=y, loss_chunk=cfg.loss_chunk, **self._table_kwargs(x))
                 loss = out.loss if self.fault_injection is None else self.fault_injection(step + 1, out.loss)
                 aux = out.aux_loss.float() if out.aux_loss is not None else None
                 total = loss if aux is None else loss + cfg.aux_loss_coef * aux

@@ -110,6 +110,14 @@ class Trainer:
 
     # ----- construction -----
     def _build_model(self, model_config: ModelConfig | None, resume_from: Path | None):
+        model = self._construct_model(model_config, resume_from)
+        if self.cfg.activation_checkpointing:  # before any FSDP wrapping (DistributedTrainer), as torchtitan orders
+            from stemlm.train.memory import checkpoint_blocks
+
+            checkpoint_blocks(model)
+        return model
+
+    def _construct_model(self, model_config: ModelConfig | None, resume_from: Path | None):
         source = resume_from or (Path(self.cfg.init_from) if self.cfg.init_from else None)
         if source is None:
             config = model_config or get_preset(self.cfg.preset)
@@ -338,7 +346,7 @@ class Trainer:
             x, y = x.to(self.device), y.to(self.device)
             rows = {} if self.host_tables is None else {"table_rows": self.host_tables.train_rows(window, x)}
             with self.autocast():
-                out = self.model(x, labels=y, **rows)
+                out = self.model(x, labels=y, loss_chunk=cfg.loss_chunk, **rows)
             loss = out.loss if self.fault_injection is None else self.fault_injection(step + 1, out.loss)
             total = loss if out.aux_loss is None else loss + cfg.aux_loss_coef * out.aux_loss.float()
             losses.append(loss.item())

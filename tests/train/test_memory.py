@@ -1,0 +1,56 @@
+"""Memory levers in the trainer: activation checkpointing trains bitwise the same model with the same parameter
+names; the chunked loss matches the full-logits loss to 1e-6 over a short run.
+
+Run: `OMP_NUM_THREADS=1 python -m pytest tests/train/test_memory.py -q`.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from stemlm.train.trainer import Trainer
+from tests.train.test_trainer import train_records
+
+
+@pytest.mark.parametrize("ffn", ["stem", "moe"])
+def test_activation_checkpointing_is_bitwise_and_keeps_names(tmp_path, make_train_config, make_model_config, ffn):
+    kw = dict(steps=3, eval_every=0)
+    plain = Trainer(make_model_config(ffn), make_train_config(tmp_path / "a", **kw), progress=False)
+    plain.fit()
+    ckpt = Trainer(
+        make_model_config(ffn), make_train_config(tmp_path / "b", activation_checkpointing=True, **kw), progress=False
+    )
+    ckpt.fit()
+    assert [n for n, _ in ckpt.model.named_parameters()] == [n for n, _ in plain.model.named_parameters()]
+    assert [r["loss"] for r in train_records(tmp_path / "b" / "run")] == [
+        r["loss"] for r in train_records(tmp_path / "a" / "run")
+    ]
+    assert all(torch.equal(a, b) for a, b in zip(plain.model.parameters(), ckpt.model.parameters(), strict=True))
+
+
+def test_chunked_loss_run_matches(tmp_path, make_train_config, make_model_config):
+    kw = dict(steps=3, eval_every=0)
+    plain = Trainer(make_model_config("stem"), make_train_config(tmp_path / "a", **kw), progress=False)
+    plain.fit()
+    chunked = Trainer(make_model_config("stem"), make_train_config(tmp_path / "b", loss_chunk=40, **kw), progress=False)
+    chunked.fit()
+    a, b = train_records(tmp_path / "a" / "run"), train_records(tmp_path / "b" / "run")
+    assert [r["loss"] for r in b] == pytest.approx([r["loss"] for r in a], rel=1e-6, abs=1e-6)
+    for x, y in zip(plain.model.parameters(), chunked.model.parameters(), strict=True):
+        torch.testing.assert_close(y, x, rtol=1e-5, atol=1e-6)
+
+
+def test_cli_flags_reach_the_config(tmp_path, train_assets, capsys):
+    import json
+
+    from tests.train.test_cli import MODEL, run_cli
+
+    args = ["train", "--data", str(train_assets["data"]), "--tokenizer", str(train_assets["tokenizer"]),
+            "--steps", "1", "--seq-len", "32", "--batch-size", "2", "--eval-batches", "1", "--threads", "1",
+            "--no-progress", "--sample-tokens", "0", "--out", str(tmp_path / "run"), "--set", *MODEL,
+            "--activation-checkpointing", "--loss-chunk", "16"]  # fmt: skip
+    code, _, err = run_cli(args, capsys)
+    assert code == 0, err
+    train = json.loads((tmp_path / "run" / "run_config.json").read_text())["train"]
+    assert train["activation_checkpointing"] is True and train["loss_chunk"] == 16
