@@ -24,8 +24,10 @@ from stemlm.errors import StemlmError
 from stemlm.generate import check_sampling, sample_token
 from stemlm.model.decoder import StemLM
 from stemlm.offload.cache import CacheStats, RowCache, resolve_capacity
+from stemlm.offload.families import OffloadProviders, load_offloaded_model
+from stemlm.offload.lookup_rows import LookupRows, MemoryFetcher
 from stemlm.offload.prefetch import RowPipeline
-from stemlm.offload.providers import TableProvider, device_parameter_bytes, load_model
+from stemlm.offload.providers import TableProvider, device_parameter_bytes
 
 DEFAULT_PREFILL_CHUNK = 256
 DEFAULT_CACHE_FRACTION = 0.2  # the operating point of the paper's blog (">80% hits with LFU")
@@ -34,9 +36,10 @@ DEFAULT_CACHE_FRACTION = 0.2  # the operating point of the paper's blog (">80% h
 # ----------------------------------------------------------------------------------------------------------
 # prefill and decoding
 # ----------------------------------------------------------------------------------------------------------
-def _forward(model: StemLM, ids: torch.Tensor, kv, rows: RowPipeline | None):
+def _forward(model: StemLM, ids: torch.Tensor, kv, rows: RowPipeline | LookupRows | None):
+    hooks = rows.hooks() if isinstance(rows, LookupRows) else {"table_rows": rows}
     with torch.no_grad():
-        out = model(ids, past_key_values=kv, use_cache=True, table_rows=rows)
+        out = model(ids, past_key_values=kv, use_cache=True, **hooks)
     return out.logits[0, -1], out.past_key_values
 
 
@@ -48,6 +51,8 @@ def prefill(model: StemLM, prompt: torch.Tensor, rows: RowPipeline | None, chunk
     prompt = prompt.cpu()
     host_chunks = prompt.split(chunk, dim=1)  # requests read these: no device->host sync while chunks compute
     chunks = prompt.to(model.model.embed_tokens.weight.device).split(chunk, dim=1)
+    if isinstance(rows, LookupRows):
+        rows.begin_sequence()  # n-gram keys of the first chunk see no earlier ids
     if rows is not None:
         rows.request(chunks[0], host_chunks[0])
     logits, kv = None, None
@@ -164,13 +169,27 @@ class OffloadedLM:
     def __init__(
         self,
         model: StemLM,
-        provider: TableProvider,
+        provider: TableProvider | None,
         cache: RowCache | None = None,
         background: bool = True,
         prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
+        *,
+        ngram_cache: RowCache | None = None,
+        memory_caches: dict[int, RowCache] | None = None,
+        providers: OffloadProviders | None = None,
     ) -> None:
+        """`provider` / `cache`: the token tables; `ngram_cache` / `memory_caches`: the other families (see
+        `stemlm.offload.families`), whose providers `providers` lists."""
         self.model, self.provider, self.cache, self.prefill_chunk = model, provider, cache, prefill_chunk
-        self.rows = RowPipeline(cache, background=background) if cache is not None else None
+        self.providers = providers or OffloadProviders(token=provider)
+        self.ngram_cache, self.memory_caches = ngram_cache, memory_caches or {}
+        token = RowPipeline(cache, background=background) if cache is not None else None
+        if ngram_cache is None and not self.memory_caches:
+            self.rows = token
+        else:
+            ngram = RowPipeline(ngram_cache, background=background) if ngram_cache is not None else None
+            memory = MemoryFetcher(self.memory_caches) if self.memory_caches else None
+            self.rows = LookupRows(model, token, ngram, memory)
 
     @classmethod
     def load(
@@ -190,15 +209,38 @@ class OffloadedLM:
     ) -> OffloadedLM:
         """Load a checkpoint; host / mmap tables get a cache of `cache_rows` rows or `cache_fraction` of the
         vocabulary (DEFAULT_CACHE_FRACTION when neither is given; 0 rows stages every row per step)."""
-        model, provider = load_model(directory, tables, device=device, dtype=dtype, layout=layout)
+        model, providers = load_offloaded_model(directory, tables, device=device, dtype=dtype, layout=layout)
         model.eval()
-        cache = None
+        caches: dict[str, RowCache | None] = {"token": None, "ngram": None}
+        memory: dict[int, RowCache] = {}
         if tables != "resident":
             if cache_rows is None and cache_fraction is None:
                 cache_fraction = DEFAULT_CACHE_FRACTION
-            capacity = resolve_capacity(provider.vocab_size, cache_rows, cache_fraction)
-            cache = RowCache(provider, capacity, policy, device=device, warm_counts=warm_counts)
-        return cls(model, provider, cache, background=background, prefill_chunk=prefill_chunk)
+
+            fraction = cache_fraction
+            if fraction is None:  # sized in token rows: the other families get the same fraction of their rows
+                base = providers.token.vocab_size if providers.token is not None else model.config.vocab_size
+                fraction = min(1.0, cache_rows / base)
+
+            def cache_for(provider, rows=None, warm=None) -> RowCache:
+                capacity = resolve_capacity(provider.vocab_size, rows, None if rows is not None else fraction)
+                return RowCache(provider, capacity, policy, device=device, warm_counts=warm)
+
+            if providers.token is not None:
+                caches["token"] = cache_for(providers.token, cache_rows, warm_counts)
+            if providers.ngram is not None:
+                caches["ngram"] = cache_for(providers.ngram)
+            memory = {i: cache_for(p) for i, p in providers.memory.items()}
+        return cls(
+            model,
+            providers.token,
+            caches["token"],
+            background=background,
+            prefill_chunk=prefill_chunk,
+            ngram_cache=caches["ngram"],
+            memory_caches=memory,
+            providers=providers,
+        )
 
     def stream(self, input_ids, max_new_tokens: int, **sampling) -> Iterator[int]:
         return stream_generate(
@@ -211,25 +253,41 @@ class OffloadedLM:
     def stats(self) -> CacheStats | None:
         return None if self.cache is None else self.cache.stats
 
+    def family_caches(self) -> dict[str, RowCache]:
+        """Every row cache by family name: token, ngram, memory.<layer>."""
+        named = {"token": self.cache, "ngram": self.ngram_cache}
+        named.update({f"memory.{i}": c for i, c in self.memory_caches.items()})
+        return {name: cache for name, cache in named.items() if cache is not None}
+
     def memory(self) -> dict[str, int | str]:
         """Where the bytes are: device parameters (tables excluded unless resident), tables, device cache."""
+        providers = self.providers.all()
+        kind = next(iter(providers.values())).kind if providers else "resident"
+        table_bytes = sum(p.table_bytes for p in providers.values())
+        caches = self.family_caches().values()
         return {
-            "placement": self.provider.kind,
+            "placement": kind,
             "device_parameter_bytes": device_parameter_bytes(self.model),
-            "table_bytes": self.provider.table_bytes,
-            "host_table_bytes": self.provider.table_bytes if self.provider.kind == "host" else 0,
-            "mapped_table_bytes": self.provider.table_bytes if self.provider.kind == "mmap" else 0,
-            "cache_device_bytes": 0 if self.cache is None else self.cache.device_bytes,
-            "cache_rows": 0 if self.cache is None else self.cache.capacity,
+            "table_bytes": table_bytes,
+            "host_table_bytes": table_bytes if kind == "host" else 0,
+            "mapped_table_bytes": table_bytes if kind == "mmap" else 0,
+            "cache_device_bytes": sum(c.device_bytes for c in caches),
+            "cache_rows": sum(c.capacity for c in caches),
         }
 
     def report(self) -> dict:
         """Memory figures and (offloaded tables) cache statistics, JSON-ready."""
         stats = self.stats()
-        return {
+        out = {
             **self.memory(),
             "cache": None if stats is None else {**stats.to_dict(), "policy": self.cache.policy.policy},
         }
+        others = {name: c for name, c in self.family_caches().items() if name != "token"}
+        if others:
+            out["family_caches"] = {name: {**c.stats.to_dict(), "capacity": c.capacity} for name, c in others.items()}
+            if isinstance(self.rows, LookupRows) and self.rows.memory is not None:
+                out["memory_on_demand_wait_s"] = self.rows.memory.wait_seconds
+        return out
 
     def summary(self) -> str:
         """Human-readable memory figures and cache statistics (one line each)."""
@@ -240,8 +298,14 @@ class OffloadedLM:
             f"{m['table_bytes'] / 2**20:.2f} MiB, device cache {m['cache_rows']} rows "
             f"({m['cache_device_bytes'] / 2**20:.2f} MiB)"
         ]
-        if self.cache is not None:
-            lines.append(f"{self.cache.policy.policy} {self.stats().summary()}")
+        for name, cache in self.family_caches().items():
+            label = "" if name == "token" else f"{name} rows: "
+            lines.append(f"{label}{cache.policy.policy} {cache.stats.summary()}")
+        if isinstance(self.rows, LookupRows) and self.rows.memory is not None:
+            lines.append(
+                f"memory rows fetched on demand (ids known only after each memory layer's top-k): "
+                f"{self.rows.memory.wait_seconds:.3f} s on the critical path"
+            )
         return "\n".join(lines)
 
     def close(self) -> None:
