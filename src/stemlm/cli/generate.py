@@ -80,8 +80,17 @@ def run(args) -> int:
     from stemlm.generate import stream_tokens
 
     model, tokenizer, offloaded = load_for_generation(args)  # offloaded: None unless --tables host / mmap
+    eos_token = EOT_TOKEN
+    if args.chat:
+        from stemlm.chat import require_chat
+        from stemlm.runs import resolve_checkpoint
+
+        chat = require_chat(resolve_checkpoint(args.ckpt))
+        if args.prompt is None:
+            raise StemlmError("--chat needs a prompt text (the user message), not --ids")
+        args.prompt, eos_token = chat.render(args.prompt), chat.eos_token or EOT_TOKEN
     prompt_ids = _prompt_ids(args, model, tokenizer)
-    eos_id = None if args.ignore_eos or tokenizer is None else tokenizer.token_to_id(EOT_TOKEN)
+    eos_id = None if args.ignore_eos or tokenizer is None else tokenizer.token_to_id(eos_token)
     tokens = (offloaded.stream if offloaded else functools.partial(stream_tokens, model))(
         prompt_ids,
         args.max_new_tokens,
@@ -154,6 +163,12 @@ def register(subparsers) -> None:
         help="nucleus sampling: the smallest set of tokens with total probability >= p (default 1.0 = off)",
     )
     p.add_argument("--seed", type=int, default=0, help="random seed; the same seed gives the same sample")
+    p.add_argument(
+        "--chat",
+        action="store_true",
+        help="wrap the prompt as a user turn with the checkpoint's chat template (instruct models, e.g. an imported "
+        "GGUF) and stop at the template's end-of-turn token",
+    )
     p.add_argument("--ignore-eos", action="store_true", help="keep going past <|endoftext|> until --max-new-tokens")
     p.add_argument("--device", default="cpu", help="torch device to run on, e.g. cpu or cuda (default cpu)")
     add_table_flags(p)

@@ -65,6 +65,7 @@ def run(args) -> int:
         policy=args.cache_policy,
         device=args.device,
         save_dir=args.save_dir,
+        chat=args.chat,
     )
     try:
         with listen(args.host, args.port) as sock:  # the server keeps its own duplicate of the descriptor
@@ -135,5 +136,10 @@ def register(subparsers) -> None:
         "--save-dir",
         metavar="DIR",
         help="folder where the page may save globally edited checkpoints, one new subfolder each (off if unset)",
+    )
+    p.add_argument(
+        "--chat",
+        action="store_true",
+        help="wrap every prompt as a user turn with the checkpoint's chat template (e.g. an imported instruct GGUF)",
     )
     p.set_defaults(func=run)

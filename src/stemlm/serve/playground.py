@@ -56,6 +56,7 @@ class Playground:
         checkpoint: str | Path,
         offloaded: OffloadedLM | None = None,
         save_dir: str | Path | None = None,
+        chat: bool = False,
     ) -> None:
         if tokenizer is None:
             raise StemlmError(f"checkpoint {checkpoint} has no tokenizer.json; the playground needs one to read text")
@@ -64,7 +65,13 @@ class Playground:
         self.save_dir = Path(save_dir).resolve() if save_dir is not None else None
         if self.save_dir is not None and self.save_dir == self.checkpoint:
             raise StemlmError("--save-dir is the served checkpoint itself; pick a folder for the edited checkpoints")
-        self.eos_id = tokenizer.token_to_id(EOT_TOKEN)
+        self.chat = None
+        if chat:  # prompts become user turns of the checkpoint's chat template; generation stops at its end of turn
+            from stemlm.chat import require_chat
+
+            self.chat = require_chat(self.checkpoint)
+        eos = self.chat.eos_token if self.chat and self.chat.eos_token else EOT_TOKEN
+        self.eos_id = tokenizer.token_to_id(eos)
         self._generation_lock = threading.Lock()
         self._save_lock = threading.Lock()
         self._view: StemLM | None = None if offloaded is not None else model
@@ -86,6 +93,7 @@ class Playground:
         policy: str = "lfu",
         device: str = "cpu",
         save_dir: str | Path | None = None,
+        chat: bool = False,
     ) -> Playground:
         """Load a checkpoint (or a run's newest) with its tables on the device ("resident") or the host."""
         from stemlm.runs import load_checkpoint, resolve_checkpoint
@@ -95,7 +103,7 @@ class Playground:
             if cache_rows is not None or cache_fraction is not None:
                 raise StemlmError("--cache-rows / --cache-fraction need --tables host")
             model, tokenizer = load_checkpoint(folder, device=device)
-            return cls(model, tokenizer, checkpoint=folder, save_dir=save_dir)
+            return cls(model, tokenizer, checkpoint=folder, save_dir=save_dir, chat=chat)
         if tables != "host":
             raise StemlmError(f"unknown table placement {tables!r} for serve; choose resident or host")
         from stemlm.offload.engine import open_checkpoint
@@ -103,7 +111,7 @@ class Playground:
         lm, tokenizer = open_checkpoint(
             folder, tables, cache_rows=cache_rows, cache_fraction=cache_fraction, policy=policy, device=device
         )
-        return cls(lm.model, tokenizer, checkpoint=folder, offloaded=lm, save_dir=save_dir)
+        return cls(lm.model, tokenizer, checkpoint=folder, offloaded=lm, save_dir=save_dir, chat=chat)
 
     # ----- what the page shows about the model -----
     def info(self) -> dict:
@@ -129,6 +137,8 @@ class Playground:
         }
 
     def encode(self, prompt: str) -> list[int]:
+        if self.chat is not None and prompt:
+            prompt = self.chat.render(prompt)
         ids = self.tokenizer.encode(prompt, add_special_tokens=False).ids
         if not ids:
             raise StemlmError("the prompt is empty: type some text first")
