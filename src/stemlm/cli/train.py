@@ -52,6 +52,7 @@ TRAIN_FLAGS = [
     ("--separator", "separator", str, "special token placed after every document (default {})"),
     ("--init-from", "init_from", str, "start from the weights (and tokenizer) of this model checkpoint folder"),
     ("--loss-chunk", "loss_chunk", int, "lm_head + loss this many tokens at a time (no full logits kept); 0: off"),
+    ("--train", "trainable", str, "parameters that learn: all, or tables (the backbone frozen) (default {})"),
     ("--dist-timeout", "dist_timeout", float, "with --nproc: seconds a rank waits for a stalled peer (default {})"),
 ]
 

@@ -37,6 +37,8 @@ DEVICES = ("auto", "cpu", "cuda")
 PARALLEL = ("ddp", "fsdp")
 TABLE_PLACES = ("device", "host")
 
+TRAINABLE = ("all", "tables")
+
 
 @dataclass
 class TrainConfig:
@@ -73,6 +75,7 @@ class TrainConfig:
     table_wd: float = 0.0
     embed_like_tables: bool = False  # token embedding at the tables' peak lr and wd (the fair dense control)
     tables: str = "device"  # where the tables and their optimizer live: device, or host (stemlm.train.host_tables)
+    trainable: str = "all"  # all, or tables: only the token tables learn (backbone frozen, e.g. after a retrofit)
     # --- memory levers (stemlm.train.memory; the math is unchanged) ---
     loss_chunk: int = 0  # > 0: lm_head + cross-entropy this many tokens at a time, no full [tokens, V] logits kept
     activation_checkpointing: bool = False  # recompute each decoder block's activations in backward
@@ -146,6 +149,7 @@ class TrainConfig:
             need(_finite(value) and 0 <= value < 1, f"{name} must lie in [0, 1), got {value!r}")
         need(self.dtype in DTYPES, f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
         need(self.device in DEVICES, f"device must be one of {', '.join(DEVICES)}, got {self.device!r}")
+        need(self.trainable in TRAINABLE, f"trainable must be one of {', '.join(TRAINABLE)}, got {self.trainable!r}")
         need(self.tables in TABLE_PLACES, f"tables must be one of {', '.join(TABLE_PLACES)}, got {self.tables!r}")
         need(
             self.tables == "device" or self.table_optim in ("lazy_adamw", "rowwise_adagrad"),

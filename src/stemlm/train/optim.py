@@ -26,6 +26,7 @@ import math
 import torch
 from torch import nn
 
+from stemlm.errors import StemlmError
 from stemlm.model.decoder import StemLM
 from stemlm.train.config import TrainConfig
 from stemlm.train.table_optim import clip_grad_norm_mixed, make_table_optimizer, use_sparse_table_grads
@@ -49,6 +50,16 @@ def split_parameters(model: StemLM) -> dict[str, list[nn.Parameter]]:
     return groups
 
 
+def freeze_backbone(model: StemLM) -> None:
+    """`--train tables`: every parameter but the token tables stops learning (requires_grad False)."""
+    keep = {id(p) for p in split_parameters(model)["tables"]}
+    if not keep:
+        raise StemlmError("--train tables needs a model with token tables (e.g. one from `stemlm convert`)")
+    for param in model.parameters():
+        if id(param) not in keep:
+            param.requires_grad_(False)
+
+
 def build_optimizers(model: StemLM, cfg: TrainConfig) -> list[torch.optim.Optimizer]:
     """[backbone AdamW] or [backbone AdamW, table optimizer]; every group has `name` and `peak_lr`."""
     parts = split_parameters(model)
@@ -64,7 +75,9 @@ def build_optimizers(model: StemLM, cfg: TrainConfig) -> list[torch.optim.Optimi
             {"params": [embed], "weight_decay": cfg.table_wd, "name": "embed", "peak_lr": cfg.table_peak_lr}
         )
     backbone_groups = [g for g in backbone_groups if g["params"]]
-    optimizers: list[torch.optim.Optimizer] = [torch.optim.AdamW(backbone_groups, lr=cfg.lr, betas=betas, eps=cfg.eps)]
+    optimizers: list[torch.optim.Optimizer] = (
+        [torch.optim.AdamW(backbone_groups, lr=cfg.lr, betas=betas, eps=cfg.eps)] if backbone_groups else []
+    )
     if parts["tables"]:
         if cfg.table_optim != "adamw":
             use_sparse_table_grads(model)

@@ -46,7 +46,7 @@ from stemlm.train.config import TrainConfig, model_config_diff, resolve_device, 
 from stemlm.train.data import load_datasets, resolve_tokenizer
 from stemlm.train.guard import DivergenceGuard, StopSignals, check_run_dir
 from stemlm.train.logging import METRICS_NAME, PLOT_NAME, RunLogger, plot_losses
-from stemlm.train.optim import build_optimizers, clip_gradients, set_learning_rates
+from stemlm.train.optim import build_optimizers, clip_gradients, freeze_backbone, set_learning_rates
 from stemlm.train.state import (
     load_optimizer_state,
     read_resumable_state,
@@ -136,6 +136,8 @@ class Trainer:
         return model
 
     def _build_optimizers(self) -> list[torch.optim.Optimizer]:
+        if self.cfg.trainable == "tables":
+            freeze_backbone(self.model)
         self.host_tables = self._make_host_tables()
         optimizers = build_optimizers(self.model, self.cfg)
         if self.host_tables is not None:
