@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 from stemlm.errors import StemlmError
+from stemlm.model.attention import KVCache
 from stemlm.model.decoder import StemLM
 from stemlm.model.ffn import TableRows
 
@@ -148,7 +149,8 @@ def stream_tokens(
 def _decode(model, prompt, budget, sample, eos_id, prefill_rows, decode_rows) -> Iterator[int]:
     if budget == 0:
         return
-    logits, cache = _forward(model, prompt, None, *prefill_rows)
+    cache = KVCache(model.config.num_hidden_layers, capacity=prompt.shape[1] + budget)  # no regrowth while decoding
+    logits, cache = _forward(model, prompt, cache, *prefill_rows)
     for step in range(budget):
         token = sample_token(logits, **sample)
         yield token

@@ -1,0 +1,120 @@
+"""Decode tokens/s at the tiny shape: our `generate` against `transformers`' `generate()`, with the memory bound.
+
+Three models with random weights (seed 0): our tiny STEM model and our tiny-dense model decode with
+`stemlm.generate.generate`; the same tiny-dense weights loaded into `transformers.LlamaForCausalLM` (a dense
+stemlm folder is a Llama folder) decode with HF `generate()` (greedy, eos disabled, dynamic cache). Each
+repetition runs every model once, in a rotating order, so machine load hits all alike; a run is a `--prompt`
+token prefill plus `--new` greedy tokens, and tokens/s counts the new tokens (median over repetitions).
+Beside them: the bytes one decode step reads (weights touched + KV cache at the mean context, fp32, from
+`stemlm.accounting.decode_bytes_per_token`) and the tokens/s that bound allows at the memory read bandwidth
+measured in this process (a streaming sum over a 256 MiB tensor on the same threads).
+
+    python benchmarks/decode_speed.py                      # single thread (the default), CPU
+    python benchmarks/decode_speed.py --threads 2 --new 128 --reps 7
+
+Last line: `RESULT ours_over_hf=… ours_tok_s=… hf_tok_s=… stem_tok_s=… bound_tok_s=…` (ours = our dense model;
+ratio > 1 = ours faster).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import tempfile
+import time
+
+import torch
+
+from stemlm.accounting import decode_bytes_per_token
+from stemlm.checkpoint import save_pretrained
+from stemlm.generate import generate
+from stemlm.model import build_model
+from stemlm.presets import get_preset
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--prompt", type=int, default=16, help="prompt tokens (default 16)")
+    p.add_argument("--new", type=int, default=64, help="new tokens per run (default 64)")
+    p.add_argument("--reps", type=int, default=5, help="timed runs per model, round-robin (default 5)")
+    p.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
+    return p.parse_args(argv)
+
+
+def read_bandwidth(reps: int = 5) -> float:
+    """Bytes/s of a streaming reduction over a 256 MiB fp32 tensor (best of `reps`)."""
+    x = torch.ones(64 * 2**20)
+    best = float("inf")
+    for _ in range(reps):
+        start = time.perf_counter()
+        x.sum()
+        best = min(best, time.perf_counter() - start)
+    return x.numel() * 4 / best
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    torch.set_num_threads(args.threads)
+    from transformers import LlamaForCausalLM
+
+    stem_cfg, dense_cfg = get_preset("tiny"), get_preset("tiny-dense")
+    ours = {"stem": build_model(stem_cfg, seed=0).eval(), "dense": build_model(dense_cfg, seed=0).eval()}
+    with tempfile.TemporaryDirectory() as tmp:
+        save_pretrained(ours["dense"], tmp)
+        hf = LlamaForCausalLM.from_pretrained(tmp, torch_dtype=torch.float32).eval()
+    prompt = torch.randint(0, dense_cfg.vocab_size, (1, args.prompt), generator=torch.Generator().manual_seed(0))
+
+    def run_ours(name):
+        return lambda: generate(ours[name], prompt[0].tolist(), args.new, greedy=True)
+
+    def run_hf():
+        with torch.no_grad():
+            out = hf.generate(
+                prompt,
+                max_new_tokens=args.new,
+                min_new_tokens=args.new,
+                do_sample=False,
+                eos_token_id=None,
+                pad_token_id=0,
+            )
+        return out[0, args.prompt :].tolist()
+
+    runs = {"stem": run_ours("stem"), "dense": run_ours("dense"), "hf": run_hf}
+    tokens = {name: fn() for name, fn in runs.items()}  # warm-up, and the outputs to compare
+    times: dict[str, list[float]] = {name: [] for name in runs}
+    names = list(runs)
+    for rep in range(args.reps):
+        for k in range(len(names)):
+            name = names[(rep + k) % len(names)]
+            start = time.perf_counter()
+            runs[name]()
+            times[name].append(time.perf_counter() - start)
+    tok_s = {name: args.new / statistics.median(ts) for name, ts in times.items()}
+    bandwidth = read_bandwidth()
+    context = args.prompt + args.new // 2
+    bytes_tok = {
+        n: decode_bytes_per_token(c, context, dtype_bytes=4)["total"]
+        for n, c in (("stem", stem_cfg), ("dense", dense_cfg))
+    }
+    bytes_tok["hf"] = bytes_tok["dense"]
+    print(
+        f"tiny, fp32, threads={torch.get_num_threads()}, prompt {args.prompt} + {args.new} greedy tokens, "
+        f"{args.reps} reps; read bandwidth {bandwidth / 1e9:.1f} GB/s"
+    )
+    print(f"{'model':<24} {'tok/s':>7} {'MB/token':>9} {'bound tok/s':>12} {'share of bound':>15}")
+    labels = {"stem": "ours, tiny STEM", "dense": "ours, tiny-dense", "hf": "transformers, tiny-dense"}
+    for name in names:
+        bound = bandwidth / bytes_tok[name]
+        print(
+            f"{labels[name]:<24} {tok_s[name]:>7.0f} {bytes_tok[name] / 1e6:>9.1f} {bound:>12.0f} "
+            f"{tok_s[name] / bound:>15.0%}"
+        )
+    print(f"greedy tokens: ours dense == transformers: {tokens['dense'] == tokens['hf']}")
+    print(
+        f"RESULT ours_over_hf={tok_s['dense'] / tok_s['hf']:.3f} ours_tok_s={tok_s['dense']:.0f} "
+        f"hf_tok_s={tok_s['hf']:.0f} stem_tok_s={tok_s['stem']:.0f} bound_tok_s={bandwidth / bytes_tok['dense']:.0f}"
+    )
+
+
+if __name__ == "__main__":
+    main()
