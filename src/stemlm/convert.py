@@ -83,8 +83,21 @@ def load_dense(path: str | Path) -> tuple[StemLM, Tokenizer | None]:
     return load_checkpoint(path)
 
 
-def convert_checkpoint(source: str | Path, stem_layers_spec: str, out: str | Path, *, force: bool = False) -> Path:
+def convert_checkpoint(
+    source: str | Path,
+    stem_layers_spec: str,
+    out: str | Path,
+    *,
+    force: bool = False,
+    init: str = "embed",
+    calibration: list[str] | None = None,
+    calibration_tokens: int = 32768,
+) -> Path:
     """Retrofit the dense model at `source` and save it, tokenizer included, as a stemlm checkpoint at `out`.
+
+    `init` picks the tables' start (see `stemlm.retrofit`): "embed" (E · W_upᵀ), "normed", or "calib" (the FFN
+    inputs seen on the first `calibration_tokens` tokens of the `calibration` files; default: the embedded
+    corpus' train split).
 
     An existing non-empty `out` is refused unless `force` and it is an earlier output of `stemlm convert`;
     `out` is never the source nor a folder holding it (`stemlm.safe_write.check_target`).
@@ -92,7 +105,13 @@ def convert_checkpoint(source: str | Path, stem_layers_spec: str, out: str | Pat
     guard = {"producer": PRODUCER, "force": force, "sources": _sources(source)}
     check_target(out, **guard)  # before the (possibly long) load
     dense, tokenizer = load_dense(source)
-    stem = retrofit_from_dense(dense, stem_layers_spec)
+    if init == "embed":
+        stem = retrofit_from_dense(dense, stem_layers_spec)
+    else:
+        from stemlm.retrofit import calibration_ids, retrofit
+
+        ids = calibration_ids(tokenizer, calibration, calibration_tokens) if init == "calib" else None
+        stem = retrofit(dense, stem_layers_spec, init, ids)
     return save_pretrained(stem, out, tokenizer=tokenizer, **guard)
 
 

@@ -36,7 +36,15 @@ def run(args) -> int:
 
     if args.stem_layers is None:
         raise StemlmError("--from-dense needs --stem-layers (e.g. 0, odd, 1,3,5)")
-    out = convert_checkpoint(args.from_dense, args.stem_layers, args.out, force=args.force)
+    out = convert_checkpoint(
+        args.from_dense,
+        args.stem_layers,
+        args.out,
+        force=args.force,
+        init=args.init,
+        calibration=args.calibration,
+        calibration_tokens=args.calibration_tokens,
+    )
     config = load_config(out)
     if args.json:
         print_json({"out": str(out), "stem_layers": config.special_layers, "config": config.to_dict()})
@@ -63,6 +71,26 @@ def register(subparsers) -> None:
         "--stem-layers",
         metavar="SPEC",
         help="(--from-dense) layers to turn into STEM layers: all, all-but-first, odd, even, half, every:K or 1,3,5",
+    )
+    p.add_argument(
+        "--init",
+        choices=("embed", "normed", "calib"),
+        default="embed",
+        help="(--from-dense) table start: embed = E·W_upᵀ (default), normed = W_up·RMSNorm_l(E[t]), calib = mean "
+        "W_up·h_l over each token's occurrences in calibration text (normed for unseen tokens); see stemlm.retrofit",
+    )
+    p.add_argument(
+        "--calibration",
+        nargs="+",
+        metavar="PATH",
+        help="(--init calib) text/jsonl files or folders (default: the embedded corpus train split)",
+    )
+    p.add_argument(
+        "--calibration-tokens",
+        type=int,
+        default=32768,
+        metavar="N",
+        help="(--init calib) calibration tokens to run through the dense model (default 32768)",
     )
     p.add_argument("--out", required=True, metavar="DIR", help="folder to write the converted model to")
     p.add_argument(
