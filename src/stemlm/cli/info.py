@@ -68,8 +68,22 @@ def register(subparsers) -> None:
         action="store_true",
         help="also build the model on the meta device and check the parameter count against it",
     )
+    add_memory_flags(parser)
     add_json_flag(parser)
     parser.set_defaults(func=run)
+
+
+def add_memory_flags(parser) -> None:
+    group = parser.add_argument_group("training memory plan (--memory; stemlm.train.memory_plan)")
+    group.add_argument("--memory", action="store_true", help="add the per-rank training memory plan")
+    group.add_argument("--nproc", type=int, default=1, help="ranks of the planned run (default 1)")
+    group.add_argument("--parallel", choices=("ddp", "fsdp"), default="ddp", help="backbone layout (default ddp)")
+    group.add_argument("--table-optim", default="adamw", help="table optimizer of the planned run (default adamw)")
+    group.add_argument("--micro-batch", type=int, default=1, help="sequences per rank per micro-batch (default 1)")
+    group.add_argument("--loss-chunk", type=int, default=0, help="planned --loss-chunk (default 0: full logits)")
+    group.add_argument(
+        "--activation-checkpointing", action="store_true", help="plan with per-block activation checkpointing"
+    )
 
 
 def load_config_file(path: str) -> ModelConfig:
@@ -129,6 +143,19 @@ def run(args) -> int:
     summary = {"model": name, **summarize(config, seq_len, args.attention, args.dtype)}
     if args.verify:
         summary["verified_parameters_on_meta"] = verify_on_meta(config)
+    if args.memory:
+        from stemlm.train.memory_plan import memory_plan
+
+        summary["memory"] = memory_plan(
+            config,
+            nproc=args.nproc,
+            parallel=args.parallel,
+            table_optim=args.table_optim,
+            seq_len=seq_len,
+            micro_batch=args.micro_batch,
+            loss_chunk=args.loss_chunk,
+            activation_checkpointing=args.activation_checkpointing,
+        )
     if args.json:
         print_json(summary)
     else:
@@ -218,7 +245,21 @@ def render(config: ModelConfig, s: dict[str, Any]) -> str:
         ]
     if "paper" in s:
         lines += ["", *render_paper(s["paper"])]
+    if "memory" in s:
+        lines += ["", *render_memory(s["memory"])]
     return "\n".join(lines)
+
+
+def render_memory(m: dict[str, Any]) -> list[str]:
+    lines = [
+        f"training memory per rank: {m['nproc']} ranks, {m['parallel']}, tables {m['table_optim']}, "
+        f"{m['micro_batch_tokens_per_rank']:,} tokens per micro-batch (fp32 weights, grads, moments, activations)"
+    ]
+    for key, n in m["bytes_per_rank"].items():
+        lines.append(f"  {key:<28}{'n/a' if n is None else human(n, 'B'):>16}")
+    lines.append(f"  {'checkpoint model file':<28}{human(m['checkpoint_bytes']['model_fp32'], 'B'):>16}")
+    lines.append(f"  {'checkpoint optimizer (all)':<28}{human(m['checkpoint_bytes']['optimizer_all_ranks'], 'B'):>16}")
+    return lines
 
 
 def render_paper(c: dict[str, Any]) -> list[str]:

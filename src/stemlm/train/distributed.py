@@ -122,7 +122,11 @@ class DistributedTrainer(Trainer):
             from torch.nn.parallel import DistributedDataParallel
 
             ids = [self.device.index] if self.device.type == "cuda" else None
-            self.net = DistributedDataParallel(model, device_ids=ids)
+            # Gradients live in DDP's buckets (no second copy); the only buffers (RoPE frequencies) are computed
+            # identically on every rank, so nothing is broadcast before each forward.
+            self.net = DistributedDataParallel(
+                model, device_ids=ids, gradient_as_bucket_view=True, broadcast_buffers=False
+            )
         return model
 
     def _load_data(self) -> tuple[Any, Any]:
