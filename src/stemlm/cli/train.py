@@ -307,6 +307,19 @@ def final_report(trainer, result: dict[str, Any], args) -> dict[str, Any]:
         }
     except ImportError:
         report["accounting"] = None
+    if result.get("tokens_per_s"):
+        from stemlm.train.throughput import training_throughput
+
+        cfg, world = trainer.cfg, result.get("world_size", 1)
+        report["compute"] = training_throughput(
+            trainer.config,
+            cfg.seq_len,
+            result["tokens_per_s"],
+            cfg.batch_size * cfg.seq_len // world,
+            trainer.device,
+            trainer.amp_dtype,
+            world,
+        )
     if args.sample_tokens > 0 and not result.get("stopped_by"):  # a stopped run exits without the sample
         report["sample"] = {"prompt": args.sample_prompt, "completion": sample(trainer, args)}
     return report
@@ -335,6 +348,12 @@ def render_report(r: dict[str, Any]) -> str:
             f"model: ffn {a['ffn']} in layers [{layers}]; {a['parameters_total']:,} parameters "
             f"({a['table_parameters']:,} in tables), {a['parameters_active_per_token']:,} active per token, "
             f"{a['training_flops_per_token'] / 1e6:.1f} MFLOPs/token to train"
+        )
+    c = r.get("compute")
+    if c:
+        lines.append(
+            f"compute: {c['model_gflops_per_s']:,.1f} model GFLOP/s = {c['peak_share']:.0%} of "
+            f"{c['matmul_peak_gflops_per_s']:,.1f} GFLOP/s, the best plain matmul at the model's shapes measured now"
         )
     held = "n/a" if r["heldout_loss"] is None else f"{r['heldout_loss']:.4f}"
     lines.append(
