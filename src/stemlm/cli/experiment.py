@@ -14,7 +14,11 @@ from stemlm.cli.common import add_json_flag, print_json
 from stemlm.cli.eval import register_group
 from stemlm.errors import StemlmError
 
-EXPERIMENTS = ["stemlm.cli.experiment:register_knowledge", "stemlm.cli.experiment_compare:register_experiment"]
+EXPERIMENTS = [
+    "stemlm.cli.experiment:register_knowledge",
+    "stemlm.cli.experiment_compare:register_experiment",
+    "stemlm.cli.experiment_bio:register_experiment",
+]
 
 
 def run_knowledge(args) -> int:
