@@ -1,5 +1,5 @@
-"""The side-by-side experiment: budget parsing, FLOP-matched step plans against the accounting, report rows
-and table, and (slow) a whole tiny run end to end, including reuse of finished kinds on a rerun."""
+"""The side-by-side experiment: budget parsing, FLOP- and token-matched step plans against the accounting, report
+rows and seed entries, and (slow) `--quick --seeds 2 --json` at a tiny budget, including reuse on a rerun."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ import pytest
 from stemlm.accounting import prefill_flops
 from stemlm.data.tokenizer import default_tokenizer
 from stemlm.errors import StemlmError
-from stemlm.experiments.compare import CompareConfig, model_configs, parse_budget, plan_steps, run_compare
-from stemlm.experiments.compare_report import ACC_TASKS, markdown_table, summarize_kind
+from stemlm.experiments.compare import CompareConfig, model_configs, parse_budget, plan_steps, seed_entry
+from stemlm.experiments.compare_report import ACC_TASKS, summarize_kind
 
 TOK = default_tokenizer()
 SMALL = dict(
@@ -95,6 +95,10 @@ def test_cli_bad_input_is_one_line_exit_2(tmp_path, capsys):
 def _fake(kind, acc, flops):
     return {
         "kind": kind,
+        "lr": 3e-3,
+        "table_lr": 3e-2 if kind == "stem" else None,
+        "embed_lr": 3e-3,
+        "tokens": 384,
         "params_total": 10,
         "params_active": 5,
         "train_flops_per_token": 1.0,
@@ -107,45 +111,85 @@ def _fake(kind, acc, flops):
     }
 
 
-def test_summary_rows_and_table():
+def test_summary_rows_and_seed_entry():
     rows = [summarize_kind(_fake("dense", 0.4, 2e15)), summarize_kind(_fake("stem", 0.6, 1e15))]
     assert rows[0]["mean_accuracy"] == pytest.approx(0.4) and rows[0]["roi_acc_per_pflop"] == pytest.approx(0.2)
-    assert rows[1]["roi_acc_per_pflop"] == pytest.approx(0.6)
-    table = markdown_table(rows).splitlines()
-    assert len(table) == 4 and table[0].count("|") == table[2].count("|") == table[3].count("|")
-    assert "| 3.00x |" in table[3] and "| 1.00x |" in table[2]  # ROI relative to dense
+    assert rows[1]["roi_acc_per_pflop"] == pytest.approx(0.6) and rows[1]["table_lr"] == 3e-2
+    done = {"dense-3steps": _fake("dense", 0.4, 2e15), "stem-3steps": _fake("stem", 0.6, 1e15)}
+    entry = seed_entry(7, {"flops": {"dense": 3, "stem": 3}}, done)
+    assert entry["seed"] == 7 and entry["flops"]["stem"]["mean_accuracy"] == pytest.approx(0.6)
+    assert entry["diff"]["flops"]["stem-dense"]["mean_accuracy"] == pytest.approx(0.2)
+    assert entry["diff"]["flops"]["stem-dense"]["heldout_loss"] == 0.0
+
+
+def test_quick_flags_lie_under_given_flags():
+    import argparse
+
+    from stemlm.experiments.compare import QUICK, add_arguments, config_from_args
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    cfg = config_from_args(parser.parse_args(["--quick", "--budget", "7", "--kinds", "dense,stem"]))
+    assert cfg.budget == "7" and cfg.seeds == QUICK["seeds"] and cfg.lr_sweep == () and cfg.kinds == ("dense", "stem")
+    assert config_from_args(parser.parse_args([])) == CompareConfig()
+    assert config_from_args(parser.parse_args(["--lr-sweep", "none"])).lr_sweep == ()
+    tokens = CompareConfig(budget="5000", kinds=("dense", "stem"), **SMALL)
+    configs = model_configs(tokens, TOK)
+    assert plan_steps(tokens, configs, "tokens") == {"dense": 5000, "stem": 5000}
+    assert plan_steps(tokens, configs, "flops")["stem"] > 5000
+    assert model_configs(CompareConfig(kinds=("dense_embed",), **SMALL), TOK)["dense_embed"].ffn == "dense"
 
 
 @pytest.mark.slow
-def test_compare_end_to_end(tmp_path):
-    cfg = CompareConfig(
-        out=str(tmp_path / "cmp"),
-        budget="3",
-        corpus_chars=20_000,
-        fact_repeats=1,
-        passkey_docs=10,
-        passkey_lengths=(100,),
-        passkey_needles=(1,),
-        eval_limit=2,
-        ppl_tokens=300,
-        niah_lengths=(80, 96),
-        niah_depths=(0.0, 1.0),
-        niah_samples=1,
-        niah_digits=3,
-        workers=1,
-        **SMALL,
-    )
-    report = run_compare(cfg, log=lambda msg: None)
+def test_quick_cli_end_to_end(tmp_path, capsys):
+    # The issue's check at an even smaller budget: 2 seeds, both matchings, summary with mean and t interval.
+    from stemlm.cli.main import main
+
     out = tmp_path / "cmp"
-    saved = json.loads((out / "results.json").read_text())
-    assert [r["kind"] for r in saved["rows"]] == list(cfg.kinds)
-    for kind, raw in zip(cfg.kinds, saved["kinds"], strict=True):
-        assert raw["fit"]["steps"] == report["steps"][kind]
-        assert raw["train_flops"] == pytest.approx(raw["train_flops_per_token"] * raw["steps"] * 32 * 4)
-        assert set(raw["tasks"]) >= set(ACC_TASKS) and set(raw["niah"]["grid"]) == {"80", "96"}
-        assert (out / f"niah_{kind}.png").is_file() and (out / "runs" / kind / "checkpoints").is_dir()
-    for name in ("report.md", "loss_vs_flops.png", "accuracy.png"):
+    argv = ["experiment", "compare", "--quick", "--seeds", "2", "--kinds", "dense,stem", "--json", "--out", str(out)]
+    argv += ["--budget", "3", "--corpus-chars", "20000", "--fact-repeats", "1", "--passkey-docs", "10"]
+    argv += ["--eval-limit", "2", "--ppl-tokens", "300", "--niah-lengths", "80,96", "--niah-samples", "1"]
+    argv += ["--hidden-size", "32", "--intermediate-size", "48", "--layers", "2", "--seq-len", "32"]
+    argv += [
+        "--batch-size",
+        "4",
+        "--workers",
+        "1",
+        "--set",
+        "num_attention_heads=2",
+        "--set",
+        "max_position_embeddings=128",
+    ]
+    assert main(argv) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert [s["seed"] for s in report["per_seed"]] == [0, 1] and set(report["steps"]) == {"flops", "tokens"}
+    for match in ("flops", "tokens"):
+        for kind in ("dense", "stem"):
+            for path in (("heldout_loss",), ("mean_accuracy",), ("niah",), ("accuracy", ACC_TASKS[0])):
+                values = [_get(s[match][kind], path) for s in report["per_seed"]]
+                entry = _get(report["summary"][match][kind], path)
+                assert entry["mean"] == pytest.approx(sum(values) / 2) and entry["n"] == 2
+                assert entry["ci95"][0] <= entry["mean"] <= entry["ci95"][1]
+        for s in report["per_seed"]:
+            want = s[match]["stem"]["heldout_loss"] - s[match]["dense"]["heldout_loss"]
+            assert s["diff"][match]["stem-dense"]["heldout_loss"] == pytest.approx(want)
+    assert report["steps"]["tokens"] == {"dense": 3, "stem": 3}
+    raw = json.loads((out / "seed1" / "runs" / f"stem-{report['steps']['flops']['stem']}steps.json").read_text())
+    assert raw["fit"]["steps"] == report["steps"]["flops"]["stem"] and raw["seed"] == 1
+    assert raw["train_flops"] == pytest.approx(raw["train_flops_per_token"] * raw["steps"] * 32 * 4)
+    md = (out / "report.md").read_text()
+    assert "## Matched training FLOPs" in md and "## Matched training tokens" in md
+    assert "embedded held-out split, first 300 tokens, window 32" in md  # the table's one evaluation set, labelled
+    dense0 = report["per_seed"][0]["flops"]["dense"]["heldout_loss"]
+    assert f"{dense0:.3f}" in md
+    for name in ("loss_vs_flops.png", "accuracy.png", "niah_dense.png", "niah_stem.png"):
         assert (out / name).is_file()
-    assert (out / "report.md").read_text().count("\n| ") == len(cfg.kinds) + 1
-    again = run_compare(cfg, log=lambda msg: None)  # every kind is reused: same numbers, no training
-    assert again["rows"] == report["rows"]
+    assert json.loads((out / "results.json").read_text())["summary"] == report["summary"]
+    assert main(argv) == 0  # every run is reused: the same numbers without training
+    assert json.loads(capsys.readouterr().out)["per_seed"] == report["per_seed"]
+
+
+def _get(d, path):
+    for key in path:
+        d = d[key]
+    return d

@@ -1,4 +1,5 @@
-"""The knowledge experiment's parts (FLOP matching, recall, data, report) and, marked slow, a whole tiny run."""
+"""The knowledge experiment's parts (FLOP/token matching, recall, data, contrasts, report) and, marked slow, the
+`--quick --seeds 2 --json` command at a tiny budget (per-seed entries, summary intervals, lr sweep)."""
 
 from __future__ import annotations
 
@@ -10,16 +11,18 @@ from stemlm.accounting import training_flops_per_token
 from stemlm.cli.main import main
 from stemlm.data import load_corpus
 from stemlm.data.tokenizer import train_bpe
+from stemlm.errors import StemlmError
 from stemlm.experiments.knowledge import (
     KnowledgeConfig,
+    arm_plan,
     build_data,
+    contrasts,
     fact_recall,
     greedy_matches,
-    markdown_table,
     matched_steps,
     model_configs,
-    run_knowledge,
 )
+from stemlm.experiments.knowledge_report import markdown_table
 from stemlm.facts import fact_prompts, load_countries
 from stemlm.generate import generate
 from stemlm.model import build_model
@@ -78,56 +81,87 @@ def test_markdown_table():
     assert table.splitlines() == ["| a | b |", "|---|---|", "| 0.500 | - |", "| x | 3 |"]
 
 
-@pytest.mark.slow
-def test_whole_tiny_experiment(tmp_path):
-    cfg = KnowledgeConfig(
-        out=str(tmp_path / "k"),
-        dense_steps=4,
-        fact_repeats=2,
-        corpus_chars=30_000,
-        vocab_size=1024,
-        hidden_size=32,
-        intermediate_size=64,
-        edit_records=3,
-        fluency_records=1,
-        parallel=False,
-    )
-    results = run_knowledge(cfg, log=lambda m: None)
-    assert set(results["edits"]["variants"]) == {"stem-stem", "stem-embed", "stem-both", "dense-embed"}
-    assert (tmp_path / "k" / "results.md").read_text().startswith("# Knowledge experiment")
-    saved = json.loads((tmp_path / "k" / "results.json").read_text())
-    assert saved["steps"] == results["steps"] and saved["edits"]["records"] == 3
-    assert saved["training"]["stem"]["steps"] == results["steps"]["stem"]
+def test_arm_plan_matches_flops_and_tokens():
+    cfg = KnowledgeConfig(dense_steps=250)
+    configs = model_configs(cfg)
+    plan = arm_plan(cfg, configs)
+    assert set(plan) == {"dense", "stem", "stem_tokens", "dense_embed"}
+    flops = {n: training_flops_per_token(configs[p["kind"]], cfg.seq_len) * p["tokens"] for n, p in plan.items()}
+    assert plan["stem"]["steps"] == matched_steps(configs, cfg.seq_len, 250)["stem"]
+    assert abs(flops["stem"] - flops["dense"]) <= training_flops_per_token(configs["stem"], cfg.seq_len) * 1024 / 2
+    assert plan["stem_tokens"]["tokens"] == plan["dense"]["tokens"] == plan["dense_embed"]["tokens"] == 250 * 16 * 64
+    assert plan["dense_embed"]["overrides"] == {"embed_like_tables": True} and plan["dense_embed"]["kind"] == "dense"
+    assert all(p["train_flops"] == pytest.approx(flops[n]) for n, p in plan.items())
+    with pytest.raises(StemlmError, match="arms must include"):
+        arm_plan(KnowledgeConfig(arms=("stem",)), configs)
+
+
+def test_contrasts_are_paired_differences():
+    def arm(loss, train, held):
+        return {"heldout_loss": loss, "recall": {"train": {"recall": train}, "heldout": {"recall": held}}}
+
+    arms = {"dense": arm(5.0, 0.2, 0.0), "stem": arm(4.5, 0.9, 0.1), "stem_tokens": arm(4.6, 0.8, 0.05)}
+    diff = contrasts(arms)
+    assert set(diff) == {"stem-dense@flops", "stem-dense@tokens"}  # no dense_embed arm: no such contrast
+    assert diff["stem-dense@flops"] == pytest.approx({"heldout_loss": -0.5, "recall_train": 0.7, "recall_heldout": 0.1})
+    assert diff["stem-dense@tokens"]["recall_train"] == pytest.approx(0.6)
+
+
+TINY = [
+    "--set", "fact_repeats=1", "--set", "corpus_chars=20000", "--set", "vocab_size=1024",
+    "--set", "hidden_size=32", "--set", "intermediate_size=64", "--set", "seq_len=32", "--set", "batch_size=4",
+]  # fmt: skip
 
 
 @pytest.mark.slow
-def test_experiment_cli(tmp_path, capsys):
-    argv = [
-        "experiment",
-        "knowledge",
-        "--out",
-        str(tmp_path / "k"),
-        "--steps",
-        "3",
-        "--records",
-        "2",
-        "--no-diagnostics",
-        "--serial",
-        "--set",
-        "fact_repeats=1",
-        "--set",
-        "corpus_chars=20000",
-        "--set",
-        "vocab_size=1024",
-        "--set",
-        "hidden_size=32",
-        "--set",
-        "intermediate_size=64",
-    ]
+def test_quick_cli_json_has_per_seed_and_summary(tmp_path, capsys):
+    # The issue's check at an even smaller budget: 2 seeds, every metric per seed, mean and t interval per metric.
+    out = tmp_path / "k"
+    argv = ["experiment", "knowledge", "--quick", "--seeds", "2", "--json", "--out", str(out), "--steps", "3"]
+    argv += ["--records", "2", "--serial", "--lr-sweep", "1e-3,1e-2", *TINY]
     assert main(argv) == 0
-    assert "| dense-embed |" in capsys.readouterr().out
+    result = json.loads(capsys.readouterr().out)
+    assert [s["seed"] for s in result["per_seed"]] == [0, 1]
+    for arm in ("dense", "stem", "stem_tokens", "dense_embed"):
+        for path in (("heldout_loss",), ("recall", "heldout", "recall"), ("recall", "train", "recall")):
+            values = [_get(s["arms"][arm], path) for s in result["per_seed"]]
+            entry = _get(result["summary"]["arms"][arm], path)
+            assert entry["mean"] == pytest.approx(sum(values) / 2) and entry["n"] == 2
+            lo, hi = entry["ci95"]
+            assert lo <= entry["mean"] <= hi
+            half = 12.706205 * abs(values[0] - values[1]) / 2  # t(0.975, 1) * sd / sqrt(2), sd = |a - b| / sqrt 2
+            assert hi - entry["mean"] == pytest.approx(half, rel=1e-6)
+    for s in result["per_seed"]:
+        d = s["diff"]["stem-dense@flops"]
+        assert d["heldout_loss"] == pytest.approx(
+            s["arms"]["stem"]["heldout_loss"] - s["arms"]["dense"]["heldout_loss"]
+        )
+        assert set(s["edits"]["variants"]) == {
+            "stem-stem",
+            "stem-embed",
+            "stem-both",
+            "dense-embed",
+            "dense_embed-embed",
+        }
+    assert "edited" in result["summary"]["edits"]["variants"]["stem-stem"]["all_records"]["train"]["new_greedy"]
+    sweep = result["sweep"]
+    for family, trials in sweep["trials"].items():  # each family's chosen lr is its lowest held-out loss
+        assert sweep["best"][family] == min(trials.values(), key=lambda t: t["heldout_loss"])["lr"]
+    assert result["per_seed"][0]["arms"]["stem_tokens"]["lr"] == sweep["best"]["stem"]
+    assert result["per_seed"][0]["arms"]["dense_embed"]["embed_lr"] == 10 * sweep["best"]["dense_embed"]
+    saved = json.loads((out / "results.json").read_text())
+    assert saved["summary"] == result["summary"]
+    md = (out / "results.md").read_text()
+    assert "## Matched training FLOPs" in md and "## Matched training tokens" in md and "## lr sweep" in md
+    assert (out / "knowledge.png").is_file()
     assert main(["experiment", "knowledge", "--set", "bogus=1"]) == 2
     assert "--set 'bogus=1'" in capsys.readouterr().err
+
+
+def _get(d, path):
+    for key in path:
+        d = d[key]
+    return d
 
 
 def test_experiment_and_eval_groups_print_help_without_a_subcommand(capsys):

@@ -2,6 +2,7 @@
 
     stemlm experiment compare --kinds dense,stem,moe,hash_moe,ple --budget 300 --out runs/compare
     stemlm experiment compare --kinds dense,stem --budget 2e12 --match flops --json
+    stemlm experiment compare --quick --seeds 2 --kinds dense,stem --json    # reduced budget, 2 seeds
 
 Writes OUT/results.json, OUT/report.md and PNG plots (see `stemlm.experiments.compare` for the protocol);
 rerunning with the same settings reuses every kind already finished. This module adds the `compare`
@@ -21,7 +22,7 @@ def register_experiment(subparsers) -> None:
 
     parser = subparsers.add_parser(
         "compare",
-        help="dense vs STEM vs MoE vs hash-MoE vs PLE at matched FLOPs (or steps)",
+        help="dense vs STEM vs MoE vs hash-MoE vs PLE over seeds, at matched FLOPs and matched tokens",
         description="Train each FFN kind on the same data, tokenizer and seed at a matched training budget, "
         "evaluate each (held-out loss, lm-eval tasks, needle in a haystack) and write a report folder.",
     )
@@ -33,10 +34,11 @@ def register_experiment(subparsers) -> None:
 def run(args) -> int:
     from stemlm.experiments.compare import config_from_args, run_compare
 
-    report = run_compare(config_from_args(args))
+    cfg = config_from_args(args)
+    report = run_compare(cfg)
     if args.json:
-        print_json({"out": args.out, "steps": report["steps"], "rows": report["rows"], "wall_s": report["wall_s"]})
+        print_json({"out": cfg.out, **report})
         return 0
-    print(Path(args.out, "report.md").read_text())
-    print(f"report folder: {args.out} ({report['wall_s']:.0f} s)", file=sys.stderr)
+    print(Path(cfg.out, "report.md").read_text())
+    print(f"report folder: {cfg.out} ({report['wall_s']:.0f} s)", file=sys.stderr)
     return 0

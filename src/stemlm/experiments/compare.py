@@ -1,23 +1,27 @@
-"""Side-by-side experiment: dense, STEM, MoE, hash-MoE and PLE trained alike, then evaluated alike.
+"""Side-by-side experiment: dense, STEM, MoE, hash-MoE, PLE (and controls) trained alike over seeds, evaluated alike.
 
     stemlm experiment compare --kinds dense,stem,moe,hash_moe,ple --budget 300 --out runs/compare
-    python -m stemlm.experiments.compare --budget 5e12 --match flops --out runs/compare
+    stemlm experiment compare --quick --seeds 2 --kinds dense,stem --json    # reduced budget, no lr sweep
+    stemlm experiment compare --preset tiny --budget 2000 --device auto      # scale-up path (GPU)
 
-1. Data: one mixture for every kind (written to OUT/data/train.jsonl): a slice of the embedded corpus's train
-   split, the fact world's statements (`fact_documents`) and passkey-retrieval documents (`niah.passkey_documents`)
-   so small models can learn retrieval at all; the shipped tokenizer; the same seed.
-2. Budget: `--budget 300` is 300 steps of the reference kind (dense when listed, else the first); `5e12`
-   (or any value >= 1e9, or a `flops` suffix) is training FLOPs. `--match flops` (default) gives every kind
-   the steps that spend those FLOPs (`stemlm.accounting.training_flops_per_token`); `--match active` trains
-   every kind for the same steps (the paper's protocol: backbones of equal shape, so active parameters match
-   up to what each FFN kind changes, which the table shows).
-3. Training with the project trainer (`stemlm.train.Trainer`), kinds in parallel worker processes of one
-   thread each; a finished kind (OUT/runs/<kind>.json) is reused when the command is rerun.
-4. Evaluation of each model: held-out loss and bits per byte on the embedded held-out split
-   (`evaluation.perplexity`), the shipped lm-eval tasks through lm-eval (`evaluation.lm_eval_adapter`),
-   and a needle-in-a-haystack grid (`evaluation.niah`).
-Writes OUT/results.json, OUT/report.md (the table), OUT/loss_vs_flops.png, OUT/accuracy.png and
-OUT/niah_<kind>.png.
+1. Data (per seed): one mixture for every kind (OUT/seed<s>/data/train.jsonl): a slice of the embedded corpus's
+   train split, the fact world's statements and passkey-retrieval documents; the shipped tokenizer.
+2. Budget, reported both ways (`--match both`, the default): `--budget 300` is 300 steps of the reference kind
+   (dense when listed, else the first), `5e12` (>= 1e9 or a `flops` suffix) is training FLOPs. Matched FLOPs:
+   every kind gets the steps that spend the reference's FLOPs (`stemlm.accounting.training_flops_per_token`);
+   matched tokens: every kind trains the reference's steps (same tokens per step). A kind whose step count is
+   the same under both is trained once.
+3. Kinds: every FFN kind of `stemlm.config.FFN_KINDS`, plus the controls in `VARIANTS` (`dense_embed`: dense
+   with its token embedding at the STEM tables' lr multiplier and weight decay).
+4. Tuning: each kind gets the same lr sweep (`lr_sweep`, 3 values) at the FLOP-matched budget on `sweep_seed`
+   (never a final seed), scored by the trainer's held-out loss (10% of the mixture's documents: the
+   validation split); the best lr is used for every final seed and the sweep is kept in the results.
+5. Evaluation of each model, one set per measure: held-out loss and bits per byte on the embedded held-out
+   split (`evaluation.perplexity`, first `ppl_tokens` tokens, window `seq_len`; the table and the plot show
+   this same number), the shipped lm-eval tasks, and a needle-in-a-haystack grid (`evaluation.niah`).
+6. Seeds: `per_seed` holds each seed's rows per match and the paired differences to dense; `summary` the mean
+   and Student-t 95% interval over seeds (`stemlm.experiments.stats`). Finished runs are reused on a rerun.
+Writes OUT/results.json, OUT/report.md, OUT/loss_vs_flops.png, OUT/accuracy.png and OUT/niah_<kind>.png.
 """
 
 from __future__ import annotations
@@ -39,7 +43,7 @@ from typing import Any
 
 from stemlm.config import FFN_KINDS, ModelConfig
 from stemlm.errors import StemlmError
-from stemlm.experiments.compare_report import markdown_table, plot_report, summarize_kind
+from stemlm.experiments.compare_report import summarize_kind, write_report
 
 
 @dataclass
@@ -47,8 +51,10 @@ class CompareConfig:
     out: str = "runs/compare"
     kinds: tuple[str, ...] = ("dense", "stem", "moe", "hash_moe", "ple")
     budget: str = "200"  # steps of the reference kind, or training FLOPs (see parse_budget)
-    match: str = "flops"  # flops | active
+    match: str = "both"  # flops | tokens (alias: active) | both
+    seeds: int = 3
     # --- the shared backbone (every kind: this config with ffn=<kind>) ---
+    preset: str | None = None  # a model preset's shape (stemlm.presets) instead of the size fields below
     hidden_size: int = 128
     intermediate_size: int = 384
     num_hidden_layers: int = 4
@@ -61,8 +67,11 @@ class CompareConfig:
     # --- training ---
     seq_len: int = 256
     batch_size: int = 8
-    lr: float = 3e-3
-    seed: int = 0
+    lr: float = 3e-3  # every kind's lr when there is no sweep
+    lr_sweep: tuple[float, ...] = (1e-3, 3e-3, 1e-2)  # per kind; () skips the sweep
+    sweep_seed: int = 1000
+    seed: int = 0  # the first final seed; seed i of --seeds N is seed + i
+    device: str = "cpu"  # cpu | cuda | auto (the trainer's choice)
     workers: int = 2  # kinds trained at once (one thread each); 1 trains in this process
     # --- data mixture ---
     corpus_chars: int = 2_000_000
@@ -79,9 +88,29 @@ class CompareConfig:
     niah_digits: int = 4
 
     def digest(self) -> str:
-        """What a kind's result depends on (everything but the output folder, kinds and worker count)."""
-        fields = {k: v for k, v in asdict(self).items() if k not in ("out", "kinds", "workers")}
+        """What a run's result depends on besides its kind, steps, lr and seed (which name its file)."""
+        fields = {k: v for k, v in asdict(self).items() if k not in ("out", "kinds", "workers", "seeds", "match")}
         return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:16]
+
+
+# Controls trained like a kind: name -> (FFN kind, TrainConfig overrides). Add a control here.
+VARIANTS: dict[str, tuple[str, dict]] = {"dense_embed": ("dense", {"embed_like_tables": True})}
+# The reduced budget of `--quick` (2 seeds of dense,stem take ~5 min on 2 idle cores; see the README).
+QUICK = dict(
+    seeds=2,
+    budget="60",
+    lr_sweep=(),
+    corpus_chars=300_000,
+    passkey_docs=300,
+    eval_limit=40,
+    ppl_tokens=8000,
+    niah_lengths=(128, 256),
+    niah_samples=2,
+)
+
+
+def kind_names() -> tuple[str, ...]:
+    return (*FFN_KINDS, *VARIANTS)
 
 
 def parse_budget(text: str) -> tuple[str, float]:
@@ -102,11 +131,17 @@ def model_configs(cfg: CompareConfig, tokenizer) -> dict[str, ModelConfig]:
     """One config per kind: the shared backbone with `ffn=<kind>` (vocabulary fitted to the tokenizer)."""
     from stemlm.train import fit_vocab
 
-    unknown = [k for k in cfg.kinds if k not in FFN_KINDS]
+    unknown = [k for k in cfg.kinds if k not in kind_names()]
     if unknown or not cfg.kinds:
-        raise StemlmError(f"unknown kind(s) {', '.join(unknown) or '(none)'}; choose from {', '.join(FFN_KINDS)}")
+        raise StemlmError(f"unknown kind(s) {', '.join(unknown) or '(none)'}; choose from {', '.join(kind_names())}")
     if len(set(cfg.kinds)) != len(cfg.kinds):
         raise StemlmError(f"--kinds lists a kind twice: {','.join(cfg.kinds)}")
+    shape = {}
+    if cfg.preset:
+        from stemlm.presets import get_preset
+
+        keep = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads")
+        shape = {k: getattr(get_preset(cfg.preset), k) for k in keep}
     base = ModelConfig(
         vocab_size=tokenizer.get_vocab_size(),
         hidden_size=cfg.hidden_size,
@@ -118,22 +153,31 @@ def model_configs(cfg: CompareConfig, tokenizer) -> dict[str, ModelConfig]:
         num_experts=cfg.num_experts,
         ple_dim=cfg.ple_dim,
         ffn="stem",
-    ).with_overrides(list(cfg.model_overrides))
-    return {kind: fit_vocab(base, tokenizer).replace(ffn=kind) for kind in cfg.kinds}
+    )
+    base = base.replace(**shape).with_overrides(list(cfg.model_overrides))
+    return {kind: fit_vocab(base, tokenizer).replace(ffn=VARIANTS.get(kind, (kind,))[0]) for kind in cfg.kinds}
 
 
-def plan_steps(cfg: CompareConfig, configs: dict[str, ModelConfig]) -> dict[str, int]:
-    """Training steps per kind for the budget under `cfg.match` (same tokens per step for every kind)."""
+def matches(cfg: CompareConfig) -> list[str]:
+    """The budget matchings reported: ["flops"], ["tokens"] or both."""
+    table = {"flops": ["flops"], "tokens": ["tokens"], "active": ["tokens"], "both": ["flops", "tokens"]}
+    if cfg.match not in table:
+        raise StemlmError(f"--match must be one of flops, tokens, both, got {cfg.match!r}")
+    return table[cfg.match]
+
+
+def plan_steps(cfg: CompareConfig, configs: dict[str, ModelConfig], match: str | None = None) -> dict[str, int]:
+    """Training steps per kind for the budget, FLOP- or token-matched (`match`, default the first of
+    `matches(cfg)`); every kind trains the same tokens per step."""
     from stemlm.accounting import training_flops_per_token
 
-    if cfg.match not in ("flops", "active"):
-        raise StemlmError(f"--match must be 'flops' or 'active', got {cfg.match!r}")
+    match = match or matches(cfg)[0]
     tokens = cfg.seq_len * cfg.batch_size
     per_step = {k: training_flops_per_token(c, cfg.seq_len) * tokens for k, c in configs.items()}
     reference = "dense" if "dense" in configs else next(iter(configs))
     unit, value = parse_budget(cfg.budget)
     flops = value * per_step[reference] if unit == "steps" else value
-    if cfg.match == "active":
+    if match in ("tokens", "active"):
         return dict.fromkeys(configs, max(1, round(flops / per_step[reference])))
     return {k: max(1, round(flops / f)) for k, f in per_step.items()}
 
@@ -209,8 +253,9 @@ def _evaluate(model, tokenizer, cfg: CompareConfig) -> dict[str, Any]:
     return {"heldout": ppl.to_dict(), "tasks": tasks, "niah": niah}
 
 
-def run_kind(kind: str, model_config: dict, steps: int, cfg_dict: dict, data: str, threads: int | None) -> dict:
-    """Train one kind and evaluate it (runs in a worker process when `threads` is given)."""
+def run_kind(job: dict[str, Any], threads: int | None) -> dict[str, Any]:
+    """Train one run (`job`: kind, model config, steps, lr, seed, overrides, data, run folder) and evaluate it
+    unless `job["evaluate"]` is false (runs in a worker process when `threads` is given)."""
     import torch
 
     from stemlm.accounting import active_parameters, total_parameters, training_flops_per_token
@@ -219,30 +264,32 @@ def run_kind(kind: str, model_config: dict, steps: int, cfg_dict: dict, data: st
 
     if threads:
         torch.set_num_threads(threads)
-    cfg = CompareConfig(**cfg_dict)
-    config = ModelConfig.from_dict(model_config)
+    cfg = CompareConfig(**job["cfg"])
+    config = ModelConfig.from_dict(job["model"])
     train_cfg = TrainConfig(
-        out=str(Path(cfg.out) / "runs" / kind),
-        data=[data],
+        out=job["run_dir"],
+        data=[job["data"]],
         seq_len=cfg.seq_len,
         batch_size=cfg.batch_size,
-        steps=steps,
-        lr=cfg.lr,
-        seed=cfg.seed,
-        eval_every=max(1, steps // 8),
+        steps=job["steps"],
+        lr=job["lr"],
+        seed=job["seed"],
+        eval_every=0,  # one held-out evaluation at the end (the sweep's criterion); the report uses _evaluate's
         eval_batches=4,
-        device="cpu",
+        device=cfg.device,
         threads=threads,
+        **job["overrides"],
     )
     trainer = Trainer(config, train_cfg, tokenizer=default_tokenizer(), progress=False)
     fit = trainer.fit()
     start = time.perf_counter()
-    evaluation = _evaluate(trainer.model, trainer.tokenizer, cfg)
+    evaluation = _evaluate(trainer.model, trainer.tokenizer, cfg) if job["evaluate"] else {}
     flops_per_token = training_flops_per_token(config, cfg.seq_len)
     return {
-        "kind": kind,
-        "digest": cfg.digest(),
-        "steps": steps,
+        **{k: job[k] for k in ("kind", "steps", "lr", "seed", "digest")},
+        "table_lr": train_cfg.table_peak_lr if config.ffn == "stem" else None,
+        "embed_lr": train_cfg.table_peak_lr if train_cfg.embed_like_tables else train_cfg.lr,
+        "tokens": fit["tokens_seen"],
         "model": config.to_dict(),
         "params_total": total_parameters(config),
         "params_active": active_parameters(config)["backbone"],
@@ -255,67 +302,152 @@ def run_kind(kind: str, model_config: dict, steps: int, cfg_dict: dict, data: st
     }
 
 
+def run_jobs(cfg: CompareConfig, seed: int, runs: dict[str, tuple], folder: Path, tokenizer, log) -> dict[str, dict]:
+    """Build seed `seed`'s mixture under `folder` and train (and evaluate) every run of `runs`
+    (name -> (kind, config, steps, lr, evaluate)); a finished run (folder/runs/<name>.json) is reused."""
+    scfg = dataclasses.replace(cfg, seed=seed)
+    mixture = build_mixture(scfg, folder / "data", tokenizer)
+    log(f"compare: seed {seed}: training mixture tokens {mixture}")
+    _warm_shards(folder / "data" / "train.jsonl", tokenizer)
+    results: dict[str, dict] = {}
+    jobs = []
+    for name, (kind, config, steps, lr, evaluate) in runs.items():
+        saved = folder / "runs" / f"{name}.json"
+        job = {
+            "kind": kind,
+            "model": config.to_dict(),
+            "steps": steps,
+            "lr": lr,
+            "seed": seed,
+            "evaluate": evaluate,
+            "overrides": VARIANTS.get(kind, (kind, {}))[1],
+            "cfg": asdict(scfg),
+            "digest": scfg.digest(),
+            "data": str(folder / "data" / "train.jsonl"),
+            "run_dir": str(folder / "runs" / name),
+        }
+        previous = json.loads(saved.read_text()) if saved.is_file() else {}
+        if all(previous.get(k) == job[k] for k in ("digest", "steps", "lr")) and (
+            previous.get("heldout") or not evaluate
+        ):
+            results[name] = previous
+            log(f"compare: seed {seed}: {name} reused from {saved}")
+        else:
+            shutil.rmtree(job["run_dir"], ignore_errors=True)  # an unfinished run of an interrupted experiment
+            jobs.append((name, job))
+
+    def finished(name: str, r: dict[str, Any]) -> None:  # saved at once, so an interruption keeps it
+        (folder / "runs" / f"{name}.json").write_text(json.dumps(r, indent=2))
+        results[name] = r
+        log(f"compare: seed {seed}: {name}: {r['steps']} steps in {r['fit']['wall_s']:.0f} s, eval {r['eval_s']:.0f} s")
+
+    if cfg.workers > 1 and len(jobs) > 1:
+        with ProcessPoolExecutor(max_workers=min(cfg.workers, len(jobs)), mp_context=get_context("spawn")) as pool:
+            futures = {pool.submit(run_kind, job, 1): name for name, job in jobs}
+            for future in as_completed(futures):
+                finished(futures[future], future.result())
+    else:
+        for name, job in jobs:
+            finished(name, run_kind(job, None))
+    return results
+
+
+def lr_sweep(cfg: CompareConfig, configs, steps: dict[str, int], out: Path, tokenizer, log) -> dict[str, Any]:
+    """Every kind at every lr of `cfg.lr_sweep` on `sweep_seed` at `steps`; best = lowest validation loss."""
+    runs = {
+        f"{kind}-lr{lr:g}": (kind, configs[kind], steps[kind], lr, False) for kind in cfg.kinds for lr in cfg.lr_sweep
+    }
+    done = run_jobs(cfg, cfg.sweep_seed, runs, out, tokenizer, log)
+    trials = {
+        kind: {
+            f"{lr:g}": {"lr": lr, "heldout_loss": done[f"{kind}-lr{lr:g}"]["fit"]["heldout_loss"]}
+            for lr in cfg.lr_sweep
+        }
+        for kind in cfg.kinds
+    }
+    best = {k: min(t.values(), key=lambda r: r["heldout_loss"])["lr"] for k, t in trials.items()}
+    criterion = "trainer held-out loss (10% of the mixture's documents: the validation split)"
+    return {"seed": cfg.sweep_seed, "steps": steps, "criterion": criterion, "trials": trials, "best": best}
+
+
+def planned_flops(cfg: CompareConfig, configs: dict[str, ModelConfig], plans: dict[str, dict[str, int]]) -> float:
+    """Training FLOPs of the whole experiment: every distinct run of every seed, plus the lr sweep (the cost
+    estimate printed before training; evaluation is extra and small at these budgets)."""
+    from stemlm.accounting import training_flops_per_token
+
+    tokens = cfg.seq_len * cfg.batch_size
+    per_run = {
+        (k, n): training_flops_per_token(configs[k], cfg.seq_len) * tokens * n
+        for p in plans.values()
+        for k, n in p.items()
+    }
+    first = next(iter(plans.values()))
+    sweep = sum(per_run[(k, first[k])] for k in cfg.kinds) * len(cfg.lr_sweep)
+    return cfg.seeds * sum(per_run.values()) + sweep
+
+
+def seed_entry(seed: int, plans: dict[str, dict[str, int]], done: dict[str, dict]) -> dict[str, Any]:
+    """One `per_seed` entry: the report row of every kind per match, and each kind minus the reference."""
+    entry: dict[str, Any] = {"seed": seed, "diff": {}}
+    for match, steps in plans.items():
+        rows = {k: json.loads(json.dumps(summarize_kind(done[f"{k}-{n}steps"]))) for k, n in steps.items()}
+        entry[match] = rows
+        ref = "dense" if "dense" in rows else next(iter(rows))
+        entry["diff"][match] = {
+            f"{k}-{ref}": {
+                m: _minus(rows[k][m], rows[ref][m]) for m in ("heldout_loss", "heldout_bpb", "mean_accuracy", "niah")
+            }
+            for k in rows
+            if k != ref
+        }
+    return entry
+
+
+def _minus(a, b):
+    return None if a is None or b is None else a - b
+
+
 def run_compare(cfg: CompareConfig, log=lambda msg: print(msg, file=sys.stderr)) -> dict[str, Any]:
-    """The whole experiment; returns (and writes) the results."""
+    """The whole experiment over `cfg.seeds` seeds; returns (and writes) {config, sweep, per_seed, summary, ...}."""
     from stemlm.data import default_tokenizer
+    from stemlm.experiments.stats import summarize_seeds
 
     start = time.perf_counter()
     out = Path(cfg.out)
     tokenizer = default_tokenizer()
     configs = model_configs(cfg, tokenizer)
-    steps = plan_steps(cfg, configs)
-    too_long = [n for n in cfg.niah_lengths if n > cfg.max_position_embeddings]
+    plans = {match: plan_steps(cfg, configs, match) for match in matches(cfg)}
+    if cfg.seeds < 1:
+        raise StemlmError(f"--seeds must be at least 1, got {cfg.seeds}")
+    if cfg.sweep_seed in range(cfg.seed, cfg.seed + cfg.seeds):
+        raise StemlmError(f"sweep_seed {cfg.sweep_seed} is one of the final seeds; choose another")
+    too_long = [n for n in cfg.niah_lengths if n > configs[cfg.kinds[0]].max_position_embeddings]
     if too_long:
         raise StemlmError(f"NIAH length {max(too_long)} exceeds max_position_embeddings={cfg.max_position_embeddings}")
-    log(f"compare: steps per kind {steps} ({cfg.match}-matched, budget {cfg.budget})")
-    mixture = build_mixture(cfg, out / "data", tokenizer)
-    log(f"compare: training mixture tokens {mixture}")
-    _warm_shards(out / "data" / "train.jsonl", tokenizer)
-    results: dict[str, dict] = {}
-    todo = []
-    for kind in cfg.kinds:
-        saved = out / "runs" / f"{kind}.json"
-        previous = json.loads(saved.read_text()) if saved.is_file() else {}
-        if previous.get("digest") == cfg.digest() and previous.get("steps") == steps[kind]:
-            results[kind] = previous
-            log(f"compare: {kind} reused from {saved}")
-        else:
-            todo.append(kind)
-    for kind in todo:  # an unfinished run of an interrupted experiment starts over
-        shutil.rmtree(out / "runs" / kind, ignore_errors=True)
-    cfg_dict = asdict(cfg)
-    jobs = [(k, configs[k].to_dict(), steps[k], cfg_dict, str(out / "data" / "train.jsonl")) for k in todo]
-
-    def finished(r: dict[str, Any]) -> None:  # saved at once, so an interruption keeps every finished kind
-        (out / "runs" / f"{r['kind']}.json").write_text(json.dumps(r, indent=2))
-        results[r["kind"]] = r
-        log(f"compare: {r['kind']}: {r['steps']} steps in {r['fit']['wall_s']:.0f} s, evaluated in {r['eval_s']:.0f} s")
-
-    if cfg.workers > 1 and len(jobs) > 1:
-        with ProcessPoolExecutor(max_workers=min(cfg.workers, len(jobs)), mp_context=get_context("spawn")) as pool:
-            for future in as_completed([pool.submit(run_kind, *job, 1) for job in jobs]):
-                finished(future.result())
-    else:
-        for job in jobs:
-            finished(run_kind(*job, None))
-    ordered = [results[k] for k in cfg.kinds]
-    rows = [summarize_kind(r) for r in ordered]
+    log(f"compare: steps per kind {plans} (budget {cfg.budget}), {cfg.seeds} seed(s)")
+    log(f"compare: planned training FLOPs {planned_flops(cfg, configs, plans):.3g} (every seed and the sweep)")
+    sweep = lr_sweep(cfg, configs, next(iter(plans.values())), out / "sweep", tokenizer, log) if cfg.lr_sweep else None
+    lrs = {k: sweep["best"][k] if sweep else cfg.lr for k in cfg.kinds}
+    runs = {
+        f"{k}-{steps[k]}steps": (k, configs[k], steps[k], lrs[k], True) for steps in plans.values() for k in cfg.kinds
+    }
+    per_seed, raw = [], []
+    for i in range(cfg.seeds):
+        seed = cfg.seed + i
+        done = run_jobs(cfg, seed, runs, out / f"seed{seed}", tokenizer, log)
+        per_seed.append(seed_entry(seed, plans, done))
+        raw.append(done)
     report = {
         "config": asdict(cfg),
-        "steps": steps,
-        "mixture_tokens": mixture,
-        "rows": rows,
-        "kinds": ordered,
+        "interval": "Student t over seeds (stemlm.experiments.stats)",
+        "steps": plans,
+        "lrs": lrs,
+        "sweep": sweep,
+        "per_seed": per_seed,
+        "summary": summarize_seeds([{k: v for k, v in s.items() if k != "seed"} for s in per_seed]),
         "wall_s": time.perf_counter() - start,
     }
-    (out / "results.json").write_text(json.dumps(report, indent=2))
-    plots = plot_report(ordered, out)
-    (out / "report.md").write_text(
-        f"# Side-by-side comparison ({cfg.match}-matched, budget {cfg.budget})\n\n"
-        + markdown_table(rows)
-        + "\n"
-        + "".join(f"![{p.stem}]({p.name})\n" for p in plots)
-    )
+    write_report(report, raw, out)
     return report
 
 
@@ -330,15 +462,30 @@ def _csv(kind: type):
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """The experiment's flags (used by `stemlm experiment compare` and `python -m stemlm.experiments.compare`)."""
+    """The experiment's flags (used by `stemlm experiment compare` and `python -m stemlm.experiments.compare`).
+
+    Every flag's parser default is None (the help shows the config default), so `config_from_args` can tell a
+    given flag from an absent one and lay given flags over `--quick`'s budget."""
     d = CompareConfig()
 
     def add(flag: str, help_text: str, **kw: Any) -> None:
-        default = kw.setdefault("default", getattr(d, kw.get("dest") or flag[2:].replace("-", "_")))
+        dest = kw.get("dest") or flag[2:].replace("-", "_")
+        default = getattr(d, dest)
         shown = ",".join(map(str, default)) if isinstance(default, tuple) else default
-        parser.add_argument(flag, help=f"{help_text} (default: {shown})" if shown != [] else help_text, **kw)
+        quick = QUICK.get(dest)
+        quick = (
+            "" if quick is None else f"; --quick: {','.join(map(str, quick)) if isinstance(quick, tuple) else quick}"
+        )
+        text = f"{help_text} (default: {shown}{quick})" if shown != [] else help_text
+        parser.add_argument(flag, help=text, default=[] if kw.get("action") == "append" else None, **kw)
 
-    add("--kinds", "FFN kinds to compare", type=_csv(str), metavar="K1,K2")
+    add("--kinds", f"kinds to compare, from {', '.join(kind_names())}", type=_csv(str), metavar="K1,K2")
+    add("--seeds", "final seeds (seed, seed+1, ...); mean and 95%% t interval over them", type=int, metavar="N")
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help="reduced budget for CI and first tries (the --quick values below); given flags still apply",
+    )
     add(
         "--budget",
         "steps of the reference kind (dense, else the first), or training FLOPs if >= 1e9",
@@ -346,10 +493,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     add(
         "--match",
-        "flops: each kind gets the steps that spend the budget; active: the same steps for all",
-        choices=("flops", "active"),
+        "flops: each kind gets the steps that spend the budget; tokens (or active): the same steps for all; "
+        "both: report both",
+        choices=("flops", "tokens", "active", "both"),
     )
     add("--out", "report folder", metavar="DIR")
+    add("--preset", "take the backbone shape from this preset (stemlm info --presets), e.g. for GPU scale-up")
     add("--hidden-size", "backbone width", type=int, metavar="D")
     add("--intermediate-size", "FFN width d_ff", type=int, metavar="F")
     add("--layers", "decoder layers", dest="num_hidden_layers", type=int, metavar="N")
@@ -359,14 +508,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "override a model config field for every kind (repeatable)",
         dest="model_overrides",
         action="append",
-        default=[],
         metavar="KEY=VALUE",
     )
     add("--seq-len", "training sequence length", type=int, metavar="L")
     add("--batch-size", "sequences per step", type=int, metavar="B")
-    add("--lr", "peak learning rate", type=float)
-    add("--seed", "seed of data, initialisation and evaluation sampling", type=int)
-    add("--workers", "kinds trained at once, one thread each; 1 trains in this process", type=int, metavar="N")
+    add("--lr", "peak learning rate when there is no sweep", type=float)
+    add("--lr-sweep", "lrs each kind is tuned over on the sweep seed; 'none': no sweep", type=_lrs, metavar="LR1,LR2")
+    add("--seed", "first final seed (data, initialisation and evaluation sampling)", type=int)
+    add("--device", "training and evaluation device", choices=("cpu", "cuda", "auto"))
+    add("--workers", "runs trained at once, one thread each; 1 trains in this process", type=int, metavar="N")
     add("--corpus-chars", "characters of the embedded corpus in the mixture", type=int, metavar="N")
     add("--fact-repeats", "repeats of each fact statement in the mixture", type=int, metavar="N")
     add("--passkey-docs", "passkey-retrieval documents in the mixture", type=int, metavar="N")
@@ -376,9 +526,25 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add("--niah-samples", "needle-in-a-haystack samples per cell", type=int, metavar="N")
 
 
+def _lrs(text: str) -> tuple[float, ...]:
+    if text.strip().lower() == "none":
+        return ()
+    values = _csv(float)(text)
+    if not values or any(not v > 0 for v in values):
+        raise argparse.ArgumentTypeError(f"{text!r}: learning rates must be positive (or 'none')")
+    return values
+
+
 def config_from_args(args: argparse.Namespace) -> CompareConfig:
+    """`--quick`'s budget (when given), then every flag that was given."""
     names = {f.name for f in dataclasses.fields(CompareConfig)}
-    return CompareConfig(**{k: v for k, v in vars(args).items() if k in names})
+    values = dict(QUICK) if getattr(args, "quick", False) else {}
+    values.update({k: v for k, v in vars(args).items() if k in names and v is not None and v != []})
+    if values.get("preset"):
+        from stemlm.presets import get_preset
+
+        get_preset(values["preset"])  # an unknown name fails here, before any data is written
+    return CompareConfig(**values)
 
 
 if __name__ == "__main__":

@@ -1,26 +1,33 @@
-"""The knowledge experiment: dense vs STEM on the fact world at matched training FLOPs, then edits.
+"""The knowledge experiment: dense vs STEM on the fact world, over seeds, at matched FLOPs and matched tokens.
 
-    stemlm experiment knowledge --out runs/knowledge            # default: 6-8 min on two shared CPU cores
-    python -m stemlm.experiments.knowledge --out runs/knowledge
+    stemlm experiment knowledge --out runs/knowledge                       # 3 seeds + lr sweep (~1.5 h, 2 cores)
+    stemlm experiment knowledge --quick --seeds 2 --out runs/knowledge-q   # reduced budget, no sweep (~5 min)
+    stemlm experiment knowledge --preset tiny --steps 2000 --device auto   # scale-up path (GPU)
 
-1. Data: the fact world's training statements (`fact_documents`, relation `capital` by default) repeated
-   `fact_repeats` times, then a slice of the embedded corpus (Shakespeare + Austen) whose tail is the
-   held-out split (so held-out loss is on natural text); a byte-level BPE
-   trained on corpus + facts so most country names are single tokens (multi-token names made the prototype's
-   edits messy), which still leaves multi-word names ("United Kingdom") to exercise the mismatch strategies.
-2. Training: a dense model and its STEM twin (STEM in the odd layers) with the project trainer, the STEM one
-   for as many steps as give the dense run's training FLOPs (`stemlm.accounting.training_flops_per_token`).
-3. Fact recall: exact greedy continuation on the training templates and on held-out templates.
-4. Edits (positional, `stemlm.edit.evaluate`): STEM rows, embedding rows, both, and the dense model's
-   embedding rows as the control; then diagnostics for why efficacy is what it is: one STEM layer at a time,
-   the global (table) form, and pad rows / strategies on records whose names differ in length.
-Writes OUT/results.json and OUT/results.md (tables), plus the two training runs under OUT/runs/.
+1. Data (per seed): the fact world's training statements (`fact_documents`) repeated `fact_repeats` times, then
+   a slice of the embedded corpus whose tail is the trainer's held-out split (natural text only); a byte-level
+   BPE trained on corpus + facts so most country names are single tokens.
+2. Arms (`ARMS`, per seed): `dense` (the reference: `dense_steps`), `stem` at the dense run's training FLOPs,
+   `stem_tokens` at the dense run's training tokens, and `dense_embed`, the dense control whose token embedding
+   gets the STEM tables' lr multiplier and weight decay (`TrainConfig.embed_like_tables`), so "STEM beats
+   dense" can be told from "a per-token table at lr x10 beats one at lr x1".
+3. Tuning: every lr family (dense, stem, dense_embed) gets the same sweep (`lr_sweep`, 3 values) on a seed not
+   used for the final runs (`sweep_seed`), scored by the trainer's held-out loss (natural text); each family's
+   best lr is used for every final seed; the sweep is kept in the results. `--quick` skips it.
+4. Fact recall per arm (exact greedy continuation on training and held-out templates, with chance levels),
+   then edits (`score_edits`: the one call to swap for other edit metrics).
+5. Seeds: `per_seed` holds every metric of every seed, plus the paired differences STEM - dense; `summary`
+   holds mean and Student-t 95% interval over seeds of each (`stemlm.experiments.stats`).
+Writes OUT/results.json, OUT/results.md and OUT/knowledge.png; seed s's runs live under OUT/seed<s>/ (a
+finished seed is reused when the same command is rerun).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import random
+import shutil
 import time
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict, dataclass, field
@@ -30,24 +37,39 @@ from pathlib import Path
 import torch
 from tokenizers import Tokenizer
 
-from stemlm.accounting import training_flops_per_token
+from stemlm.accounting import active_parameters, total_parameters, training_flops_per_token
 from stemlm.config import ModelConfig
 from stemlm.data import EOT_TOKEN, embedded_texts, train_bpe
-from stemlm.edit.evaluate import evaluate_edits, summarize
-from stemlm.edit.report import format_edit_table
-from stemlm.edit.spans import entity_ids
 from stemlm.errors import StemlmError
-from stemlm.facts import edit_records, fact_documents, fact_prompts
+from stemlm.experiments.stats import summarize_seeds
+from stemlm.facts import fact_documents, fact_prompts
+
+# arm -> (FFN kind, budget matched to the dense reference, TrainConfig overrides, lr family). Add an arm here.
+ARMS: dict[str, tuple[str, str, dict, str]] = {
+    "dense": ("dense", "reference", {}, "dense"),
+    "stem": ("stem", "flops", {}, "stem"),
+    "stem_tokens": ("stem", "tokens", {}, "stem"),
+    "dense_embed": ("dense", "tokens", {"embed_like_tables": True}, "dense_embed"),
+}
+# The paired differences reported per seed: (name, arm, minus arm).
+CONTRASTS = (
+    ("stem-dense@flops", "stem", "dense"),
+    ("stem-dense@tokens", "stem_tokens", "dense"),
+    ("stem-dense_embed@tokens", "stem_tokens", "dense_embed"),
+)
 
 
 @dataclass
 class KnowledgeConfig:
     out: str = "runs/knowledge"
+    seeds: int = 3
+    arms: tuple[str, ...] = tuple(ARMS)
     relations: tuple[str, ...] = ("capital",)  # facts trained (and recall measured); edits use `edit_relation`
     edit_relation: str = "capital"
     fact_repeats: int = 30  # each training statement this many times (4 templates -> 120 exposures per fact)
     corpus_chars: int = 300_000  # characters of the embedded corpus mixed in (about 30% of the tokens)
     vocab_size: int = 3072
+    preset: str | None = None  # a model preset's shape (stemlm.presets) instead of the four fields below
     hidden_size: int = 128
     intermediate_size: int = 384
     num_hidden_layers: int = 4
@@ -55,14 +77,30 @@ class KnowledgeConfig:
     stem_layers: str = "odd"
     seq_len: int = 64
     batch_size: int = 16  # more, smaller steps: 16 x 320 recalled 75% (dense) where 32 x 160 recalled 1%
-    dense_steps: int = 320  # the STEM run gets the steps that match this run's training FLOPs
-    lr: float = 3e-3
-    seed: int = 0
+    dense_steps: int = 320  # the reference budget; the other arms match its FLOPs or its tokens
+    lr: float = 3e-3  # every arm's lr when there is no sweep
+    lr_sweep: tuple[float, ...] = (1e-3, 3e-3, 1e-2)  # per lr family; () skips the sweep
+    sweep_seed: int = 1000  # the seed of the sweep's runs (never a final seed)
+    seed: int = 0  # the first final seed; seed i of --seeds N is seed + i
+    device: str = "cpu"  # cpu | cuda | auto (the trainer's choice)
     edit_records: int = 100
     fluency_records: int = 10
-    parallel: bool = True  # train the two models in two processes (one thread each)
+    parallel: bool = True  # train two arms at once in two processes (one thread each)
     diagnostics: bool = True
     extra: dict = field(default_factory=dict)
+
+
+# The reduced budget of `--quick` (2 seeds of it take ~5 min on 2 idle cores; see the README).
+QUICK = dict(
+    seeds=2,
+    dense_steps=160,
+    fact_repeats=20,
+    corpus_chars=120_000,
+    edit_records=40,
+    fluency_records=0,
+    lr_sweep=(),
+    diagnostics=False,
+)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -91,16 +129,24 @@ def build_data(cfg: KnowledgeConfig, folder: Path) -> tuple[Tokenizer, Path]:
 
 
 def model_configs(cfg: KnowledgeConfig) -> dict[str, ModelConfig]:
-    base = ModelConfig(
-        vocab_size=cfg.vocab_size,
-        hidden_size=cfg.hidden_size,
-        intermediate_size=cfg.intermediate_size,
-        num_hidden_layers=cfg.num_hidden_layers,
-        num_attention_heads=cfg.num_attention_heads,
-        max_position_embeddings=max(256, cfg.seq_len),
-        ffn="stem",
-        stem_layers=cfg.stem_layers,
-    )
+    """{"dense", "stem"}: the configured shape (or the preset's), STEM in `stem_layers`, the tokenizer's vocab."""
+    if cfg.preset:
+        from stemlm.presets import get_preset
+
+        shape = get_preset(cfg.preset)
+        base = shape.replace(
+            vocab_size=cfg.vocab_size, max_position_embeddings=max(256, cfg.seq_len), tie_word_embeddings=False
+        )
+    else:
+        base = ModelConfig(
+            vocab_size=cfg.vocab_size,
+            hidden_size=cfg.hidden_size,
+            intermediate_size=cfg.intermediate_size,
+            num_hidden_layers=cfg.num_hidden_layers,
+            num_attention_heads=cfg.num_attention_heads,
+            max_position_embeddings=max(256, cfg.seq_len),
+        )
+    base = base.replace(ffn="stem", stem_layers=cfg.stem_layers)
     return {"dense": base.replace(ffn="dense"), "stem": base}
 
 
@@ -108,6 +154,31 @@ def matched_steps(configs: dict[str, ModelConfig], seq_len: int, dense_steps: in
     """Steps per model giving the same training FLOPs as `dense_steps` of the dense model (same tokens/step)."""
     dense = training_flops_per_token(configs["dense"], seq_len)
     return {name: round(dense_steps * dense / training_flops_per_token(c, seq_len)) for name, c in configs.items()}
+
+
+def arm_plan(cfg: KnowledgeConfig, configs: dict[str, ModelConfig]) -> dict[str, dict]:
+    """Per arm: kind, steps, tokens, training FLOPs, parameters and the matching rule (same tokens per step)."""
+    unknown = [a for a in cfg.arms if a not in ARMS]
+    if unknown or "dense" not in cfg.arms or "stem" not in cfg.arms:
+        raise StemlmError(f"arms must include dense and stem, from {', '.join(ARMS)}; got {','.join(cfg.arms)}")
+    flops_steps = matched_steps(configs, cfg.seq_len, cfg.dense_steps)
+    plan = {}
+    for arm in cfg.arms:
+        kind, match, overrides, family = ARMS[arm]
+        steps = flops_steps[kind] if match == "flops" else cfg.dense_steps
+        tokens = steps * cfg.seq_len * cfg.batch_size
+        plan[arm] = {
+            "kind": kind,
+            "match": match,
+            "family": family,
+            "overrides": overrides,
+            "steps": steps,
+            "tokens": tokens,
+            "train_flops": training_flops_per_token(configs[kind], cfg.seq_len) * tokens,
+            "params_total": total_parameters(configs[kind]),
+            "params_active": active_parameters(configs[kind])["backbone"],
+        }
+    return plan
 
 
 def _train(name: str, model_config: dict, train_fields: dict, tokenizer_json: str) -> dict:
@@ -124,24 +195,26 @@ def _train(name: str, model_config: dict, train_fields: dict, tokenizer_json: st
     return {"name": name, **trainer.fit()}
 
 
-def train_models(cfg: KnowledgeConfig, configs, steps, tokenizer, data: Path, runs: Path) -> dict[str, dict]:
+def train_arms(cfg, configs, plan, lrs, seed, tokenizer, data: Path, runs: Path) -> dict[str, dict]:
+    """Train every arm of `plan` (lr from `lrs[family]`) on `data`; returns each run's fit summary by arm."""
     jobs = []
-    for name, config in configs.items():
+    for arm, p in plan.items():
         fields = dict(
-            out=str(runs / name),
+            out=str(runs / arm),
             data=[str(data)],
             seq_len=cfg.seq_len,
             batch_size=cfg.batch_size,
-            steps=steps[name],
-            lr=cfg.lr,
-            seed=cfg.seed,
+            steps=p["steps"],
+            lr=lrs[p["family"]],
+            seed=seed,
             eval_every=0,
-            threads=1,
-            device="cpu",
+            threads=1 if cfg.parallel else None,
+            device=cfg.device,
+            **p["overrides"],
         )
-        jobs.append((name, config.to_dict(), fields, tokenizer.to_str()))
-    if cfg.parallel:
-        with ProcessPoolExecutor(max_workers=len(jobs), mp_context=get_context("spawn")) as pool:
+        jobs.append((arm, configs[p["kind"]].to_dict(), fields, tokenizer.to_str()))
+    if cfg.parallel and len(jobs) > 1:
+        with ProcessPoolExecutor(max_workers=2, mp_context=get_context("spawn")) as pool:
             results = list(pool.map(_train, *zip(*jobs, strict=True)))
     else:
         results = [_train(*job) for job in jobs]
@@ -155,6 +228,7 @@ def train_models(cfg: KnowledgeConfig, configs, steps, tokenizer, data: Path, ru
 def greedy_matches(model, pairs: list[tuple[list[int], list[int]]], batch_size: int = 128) -> list[bool]:
     """For each (prompt ids, answer ids): does greedy decoding reproduce the answer exactly? Teacher-forced
     argmax over the answer positions, which is the greedy continuation as long as every token matches."""
+    device = next(model.parameters()).device
     out = []
     for start in range(0, len(pairs), batch_size):
         chunk = pairs[start : start + batch_size]
@@ -162,7 +236,7 @@ def greedy_matches(model, pairs: list[tuple[list[int], list[int]]], batch_size: 
         ids = torch.zeros(len(chunk), width, dtype=torch.long)
         for b, (p, a) in enumerate(chunk):
             ids[b, : len(p) + len(a)] = torch.tensor(p + a)
-        pred = model(ids).logits.argmax(-1)
+        pred = model(ids.to(device)).logits.argmax(-1).cpu()
         for b, (p, a) in enumerate(chunk):
             out.append(bool((pred[b, len(p) - 1 : len(p) - 1 + len(a)] == torch.tensor(a)).all()))
     return out
@@ -182,246 +256,131 @@ def fact_recall(model, tokenizer: Tokenizer, relations: tuple[str, ...]) -> dict
     return result
 
 
-def _length_groups(tokenizer: Tokenizer, records, vocab: int) -> dict[str, list]:
-    groups: dict[str, list] = {"equal": [], "source_longer": [], "target_longer": []}
-    for r in records:
-        s = len(entity_ids(tokenizer, r.subject, vocab_size=vocab))
-        t = len(entity_ids(tokenizer, r.target_subject, vocab_size=vocab))
-        groups["equal" if s == t else "source_longer" if s > t else "target_longer"].append(r)
-    return groups
+def recall_chance(relations: tuple[str, ...]) -> float:
+    """Chance of exact recall by a model that knows the answer set but not the facts: 1 / distinct answers
+    (mean over relations), the rate of guessing uniformly among the relation's possible objects."""
+    prompts = fact_prompts("train", relations)
+    rates = [1 / len({p.answer for p in prompts if p.relation == rel}) for rel in relations]
+    return sum(rates) / len(rates)
 
 
-def edit_results(cfg: KnowledgeConfig, models: dict, tokenizer: Tokenizer, log) -> dict:
-    records = edit_records(cfg.edit_relation, cfg.edit_records or None, seed=cfg.seed)
-    stem, dense = models["stem"], models["dense"]
-    caches: dict[str, dict] = {"stem": {}, "dense": {}}  # unedited scores, shared by every variant of a model
-    common = dict(fluency_records=cfg.fluency_records)
-    variants = {}
-    for rows in ("stem", "embed", "both"):
-        log(f"edits: STEM model, {rows} rows")
-        variants[f"stem-{rows}"] = evaluate_edits(
-            stem, tokenizer, records, rows=rows, cache=caches["stem"], details=True, **common
-        )
-    log("edits: dense control, embedding rows")
-    variants["dense-embed"] = evaluate_edits(dense, tokenizer, records, rows="embed", cache=caches["dense"], **common)
-    result = {"records": len(records), "variants": variants, "by_length": by_length(tokenizer, stem, variants)}
-    if cfg.diagnostics:
-        result["diagnostics"] = diagnostics(cfg, stem, tokenizer, records, caches["stem"], log)
+def score_edits(cfg: KnowledgeConfig, models: dict, tokenizer: Tokenizer, log) -> dict:
+    """The edit metrics of one seed's models: the single call to swap when the edit metrics change."""
+    from stemlm.experiments.knowledge_edits import edit_results
+
+    return edit_results(cfg, models, tokenizer, log)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# one seed, the sweep, the whole experiment
+# ----------------------------------------------------------------------------------------------------------
+def _arm_row(p: dict, fit: dict, lr: float, table_lr_scale: float) -> dict:
+    table_lr = lr * table_lr_scale
+    return {
+        **{k: p[k] for k in ("steps", "tokens", "train_flops", "params_total", "params_active")},
+        "lr": lr,
+        "table_lr": table_lr if p["kind"] == "stem" else None,
+        "embed_lr": table_lr if p["overrides"].get("embed_like_tables") else lr,
+        "train_loss": fit["train_loss"],
+        "heldout_loss": fit["heldout_loss"],
+        "train_s": fit["train_time_s"],
+    }
+
+
+def run_seed(cfg: KnowledgeConfig, seed: int, lrs: dict[str, float], folder: Path, log, edits: bool = True) -> dict:
+    """Train every arm at `seed`, measure recall (and edits); one `per_seed` entry (also OUT/seed<s>/seed.json)."""
+    from stemlm.runs import load_checkpoint
+    from stemlm.train import TrainConfig
+
+    scfg = dataclasses.replace(cfg, seed=seed)
+    saved = folder / "seed.json"
+    key = {"config": asdict(scfg), "lrs": lrs, "edits": edits}
+    if saved.is_file():
+        previous = json.loads(saved.read_text())
+        if previous.get("key") == json.loads(json.dumps(key)):
+            log(f"seed {seed}: reused from {saved}")
+            return previous["result"]
+    shutil.rmtree(folder / "runs", ignore_errors=True)  # an unfinished seed of an interrupted run starts over
+    tokenizer, data = build_data(scfg, folder / "data")
+    configs = model_configs(scfg)
+    plan = arm_plan(scfg, configs)
+    log(f"seed {seed}: training " + ", ".join(f"{a} ({p['steps']} steps)" for a, p in plan.items()) + " ...")
+    fits = train_arms(scfg, configs, plan, lrs, seed, tokenizer, data, folder / "runs")
+    models = {arm: load_checkpoint(fits[arm]["checkpoint"])[0].eval() for arm in plan}
+    scale = TrainConfig().table_lr_scale
+    arms = {arm: _arm_row(p, fits[arm], lrs[p["family"]], scale) for arm, p in plan.items()}
+    for arm, model in models.items():
+        arms[arm]["recall"] = fact_recall(model, tokenizer, cfg.relations)
+    result = {"seed": seed, "arms": arms, "diff": contrasts(arms)}
+    if edits:
+        result["edits"] = score_edits(scfg, models, tokenizer, log)
+    saved.write_text(json.dumps({"key": key, "result": result}, indent=1, default=str))
     return result
 
 
-def by_length(tokenizer: Tokenizer, stem, variants: dict) -> dict:
-    """The STEM-model variants split by name lengths: single-token pairs, other equal lengths, mismatches."""
+def contrasts(arms: dict[str, dict]) -> dict[str, dict]:
+    """Paired per-seed differences (arm - other) of held-out loss and recall, for every contrast both ran."""
     out = {}
-    for name, result in variants.items():
-        details = result.pop("details", None)
-        if not details:
-            continue
-        kinds: dict[str, list] = {}
-        for row in details:
-            s = len(entity_ids(tokenizer, row["subject"], vocab_size=stem.config.vocab_size))
-            t = len(entity_ids(tokenizer, row["target_subject"], vocab_size=stem.config.vocab_size))
-            kind = "1->1" if s == t == 1 else "equal" if s == t else "source_longer" if s > t else "target_longer"
-            kinds.setdefault(kind, []).append(row)
-        out.update({f"{name}:{kind}": summarize(rows) for kind, rows in sorted(kinds.items())})
+    for name, arm, other in CONTRASTS:
+        if arm in arms and other in arms:
+            a, b = arms[arm], arms[other]
+            out[name] = {
+                "heldout_loss": a["heldout_loss"] - b["heldout_loss"],
+                "recall_train": a["recall"]["train"]["recall"] - b["recall"]["train"]["recall"],
+                "recall_heldout": a["recall"]["heldout"]["recall"] - b["recall"]["heldout"]["recall"],
+            }
     return out
 
 
-def diagnostics(cfg: KnowledgeConfig, stem, tokenizer: Tokenizer, records, cache: dict, log) -> dict:
-    """Where the fact lives and which strategy works: single STEM layers, global mode, mismatch strategies."""
-    quick = dict(fluency_tokens=0, cache=cache)
-    out: dict = {"layers": {}, "mismatch": {}}
-    for layer in sorted(stem.stem_tables()):
-        for rows in ("stem", "both"):
-            log(f"diagnostics: layer {layer}, {rows} rows")
-            out["layers"][f"layer{layer}-{rows}"] = evaluate_edits(
-                stem, tokenizer, records, rows=rows, layers=[layer], **quick
-            )
-    log("diagnostics: global (table) edits")
-    out["global-stem"] = evaluate_edits(stem, tokenizer, records, rows="stem", mode="global", **quick)
-    out["global-both"] = evaluate_edits(stem, tokenizer, records, rows="both", mode="global", **quick)
-    everything = edit_records(cfg.edit_relation, None, seed=cfg.seed)
-    groups = _length_groups(tokenizer, everything, stem.config.vocab_size)
-    out["length_groups"] = {k: len(v) for k, v in groups.items()}
-    plans = {
-        "source_longer": [
-            ("copy", "source"),
-            ("left_pad", "source"),
-            ("left_pad", "eot"),
-            ("left_pad", "zero"),
-            ("right_pad", "source"),
-        ],
-        "target_longer": [("subset", "source"), ("average", "source")],
-    }
-    for group, settings in plans.items():
-        for strategy, pad in settings:
-            if not groups[group]:
-                continue
-            log(f"diagnostics: {group}, {strategy}/{pad}")
-            out["mismatch"][f"{group}:{strategy}:{pad}"] = evaluate_edits(
-                stem, tokenizer, groups[group], rows="stem", strategy=strategy, pad=pad, **quick
-            )
-    out["row_norms"] = row_norms(stem, tokenizer, groups["target_longer"])
-    return out
+def lr_sweep(cfg: KnowledgeConfig, out: Path, log) -> dict:
+    """Each lr family's sweep at `sweep_seed` (every value of `lr_sweep`); best = lowest held-out loss."""
+    families: dict[str, str] = {}  # lr family -> the first listed arm of it (stem: the FLOP-matched run)
+    for arm in cfg.arms:
+        families.setdefault(ARMS[arm][3], arm)
+    trials: dict[str, dict[str, dict]] = {f: {} for f in families}
+    for lr in cfg.lr_sweep:
+        sub = dataclasses.replace(cfg, arms=tuple(families.values()))
+        result = run_seed(sub, cfg.sweep_seed, dict.fromkeys(families, lr), out / f"lr{lr:g}", log, edits=False)
+        for family, arm in families.items():
+            r = result["arms"][arm]
+            trials[family][f"{lr:g}"] = {
+                "lr": lr,
+                "heldout_loss": r["heldout_loss"],
+                "recall_train": r["recall"]["train"]["recall"],
+                "recall_heldout": r["recall"]["heldout"]["recall"],
+            }
+    best = {f: min(t.values(), key=lambda r: r["heldout_loss"])["lr"] for f, t in trials.items()}
+    return {"seed": cfg.sweep_seed, "criterion": "held-out loss (natural text)", "trials": trials, "best": best}
 
 
-@torch.no_grad()
-def row_norms(stem, tokenizer: Tokenizer, records) -> dict:
-    """Mean L2 norm, per STEM layer, of single target rows vs the averaged rows `average` would use."""
-    out = {}
-    for layer, table in stem.stem_tables().items():
-        single, averaged = [], []
-        for r in records:
-            ids = entity_ids(tokenizer, r.target_subject, vocab_size=stem.config.vocab_size)
-            rows = table.weight[ids]
-            single += rows.norm(dim=-1).tolist()
-            averaged.append(float(rows.mean(0).norm()))
-        if single:
-            out[str(layer)] = {"single_row": sum(single) / len(single), "averaged": sum(averaged) / len(averaged)}
-    return out
-
-
-# ----------------------------------------------------------------------------------------------------------
-# the whole experiment
-# ----------------------------------------------------------------------------------------------------------
 def run_knowledge(cfg: KnowledgeConfig, log=print) -> dict:
-    from stemlm.runs import load_checkpoint
+    """The whole experiment over `cfg.seeds` seeds; writes and returns {config, sweep, per_seed, summary, ...}."""
+    from stemlm.experiments.knowledge_report import write_report
 
+    if cfg.seeds < 1:
+        raise StemlmError(f"--seeds must be at least 1, got {cfg.seeds}")
+    if cfg.dense_steps < 1:
+        raise StemlmError(f"--steps must be positive, got {cfg.dense_steps}")
+    if cfg.sweep_seed in range(cfg.seed, cfg.seed + cfg.seeds):
+        raise StemlmError(f"sweep_seed {cfg.sweep_seed} is one of the final seeds; choose another")
     start = time.perf_counter()
     out = Path(cfg.out)
-    if (out / "runs").exists() and any((out / "runs").iterdir()):
-        raise StemlmError(f"{out}/runs already holds training runs; choose another --out or delete it")
-    tokenizer, data = build_data(cfg, out / "data")
-    configs = model_configs(cfg)
-    steps = matched_steps(configs, cfg.seq_len, cfg.dense_steps)
-    flops = {
-        n: training_flops_per_token(c, cfg.seq_len) * steps[n] * cfg.seq_len * cfg.batch_size
-        for n, c in configs.items()
-    }
-    log(f"training dense ({steps['dense']} steps) and STEM ({steps['stem']} steps) at matched FLOPs ...")
-    training = train_models(cfg, configs, steps, tokenizer, data, out / "runs")
-    models = {name: load_checkpoint(training[name]["checkpoint"])[0] for name in configs}
-    log("fact recall ...")
-    recall = {name: fact_recall(m, tokenizer, cfg.relations) for name, m in models.items()}
-    edits = edit_results(cfg, models, tokenizer, log)
-    single = sum(len(entity_ids(tokenizer, c.name)) == 1 for c in _countries())
+    families = {ARMS[a][3] for a in cfg.arms}
+    sweep = lr_sweep(cfg, out / "sweep", log) if cfg.lr_sweep else None
+    lrs = {f: sweep["best"][f] if sweep else cfg.lr for f in families}
+    per_seed = []
+    for i in range(cfg.seeds):
+        seed = cfg.seed + i
+        per_seed.append(run_seed(cfg, seed, lrs, out / f"seed{seed}", log))
     results = {
         "config": asdict(cfg),
-        "steps": steps,
-        "training_flops": flops,
-        "training": {n: {k: v for k, v in r.items() if k != "name"} for n, r in training.items()},
-        "single_token_country_names": single,
-        "recall": recall,
-        "edits": edits,
+        "interval": "Student t over seeds (stemlm.experiments.stats)",
+        "recall_chance": recall_chance(cfg.relations),
+        "lrs": lrs,
+        "sweep": sweep,
+        "per_seed": per_seed,
+        "summary": summarize_seeds([{k: v for k, v in s.items() if k != "seed"} for s in per_seed]),
         "wall_s": time.perf_counter() - start,
     }
     write_report(results, out)
-    log(recall_table(results))
     return results
-
-
-# ----------------------------------------------------------------------------------------------------------
-# report
-# ----------------------------------------------------------------------------------------------------------
-def _cell(value) -> str:
-    return f"{value:.3f}" if isinstance(value, float) else "-" if value is None else str(value)
-
-
-def markdown_table(header: list[str], rows: list[list]) -> str:
-    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    return "\n".join(lines + ["| " + " | ".join(_cell(v) for v in row) + " |" for row in rows])
-
-
-def edit_table(summaries: dict[str, dict]) -> str:
-    return format_edit_table(summaries)
-
-
-def recall_table(results: dict) -> str:
-    rows = []
-    for name, r in results["recall"].items():
-        t = results["training"][name]
-        rows.append(
-            [
-                name,
-                results["steps"][name],
-                f"{results['training_flops'][name]:.3g}",
-                t["tokens_seen"],
-                t["train_loss"],
-                t["heldout_loss"],
-                r["train"]["recall"],
-                r["heldout"]["recall"],
-                t["train_time_s"],
-            ]
-        )
-    header = [
-        "model",
-        "steps",
-        "train FLOPs",
-        "tokens",
-        "train loss",
-        "held-out loss",
-        "recall (train tpl)",
-        "recall (held-out tpl)",
-        "train s",
-    ]
-    return markdown_table(header, rows)
-
-
-def write_report(results: dict, out: Path) -> None:
-    """OUT/results.json (everything) and OUT/results.md (the tables)."""
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "results.json").write_text(json.dumps(results, indent=2, default=str) + "\n")
-    edits = results["edits"]
-    parts = [
-        "# Knowledge experiment: dense vs STEM at matched training FLOPs",
-        "",
-        f"Wall time {results['wall_s']:.0f} s; {results['single_token_country_names']} of "
-        f"{len(_countries())} country names are single tokens.",
-        "",
-        "## Training and fact recall (exact greedy continuation)",
-        "",
-        recall_table(results),
-        "",
-        f"## Positional edits ({edits['records']} {results['config']['edit_relation']} records)",
-        "",
-        edit_table(edits["variants"]),
-        "",
-        "## The STEM model's edits by name lengths (1->1: both names single tokens)",
-        "",
-        edit_table(edits["by_length"]),
-        "",
-    ]
-    diag = edits.get("diagnostics")
-    if diag:
-        parts += [
-            "## Diagnostics: one STEM layer at a time, and global (table) edits",
-            "",
-            edit_table({**diag["layers"], "global-stem": diag["global-stem"], "global-both": diag["global-both"]}),
-            "",
-            f"## Length mismatch strategies (STEM rows; groups {diag['length_groups']})",
-            "",
-            edit_table(diag["mismatch"]),
-            "",
-            "Mean row norms of the targets' single rows vs their averaged rows, per STEM layer: "
-            + "; ".join(
-                f"layer {k}: {v['single_row']:.3f} vs {v['averaged']:.3f}" for k, v in diag["row_norms"].items()
-            ),
-            "",
-        ]
-    (out / "results.md").write_text("\n".join(parts))
-
-
-def _countries():
-    from stemlm.facts import load_countries
-
-    return load_countries()
-
-
-if __name__ == "__main__":
-    import argparse
-
-    parser = argparse.ArgumentParser(description="dense vs STEM knowledge experiment")
-    parser.add_argument("--out", default=KnowledgeConfig.out, help="output folder")
-    parser.add_argument("--steps", type=int, default=KnowledgeConfig.dense_steps, help="dense training steps")
-    a = parser.parse_args()
-    run_knowledge(KnowledgeConfig(out=a.out, dense_steps=a.steps))
