@@ -89,3 +89,16 @@ def test_convert_cli_init_calib(tmp_path, capsys):
     )
     assert main([*args[:-1], str(tmp_path / "s2"), "--init", "calib", "--calibration-tokens", "1"]) == 2
     assert "--calibration-tokens must be at least 2" in capsys.readouterr().err
+
+
+def test_convert_cli_adapter(tmp_path, capsys):
+    dense = make_tiny_model("dense")
+    save_pretrained(dense, tmp_path / "dense")
+    args = ["convert", "--from-dense", str(tmp_path / "dense"), "--stem-layers", "1", "--out", str(tmp_path / "a")]
+    assert main([*args, "--retrofit", "adapter", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["config"]["ffn"] == "stem_adapter"
+    model = from_pretrained(tmp_path / "a")
+    ids = torch.tensor([[1, 2, 3, 4]])
+    with torch.no_grad():
+        model.model.layers[1].mlp.adapter_gate.fill_(-100.0)
+        torch.testing.assert_close(model(ids).logits, dense(ids).logits)

@@ -60,6 +60,9 @@ def _layer(config: ModelConfig, layer_idx: int) -> tuple[dict[str, int], dict[st
     elif kind in ("stem", "stem_gate"):  # gate + down (stem) or up + down (stem_gate); the table replaces the third
         params["stem_proj"] = used["stem_proj"] = 2 * d * f
         params["stem_tables"], row = V * f, f
+    elif kind == "stem_adapter":  # the dense SwiGLU kept whole, plus the table and per-channel gate logits
+        params["ffn_dense"] = used["ffn_dense"] = 3 * d * f + f
+        params["stem_tables"], row = V * f, f
     elif kind == "moe":
         expert = 3 * d * config.expert_size
         params["moe_router"] = used["moe_router"] = d * config.num_experts

@@ -16,9 +16,11 @@ from typing import Any
 
 from stemlm.errors import StemlmError
 
-FFN_KINDS = ("dense", "stem", "stem_gate", "moe", "hash_moe", "ple", "stem_ngram", "engram", "memory")
+FFN_KINDS = (
+    "dense", "stem", "stem_gate", "moe", "hash_moe", "ple", "stem_ngram", "engram", "memory", "stem_adapter"
+)  # fmt: skip
 # Kinds whose layers own a token-indexed table (they need the input ids at every position).
-TABLE_KINDS = ("stem", "stem_gate", "ple", "stem_ngram")
+TABLE_KINDS = ("stem", "stem_gate", "ple", "stem_ngram", "stem_adapter")
 LAYER_SPECS = ("all", "all-but-first", "odd", "even", "half", "none")
 MODEL_TYPE = "stemlm"
 _POSITIVE_INTS = (

@@ -92,12 +92,13 @@ def convert_checkpoint(
     init: str = "embed",
     calibration: list[str] | None = None,
     calibration_tokens: int = 32768,
+    adapter: bool = False,
 ) -> Path:
     """Retrofit the dense model at `source` and save it, tokenizer included, as a stemlm checkpoint at `out`.
 
     `init` picks the tables' start (see `stemlm.retrofit`): "embed" (E · W_upᵀ), "normed", or "calib" (the FFN
     inputs seen on the first `calibration_tokens` tokens of the `calibration` files; default: the embedded
-    corpus' train split).
+    corpus' train split). `adapter` keeps W_up and blends it with the table by a learned gate (`stem_adapter`).
 
     An existing non-empty `out` is refused unless `force` and it is an earlier output of `stemlm convert`;
     `out` is never the source nor a folder holding it (`stemlm.safe_write.check_target`).
@@ -112,6 +113,10 @@ def convert_checkpoint(
 
         ids = calibration_ids(tokenizer, calibration, calibration_tokens) if init == "calib" else None
         stem = retrofit(dense, stem_layers_spec, init, ids)
+    if adapter:
+        from stemlm.retrofit import adapter_from
+
+        stem = adapter_from(dense, stem)
     return save_pretrained(stem, out, tokenizer=tokenizer, **guard)
 
 

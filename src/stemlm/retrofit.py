@@ -15,6 +15,10 @@ table can stand in for W_up h at layer 0 and not deeper.
 
     from stemlm.retrofit import retrofit
     stem = retrofit(dense, "0", init="calib", calibration_ids=ids)
+    adapter = adapter_from(dense, stem)        # ffn "stem_adapter": W_up x and U[t] blended by a learned gate
+
+`adapter_from` builds the official code's adapter variant (`stemlm.model.adapter`): the dense layer kept whole
+and blended per channel with the table, the blend starting near 0, so the retrofit starts at the dense model.
 """
 
 from __future__ import annotations
@@ -126,6 +130,25 @@ def retrofit(
         weight = stem.model.layers[i].mlp.stem_embedding.weight
         weight.copy_(table.to(weight.dtype))
     return stem
+
+
+@torch.no_grad()
+def adapter_from(dense: StemLM, stem: StemLM) -> StemLM:
+    """The `stem_adapter` model: every dense weight kept (up_proj included), `stem`'s tables, gate logits 0."""
+    layers = sorted(stem.stem_tables())
+    config = dense.config.replace(ffn="stem_adapter", stem_layers=layers)
+    state = {k: v.clone() for k, v in dense.state_dict().items()}
+    for i in layers:
+        state[f"model.layers.{i}.mlp.stem_embedding.weight"] = stem.model.layers[i].mlp.stem_embedding.weight.clone()
+        state[f"model.layers.{i}.mlp.adapter_gate"] = torch.zeros(config.intermediate_size)
+    if config.tie_word_embeddings:
+        state["lm_head.weight"] = state["model.embed_tokens.weight"]
+    with torch.device("meta"):
+        model = StemLM(config)
+    model.load_state_dict(state, assign=True)
+    model.tie_weights()
+    model.reset_buffers(dense.model.embed_tokens.weight.device)
+    return model.train(dense.training)
 
 
 @torch.no_grad()

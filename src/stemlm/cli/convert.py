@@ -44,6 +44,7 @@ def run(args) -> int:
         init=args.init,
         calibration=args.calibration,
         calibration_tokens=args.calibration_tokens,
+        adapter=args.retrofit == "adapter",
     )
     config = load_config(out)
     if args.json:
@@ -71,6 +72,13 @@ def register(subparsers) -> None:
         "--stem-layers",
         metavar="SPEC",
         help="(--from-dense) layers to turn into STEM layers: all, all-but-first, odd, even, half, every:K or 1,3,5",
+    )
+    p.add_argument(
+        "--retrofit",
+        choices=("table", "adapter"),
+        default="table",
+        help="(--from-dense) table: U replaces W_up (default); adapter: W_up x and U[t] blended per channel by a "
+        "learned gate starting near 0 (ffn stem_adapter, the official code's adapter variant)",
     )
     p.add_argument(
         "--init",

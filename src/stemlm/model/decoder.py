@@ -17,6 +17,7 @@ from torch import nn
 
 from stemlm.config import ModelConfig
 from stemlm.errors import StemlmError
+from stemlm.model.adapter import StemAdapterFFN
 from stemlm.model.attention import Attention, KVCache, RMSNorm, RotaryEmbedding, build_attention_mask
 from stemlm.model.decoding_state import fill_lookup_context
 from stemlm.model.engram import EngramFFN
@@ -55,7 +56,7 @@ def build_ffn(config: ModelConfig, layer_idx: int) -> nn.Module:
     if kind == "dense":
         return DenseFFN(config.hidden_size, config.intermediate_size)
     kinds = {"stem": StemFFN, "stem_gate": StemGateFFN, "ple": PLEFFN, "moe": MoEFFN, "hash_moe": HashMoEFFN}
-    kinds.update(stem_ngram=StemNgramFFN, engram=EngramFFN, memory=MemoryFFN)
+    kinds.update(stem_ngram=StemNgramFFN, engram=EngramFFN, memory=MemoryFFN, stem_adapter=StemAdapterFFN)
     return kinds[kind](config, layer_idx)
 
 

@@ -51,8 +51,9 @@ def split_parameters(model: StemLM) -> dict[str, list[nn.Parameter]]:
 
 
 def freeze_backbone(model: StemLM) -> None:
-    """`--train tables`: every parameter but the token tables stops learning (requires_grad False)."""
+    """`--train tables`: every parameter but the token tables (and adapter gates) stops learning."""
     keep = {id(p) for p in split_parameters(model)["tables"]}
+    keep |= {id(p) for name, p in model.named_parameters() if name.endswith("adapter_gate")}  # the blend learns too
     if not keep:
         raise StemlmError("--train tables needs a model with token tables (e.g. one from `stemlm convert`)")
     for param in model.parameters():
