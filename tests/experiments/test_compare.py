@@ -193,3 +193,15 @@ def _get(d, path):
     for key in path:
         d = d[key]
     return d
+
+
+def test_planned_flops_count_every_distinct_run_and_the_sweep():
+    from stemlm.experiments.compare import planned_flops
+
+    cfg = CompareConfig(budget="5000", kinds=("dense", "stem"), seeds=3, lr_sweep=(1e-3, 3e-3), **SMALL)
+    configs = model_configs(cfg, TOK)
+    plans = {"flops": plan_steps(cfg, configs, "flops"), "tokens": plan_steps(cfg, configs, "tokens")}
+    step = {k: _training_flops_per_step(c, cfg) for k, c in configs.items()}
+    runs = step["dense"] * 5000 + step["stem"] * (plans["flops"]["stem"] + 5000)  # dense is one run for both
+    sweep = 2 * (step["dense"] * 5000 + step["stem"] * plans["flops"]["stem"])
+    assert planned_flops(cfg, configs, plans) == pytest.approx(3 * runs + sweep, rel=1e-9)

@@ -169,3 +169,16 @@ def test_experiment_and_eval_groups_print_help_without_a_subcommand(capsys):
     assert "knowledge" in capsys.readouterr().out
     assert main(["eval"]) == 2
     assert "edits" in capsys.readouterr().out
+
+
+def test_planned_flops_count_every_arm_and_the_sweep():
+    from stemlm.experiments.knowledge import planned_flops
+
+    cfg = KnowledgeConfig(dense_steps=100, seeds=2, lr_sweep=(1e-3, 1e-2, 3e-2))
+    configs = model_configs(cfg)
+    per_token = {k: training_flops_per_token(c, cfg.seq_len) for k, c in configs.items()}
+    tokens = 100 * cfg.batch_size * cfg.seq_len
+    stem_flops = per_token["stem"] * matched_steps(configs, cfg.seq_len, 100)["stem"] * cfg.batch_size * cfg.seq_len
+    seed = per_token["dense"] * tokens * 2 + stem_flops + per_token["stem"] * tokens  # dense, dense_embed, 2 STEM
+    sweep = per_token["dense"] * tokens * 2 + stem_flops  # dense, dense_embed, stem (FLOP-matched) per lr
+    assert planned_flops(cfg) == pytest.approx(2 * seed + 3 * sweep, rel=1e-9)

@@ -353,6 +353,14 @@ def lr_sweep(cfg: KnowledgeConfig, out: Path, log) -> dict:
     return {"seed": cfg.sweep_seed, "criterion": "held-out loss (natural text)", "trials": trials, "best": best}
 
 
+def planned_flops(cfg: KnowledgeConfig) -> float:
+    """Training FLOPs of the whole experiment: every arm of every seed, plus the sweep's runs (one arm per lr
+    family and lr); the cost estimate printed before training."""
+    plan = arm_plan(cfg, model_configs(cfg))
+    families = {p["family"]: p["train_flops"] for p in reversed(plan.values())}  # the first arm of each family
+    return cfg.seeds * sum(p["train_flops"] for p in plan.values()) + len(cfg.lr_sweep) * sum(families.values())
+
+
 def run_knowledge(cfg: KnowledgeConfig, log=print) -> dict:
     """The whole experiment over `cfg.seeds` seeds; writes and returns {config, sweep, per_seed, summary, ...}."""
     from stemlm.experiments.knowledge_report import write_report
@@ -365,6 +373,7 @@ def run_knowledge(cfg: KnowledgeConfig, log=print) -> dict:
         raise StemlmError(f"sweep_seed {cfg.sweep_seed} is one of the final seeds; choose another")
     start = time.perf_counter()
     out = Path(cfg.out)
+    log(f"knowledge: planned training FLOPs {planned_flops(cfg):.3g} ({cfg.seeds} seed(s) and the lr sweep)")
     families = {ARMS[a][3] for a in cfg.arms}
     sweep = lr_sweep(cfg, out / "sweep", log) if cfg.lr_sweep else None
     lrs = {f: sweep["best"][f] if sweep else cfg.lr for f in families}
