@@ -117,8 +117,48 @@ def _worker(rank: int, world: int, port: int, root, assets) -> None:
     poison = lambda step, loss: loss * float("nan") if step == 2 and rank == 1 else loss
     cfg = train_config(assets, root / "nan", steps=3, eval_every=0, save_every=0, parallel="fsdp")
     skipped = DistributedTrainer(model_config("stem"), cfg, fault_injection=poison, progress=False).fit()
-    torch.save({**_layout_check(rank), "skipped": skipped["skipped_steps"]}, root / f"checks{rank}.pt")
+    counts = {accum: _step_counts(assets, root, accum) for accum in (1, 3)}
+    checks = {**_layout_check(rank), "skipped": skipped["skipped_steps"], "counts": counts}
+    torch.save(checks, root / f"checks{rank}.pt")
     destroy_distributed()
+
+
+COLLECTIVES = ("all_reduce", "all_to_all_single", "all_gather", "broadcast", "barrier")
+
+
+def _step_counts(assets, root, accum: int) -> dict[str, int]:
+    """Collectives called from Python and tensor value reads in one steady-state stem-ddp step (on this rank)."""
+    import torch.distributed as dist
+
+    from stemlm.train.distributed import DistributedTrainer
+
+    cfg = train_config(assets, root / f"count{accum}", steps=3, grad_accum=accum, eval_every=0, save_every=0)
+    trainer = DistributedTrainer(model_config("stem"), cfg, progress=False)
+    trainer.train_step()
+    host_counters = {id(s["step"]) for opt in trainer.optimizers for s in opt.state.values() if "step" in s}
+    counts = {"collectives": 0, "reads": 0}
+    originals = {name: getattr(dist, name) for name in COLLECTIVES}
+    originals.update(item=torch.Tensor.item, tolist=torch.Tensor.tolist)
+    patch = pytest.MonkeyPatch()
+    for name in COLLECTIVES:
+
+        def collective(*args, _name=name, **kwargs):
+            counts["collectives"] += 1
+            return originals[_name](*args, **kwargs)
+
+        patch.setattr(dist, name, collective)
+    for name in ("item", "tolist"):
+
+        def read(self, *args, _name=name, **kwargs):
+            counts["reads"] += id(self) not in host_counters  # AdamW's host step counters are not device reads
+            return originals[_name](self, *args, **kwargs)
+
+        patch.setattr(torch.Tensor, name, read)
+    try:
+        trainer.train_step()
+    finally:
+        patch.undo()
+    return counts
 
 
 @pytest.fixture(scope="module")
@@ -126,7 +166,13 @@ def runs(dist_assets, tmp_path_factory):
     root = tmp_path_factory.mktemp("dist_runs")
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("STEMLM_CACHE", str(dist_assets["cache"]))
-        prepare([dist_assets["data"]], load_tokenizer(dist_assets["tokenizer"]), root / "shards", heldout_fraction=0.3, progress=False)
+        prepare(
+            [dist_assets["data"]],
+            load_tokenizer(dist_assets["tokenizer"]),
+            root / "shards",
+            heldout_fraction=0.3,
+            progress=False,
+        )
         for name, (ffn, _) in FITS.items():
             Trainer(model_config(ffn), fit_config(dist_assets, root, "one", name), progress=False).fit()
         # fork: the ranks inherit the imported modules (a fresh interpreter costs ~10 s on a loaded machine).
@@ -223,6 +269,19 @@ def test_a_non_finite_loss_on_one_rank_skips_the_step_on_all(runs):
     records = train_records(runs / "nan")
     assert [r["skipped"] for r in records] == [False, True, False]
     assert records[1]["loss"] is None  # the global mean includes rank 1's NaN
+
+
+@pytest.mark.dist
+def test_collectives_and_reads_per_micro_batch_and_per_step(runs):
+    for rank in range(2):
+        counts = torch.load(runs / f"checks{rank}.pt")["counts"]
+        per_micro = {k: (counts[3][k] - counts[1][k]) / 2 for k in ("collectives", "reads")}
+        per_step = {k: counts[1][k] - per_micro[k] for k in ("collectives", "reads")}
+        # Per micro-batch: the table exchange (request counts, ids, rows forward, gradients backward) and the one
+        # read of the request counts. Per step: one all_reduce of every micro-batch's loss and finiteness, one in
+        # the clip (the sharded tables' squared norm), one of the logged table traffic; a read of each.
+        assert per_micro == {"collectives": 4, "reads": 1}, counts
+        assert per_step == {"collectives": 3, "reads": 3}, counts
 
 
 # ----- the real command: a rank killed mid-run, then resumed -----

@@ -188,7 +188,7 @@ class DistributedTrainer(Trainer):
     def _accumulate_gradients(self, step: int) -> tuple[list[float], list[float], bool]:
         cfg, n = self.cfg, self.dist.world_size
         rows = slice(self.dist.rank * self.local_batch, (self.dist.rank + 1) * self.local_batch)
-        losses, auxes = [], []
+        stats, has_aux = [], False
         for k in range(cfg.grad_accum):
             x, y = self.train_data.sample_batch(
                 cfg.batch_size, cfg.seq_len, seed=cfg.seed, step=step * cfg.grad_accum + k, rows=rows
@@ -199,24 +199,28 @@ class DistributedTrainer(Trainer):
                     out = self.net(x, labels=y, loss_chunk=cfg.loss_chunk, **self._table_kwargs(x))
                 loss = out.loss if self.fault_injection is None else self.fault_injection(step + 1, out.loss)
                 aux = out.aux_loss.float() if out.aux_loss is not None else None
+                has_aux = aux is not None
                 total = loss if aux is None else loss + cfg.aux_loss_coef * aux
-                # One all_reduce: the global mean loss and aux, and whether any rank went non-finite, so that
-                # every rank skips together (a rank leaving the loop alone would stall the others' collectives).
-                stats = torch.stack(
-                    [
-                        loss.detach().float(),
-                        aux.detach() if aux is not None else torch.zeros((), device=loss.device),
-                        (~torch.isfinite(total.detach())).float(),
-                    ]
+                stats.append(
+                    torch.stack(
+                        [
+                            loss.detach().float(),
+                            aux.detach() if aux is not None else torch.zeros((), device=loss.device),
+                            (~torch.isfinite(total.detach())).float(),
+                        ]
+                    )
                 )
-                dist.all_reduce(stats)
-                mean_loss, mean_aux, bad = (stats / n).tolist()
-                losses.append(mean_loss)
-                auxes += [] if aux is None else [mean_aux]
-                if bad > 0:
-                    return losses, auxes, False
+                # Every rank runs every micro-batch (no early exit, so collectives stay matched); NaN gradients
+                # of a bad micro-batch are never applied: the step is skipped on all ranks below.
                 (total / cfg.grad_accum).backward()
-        return losses, auxes, True
+        # One all_reduce and one device->host read per step: the global mean losses and aux losses, and whether
+        # any rank went non-finite in any micro-batch, so that every rank skips together.
+        summed = torch.stack(stats)
+        dist.all_reduce(summed)
+        values = (summed / n).tolist()
+        losses = [v[0] for v in values]
+        auxes = [v[1] for v in values] if has_aux else []
+        return losses, auxes, all(v[2] == 0 for v in values)
 
     def _clip_gradients(self) -> float:
         backbone = [p for group in self.optimizers[0].param_groups for p in group["params"]]

@@ -351,14 +351,16 @@ class Trainer:
                 out = self.model(x, labels=y, loss_chunk=cfg.loss_chunk, **rows)
             loss = out.loss if self.fault_injection is None else self.fault_injection(step + 1, out.loss)
             total = loss if out.aux_loss is None else loss + cfg.aux_loss_coef * out.aux_loss.float()
-            losses.append(loss.item())
-            auxes += [] if out.aux_loss is None else [out.aux_loss.item()]
-            if not math.isfinite(total.item()):
-                return losses, auxes, False
+            losses.append(loss.detach().float())
+            auxes += [] if out.aux_loss is None else [out.aux_loss.detach().float()]
+            # No host sync per micro-batch: a non-finite loss is found once per step below; its NaN gradients are
+            # never applied (the step is skipped and zero_grad drops them).
             (total / cfg.grad_accum).backward()
         if self.host_tables is not None:
             self.host_tables.finish_grads()
-        return losses, auxes, True
+        values = torch.stack(losses + auxes).tolist()  # the step's one device->host read of the losses
+        losses_f, auxes_f = values[: len(losses)], values[len(losses) :]
+        return losses_f, auxes_f, all(math.isfinite(v) for v in values)
 
     def _clip_gradients(self) -> float:
         return clip_gradients(self.optimizers, self.cfg.grad_clip).item()
