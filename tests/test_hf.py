@@ -249,12 +249,37 @@ def test_load_hf_llama_gives_llama_logits(tmp_path, tied):
     torch.testing.assert_close(model(ids).logits, llama(ids).logits, atol=1e-5, rtol=0)
 
 
+def test_load_hf_llama_with_llama3_rope_scaling_gives_llama_logits(tmp_path):
+    # Small original context and head_dim 8: the 4 frequencies fall in all three llama3 bands (kept, blended,
+    # divided by factor), and positions up to 40 pass the original 16.
+    scaling = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 16, "rope_theta": 700.0}  # fmt: skip
+    config = LlamaConfig(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=64, rope_parameters=scaling, rms_norm_eps=1e-4,
+    )  # fmt: skip
+    llama = LlamaForCausalLM(config)
+    randomize_(llama, seed=8)
+    llama.save_pretrained(tmp_path / "llama")
+    model = load_hf_llama(tmp_path / "llama")
+    assert model.config.rope_llama3["factor"] == 8.0
+    plain = load_hf_llama(tmp_path / "llama")
+    plain.model.rotary_emb.llama3 = None
+    plain.reset_buffers("cpu")
+    ids = random_ids(1, 40, seed=9)
+    torch.testing.assert_close(model(ids).logits, llama(ids).logits, atol=1e-5, rtol=0)
+    assert not torch.allclose(plain(ids).logits, llama(ids).logits, atol=1e-3)
+
+
 def test_load_hf_llama_refuses_what_it_cannot_represent(tmp_path):
     _, folder = saved_llama(tmp_path, tied=False)
     config_path = folder / "config.json"
     original = json.loads(config_path.read_text())
+    config_path.write_text(json.dumps({**original, "rope_parameters": {"rope_type": "yarn", "rope_theta": 5e5}}))
+    with pytest.raises(StemlmError, match="RoPE scaling of type 'yarn'"):
+        load_hf_llama(folder)
     config_path.write_text(json.dumps({**original, "rope_parameters": {"rope_type": "llama3", "rope_theta": 5e5}}))
-    with pytest.raises(StemlmError, match="llama3"):
+    with pytest.raises(StemlmError, match="rope_llama3 lacks factor"):
         load_hf_llama(folder)
     config_path.write_text(json.dumps({**original, "mlp_bias": True}))
     with pytest.raises(StemlmError, match="mlp_bias"):

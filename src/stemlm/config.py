@@ -90,6 +90,7 @@ class ModelConfig:
     head_dim: int | None = None  # None: hidden_size // num_attention_heads
     max_position_embeddings: int = 1024
     rope_theta: float = 10000.0
+    rope_llama3: dict | None = None  # Llama-3 RoPE scaling (stemlm.model.rope_scaling); None: plain RoPE
     rms_norm_eps: float = 1e-5
     tie_word_embeddings: bool = False
     initializer_range: float = 0.02
@@ -165,6 +166,10 @@ class ModelConfig:
         for name in ("num_key_value_heads", "head_dim", "moe_intermediate_size"):
             value = getattr(self, name)
             need(value is None or positive_int(value), f"{name} must be a positive integer or None, got {value!r}")
+        if self.rope_llama3 is not None:
+            from stemlm.model.rope_scaling import check_llama3
+
+            check_llama3(self.rope_llama3)
         for name in ("rope_theta", "rms_norm_eps", "initializer_range", "table_init_std"):
             value = getattr(self, name)
             need(

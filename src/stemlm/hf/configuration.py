@@ -31,6 +31,7 @@ class StemlmConfig(PreTrainedConfig):
     head_dim: int | None = None
     max_position_embeddings: int = 1024
     rope_theta: float = 10000.0
+    rope_llama3: dict | None = None
     rms_norm_eps: float = 1e-5
     tie_word_embeddings: bool = False
     initializer_range: float = 0.02

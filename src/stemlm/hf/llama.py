@@ -5,7 +5,7 @@
 
 Our weight names are HF Llama's, so the tensors load as they are; only the config is translated. Features
 our decoder does not have are refused with a message instead of loading into a model with other logits:
-RoPE scaling (e.g. Llama 3's "llama3" rope type), attention or MLP biases, activations other than SiLU.
+RoPE scaling other than Llama 3's ("llama3" rope type, supported), attention or MLP biases, activations other than SiLU.
 Weights are read from safetensors only: a folder with just `pytorch_model.bin` is refused (never unpickled).
 Plain JSON parsing keeps this independent of transformers, so it costs no transformers import.
 """
@@ -21,6 +21,7 @@ from stemlm.checkpoint import CONFIG_NAME, WEIGHTS_NAME, read_json_object, read_
 from stemlm.config import ModelConfig
 from stemlm.errors import StemlmError
 from stemlm.model.decoder import StemLM
+from stemlm.model.rope_scaling import LLAMA3_KEYS
 
 LLAMA_MODEL_TYPES = ("llama",)
 # LlamaConfig defaults for the fields an older or hand-written config.json may omit.
@@ -32,19 +33,23 @@ LLAMA_DEFAULTS = {
 }
 
 
-def _rope_theta(data: dict[str, Any]) -> float:
+def _rope(data: dict[str, Any]) -> tuple[float, dict | None]:
+    """(rope_theta, llama3 scaling dict or None); other RoPE scaling types are refused."""
     # transformers 5 writes {"rope_parameters": {"rope_type", "rope_theta", ...}}; older versions a top-level
     # rope_theta plus an optional rope_scaling dict.
     params = data.get("rope_parameters") or data.get("rope_scaling") or {}
     if not isinstance(params, dict):
         raise StemlmError(f"unreadable rope parameters {params!r} in the Llama config")
     rope_type = params.get("rope_type", params.get("type", "default"))
-    if rope_type != "default":
+    if rope_type not in ("default", "llama3"):
         raise StemlmError(
             f"the Llama config uses RoPE scaling of type {rope_type!r}, which stemlm's decoder does not implement; "
-            "only plain RoPE (rope_type 'default') checkpoints can be loaded"
+            "only plain RoPE ('default') and Llama 3's ('llama3') checkpoints can be loaded"
         )
-    return float(params.get("rope_theta", data.get("rope_theta", LLAMA_DEFAULTS["rope_theta"])))
+    theta = float(params.get("rope_theta", data.get("rope_theta", LLAMA_DEFAULTS["rope_theta"])))
+    if rope_type == "default":
+        return theta, None
+    return theta, {k: params[k] for k in LLAMA3_KEYS if k in params}
 
 
 def llama_config_to_model_config(data: dict[str, Any]) -> ModelConfig:
@@ -63,6 +68,7 @@ def llama_config_to_model_config(data: dict[str, Any]) -> ModelConfig:
     for flag in ("attention_bias", "mlp_bias"):
         if data.get(flag):
             raise StemlmError(f"the Llama config sets {flag}=true; stemlm's projections have no biases")
+    theta, llama3 = _rope(data)
     return ModelConfig(
         vocab_size=data["vocab_size"],
         hidden_size=data["hidden_size"],
@@ -72,7 +78,8 @@ def llama_config_to_model_config(data: dict[str, Any]) -> ModelConfig:
         num_key_value_heads=data.get("num_key_value_heads"),
         head_dim=data.get("head_dim"),
         max_position_embeddings=data.get("max_position_embeddings", LLAMA_DEFAULTS["max_position_embeddings"]),
-        rope_theta=_rope_theta(data),
+        rope_theta=theta,
+        rope_llama3=llama3,
         rms_norm_eps=data.get("rms_norm_eps", LLAMA_DEFAULTS["rms_norm_eps"]),
         tie_word_embeddings=bool(data.get("tie_word_embeddings", False)),
         initializer_range=data.get("initializer_range", LLAMA_DEFAULTS["initializer_range"]),

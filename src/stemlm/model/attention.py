@@ -29,16 +29,21 @@ class RMSNorm(nn.Module):
 class RotaryEmbedding(nn.Module):
     """cos/sin tables for positions, computed on the fly in fp32 (no length cap beyond the config's maximum)."""
 
-    def __init__(self, head_dim: int, theta: float) -> None:
+    def __init__(self, head_dim: int, theta: float, llama3: dict | None = None) -> None:
         super().__init__()
-        self.head_dim, self.theta = head_dim, theta
+        self.head_dim, self.theta, self.llama3 = head_dim, theta, llama3
         self.register_buffer("inv_freq", torch.empty(head_dim // 2), persistent=False)
         self.reset_buffers(self.inv_freq.device)
 
     def reset_buffers(self, device: torch.device | str) -> None:
         # Computed on the CPU, then moved: on the meta device this arithmetic would import torch._dynamo (seconds).
         exponent = torch.arange(0, self.head_dim, 2, dtype=torch.int64, device="cpu").float() / self.head_dim
-        self.inv_freq = (1.0 / (self.theta**exponent)).to(device)
+        inv_freq = 1.0 / (self.theta**exponent)
+        if self.llama3 is not None:  # Llama 3 checkpoints (stemlm.model.rope_scaling)
+            from stemlm.model.rope_scaling import llama3_inv_freq
+
+            inv_freq = llama3_inv_freq(inv_freq, self.llama3)
+        self.inv_freq = inv_freq.to(device)
 
     def _apply(self, fn, recurse: bool = True):
         # `model.to(torch.bfloat16)` casts every floating buffer; bf16 frequencies put RoPE angles off by whole

@@ -81,7 +81,7 @@ class DecoderStack(nn.Module):
         self.embed_tokens = token_table(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.rotary_emb = RotaryEmbedding(config.head_size, config.rope_theta)
+        self.rotary_emb = RotaryEmbedding(config.head_size, config.rope_theta, config.rope_llama3)
 
 
 class StemLM(nn.Module):
