@@ -83,3 +83,14 @@ def test_host_tables_reject_what_they_cannot_do(tmp_path, make_train_config, mak
         Trainer(make_model_config("dense"), make_train_config(tmp_path / "d", tables="host", table_optim="lazy_adamw"))
     with pytest.raises(StemlmError, match="tables must be one of device, host"):
         make_train_config(tmp_path, tables="gpu")
+
+
+def test_a_skipped_step_matches_resident(tmp_path, make_train_config, make_model_config):
+    poison = lambda step, loss: loss * float("nan") if step == 2 else loss  # noqa: E731
+    kw = dict(steps=4, eval_every=2, table_optim="lazy_adamw", grad_accum=2)
+    runs = {}
+    for tables in ("device", "host"):
+        cfg = make_train_config(tmp_path / tables, tables=tables, **kw)
+        runs[tables] = Trainer(make_model_config("stem"), cfg, fault_injection=poison, progress=False)
+        assert runs[tables].fit()["skipped_steps"] == 1
+    same_run(runs["device"], runs["host"], tmp_path / "device" / "run", tmp_path / "host" / "run")

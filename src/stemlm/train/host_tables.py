@@ -43,7 +43,7 @@ ROW_SPARSE = ("lazy_adamw", "rowwise_adagrad")
 class Gathered:
     """One window's rows on the device: `rows[layer][inverse]` are the rows of `ids` (shape [B, T])."""
 
-    ids: torch.Tensor  # [B, T] on the device: the ids the rows were gathered for
+    ids: torch.Tensor  # [B, T] the ids the rows were gathered for (on the CPU when the device is CUDA)
     inverse: torch.Tensor  # [B, T] on the device: index of each position's id among the unique ids
     rows: dict[int, torch.Tensor]  # layer -> [unique ids, width] on the device
     event: object = None  # CUDA event after the copies (None on CPU)
@@ -76,6 +76,8 @@ class HostTables:
         self.worker = ThreadPoolExecutor(1, thread_name_prefix="stemlm-host-tables")
         self.stream = torch.cuda.Stream(device) if self.cuda else None
         self.pending: dict[int, Future] = {}
+        self._staging = [{"rows": {}, "event": None} for _ in range(2)]
+        self._turn = 0
         self.last_window = -1
         self.work_s = self.wait_s = 0.0
 
@@ -104,16 +106,30 @@ class HostTables:
     def _gather(self, ids: torch.Tensor) -> Gathered:
         host_ids = ids.reshape(-1).to("cpu")
         uniq, inverse = torch.unique(host_ids, sorted=True, return_inverse=True)
-        staged = {i: self.params[i].detach().index_select(0, uniq) for i in self.layers}
+        inverse = inverse.reshape(ids.shape)
         if not self.cuda:  # the autograd Function below runs its backward only for inputs that require grad
-            return Gathered(ids, inverse.reshape(ids.shape), {i: t.requires_grad_() for i, t in staged.items()})
+            rows = {i: self.params[i].detach().index_select(0, uniq).requires_grad_() for i in self.layers}
+            return Gathered(ids, inverse, rows)
+        # Two pinned staging sets used in turn: a set is refilled only after its previous copy has finished.
+        slot = self._staging[self._turn % 2]
+        self._turn += 1
+        if slot["event"] is not None:
+            slot["event"].synchronize()
+        n = uniq.numel()
+        for i in self.layers:
+            buf = slot["rows"].get(i)
+            if buf is None or buf.shape[0] < n:
+                buf = slot["rows"][i] = torch.empty(
+                    max(n, ids.numel()), self.params[i].shape[1], dtype=self.params[i].dtype, pin_memory=True
+                )
+            torch.index_select(self.params[i].detach(), 0, uniq, out=buf[:n])
         with torch.cuda.stream(self.stream):
-            rows = {i: t.pin_memory().to(self.device, non_blocking=True).requires_grad_() for i, t in staged.items()}
-            inv = inverse.reshape(ids.shape).pin_memory().to(self.device, non_blocking=True)
-            dev_ids = ids.to(self.device, non_blocking=True)
+            rows = {i: slot["rows"][i][:n].to(self.device, non_blocking=True).requires_grad_() for i in self.layers}
+            inv = inverse.to(self.device)  # small; a pageable copy returns once done
             event = torch.cuda.Event()
             event.record(self.stream)
-        return Gathered(dev_ids, inv, rows, event)
+        slot["event"] = event
+        return Gathered(host_ids.reshape(ids.shape), inv, rows, event)
 
     def prefetch(self, window: int) -> None:
         """Queue the gather of `window`'s rows (behind any queued optimizer step)."""
@@ -126,7 +142,7 @@ class HostTables:
         self.prefetch(window)
         got = self._wait(self.pending.pop(window))
         self.last_window = window
-        if not torch.equal(got.ids, ids.to(got.ids.device)):
+        if ids.device.type == "cpu" and not torch.equal(got.ids, ids):  # a device comparison would sync
             raise StemlmError(f"host tables: window {window} was gathered for other ids than the trainer's batch")
         if (window + 1) % self.windows_per_step:
             self.prefetch(window + 1)
@@ -210,6 +226,7 @@ class AsyncTableOptimizer:
     def __init__(self, host: HostTables, inner: torch.optim.Optimizer) -> None:
         self.host, self.inner = host, inner
         self.param_groups = [dict(group) for group in inner.param_groups]
+        self.stepped = False
 
     def step(self) -> None:
         hyper = [{k: v for k, v in group.items() if k != "params"} for group in self.param_groups]
@@ -218,14 +235,18 @@ class AsyncTableOptimizer:
             for group, h in zip(self.inner.param_groups, hyper, strict=True):
                 group.update(h)
             self.inner.step()
+            self.inner.zero_grad(set_to_none=True)  # here, not on the trainer's thread, which may be past it
 
         self.host._timed(run)
+        self.stepped = True
         self._prefetch_next_step()  # queued behind the update: reads the updated rows, while the backbone steps
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.host.clear_grads()
-        self.host._timed(self.inner.zero_grad, set_to_none)
-        self._prefetch_next_step()  # a skipped step has no update; the gather is queued here instead
+        if not self.stepped:  # a skipped step: nothing queued uses these gradients
+            self.inner.zero_grad(set_to_none=True)
+            self._prefetch_next_step()
+        self.stepped = False
 
     def _prefetch_next_step(self) -> None:
         host = self.host
