@@ -111,6 +111,9 @@ def register(subparsers) -> None:
         help="recompute each decoder block's activations in backward (less memory, ~1 extra forward)",
     )
     parser.add_argument(
+        "--compile", action="store_true", default=None, help="torch.compile each decoder block (inductor)"
+    )
+    parser.add_argument(
         "--nproc",
         type=int,
         default=1,
@@ -178,7 +181,17 @@ def train_overrides(args) -> dict[str, Any]:
     for _, field, _, _ in TRAIN_FLAGS:
         if getattr(args, field) is not None:
             changes[field] = getattr(args, field)
-    for field in ("table_optim", "tables", "dtype", "device", "data", "preset", "parallel", "activation_checkpointing"):
+    for field in (
+        "table_optim",
+        "tables",
+        "dtype",
+        "device",
+        "data",
+        "preset",
+        "parallel",
+        "activation_checkpointing",
+        "compile",
+    ):
         if getattr(args, field) is not None:
             changes[field] = getattr(args, field)
     if args.table_lr is not None:

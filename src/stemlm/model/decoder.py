@@ -239,6 +239,13 @@ def default_position_ids(B: int, T: int, past_len: int, attention_mask, device) 
     return positions.clamp(min=0)[:, past_len : past_len + T]
 
 
+def _host_values(t: torch.Tensor) -> bool:
+    # Value checks read the tensor on the host: free for CPU tensors, a device sync for GPU ones, and a graph break
+    # under torch.compile. So they run on CPU tensors outside compilation. The trainer's ids come from a tokenizer
+    # no larger than vocab_size (checked when a run starts); elsewhere a bad id on a GPU is a device-side assert.
+    return t.device.type == "cpu" and not torch.compiler.is_compiling()
+
+
 def check_token_ids(input_ids: torch.Tensor, vocab_size: int) -> None:
     """Reject ids outside [0, vocab_size) with a message naming the id, instead of an IndexError/device assert."""
     if not isinstance(input_ids, torch.Tensor):
@@ -249,6 +256,8 @@ def check_token_ids(input_ids: torch.Tensor, vocab_size: int) -> None:
         raise StemlmError(f"input_ids must have shape [batch, seq_len], got {list(input_ids.shape)}")
     if input_ids.numel() == 0:
         raise StemlmError("input_ids is empty")
+    if not _host_values(input_ids):
+        return
     lo, hi = int(input_ids.min()), int(input_ids.max())
     if lo < 0 or hi >= vocab_size:
         bad = lo if lo < 0 else hi
@@ -268,8 +277,8 @@ def _check_optional_inputs(B, T, past_len, attention_mask, labels, position_ids,
     if labels is not None:
         if tuple(labels.shape) != (B, T):
             raise StemlmError(f"labels has shape {list(labels.shape)}; expected the shape of input_ids {[B, T]}")
-        bad = labels[(labels != -100) & ((labels < 0) | (labels >= vocab_size))]
-        if bad.numel():
+        bad = labels[(labels != -100) & ((labels < 0) | (labels >= vocab_size))] if _host_values(labels) else None
+        if bad is not None and bad.numel():
             raise StemlmError(
                 f"label {int(bad[0])} is out of range for vocab_size {vocab_size} (use -100 for ignored positions)"
             )

@@ -79,6 +79,7 @@ class TrainConfig:
     # --- memory levers (stemlm.train.memory; the math is unchanged) ---
     loss_chunk: int = 0  # > 0: lm_head + cross-entropy this many tokens at a time, no full [tokens, V] logits kept
     activation_checkpointing: bool = False  # recompute each decoder block's activations in backward
+    compile: bool = False  # torch.compile each decoder block (stemlm.train.compile)
     # --- evaluation, logging, checkpoints ---
     eval_every: int = 50  # steps between held-out evaluations (and always at the end); 0: only at the end
     eval_batches: int = 8  # held-out batches (of batch_size windows) per evaluation

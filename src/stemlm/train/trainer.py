@@ -115,6 +115,10 @@ class Trainer:
             from stemlm.train.memory import checkpoint_blocks
 
             checkpoint_blocks(model)
+        if self.cfg.compile:
+            from stemlm.train.compile import compile_blocks
+
+            compile_blocks(model)
         return model
 
     def _construct_model(self, model_config: ModelConfig | None, resume_from: Path | None):
