@@ -48,6 +48,9 @@ FITS = {
     # Memory levers under FSDP2: per-block activation checkpointing (applied before fully_shard), chunked loss.
     "stem-fsdp-memory": ("stem", dict(parallel="fsdp", activation_checkpointing=True, loss_chunk=24)),
 }
+# bf16 autocast; on 2 ranks FSDP2 also gathers the weights in bf16 (MixedPrecisionPolicy), so it is compared to
+# the 1-process bf16 run at bf16 precision rather than at TOL.
+BF16_FITS = {"dense-fsdp-bf16": ("dense", dict(parallel="fsdp", dtype="bf16", steps=3, eval_every=3, save_every=3))}
 # name -> (run folder whose step-3 checkpoint is resumed on 2 ranks, overrides)
 RESUMES = {
     "stem-fsdp": ("two/stem-fsdp", {}),
@@ -89,7 +92,7 @@ def _layout_check(rank: int) -> dict:
 
 
 def fit_config(assets, root, side: str, name: str) -> TrainConfig:
-    overrides = dict(FITS[name][1])
+    overrides = dict({**FITS, **BF16_FITS}[name][1])
     if overrides.get("data") == "shards":
         overrides.update(data=[str(root / "shards")], tokenizer=None)
     return train_config(assets, root / side / name, **overrides)
@@ -105,7 +108,7 @@ def _worker(rank: int, world: int, port: int, root, assets) -> None:
     from stemlm.dist.launch import destroy_distributed
     from stemlm.train.distributed import DistributedTrainer
 
-    for name, (ffn, _) in FITS.items():
+    for name, (ffn, _) in {**FITS, **BF16_FITS}.items():
         DistributedTrainer(model_config(ffn), fit_config(assets, root, "two", name), progress=False).fit()
     for name, (source, overrides) in RESUMES.items():
         if rank == 0:
@@ -173,7 +176,7 @@ def runs(dist_assets, tmp_path_factory):
             heldout_fraction=0.3,
             progress=False,
         )
-        for name, (ffn, _) in FITS.items():
+        for name, (ffn, _) in {**FITS, **BF16_FITS}.items():
             Trainer(model_config(ffn), fit_config(dist_assets, root, "one", name), progress=False).fit()
         # fork: the ranks inherit the imported modules (a fresh interpreter costs ~10 s on a loaded machine).
         mp.start_processes(_worker, args=(2, free_port(), root, dist_assets), nprocs=2, start_method="fork")
@@ -197,6 +200,16 @@ def test_two_ranks_train_the_one_process_model(runs, name):
     state = json.loads((two / "checkpoints" / "step-000006" / "trainer_state.json").read_text())
     assert state["distributed"] == {"world_size": 2, "parallel": FITS[name][1]["parallel"], "optimizer_state": "dcp"}
     assert json.loads((two / "run_config.json").read_text())["distributed"]["local_batch_size"] == 2
+
+
+@pytest.mark.dist
+def test_fsdp_bf16_mixed_precision_trains_the_one_process_model(runs):
+    one, two = runs / "one" / "dense-fsdp-bf16", runs / "two" / "dense-fsdp-bf16"
+    torch.testing.assert_close(losses(two), losses(one), rtol=2e-2, atol=0)  # bf16 has 8 mantissa bits
+    got, want = read_state(two / "checkpoints" / "step-000003"), read_state(one / "checkpoints" / "step-000003")
+    assert all(v.dtype == torch.float32 for v in got.values())  # fp32 masters are what is saved
+    for key, value in want.items():
+        torch.testing.assert_close(got[key], value, rtol=0, atol=2e-2, msg=key)
 
 
 def expected_traffic(assets, step: int, grad_accum: int, width: int) -> dict[str, int]:

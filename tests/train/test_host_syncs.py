@@ -18,9 +18,7 @@ from stemlm.train.trainer import Trainer
 def count_reads(monkeypatch, trainer: Trainer) -> int:
     # torch's non-fused AdamW keeps each parameter's step counter as a host tensor and reads it with .item() (no
     # device involved, even on a GPU): those reads are not syncs. Every other read of a value is counted.
-    host_counters = {
-        id(state["step"]) for opt in trainer.optimizers for state in opt.state.values() if "step" in state
-    }
+    host_counters = {id(state["step"]) for opt in trainer.optimizers for state in opt.state.values() if "step" in state}
     calls = {"n": 0}
     for name in ("item", "tolist"):
         original = getattr(torch.Tensor, name)

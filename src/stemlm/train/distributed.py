@@ -112,11 +112,16 @@ class DistributedTrainer(Trainer):
         if model.stem_tables():
             self.tables = HostShardedTables(model, self.device) if self.cfg.tables == "host" else ShardedTables(model)
         if self.cfg.parallel == "fsdp":
-            from torch.distributed.fsdp import fully_shard
+            from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
+            # Under bf16 the layers' weights are all-gathered and used in bf16 (half the gather traffic and
+            # memory); gradients are reduced in fp32 into the fp32 master shards the optimizer steps.
+            bf16 = self.amp_dtype == torch.bfloat16
+            policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else None
+            kwargs = {"mp_policy": policy} if policy is not None else {}
             for layer in model.model.layers:
-                fully_shard(layer, mesh=self.mesh)
-            fully_shard(model, mesh=self.mesh)
+                fully_shard(layer, mesh=self.mesh, **kwargs)
+            fully_shard(model, mesh=self.mesh, **kwargs)
             self.net = model
         else:
             from torch.nn.parallel import DistributedDataParallel

@@ -21,6 +21,7 @@ loss` (Python API only) lets tests poison a step's loss (NaN) or raise to simula
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import random
@@ -164,6 +165,12 @@ class Trainer:
     def inference_rows(self) -> dict[str, Any]:
         """Keyword arguments for a no-grad forward of `self.model` (evaluation, sampling)."""
         return {} if self.host_tables is None else {"table_rows": self.host_tables.lookup}
+
+    @functools.cached_property
+    def flops_per_token(self) -> float:
+        from stemlm.accounting import training_flops_per_token
+
+        return training_flops_per_token(self.config, self.cfg.seq_len)
 
     def _load_data(self) -> tuple[Any, Any]:
         return load_datasets(self.cfg, self.tokenizer)
@@ -333,6 +340,8 @@ class Trainer:
             "lr": cfg.lr * mult,
             "grad_norm": norm,
             "tokens_per_s": cfg.tokens_per_step / elapsed,
+            # Model FLOP/s (stemlm.accounting's training FLOPs per token x tokens/s); the summary adds the MFU.
+            "model_gflops_per_s": self.flops_per_token * cfg.tokens_per_step / elapsed / 1e9,
             "skipped": not applied,
             "spike": spike,
         }
@@ -461,6 +470,7 @@ class Trainer:
         shown = "n/a" if heldout is None else f"{heldout:.4f} (ppl {math.exp(min(heldout, 50)):.1f})"
         logger.message(
             f"step {self.step}/{self.cfg.steps} | train {last['loss']:.4f} | held-out {shown} | lr {last['lr']:.2e} | "
-            f"{last['tokens_per_s']:,.0f} tok/s | skipped {self.skipped_steps} | spikes {self.loss_spikes}"
+            f"{last['tokens_per_s']:,.0f} tok/s, {last['model_gflops_per_s']:,.1f} GFLOP/s | "
+            f"skipped {self.skipped_steps} | spikes {self.loss_spikes}"
         )
         return heldout
