@@ -95,6 +95,13 @@ def add_table_flags(p) -> None:
         default="lfu",
         help="cache replacement policy (default lfu, least-recent as tie-break)",
     )
+    p.add_argument(
+        "--table-dtype",
+        choices=("fp32", "bf16", "int8"),
+        default="fp32",
+        help="with --tables host: store the table rows as fp32 (default), bf16, or int8 with one scale per row "
+        "and layer (dequantised when gathered)",
+    )
 
 
 def load_for_generation(args):
@@ -102,6 +109,8 @@ def load_for_generation(args):
     if args.tables == "resident":
         if args.cache_rows is not None or args.cache_fraction is not None:
             raise StemlmError("--cache-rows / --cache-fraction need --tables host or --tables mmap")
+        if args.table_dtype != "fp32":
+            raise StemlmError("--table-dtype bf16/int8 needs --tables host")
         from stemlm.runs import load_checkpoint
 
         model, tokenizer = load_checkpoint(args.ckpt, device=args.device)
@@ -115,6 +124,7 @@ def load_for_generation(args):
         cache_fraction=args.cache_fraction,
         policy=args.cache_policy,
         device=args.device,
+        table_dtype=args.table_dtype,
     )
     return offloaded.model, tokenizer, offloaded
 

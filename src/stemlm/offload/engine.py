@@ -206,10 +206,13 @@ class OffloadedLM:
         warm_counts=None,
         background: bool = True,
         prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
+        table_dtype: str = "fp32",
     ) -> OffloadedLM:
         """Load a checkpoint; host / mmap tables get a cache of `cache_rows` rows or `cache_fraction` of the
         vocabulary (DEFAULT_CACHE_FRACTION when neither is given; 0 rows stages every row per step)."""
-        model, providers = load_offloaded_model(directory, tables, device=device, dtype=dtype, layout=layout)
+        model, providers = load_offloaded_model(
+            directory, tables, device=device, dtype=dtype, layout=layout, table_dtype=table_dtype
+        )
         model.eval()
         caches: dict[str, RowCache | None] = {"token": None, "ngram": None}
         memory: dict[int, RowCache] = {}

@@ -23,6 +23,7 @@ import torch
 from stemlm.checkpoint import from_pretrained, load_config, weight_files
 from stemlm.errors import StemlmError
 from stemlm.model.decoder import StemLM
+from stemlm.offload.compact import CompactProvider
 from stemlm.offload.providers import (
     TABLE_MODES,
     HostProvider,
@@ -65,8 +66,12 @@ def load_offloaded_model(
     device: str | torch.device = "cpu",
     dtype: torch.dtype | None = None,
     layout: str = "token",
+    table_dtype: str = "fp32",
 ) -> tuple[StemLM, OffloadProviders]:
-    """A checkpoint's model with its lookup tables placed by `tables`, and their providers."""
+    """A checkpoint's model with its lookup tables placed by `tables`, and their providers; `table_dtype` bf16 /
+    int8 stores host tables compactly (stemlm.offload.compact)."""
+    if table_dtype != "fp32" and tables != "host":
+        raise StemlmError(f"table dtype {table_dtype} needs tables='host' (got {tables!r})")
     if tables not in TABLE_MODES:
         raise StemlmError(f"unknown table placement {tables!r}; choose one of {', '.join(TABLE_MODES)}")
     device = torch.device(device)
@@ -98,7 +103,8 @@ def load_offloaded_model(
                 )
             placed[layer] = entries[name]
         if tables == "host":
-            return HostProvider(placed, layout=layer_layout, pin=pin, dtype=dtype)
+            host = HostProvider(placed, layout=layer_layout, pin=pin, dtype=dtype)
+            return host if table_dtype == "fp32" else CompactProvider(host, table_dtype, out_dtype=host.dtype)
         return MmapProvider(placed, dtype=dtype, pin=pin)
 
     providers = OffloadProviders(

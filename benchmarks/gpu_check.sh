@@ -1,0 +1,62 @@
+#!/usr/bin/env bash
+# The CUDA paths CPU tests cannot exercise, in one run of under 8 minutes on one GPU; prints each RESULT line.
+#
+#   bash benchmarks/gpu_check.sh                # on a machine with a CUDA GPU, from the repository root
+#   PYTHON=.venv/bin/python bash benchmarks/gpu_check.sh
+#
+# Checks, each bounded by `timeout` so one hang cannot eat the budget:
+#   1. train_step: trainer's real step under bf16 autocast, dense vs STEM (row-sparse tables) vs HF Llama.
+#   2. host_train: `--tables host` with pinned host tables and the side-stream prefetch vs resident tables.
+#   3. host_equal: 20 bf16 steps with --tables host vs --tables device on the GPU; losses must agree to 2e-2
+#      (bitwise is a CPU guarantee; on CUDA the host-side optimizer and the norm run on another device).
+#   4. decode_offload: host tables behind the hot-row cache at the paper-350m shape with vocab 8192.
+# Exit status: the number of failed checks. Prepared on a CPU-only machine; see README "GPU check".
+set -u
+PY=${PYTHON:-python}
+export PYTHONPATH=${PYTHONPATH:-$PWD/src}
+failed=0
+run() {  # run NAME SECONDS CMD...: show the RESULT lines (or the tail on failure)
+  local name=$1 limit=$2
+  shift 2
+  local log
+  log=$(mktemp)
+  local start=$SECONDS
+  if timeout "$limit" "$@" >"$log" 2>&1; then
+    echo "[$name] ok in $((SECONDS - start)) s"
+    grep -E '^(RESULT|STEM/dense|host worker|shape:)' "$log" || tail -3 "$log"
+  else
+    echo "[$name] FAILED (exit $?) after $((SECONDS - start)) s; last lines:"
+    tail -15 "$log"
+    failed=$((failed + 1))
+  fi
+  rm -f "$log"
+}
+
+"$PY" -c "import torch, sys; ok = torch.cuda.is_available(); print('device:', torch.cuda.get_device_name(0) if ok else 'no CUDA'); sys.exit(0 if ok else 1)" || exit 1
+
+run train_step 120 "$PY" benchmarks/train_step.py --device cuda --dtype bf16 --reps 30 --warmup 5
+run host_train 120 "$PY" benchmarks/host_train.py --device cuda --dtype bf16 --reps 30 --warmup 5
+run host_equal 120 "$PY" - <<'PYEOF'
+import tempfile
+from stemlm.train import Trainer, TrainConfig
+from stemlm.presets import get_preset
+losses = {}
+with tempfile.TemporaryDirectory() as tmp:
+    for tables in ("device", "host"):
+        cfg = TrainConfig(steps=20, device="cuda", dtype="bf16", table_optim="rowwise_adagrad", tables=tables,
+                          eval_every=0, out=f"{tmp}/{tables}")
+        trainer = Trainer(get_preset("tiny"), cfg, progress=False)
+        records = [trainer.train_step()["loss"] for _ in range(cfg.steps)]
+        losses[tables] = records
+        if tables == "host":
+            summary = trainer.host_tables.summary(trainer.optimizers[-1])
+diff = max(abs(a - b) for a, b in zip(losses["device"], losses["host"]))
+print(f"step-20 loss device {losses['device'][-1]:.4f} host {losses['host'][-1]:.4f}; max |diff| {diff:.2e}; "
+      f"kept off the GPU {summary['device_bytes_saved'] / 2**20:.1f} MiB")
+print(f"RESULT host_equal_max_loss_diff={diff:.2e} overlap={summary['host_overlap']:.3f}")
+assert diff < 2e-2, diff
+PYEOF
+run decode_offload 180 "$PY" benchmarks/decode_offload.py --device cuda --preset paper-350m --set vocab_size=8192 \
+  --decode 128 --warmup 32 --reps 2 --warm-chars 200000
+echo "gpu_check: $failed failed"
+exit "$failed"
