@@ -157,6 +157,14 @@ def _step_counts(assets, root, accum: int) -> dict[str, int]:
             return originals[_name](self, *args, **kwargs)
 
         patch.setattr(torch.Tensor, name, read)
+    clip = trainer._clip_gradients
+
+    def check_then_clip():  # the shards' gradients after every micro-batch's backward, before the update
+        grads = [p.grad for p in trainer.tables.parameters()]
+        counts["coalesced"] = all(g.is_coalesced() and g._nnz() <= g.shape[0] for g in grads)
+        return clip()
+
+    patch.setattr(trainer, "_clip_gradients", check_then_clip)
     try:
         trainer.train_step()
     finally:
@@ -295,6 +303,7 @@ def test_collectives_and_reads_per_micro_batch_and_per_step(runs):
         # the clip (the sharded tables' squared norm), one of the logged table traffic; a read of each.
         assert per_micro == {"collectives": 4, "reads": 1}, counts
         assert per_step == {"collectives": 3, "reads": 3}, counts
+        assert counts[3]["coalesced"] and counts[1]["coalesced"]  # sparse table gradients, summed per row
 
 
 # ----- the real command: a rank killed mid-run, then resumed -----

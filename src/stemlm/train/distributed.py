@@ -111,6 +111,9 @@ class DistributedTrainer(Trainer):
         self.tables = None
         if model.stem_tables():
             self.tables = HostShardedTables(model, self.device) if self.cfg.tables == "host" else ShardedTables(model)
+            if isinstance(self.tables, ShardedTables) and self.cfg.tables != "host":
+                for shard in self.tables.parameters():
+                    shard.register_post_accumulate_grad_hook(_coalesce_grad)
         if self.cfg.parallel == "fsdp":
             from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
@@ -298,6 +301,14 @@ class DistributedTrainer(Trainer):
         destroy_distributed()
         if checkpoint is not None and self.is_main:
             self.model = from_pretrained(checkpoint, device=self.device).eval()
+
+
+def _coalesce_grad(param: torch.Tensor) -> None:
+    # Autograd adds sparse gradients by concatenation: over grad_accum micro-batches a shard's gradient would
+    # hold every micro-batch's rows (duplicates included) until the optimizer coalesces. Coalescing after each
+    # accumulation keeps it at most one entry per shard row.
+    if param.grad is not None and param.grad.is_sparse:
+        param.grad = param.grad.coalesce()
 
 
 class _QuietLogger:
