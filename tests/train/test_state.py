@@ -132,3 +132,28 @@ def test_model_only_checkpoint_is_not_resumable(tmp_path, make_model_config):
     save_pretrained(build_model(make_model_config("dense")), tmp_path / "m")
     with pytest.raises(StemlmError, match="not a trainer checkpoint.*--init-from"):
         read_trainer_state(tmp_path / "m")
+
+
+def test_cuda_rng_is_saved_and_restored_per_local_device(monkeypatch):
+    """Simulated CUDA (no GPU here): the current device's state is saved alone, and an older checkpoint with one
+    state per device restores into a process that sees fewer devices without an IndexError."""
+    import base64
+
+    from stemlm.train import state as state_mod
+
+    states = {0: torch.arange(16, dtype=torch.uint8), 1: torch.arange(16, 32, dtype=torch.uint8)}
+    current, restored = {"index": 1}, {}
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: current["index"])
+    monkeypatch.setattr(torch.cuda, "get_rng_state", lambda device="cuda": states[current["index"]])
+    monkeypatch.setattr(torch.cuda, "set_rng_state", lambda s, device="cuda": restored.update({current["index"]: s}))
+    saved = state_mod.capture_rng()
+    assert saved["cuda"] == [base64.b64encode(bytes(range(16, 32))).decode("ascii")]
+    current["index"] = 0
+    state_mod.restore_rng(saved)
+    assert restored[0].tolist() == list(range(16, 32))
+    old = {**saved, "cuda": [base64.b64encode(bytes([k] * 16)).decode("ascii") for k in range(8)]}  # 8 GPUs
+    current["index"] = 3
+    state_mod.restore_rng(old)
+    assert restored[3].tolist() == [3] * 16

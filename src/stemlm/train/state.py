@@ -57,7 +57,8 @@ def capture_rng() -> dict[str, Any]:
         "torch": base64.b64encode(torch.get_rng_state().numpy().tobytes()).decode("ascii"),
     }
     if torch.cuda.is_available() and torch.cuda.is_initialized():
-        state["cuda"] = [base64.b64encode(s.numpy().tobytes()).decode("ascii") for s in torch.cuda.get_rng_state_all()]
+        # Only the device this process computes on: a rank owns one GPU, and a resume may see fewer devices.
+        state["cuda"] = [base64.b64encode(torch.cuda.get_rng_state().numpy().tobytes()).decode("ascii")]
     return state
 
 
@@ -67,8 +68,12 @@ def restore_rng(state: dict[str, Any]) -> None:
     name, keys, pos, has_gauss, cached = state["numpy"]
     np.random.set_state((name, np.asarray(keys, dtype=np.uint32), pos, has_gauss, cached))
     torch.set_rng_state(_bytes_tensor(state["torch"]))
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all([_bytes_tensor(s) for s in state["cuda"]])
+    if state.get("cuda") and torch.cuda.is_available():
+        # One state (this format), or one per visible device (older checkpoints): the current device's, else the
+        # first, into the current device, so a resume with fewer visible GPUs never indexes past them.
+        saved = state["cuda"]
+        index = torch.cuda.current_device()
+        torch.cuda.set_rng_state(_bytes_tensor(saved[index if index < len(saved) else 0]))
 
 
 def _bytes_tensor(text: str) -> torch.Tensor:
