@@ -10,9 +10,10 @@ import torch
 from safetensors import safe_open
 
 from stemlm import checkpoint
-from stemlm.checkpoint import from_pretrained, load_config, read_state, save_pretrained
+from stemlm.checkpoint import load_config, read_state, save_pretrained
 from stemlm.config import FFN_KINDS
 from stemlm.errors import StemlmError
+from stemlm.runs import from_pretrained
 
 
 def _logits(model, ids):

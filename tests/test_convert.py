@@ -10,13 +10,14 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import save_file
 
-from stemlm.checkpoint import from_pretrained, save_pretrained
+from stemlm.checkpoint import save_pretrained
 from stemlm.cli.main import main
 from stemlm.config import ModelConfig
 from stemlm.convert import convert_checkpoint, retrofit_from_dense, retrofit_table
 from stemlm.data.tokenizer import default_tokenizer
 from stemlm.errors import StemlmError
 from stemlm.model import TokenContext, build_model
+from stemlm.runs import from_pretrained
 
 CONFIG = dict(
     vocab_size=96, hidden_size=32, intermediate_size=40, num_hidden_layers=4, num_attention_heads=4, ffn="dense"

@@ -14,12 +14,13 @@ import torch.nn.functional as F
 from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache, LlamaConfig, LlamaForCausalLM
 
 import stemlm
-from stemlm.checkpoint import from_pretrained, save_pretrained
+from stemlm.checkpoint import save_pretrained
 from stemlm.config import FFN_KINDS, ModelConfig
 from stemlm.errors import StemlmError
 from stemlm.hf import StemlmConfig, StemlmForCausalLM, load_hf_llama
 from stemlm.hf.configuration import model_config_fields
 from stemlm.model import build_model
+from stemlm.runs import from_pretrained
 
 VOCAB = 96
 

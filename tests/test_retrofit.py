@@ -13,11 +13,12 @@ import json
 import pytest
 import torch
 
-from stemlm.checkpoint import from_pretrained, save_pretrained
+from stemlm.checkpoint import save_pretrained
 from stemlm.cli.main import main
 from stemlm.data.tokenizer import default_tokenizer
 from stemlm.errors import StemlmError
 from stemlm.retrofit import calibrated_table, ffn_input_alignment, ffn_inputs, normed_table, retrofit
+from stemlm.runs import from_pretrained
 from tests.conftest import make_tiny_model
 
 

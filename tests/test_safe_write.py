@@ -9,12 +9,13 @@ import os
 
 import pytest
 
-from stemlm.checkpoint import from_pretrained, save_pretrained
+from stemlm.checkpoint import save_pretrained
 from stemlm.cli.main import main
 from stemlm.convert import convert_checkpoint
 from stemlm.data.tokenizer import default_tokenizer
 from stemlm.edit.table_edits import TableEditor
 from stemlm.errors import StemlmError
+from stemlm.runs import from_pretrained
 from stemlm.safe_write import MANIFEST_NAME, AtomicFolder, atomic_write_text, check_target, verify_folder
 
 

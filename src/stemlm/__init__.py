@@ -16,7 +16,7 @@ _EXPORTS = {
     "StemlmError": "stemlm.errors",
     "build_model": "stemlm.model.decoder",
     "StemLM": "stemlm.model.decoder",
-    "from_pretrained": "stemlm.checkpoint",
+    "from_pretrained": "stemlm.runs",
     "save_pretrained": "stemlm.checkpoint",
 }
 

@@ -11,13 +11,16 @@
 A tied lm_head is saved once (as model.embed_tokens.weight) and re-tied on load. Every write goes through
 `stemlm.safe_write.AtomicFolder`: a temporary sibling folder, fsynced and renamed into place, so an
 interrupted save never damages the previous checkpoint, and an existing folder is never replaced unless
-asked (`force`) and it is an earlier output of the same command.
+asked (`force`) and it is an earlier output of the same command. Loading a folder into a
+model is `stemlm.runs.from_pretrained` (this module knows the format, not the model class, so
+`stemlm.model` can import it to save itself without a cycle).
 """
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from safetensors import SafetensorError, safe_open
@@ -25,8 +28,10 @@ from safetensors.torch import save_file
 
 from stemlm.config import MODEL_TYPE, ModelConfig
 from stemlm.errors import StemlmError
-from stemlm.model.decoder import StemLM
 from stemlm.safe_write import AtomicFolder, fsync_tree  # noqa: F401  (re-exported: the writers' import path)
+
+if TYPE_CHECKING:  # the model imports this module to save itself; the format never needs the model class
+    from stemlm.model.decoder import StemLM
 
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
@@ -167,39 +172,3 @@ def read_state(directory: str | Path, device: str | torch.device = "cpu") -> dic
         except (SafetensorError, OSError, ValueError) as exc:
             raise StemlmError(f"weights file {f} is corrupt or truncated ({exc})") from None
     return state
-
-
-def from_pretrained(
-    directory: str | Path, *, device: str | torch.device = "cpu", dtype: torch.dtype | None = None
-) -> StemLM:
-    """Load a model saved by `save_pretrained` (or converted into this format), checking every tensor."""
-    config = load_config(directory)
-    state = read_state(directory, device)
-    if config.tie_word_embeddings:
-        state.pop("lm_head.weight", None)
-    with torch.device("meta"):
-        model = StemLM(config)
-    expected = {
-        k: v for k, v in model.state_dict().items() if not (config.tie_word_embeddings and k == "lm_head.weight")
-    }
-    missing = sorted(set(expected) - set(state))
-    unexpected = sorted(set(state) - set(expected))
-    if missing or unexpected:
-        parts = []
-        if missing:
-            parts.append(f"missing {len(missing)} tensors (e.g. {missing[0]})")
-        if unexpected:
-            parts.append(f"unexpected {len(unexpected)} tensors (e.g. {unexpected[0]})")
-        raise StemlmError(f"checkpoint {directory} does not match its config.json: {'; '.join(parts)}")
-    for name, ref in expected.items():
-        if tuple(state[name].shape) != tuple(ref.shape):
-            raise StemlmError(
-                f"checkpoint {directory}: tensor {name} has shape {list(state[name].shape)}, "
-                f"config.json implies {list(ref.shape)}"
-            )
-    if dtype is not None:
-        state = {k: v.to(dtype) for k, v in state.items()}
-    model.load_state_dict(state, strict=False, assign=True)
-    model.tie_weights()
-    model.reset_buffers(device)
-    return model

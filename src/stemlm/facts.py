@@ -120,12 +120,25 @@ def country(name: str) -> Country:
     raise KeyError(f"no country named {name!r} in the fact world")
 
 
-def fact_prompts(split: str = "train", relations: tuple[str, ...] = RELATIONS) -> list[FactPrompt]:
+def countries_in(region: str | None = None) -> tuple[Country, ...]:
+    """The countries of one region (e.g. "Europe"; case-insensitive), or all of them for None / "all"."""
+    if region is None or region.lower() == "all":
+        return load_countries()
+    found = tuple(c for c in load_countries() if (c.region or "").lower() == region.lower())
+    if not found:
+        regions = sorted({c.region for c in load_countries() if c.region})
+        raise ValueError(f"no country in region {region!r}; regions: all, {', '.join(regions)}")
+    return found
+
+
+def fact_prompts(
+    split: str = "train", relations: tuple[str, ...] = RELATIONS, region: str | None = None
+) -> list[FactPrompt]:
     """Every (country, relation, template) prompt of the chosen template split ("train" or "heldout")."""
     if split not in ("train", "heldout"):
         raise ValueError(f"split must be 'train' or 'heldout', got {split!r}")
     prompts = []
-    for c in load_countries():
+    for c in countries_in(region):
         for relation in relations:
             answer = c.fact(relation)
             if answer is None:
@@ -136,10 +149,14 @@ def fact_prompts(split: str = "train", relations: tuple[str, ...] = RELATIONS) -
 
 
 def fact_documents(
-    repeats: int = 20, lines_per_document: int = 64, seed: int = 0, relations: tuple[str, ...] = RELATIONS
+    repeats: int = 20,
+    lines_per_document: int = 64,
+    seed: int = 0,
+    relations: tuple[str, ...] = RELATIONS,
+    region: str | None = None,
 ) -> list[str]:
     """Training text: every training-template statement of `relations` `repeats` times, shuffled into documents."""
-    statements = [p.prompt + p.answer + "." for p in fact_prompts("train", relations)] * repeats
+    statements = [p.prompt + p.answer + "." for p in fact_prompts("train", relations, region)] * repeats
     random.Random(seed).shuffle(statements)
     return ["\n".join(statements[i : i + lines_per_document]) for i in range(0, len(statements), lines_per_document)]
 

@@ -30,7 +30,7 @@ from stemlm.model.ffn import TableRows
 
 EmbedRows = Callable[[torch.Tensor], torch.Tensor]  # input_ids [B, T] -> embeddings [B, T, d], as in StemLM.forward
 
-__all__ = ["generate", "sample_token", "stream_tokens", "top_k_filter", "top_p_filter"]
+__all__ = ["IncrementalDecoder", "generate", "sample_token", "stream_tokens", "top_k_filter", "top_p_filter"]
 
 
 def top_k_filter(logits: torch.Tensor, k: int) -> torch.Tensor:
@@ -177,3 +177,32 @@ def generate(
         if on_token is not None:
             on_token(token)
     return tokens
+
+
+class IncrementalDecoder:
+    """Turns a growing list of ids into printable text pieces that concatenate to the full decode.
+
+    The whole list is decoded each time and only the new suffix is returned; a suffix ending in U+FFFD (a
+    multi-byte character whose remaining bytes are still to come) is held back until it is complete.
+    """
+
+    def __init__(self, tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self.ids: list[int] = []
+        self.printed = ""
+
+    def push(self, token_id: int) -> str:
+        self.ids.append(token_id)
+        text = self.tokenizer.decode(self.ids)
+        if text.endswith("\ufffd") or not text.startswith(self.printed):
+            return ""
+        return self._advance(text)
+
+    def flush(self) -> str:
+        """Everything not yet returned (held-back bytes print as U+FFFD if they never completed)."""
+        text = self.tokenizer.decode(self.ids)
+        return self._advance(text) if text.startswith(self.printed) else ""
+
+    def _advance(self, text: str) -> str:
+        piece, self.printed = text[len(self.printed) :], text
+        return piece

@@ -8,6 +8,11 @@ folder is taken, so an interrupted save never breaks resolution.
 
     from stemlm.runs import load_checkpoint
     model, tokenizer = load_checkpoint("runs/tiny")      # tokenizer is None when the folder has none
+    model, tokenizer = load_checkpoint("runs/tiny", need_tokenizer="editing")  # a one-line error if it is missing
+    model, tokenizer, offloaded = load_for_generation("runs/tiny", tables="host", cache_fraction=0.2)
+    model = from_pretrained("runs/tiny/checkpoints/step-150")   # a checkpoint folder only, no tokenizer
+
+Every command line tool loads models through these functions, so no CLI module needs another's loader.
 
 A Hugging Face Llama folder (config.json with model_type "llama") loads as a dense model through
 `stemlm.hf.load_hf_llama`, so every command taking a CKPT also takes an imported model.
@@ -22,7 +27,7 @@ from pathlib import Path
 import torch
 from tokenizers import Tokenizer
 
-from stemlm.checkpoint import CONFIG_NAME, TOKENIZER_NAME, from_pretrained, weight_files
+from stemlm.checkpoint import CONFIG_NAME, TOKENIZER_NAME, load_config, read_state, weight_files
 from stemlm.errors import StemlmError
 from stemlm.model.decoder import StemLM
 
@@ -102,10 +107,21 @@ def _model_type(folder: Path) -> str | None:
 
 
 def load_checkpoint(
-    path: str | Path, *, device: str | torch.device = "cpu", dtype: torch.dtype | None = None
+    path: str | Path,
+    *,
+    device: str | torch.device = "cpu",
+    dtype: torch.dtype | None = None,
+    need_tokenizer: str | None = None,
 ) -> tuple[StemLM, Tokenizer | None]:
-    """The model (in eval mode) and tokenizer (None if the folder has no tokenizer.json) of a CKPT argument."""
+    """The model (in eval mode) and tokenizer (None if the folder has no tokenizer.json) of a CKPT argument.
+
+    `need_tokenizer` names what the tokenizer is needed for; then a folder without one is a one-line error.
+    """
     folder = resolve_checkpoint(path)
+    if need_tokenizer and not (folder / TOKENIZER_NAME).is_file():
+        raise StemlmError(
+            f"{path} has no {TOKENIZER_NAME}; {need_tokenizer} needs the tokenizer the model was trained with"
+        )
     if _model_type(folder) == "llama":  # a Hugging Face Llama folder (e.g. from `stemlm convert --from-gguf`)
         from stemlm.hf.llama import load_hf_llama
 
@@ -124,3 +140,71 @@ def load_checkpoint(
                 f"vocab_size is {model.config.vocab_size}; ids past the model vocabulary could not be embedded"
             )
     return model, tokenizer
+
+
+def load_for_generation(
+    path: str | Path,
+    *,
+    tables: str = "resident",
+    cache_rows: int | None = None,
+    cache_fraction: float | None = None,
+    cache_policy: str = "lfu",
+    device: str | torch.device = "cpu",
+    table_dtype: str = "fp32",
+):
+    """(model, tokenizer, OffloadedLM or None): resident tables load the plain way, host / mmap tables offloaded."""
+    if tables == "resident":
+        if cache_rows is not None or cache_fraction is not None:
+            raise StemlmError("--cache-rows / --cache-fraction need --tables host or --tables mmap")
+        if table_dtype != "fp32":
+            raise StemlmError("--table-dtype bf16/int8 needs --tables host")
+        model, tokenizer = load_checkpoint(path, device=device)
+        return model, tokenizer, None
+    from stemlm.offload.engine import open_checkpoint
+
+    offloaded, tokenizer = open_checkpoint(
+        path,
+        tables,
+        cache_rows=cache_rows,
+        cache_fraction=cache_fraction,
+        policy=cache_policy,
+        device=device,
+        table_dtype=table_dtype,
+    )
+    return offloaded.model, tokenizer, offloaded
+
+
+def from_pretrained(
+    directory: str | Path, *, device: str | torch.device = "cpu", dtype: torch.dtype | None = None
+) -> StemLM:
+    """Load a model saved by `save_pretrained` (or converted into this format), checking every tensor."""
+    config = load_config(directory)
+    state = read_state(directory, device)
+    if config.tie_word_embeddings:
+        state.pop("lm_head.weight", None)
+    with torch.device("meta"):
+        model = StemLM(config)
+    expected = {
+        k: v for k, v in model.state_dict().items() if not (config.tie_word_embeddings and k == "lm_head.weight")
+    }
+    missing = sorted(set(expected) - set(state))
+    unexpected = sorted(set(state) - set(expected))
+    if missing or unexpected:
+        parts = []
+        if missing:
+            parts.append(f"missing {len(missing)} tensors (e.g. {missing[0]})")
+        if unexpected:
+            parts.append(f"unexpected {len(unexpected)} tensors (e.g. {unexpected[0]})")
+        raise StemlmError(f"checkpoint {directory} does not match its config.json: {'; '.join(parts)}")
+    for name, ref in expected.items():
+        if tuple(state[name].shape) != tuple(ref.shape):
+            raise StemlmError(
+                f"checkpoint {directory}: tensor {name} has shape {list(state[name].shape)}, "
+                f"config.json implies {list(ref.shape)}"
+            )
+    if dtype is not None:
+        state = {k: v.to(dtype) for k, v in state.items()}
+    model.load_state_dict(state, strict=False, assign=True)
+    model.tie_weights()
+    model.reset_buffers(device)
+    return model

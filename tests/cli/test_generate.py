@@ -8,11 +8,10 @@ import json
 import pytest
 
 from stemlm.checkpoint import save_pretrained
-from stemlm.cli.generate import IncrementalDecoder
 from stemlm.cli.main import main
 from stemlm.config import ModelConfig
 from stemlm.data.tokenizer import default_tokenizer
-from stemlm.generate import generate
+from stemlm.generate import IncrementalDecoder, generate
 from stemlm.model import build_model
 
 

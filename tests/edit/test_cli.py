@@ -7,8 +7,9 @@ import json
 import pytest
 import torch
 
-from stemlm.checkpoint import from_pretrained, save_pretrained
+from stemlm.checkpoint import save_pretrained
 from stemlm.cli.main import main
+from stemlm.runs import from_pretrained
 
 PROMPT = "Country: Spain. Capital:"
 

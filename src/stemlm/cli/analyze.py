@@ -64,9 +64,9 @@ def _chosen(args, model) -> list[str]:
 
 def run(args) -> int:
     from stemlm.analysis import activated, attribution, nearest, spread
-    from stemlm.cli.edit import load_for_edit
+    from stemlm.runs import load_checkpoint
 
-    model, tokenizer = load_for_edit(args.ckpt)
+    model, tokenizer = load_checkpoint(args.ckpt, need_tokenizer="analysis")
     names = _chosen(args, model)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -77,7 +77,7 @@ def run(args) -> int:
     if "spread" in names or "activated" in names:
         text_ids = _text_ids(args, tokenizer)
     if "spread" in names:
-        dense = load_for_edit(args.dense)[0] if args.dense else None
+        dense = load_checkpoint(args.dense)[0] if args.dense else None
         result, samples = spread.angular_spread(model, text_ids, dense=dense, max_tokens=args.max_tokens)
         report["spread"] = result
         name = "dense W_up x" if dense is not None else "own gate_proj(x)"

@@ -11,9 +11,6 @@ the vocabulary; `static_top` beside the curve is the hit rate of the best fixed 
 stream's own most frequent ids), a reference point for the policies. `--warm` seeds the cache
 with token counts of other text (the embedded corpus's train split by default); those counts weigh like
 replayed tokens, so a large warm corpus turns LFU into a mostly static cache of that corpus's frequent ids.
-
-`add_table_flags` / `load_for_generation` are the offload options of `stemlm generate` (`--tables host
---cache-rows N | --cache-fraction F`), kept here with the rest of the offload command line.
 """
 
 from __future__ import annotations
@@ -67,66 +64,6 @@ def register(subparsers) -> None:
     p.add_argument("--out", metavar="DIR", help=f"write {JSON_NAME} and {PNG_NAME} into DIR")
     add_json_flag(p)
     p.set_defaults(func=run)
-
-
-def add_table_flags(p) -> None:
-    """The table placement and cache flags of `stemlm generate`."""
-    p.add_argument(
-        "--tables",
-        choices=("resident", "host", "mmap"),
-        default="resident",
-        help="where the STEM tables live: on the device (default), in host memory, or memory-mapped "
-        "from the checkpoint file; host and mmap serve rows through a device cache",
-    )
-    size = p.add_mutually_exclusive_group()
-    size.add_argument(
-        "--cache-rows",
-        type=int,
-        metavar="N",
-        help="device cache of N token rows (all table layers of a token share a row; "
-        "default with --tables host/mmap: 20%% of the vocabulary)",
-    )
-    size.add_argument(
-        "--cache-fraction", type=float, metavar="F", help="device cache of this fraction of the vocabulary, e.g. 0.2"
-    )
-    p.add_argument(
-        "--cache-policy",
-        choices=("lfu", "lru"),
-        default="lfu",
-        help="cache replacement policy (default lfu, least-recent as tie-break)",
-    )
-    p.add_argument(
-        "--table-dtype",
-        choices=("fp32", "bf16", "int8"),
-        default="fp32",
-        help="with --tables host: store the table rows as fp32 (default), bf16, or int8 with one scale per row "
-        "and layer (dequantised when gathered)",
-    )
-
-
-def load_for_generation(args):
-    """(model, tokenizer, OffloadedLM or None) for `stemlm generate`; resident tables load the plain way."""
-    if args.tables == "resident":
-        if args.cache_rows is not None or args.cache_fraction is not None:
-            raise StemlmError("--cache-rows / --cache-fraction need --tables host or --tables mmap")
-        if args.table_dtype != "fp32":
-            raise StemlmError("--table-dtype bf16/int8 needs --tables host")
-        from stemlm.runs import load_checkpoint
-
-        model, tokenizer = load_checkpoint(args.ckpt, device=args.device)
-        return model, tokenizer, None
-    from stemlm.offload.engine import open_checkpoint
-
-    offloaded, tokenizer = open_checkpoint(
-        args.ckpt,
-        args.tables,
-        cache_rows=args.cache_rows,
-        cache_fraction=args.cache_fraction,
-        policy=args.cache_policy,
-        device=args.device,
-        table_dtype=args.table_dtype,
-    )
-    return offloaded.model, tokenizer, offloaded
 
 
 def _floats(text: str) -> list[float]:

@@ -1,7 +1,12 @@
-"""Helpers shared by subcommands: JSON output and config overrides from the command line."""
+"""Command-line pieces shared by subcommands: JSON output, the table placement flags, command groups.
+
+CLI modules import only this module from `stemlm.cli` (the dispatcher `main` imports them all); anything
+else they share (loading checkpoints, decoding text) lives in the library, e.g. `stemlm.runs`.
+"""
 
 from __future__ import annotations
 
+import importlib
 import json
 import sys
 from typing import Any
@@ -16,3 +21,54 @@ def print_json(obj: Any) -> None:
 
 def add_json_flag(parser) -> None:
     parser.add_argument("--json", action="store_true", help="print exactly one JSON object on stdout")
+
+
+def add_table_flags(p) -> None:
+    """The table placement and cache flags of `stemlm generate`."""
+    p.add_argument(
+        "--tables",
+        choices=("resident", "host", "mmap"),
+        default="resident",
+        help="where the STEM tables live: on the device (default), in host memory, or memory-mapped "
+        "from the checkpoint file; host and mmap serve rows through a device cache",
+    )
+    size = p.add_mutually_exclusive_group()
+    size.add_argument(
+        "--cache-rows",
+        type=int,
+        metavar="N",
+        help="device cache of N token rows (all table layers of a token share a row; "
+        "default with --tables host/mmap: 20%% of the vocabulary)",
+    )
+    size.add_argument(
+        "--cache-fraction", type=float, metavar="F", help="device cache of this fraction of the vocabulary, e.g. 0.2"
+    )
+    p.add_argument(
+        "--cache-policy",
+        choices=("lfu", "lru"),
+        default="lfu",
+        help="cache replacement policy (default lfu, least-recent as tie-break)",
+    )
+    p.add_argument(
+        "--table-dtype",
+        choices=("fp32", "bf16", "int8"),
+        default="fp32",
+        help="with --tables host: store the table rows as fp32 (default), bf16, or int8 with one scale per row "
+        "and layer (dequantised when gathered)",
+    )
+
+
+def register_group(subparsers, name: str, entries: list[str], help_text: str, description: str):
+    """A command whose sub-commands come from `entries` ("module:function"); prints its help when none is given."""
+    parser = subparsers.add_parser(name, help=help_text, description=description)
+    group = parser.add_subparsers(dest=f"{name}_command", metavar="SUBCOMMAND")
+    for entry in entries:
+        module, function = entry.split(":")
+        getattr(importlib.import_module(module), function)(group)
+
+    def show_help(args) -> int:
+        parser.print_help()
+        return 2
+
+    parser.set_defaults(func=show_help)
+    return parser

@@ -24,10 +24,7 @@ EOT_TOKEN = "<|endoftext|>"
 def load_for_edit(ckpt: str):
     from stemlm.runs import load_checkpoint
 
-    model, tokenizer = load_checkpoint(ckpt)
-    if tokenizer is None:
-        raise StemlmError(f"{ckpt} has no tokenizer.json; editing needs the tokenizer to find entity names")
-    return model, tokenizer
+    return load_checkpoint(ckpt, need_tokenizer="editing (finding entity names)")
 
 
 def _save_sources(args) -> tuple:

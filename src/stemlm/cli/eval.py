@@ -8,7 +8,7 @@ given sub-command group (help on every flag, `set_defaults(func=...)`), and appe
 
 from __future__ import annotations
 
-import importlib
+from stemlm.cli.common import register_group
 
 # "module:function" entries; each function adds one `stemlm eval <name>` parser. Order = the help listing.
 EVAL_COMMANDS = [
@@ -18,22 +18,6 @@ EVAL_COMMANDS = [
     "stemlm.cli.eval_niah:register_eval",
     "stemlm.cli.eval_niah:register_eval_data",
 ]
-
-
-def register_group(subparsers, name: str, entries: list[str], help_text: str, description: str):
-    """A command whose sub-commands come from `entries` ("module:function"); prints its help when none is given."""
-    parser = subparsers.add_parser(name, help=help_text, description=description)
-    group = parser.add_subparsers(dest=f"{name}_command", metavar="SUBCOMMAND")
-    for entry in entries:
-        module, function = entry.split(":")
-        getattr(importlib.import_module(module), function)(group)
-
-    def show_help(args) -> int:
-        parser.print_help()
-        return 2
-
-    parser.set_defaults(func=show_help)
-    return parser
 
 
 def register(subparsers) -> None:

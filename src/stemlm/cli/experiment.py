@@ -11,8 +11,7 @@ from __future__ import annotations
 
 import sys
 
-from stemlm.cli.common import add_json_flag, print_json
-from stemlm.cli.eval import register_group
+from stemlm.cli.common import add_json_flag, print_json, register_group
 from stemlm.errors import StemlmError
 
 EXPERIMENTS = [

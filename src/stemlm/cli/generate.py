@@ -14,40 +14,10 @@ import functools
 import sys
 import time
 
-from stemlm.cli.cache_sim import add_table_flags, load_for_generation
-from stemlm.cli.common import add_json_flag, print_json
+from stemlm.cli.common import add_json_flag, add_table_flags, print_json
 from stemlm.errors import StemlmError
 
 EOT_TOKEN = "<|endoftext|>"
-
-
-class IncrementalDecoder:
-    """Turns a growing list of ids into printable text pieces that concatenate to the full decode.
-
-    The whole list is decoded each time and only the new suffix is returned; a suffix ending in U+FFFD (a
-    multi-byte character whose remaining bytes are still to come) is held back until it is complete.
-    """
-
-    def __init__(self, tokenizer) -> None:
-        self.tokenizer = tokenizer
-        self.ids: list[int] = []
-        self.printed = ""
-
-    def push(self, token_id: int) -> str:
-        self.ids.append(token_id)
-        text = self.tokenizer.decode(self.ids)
-        if text.endswith("\ufffd") or not text.startswith(self.printed):
-            return ""
-        return self._advance(text)
-
-    def flush(self) -> str:
-        """Everything not yet returned (held-back bytes print as U+FFFD if they never completed)."""
-        text = self.tokenizer.decode(self.ids)
-        return self._advance(text) if text.startswith(self.printed) else ""
-
-    def _advance(self, text: str) -> str:
-        piece, self.printed = text[len(self.printed) :], text
-        return piece
 
 
 def parse_ids(text: str, vocab_size: int) -> list[int]:
@@ -77,9 +47,18 @@ def _prompt_ids(args, model, tokenizer) -> list[int]:
 
 
 def run(args) -> int:
-    from stemlm.generate import stream_tokens
+    from stemlm.generate import IncrementalDecoder, stream_tokens
+    from stemlm.runs import load_for_generation
 
-    model, tokenizer, offloaded = load_for_generation(args)  # offloaded: None unless --tables host / mmap
+    model, tokenizer, offloaded = load_for_generation(  # offloaded: None unless --tables host / mmap
+        args.ckpt,
+        tables=args.tables,
+        cache_rows=args.cache_rows,
+        cache_fraction=args.cache_fraction,
+        cache_policy=args.cache_policy,
+        device=args.device,
+        table_dtype=args.table_dtype,
+    )
     eos_token = EOT_TOKEN
     if args.chat:
         from stemlm.chat import require_chat

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from stemlm.checkpoint import save_pretrained
 from stemlm.config import ModelConfig
 from stemlm.errors import StemlmError
 from stemlm.model.adapter import StemAdapterFFN
@@ -213,8 +214,6 @@ class StemLM(nn.Module):
         return sum(p.numel() for p in self.parameters())  # parameters() yields a tied weight once
 
     def save_pretrained(self, directory, tokenizer=None, **kwargs) -> None:
-        from stemlm.checkpoint import save_pretrained
-
         save_pretrained(self, directory, tokenizer=tokenizer, **kwargs)
 
 

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from stemlm.checkpoint import from_pretrained, load_config, weight_files
+from stemlm.checkpoint import load_config, weight_files
 from stemlm.errors import StemlmError
 from stemlm.model.decoder import StemLM
 from stemlm.offload.compact import CompactProvider
@@ -33,6 +33,7 @@ from stemlm.offload.providers import (
     _load_backbone,
     read_safetensors_header,
 )
+from stemlm.runs import from_pretrained
 
 
 @dataclass

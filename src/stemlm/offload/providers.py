@@ -29,9 +29,10 @@ import numpy as np
 import torch
 from safetensors import SafetensorError, safe_open
 
-from stemlm.checkpoint import from_pretrained, load_config, weight_files
+from stemlm.checkpoint import load_config, weight_files
 from stemlm.errors import StemlmError
 from stemlm.model.decoder import StemLM
+from stemlm.runs import from_pretrained
 
 # safetensors dtype -> (numpy storage dtype, torch dtype); bf16 is stored as uint16 and reinterpreted.
 SAFETENSORS_DTYPES = {

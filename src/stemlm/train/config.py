@@ -54,6 +54,11 @@ class TrainConfig:
     tokenizer: str | None = None  # default | gpt2 | path; None: the --init-from checkpoint's, else default
     separator: str = "<|endoftext|>"  # special token placed after every document (Llama-3: <|end_of_text|>)
     init_from: str | None = None  # start from the weights of this model checkpoint folder
+    # the fact world mixed into the embedded corpus (not into --data): statements of fact_relations about the
+    # countries of fact_region make up fact_fraction of the training tokens (stemlm.data.fact_mix); 0: none
+    fact_fraction: float = 0.2
+    fact_region: str = "Europe"
+    fact_relations: list[str] = dataclasses.field(default_factory=lambda: ["capital"])
     seq_len: int = 256
     batch_size: int = 8  # sequences per micro-batch
     grad_accum: int = 1  # micro-batches per optimizer step
@@ -140,6 +145,10 @@ class TrainConfig:
         need(
             self.table_lr is None or (_finite(self.table_lr) and self.table_lr > 0),
             f"table_lr must be a positive number, got {self.table_lr!r}",
+        )
+        need(
+            _finite(self.fact_fraction) and 0 <= self.fact_fraction < 1,
+            f"fact_fraction must lie in [0, 1), got {self.fact_fraction!r}",
         )
         need(
             _finite(self.min_lr_ratio) and 0 <= self.min_lr_ratio <= 1,

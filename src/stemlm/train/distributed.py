@@ -37,12 +37,13 @@ import torch
 import torch.distributed as dist
 from tokenizers import Tokenizer
 
-from stemlm.checkpoint import from_pretrained, load_config
+from stemlm.checkpoint import load_config
 from stemlm.config import ModelConfig
 from stemlm.dist.host_shards import HostShardedTables
 from stemlm.dist.launch import destroy_distributed, init_distributed, local_batch_size
 from stemlm.dist.sharded_tables import ShardedTables
 from stemlm.presets import get_preset
+from stemlm.runs import from_pretrained
 from stemlm.train.config import TrainConfig
 from stemlm.train.data import load_datasets_distributed
 from stemlm.train.dist_checkpoint import load_optimizers, save_distributed_checkpoint

@@ -37,12 +37,12 @@ import numpy as np
 import torch
 from tokenizers import Tokenizer
 
-from stemlm.checkpoint import TOKENIZER_NAME, from_pretrained, load_config, write_json
+from stemlm.checkpoint import TOKENIZER_NAME, load_config, write_json
 from stemlm.config import ModelConfig
 from stemlm.errors import StemlmError
 from stemlm.model import build_model
 from stemlm.presets import get_preset
-from stemlm.runs import CHECKPOINTS_DIR, STEP_DIR, resolve_checkpoint
+from stemlm.runs import CHECKPOINTS_DIR, STEP_DIR, from_pretrained, resolve_checkpoint
 from stemlm.train.config import TrainConfig, model_config_diff, resolve_device, resolve_dtype, tokenizer_digest
 from stemlm.train.data import load_datasets, resolve_tokenizer
 from stemlm.train.guard import DivergenceGuard, StopSignals, check_run_dir
@@ -244,6 +244,7 @@ class Trainer:
             raise StemlmError(f"{run_dir / RUN_CONFIG_NAME} is corrupt ({exc})") from None
         # The training config the checkpoint was written under (it includes earlier resumes' overrides).
         train = read_resumable_state(ckpt)["config"]["train"]
+        train.setdefault("fact_fraction", 0.0)  # written before the fact mix existed: it trained without one
         cfg = TrainConfig.from_dict(train).with_overrides({**(overrides or {}), "out": str(run_dir)})
         try:
             run_tok = Tokenizer.from_file(str(ckpt / TOKENIZER_NAME))
