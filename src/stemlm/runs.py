@@ -142,6 +142,11 @@ def load_checkpoint(
     return model, tokenizer
 
 
+def folder_bytes(path: str | Path) -> int:
+    """Bytes of every file under `path` (a run folder's size on disk, as `du --apparent-size` counts it)."""
+    return sum(f.stat().st_size for f in Path(path).rglob("*") if f.is_file())
+
+
 def load_for_generation(
     path: str | Path,
     *,

@@ -63,13 +63,30 @@ def test_text_output_shows_before_and_after(checkpoints, capsys):
 def test_global_edit_saved(checkpoints, capsys, tmp_path, fact_tokenizer):
     stem, _ = checkpoints
     out_dir = tmp_path / "edited"
-    out = _json(capsys, ["edit", stem, "--source", "Spain", "--target", "Germany", "--save", str(out_dir), "--json"])
+    argv = ["edit", stem, "--source", "Spain", "--target", "Germany", "--save", str(out_dir)]
+    # " Spain" is one token here, but the fact world's " Port of Spain" contains it: refused, nothing written.
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "'ĠSpain' also in" in err and "Port of Spain" in err
+    assert "--allow-shared-subwords" in err and not out_dir.exists()
+    out = _json(capsys, [*argv, "--allow-shared-subwords", "--json"])
     assert out["mode"] == "global" and out["saved"] == str(out_dir) and out["before"] is None
+    (changed,) = out["edit"]["changed_tokens"]
+    assert changed["token"] == "ĠSpain" and "Port of Spain" in changed["shared_with"]
     original, edited = from_pretrained(stem), from_pretrained(out_dir)
     (s,), (g,) = fact_tokenizer.encode(" Spain").ids, fact_tokenizer.encode(" Germany").ids
     for layer in (1, 2):
         assert torch.equal(edited.stem_tables()[layer].weight[s], original.stem_tables()[layer].weight[g])
-    assert json.loads((out_dir / "edits.json").read_text())["edits"][0]["source"] == "Spain"
+    saved = json.loads((out_dir / "edits.json").read_text())["edits"][0]
+    assert saved["source"] == "Spain" and saved["changed_tokens"] == out["edit"]["changed_tokens"]
+
+
+def test_global_edit_text_lists_changed_tokens(checkpoints, capsys, tmp_path):
+    stem, _ = checkpoints
+    argv = ["edit", stem, "--source", "Spain", "--target", "Germany", "--save", str(tmp_path / "e")]
+    assert main([*argv, "--allow-shared-subwords", "--prompt", PROMPT]) == 0
+    out = capsys.readouterr().out
+    assert "rows changed: 'ĠSpain'" in out and "Port of Spain" in out
 
 
 def test_inject_saved_with_new_token(checkpoints, capsys, tmp_path):

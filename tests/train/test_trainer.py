@@ -18,6 +18,7 @@ from stemlm.checkpoint import save_pretrained
 from stemlm.data import load_tokenizer
 from stemlm.errors import StemlmError
 from stemlm.model import build_model
+from stemlm.runs import from_pretrained
 from stemlm.train.config import fit_vocab, tokenizer_digest
 from stemlm.train.logging import read_metrics
 from stemlm.train.trainer import Trainer
@@ -103,12 +104,27 @@ def test_resume_after_crash_is_bitwise_identical(tmp_path, make_train_config, ma
 
 
 def test_resume_from_a_chosen_checkpoint(tmp_path, make_train_config, make_model_config):
-    cfg = make_train_config(tmp_path, steps=10, save_every=5, keep_last=5, eval_every=0)
+    kw = dict(steps=10, save_every=5, keep_last=5, eval_every=0, keep_optimizer_state="all")
+    cfg = make_train_config(tmp_path, **kw)
     Trainer(make_model_config("stem"), cfg, progress=False).fit()
     reference = train_records(tmp_path / "run")
     Trainer.resume(tmp_path / "run" / "checkpoints" / "step-000005", progress=False).fit()
     again = train_records(tmp_path / "run")
     assert again == [{**r, "tokens_per_s": s["tokens_per_s"]} for r, s in zip(reference, again, strict=True)]
+
+
+def test_only_the_newest_checkpoint_keeps_optimizer_state(tmp_path, make_train_config, make_model_config):
+    cfg = make_train_config(tmp_path, steps=10, save_every=5, keep_last=5, eval_every=0)
+    Trainer(make_model_config("stem"), cfg, progress=False).fit()
+    ckpts = tmp_path / "run" / "checkpoints"
+    assert not (ckpts / "step-000005" / "optimizer.safetensors").exists()
+    assert (ckpts / "step-000010" / "optimizer.safetensors").is_file()
+    assert from_pretrained(ckpts / "step-000005").num_parameters() > 0  # the older weights stay loadable
+    with pytest.raises(StemlmError, match="holds no optimizer state.*keep_optimizer_state=all"):
+        Trainer.resume(ckpts / "step-000005", progress=False)
+    Trainer.resume(tmp_path / "run", overrides={"steps": 12}, progress=False).fit()  # the newest resumes
+    assert not (ckpts / "step-000010" / "optimizer.safetensors").exists()
+    assert (ckpts / "step-000012" / "optimizer.safetensors").is_file()
 
 
 def snapshot(trainer):

@@ -7,8 +7,11 @@
 
 Without --save/--inject the edit is positional: only the prompt's source span reads the target's rows, at
 prefill, and generation continues from the KV cache. --save writes a global edit (every occurrence of the
-source tokens, in the tables themselves) as a new checkpoint; --inject gives a new or rare token the
-target's rows. `stemlm eval edits` (registered from here as `register_eval`) measures edits over many facts.
+source tokens, in the tables themselves) as a new checkpoint; it lists every token whose rows it changes and
+the other words containing them, and refuses to save when there are such words unless
+--allow-shared-subwords is given (" Spain" is "ĠSp" + "ain" in the shipped tokenizer, so " Britain" would
+change too). --inject gives a new or rare token the target's rows. `stemlm eval edits` (registered from here
+as `register_eval`) measures edits over many facts.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from stemlm.cli.common import add_json_flag, print_json
 from stemlm.errors import StemlmError
 
 EOT_TOKEN = "<|endoftext|>"
+SHOWN_WORDS = 12  # words sharing a changed token, shown per token in text output
 
 
 def load_for_edit(ckpt: str):
@@ -128,6 +132,7 @@ def run(args) -> int:
         report["edit"] = record.description
         after = _maybe_view(model, tokenizer, prompt_ids, args)
         if args.save is not None:
+            _check_shared(record.description, args.allow_shared_subwords)
             report["saved"] = str(editor.save(args.save, force=args.force, sources=sources))
     report.update(prompt=args.prompt, before=before, after=after)
     if args.json:
@@ -135,6 +140,22 @@ def run(args) -> int:
     else:
         _print(report)
     return 0
+
+
+def _check_shared(description: dict, allowed: bool) -> None:
+    """Refuse to save a global edit that also rewrites other words' sub-word tokens unless allowed."""
+    shared = [t for t in description["changed_tokens"] if t["shared_with"]]
+    if shared and not allowed:
+        what = "; ".join(
+            f"{t['token']!r} also in {len(t['shared_with'])} words ({', '.join(t['shared_with'][:4])}"
+            + (", ..." if len(t["shared_with"]) > 4 else "")
+            + ")"
+            for t in shared
+        )
+        raise StemlmError(
+            f"a saved (global) edit rewrites these tokens' rows in every text: {what}; pass "
+            "--allow-shared-subwords to save anyway (--json lists every word), or edit positionally (no --save)"
+        )
 
 
 def _maybe_view(model, tokenizer, prompt_ids, args) -> dict | None:
@@ -152,6 +173,12 @@ def _print(report: dict) -> None:
             continue
         print(f"{name:>6}: {report['prompt']}{view['completion']!r}")
         print("        " + "  ".join(f"{t['token']!r} {t['prob']:.3f}" for t in view["top_k"]))
+    for token in (report.get("edit") or {}).get("changed_tokens", []):
+        words = token["shared_with"]
+        shown = ", ".join(words[:SHOWN_WORDS]) + (
+            f", ... ({len(words)} in all; --json lists them)" if len(words) > SHOWN_WORDS else ""
+        )
+        print(f"rows changed: {token['token']!r} (id {token['id']}); also in: {shown or 'no other word'}")
     if "saved" in report:
         print(f"saved the edited checkpoint to {report['saved']}", file=sys.stderr)
 
@@ -196,6 +223,12 @@ def register(subparsers) -> None:
     p.add_argument("--save", metavar="OUT", help="apply the edit to the tables and save a new checkpoint at OUT")
     p.add_argument(
         "--force", action="store_true", help="let --save replace an earlier edit save there (never anything else)"
+    )
+    p.add_argument(
+        "--allow-shared-subwords",
+        action="store_true",
+        help="with --save: save even when the source's tokens also occur in other words (which the edit then "
+        "changes too; the output lists them)",
     )
     p.add_argument("--max-new-tokens", type=int, default=8, help="greedy tokens shown before/after (default 8)")
     p.add_argument("--top-k", type=int, default=5, help="next-token probabilities shown (default 5)")

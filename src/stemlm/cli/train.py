@@ -305,7 +305,10 @@ def run(args) -> int:
 
 def final_report(trainer, result: dict[str, Any], args) -> dict[str, Any]:
     """The final metrics plus accounting figures and a greedy sample continuation."""
+    from stemlm.runs import folder_bytes
+
     report = dict(result)
+    report["run_dir_bytes"] = folder_bytes(result["run_dir"])
     try:
         from stemlm.accounting import TABLE_COMPONENTS, summarize
 
@@ -380,7 +383,7 @@ def render_report(r: dict[str, Any]) -> str:
             f"({r['host_table_bytes'] / 2**20:,.1f} MiB tables + {r['host_optimizer_bytes'] / 2**20:,.1f} MiB "
             f"optimizer state); host work hidden behind compute: {overlap}"
         )
-    lines.append(f"checkpoint: {r['checkpoint']}")
+    lines.append(f"checkpoint: {r['checkpoint']} (run folder {r['run_dir_bytes'] / 1e6:.1f} MB)")
     if "sample" in r:
         lines.append(f"sample (greedy): {(r['sample']['prompt'] + r['sample']['completion']).rstrip()}")
     return "\n".join(lines)

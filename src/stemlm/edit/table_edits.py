@@ -12,7 +12,9 @@ rows it overwrote; undoing records in reverse order restores the tables bit for 
 
 Caveat of global edits: a token id shared with other names (" United" in " United Kingdom" and " United
 States") changes for all of them; a tokenizer that keeps entity names whole avoids this (see the
-knowledge experiment). With tied embeddings an embedding-row edit also moves the lm_head row of the token.
+knowledge experiment). Each record's description therefore lists `changed_tokens`: every token whose rows
+it rewrote and the other words containing it (`stemlm.edit.shared_tokens`), saved with it in edits.json.
+With tied embeddings an embedding-row edit also moves the lm_head row of the token.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from tokenizers import AddedToken, Tokenizer
 
 from stemlm.checkpoint import AtomicFolder, write_json, write_model_files
 from stemlm.edit.positional import replacement_rows, rows_to_parts, table_layers
+from stemlm.edit.shared_tokens import changed_token_ids, describe_shared
 from stemlm.edit.spans import GLOBAL_DEFAULT_PAD, RowPlan, align, entity_ids, tokenizer_eot
 from stemlm.errors import StemlmError
 from stemlm.model.decoder import EmbedRows, StemLM
@@ -163,6 +166,7 @@ class TableEditor:
             layers=list(layers) if layers is not None else "all",
             source_ids=source_ids,
             target_ids=target_ids,
+            changed_tokens=describe_shared(self.tokenizer, changed_token_ids(source_ids, plan), source),
         )
         return self._push(apply_global_edit(self.model, source_ids, plan, layers=layers, rows=rows, description=info))
 
@@ -189,6 +193,7 @@ class TableEditor:
             rows=rows,
             layers=list(layers) if layers is not None else "all",
             target_ids=target_ids,
+            changed_tokens=describe_shared(self.tokenizer, [token_id], token),
         )
         return self._push(apply_global_edit(self.model, [token_id], plan, layers=layers, rows=rows, description=info))
 

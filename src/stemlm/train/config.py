@@ -36,6 +36,7 @@ DTYPES = ("auto", "fp32", "bf16")
 DEVICES = ("auto", "cpu", "cuda")
 PARALLEL = ("ddp", "fsdp")
 TABLE_PLACES = ("device", "host")
+KEEP_OPTIMIZER = ("newest", "all")
 
 TRAINABLE = ("all", "tables")
 
@@ -92,6 +93,7 @@ class TrainConfig:
     save_minutes: float = 10.0  # also save when this much wall time passed since the last save; 0: never
     max_skipped: int = 10  # stop (an error) after this many consecutive skipped, non-finite steps; 0: never
     keep_last: int = 2  # checkpoints kept
+    keep_optimizer_state: str = "newest"  # newest: only the newest checkpoint keeps optimizer state (resume); all
     spike_factor: float = 1.5  # a loss above spike_factor x the rolling median counts as a spike
     spike_window: int = 50  # steps in the rolling median (spikes count only once it is full)
     # --- several processes (stemlm train --nproc N; batch_size stays the global micro-batch, split over N) ---
@@ -164,6 +166,10 @@ class TrainConfig:
         need(
             self.tables == "device" or self.table_optim in ("lazy_adamw", "rowwise_adagrad"),
             f"tables=host needs a row-sparse table optimizer (lazy_adamw or rowwise_adagrad), got {self.table_optim!r}",
+        )
+        need(
+            self.keep_optimizer_state in KEEP_OPTIMIZER,
+            f"keep_optimizer_state must be one of {', '.join(KEEP_OPTIMIZER)}, got {self.keep_optimizer_state!r}",
         )
         need(self.parallel in PARALLEL, f"parallel must be one of {', '.join(PARALLEL)}, got {self.parallel!r}")
         from stemlm.train.table_optim import TABLE_OPTIMIZERS

@@ -12,8 +12,11 @@
 A checkpoint folder is built in a temporary sibling and renamed into place (`AtomicFolder`, which also records
 each file's SHA-256 in `stemlm-manifest.json`), so a crash while saving leaves the previous checkpoints
 intact; only then is `latest.json` replaced and older checkpoints beyond `keep_last` removed (never the one
-just written, never a later step's folder). Any model-only reader (`stemlm generate`,
-`stemlm.runs.load_checkpoint`) can open these folders because the model files are the plain model-core format.
+just written, never a later step's folder). Only the newest checkpoint keeps
+`optimizer.safetensors` (twice the model's size in fp32 moments, needed only to resume): older ones drop it
+(and its manifest entry) once a newer save succeeded, unless `keep_optimizer_state="all"`. Any model-only
+reader (`stemlm generate`, `stemlm.runs.load_checkpoint`) can open these folders because the model files are
+the plain model-core format.
 """
 
 from __future__ import annotations
@@ -33,7 +36,7 @@ from safetensors.torch import load_file, save_file
 from stemlm.checkpoint import AtomicFolder, write_json, write_model_files
 from stemlm.errors import StemlmError
 from stemlm.runs import CHECKPOINTS_DIR, LATEST_NAME, STEP_DIR
-from stemlm.safe_write import atomic_write_text, remove_leftovers
+from stemlm.safe_write import MANIFEST_NAME, atomic_write_text, read_manifest, remove_leftovers
 from stemlm.train.table_optim import flatten_optimizer_state, unflatten_optimizer_state
 
 STATE_NAME = "trainer_state.json"
@@ -142,8 +145,11 @@ def save_checkpoint(
     optimizers: list[torch.optim.Optimizer],
     state: dict[str, Any],
     keep_last: int,
+    keep_optimizer_state: str = "newest",
 ) -> Path:
-    """Write RUN/checkpoints/step-<step>/ atomically, point latest.json at it, prune to `keep_last`."""
+    """Write RUN/checkpoints/step-<step>/ atomically, point latest.json at it, prune to `keep_last`.
+
+    With `keep_optimizer_state="newest"` the optimizer state of every other checkpoint is then deleted."""
     target = checkpoint_dir(run_dir, step)
     tensors, metas = optimizer_state(optimizers)
     payload = {**state, "format": STATE_FORMAT, "step": step, "optimizers": metas, "rng": capture_rng()}
@@ -153,7 +159,23 @@ def save_checkpoint(
         write_json(tmp / STATE_NAME, payload)
     write_latest(Path(run_dir), step)
     prune_checkpoints(Path(run_dir), keep_last, written=step)
+    if keep_optimizer_state == "newest":
+        drop_optimizer_state(Path(run_dir), keep=target)
     return target
+
+
+def drop_optimizer_state(run_dir: Path, keep: Path) -> None:
+    """Delete optimizer.safetensors from every step folder but `keep` (their weights stay loadable).
+
+    The folder's manifest loses the entry first, so `stemlm verify` still passes (a kill in between leaves
+    the file merely unrecorded, never a recorded file missing)."""
+    for path in (run_dir / CHECKPOINTS_DIR).glob(f"step-*/{OPTIMIZER_NAME}"):
+        if path.parent == keep:
+            continue
+        manifest = read_manifest(path.parent)
+        if manifest is not None and manifest["files"].pop(OPTIMIZER_NAME, None) is not None:
+            atomic_write_text(path.parent / MANIFEST_NAME, json.dumps(manifest, indent=2, sort_keys=True) + "\n")
+        path.unlink(missing_ok=True)
 
 
 def write_latest(run_dir: Path, step: int) -> None:
@@ -229,6 +251,12 @@ def read_resumable_state(ckpt: Path) -> dict[str, Any]:
 def read_trainer_state(ckpt: Path) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
     """(JSON state, optimizer tensors) of a trainer checkpoint folder."""
     state = read_state_json(ckpt)
+    if not (ckpt / OPTIMIZER_NAME).exists():
+        raise StemlmError(
+            f"{ckpt} holds no optimizer state to resume from: only a run's newest checkpoint keeps it (train with "
+            f"--set train.keep_optimizer_state=all to keep it in every one); resume from the newest checkpoint, "
+            f"or start from these weights with --init-from {ckpt}"
+        )
     try:
         tensors = load_file(str(ckpt / OPTIMIZER_NAME))
     except (SafetensorError, OSError) as exc:

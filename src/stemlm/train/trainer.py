@@ -300,8 +300,16 @@ class Trainer:
         }
 
     def save(self) -> Path:
+        cfg = self.cfg
         return save_checkpoint(
-            self.run_dir, self.step, self.model, self.tokenizer, self.optimizers, self.state(), self.cfg.keep_last
+            self.run_dir,
+            self.step,
+            self.model,
+            self.tokenizer,
+            self.optimizers,
+            self.state(),
+            cfg.keep_last,
+            cfg.keep_optimizer_state,
         )
 
     # ----- training -----
