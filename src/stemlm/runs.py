@@ -142,6 +142,26 @@ def load_checkpoint(
     return model, tokenizer
 
 
+def output_dir(path: str | Path, name: str) -> Path:
+    """Where a command writes its files for a CKPT argument by default: RUN/<name> for a checkpoint of a
+    training run, else <checkpoint folder>/<name> (never the working directory)."""
+    folder = resolve_checkpoint(path)
+    owner = folder.parent.parent if folder.parent.name == CHECKPOINTS_DIR else folder
+    return owner / name
+
+
+def training_window(path: str | Path) -> int | None:
+    """The sequence length the run of a CKPT argument trained (and evaluated) at, or None for a model folder
+    without trainer state (a saved, converted or edited model)."""
+    folder = resolve_checkpoint(path)
+    try:
+        state = json.loads((folder / "trainer_state.json").read_text())  # stemlm.train.state.STATE_NAME
+        window = state["config"]["train"]["seq_len"]
+    except (OSError, json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError):
+        return None
+    return window if isinstance(window, int) and window > 0 else None
+
+
 def folder_bytes(path: str | Path) -> int:
     """Bytes of every file under `path` (a run folder's size on disk, as `du --apparent-size` counts it)."""
     return sum(f.stat().st_size for f in Path(path).rglob("*") if f.is_file())

@@ -142,3 +142,26 @@ def test_cli_niah_data(tmp_path, capsys):
     assert main(["eval", "niah-data", "--out", str(path), "--num", "3", "--lengths", "128", "--digits", "4"]) == 0
     docs = [json.loads(line)["text"] for line in path.read_text().splitlines()]
     assert len(docs) == 3 and all(oracle(d.rsplit(" ", 1)[0], 0).strip() == d.rsplit(" ", 1)[1] for d in docs)
+
+
+def test_cli_niah_data_defaults_work(tmp_path, capsys):
+    # The defaults (lengths 192,256; needles 1,2,4) must fit: 4 needles do not fit in 128 tokens.
+    path = tmp_path / "train.jsonl"
+    assert main(["eval", "niah-data", "--out", str(path), "--num", "12"]) == 0
+    assert len(path.read_text().splitlines()) == 12
+    capsys.readouterr()
+    assert main(["eval", "niah-data", "--out", str(path), "--num", "5", "--lengths", "128"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "too short" in err and "raise --lengths or lower --needles" in err and len(err.splitlines()) == 1
+    assert len(path.read_text().splitlines()) == 12  # nothing overwritten
+
+
+def test_cli_niah_writes_beside_the_checkpoint_by_default(tiny_ckpt, tmp_path, capsys):
+    import shutil
+
+    run = tmp_path / "run"
+    shutil.copytree(tiny_ckpt, run / "checkpoints" / "step-000001")  # a run folder's layout
+    argv = ["eval", "niah", str(run), "--lengths", "80", "--depths", "0", "--samples", "1", "--digits", "3", "--json"]
+    assert main(argv) == 0
+    assert json.loads(capsys.readouterr().out)["out"] == str(run / "eval-niah")
+    assert (run / "eval-niah" / "niah.json").is_file() and (run / "eval-niah" / "niah_heatmap.png").is_file()

@@ -4,6 +4,7 @@ cache figures reported, hit counts equal to the reference simulation on the toke
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -113,3 +114,13 @@ def test_cache_sim_warm_start_and_tokenizer_only(tmp_path, offload_model, capsys
     for bad in (["--fractions", "0.1,2"], ["--policy", "mru"], ["--max-tokens", 0]):
         code, _, err = run_cli(capsys, *base, *bad)
         assert code == 2 and "error" in err
+
+
+def test_cache_sim_writes_beside_the_checkpoint_by_default(tmp_path, offload_model, capsys):
+    folder, _, _ = _ckpt(tmp_path, offload_model)
+    data = tmp_path / "data.txt"
+    data.write_text(TEXT)
+    code, out, _ = run_cli(capsys, "cache-sim", folder, "--data", data, "--fractions", "0.1", "--json")
+    assert code == 0 and json.loads(out)["out"] == str(Path(folder) / "cache-sim")
+    assert (Path(folder) / "cache-sim" / "cache_sim.json").is_file()
+    assert (Path(folder) / "cache-sim" / "cache_sim.png").is_file()

@@ -21,6 +21,7 @@ from stemlm.errors import StemlmError
 
 ANALYSES = ("spread", "attribution", "nearest", "activated")
 STEM_ONLY = ("spread", "attribution")
+DEFAULT_PROMPT = "The capital of France is"
 TEXT_TOKENS = 4096  # tokens of held-out text read for spread and activated parameters
 
 
@@ -64,16 +65,16 @@ def _chosen(args, model) -> list[str]:
 
 def run(args) -> int:
     from stemlm.analysis import activated, attribution, nearest, spread
-    from stemlm.runs import load_checkpoint
+    from stemlm.runs import load_checkpoint, output_dir
 
     model, tokenizer = load_checkpoint(args.ckpt, need_tokenizer="analysis")
     names = _chosen(args, model)
-    out = Path(args.out)
+    out = Path(args.out) if args.out else output_dir(args.ckpt, "analysis")
     out.mkdir(parents=True, exist_ok=True)
     prompt_ids = tokenizer.encode(args.prompt).ids
     if not prompt_ids:
         raise StemlmError("--prompt encodes to no tokens; pass some text")
-    report: dict = {"checkpoint": args.ckpt, "out": str(out), "pngs": {}}
+    report: dict = {"checkpoint": args.ckpt, "prompt": args.prompt, "out": str(out), "pngs": {}}
     if "spread" in names or "activated" in names:
         text_ids = _text_ids(args, tokenizer)
     if "spread" in names:
@@ -107,6 +108,7 @@ def run(args) -> int:
 
 
 def _print(report: dict) -> None:
+    print(f"prompt: {report['prompt']!r}")
     if "spread" in report:
         print(f"angular spread over {report['spread']['tokens']} tokens (baseline: {report['spread']['baseline']}):")
         for layer, r in report["spread"]["layers"].items():
@@ -143,7 +145,11 @@ def register(subparsers) -> None:
         description="Interpretability analyses of STEM micro-experts, as JSON numbers and PNGs.",
     )
     p.add_argument("ckpt", metavar="CKPT", help="checkpoint folder, or run folder (uses its newest checkpoint)")
-    p.add_argument("--prompt", default="The capital of France is", help="prompt for attribution (and --token default)")
+    p.add_argument(
+        "--prompt",
+        default=DEFAULT_PROMPT,
+        help=f"prompt for attribution (and --token default); default {DEFAULT_PROMPT!r}",
+    )
     p.add_argument("--predict", help="token whose log-prob is attributed (default: the model's top next token)")
     p.add_argument("--token", help="query token for nearest tokens (default: the prompt's first word token)")
     p.add_argument("--top-k", type=int, default=10, help="nearest tokens listed per table (default 10)")
@@ -151,6 +157,6 @@ def register(subparsers) -> None:
     p.add_argument("--text", metavar="FILE", help="text file for spread / activated (default: held-out corpus)")
     p.add_argument("--max-tokens", type=int, default=512, help="distinct tokens compared in the spread (default 512)")
     p.add_argument("--only", default="all", help=f"comma list of analyses: {', '.join(ANALYSES)} (default all)")
-    p.add_argument("--out", default="analysis", help="folder for analysis.json and the PNGs (default ./analysis)")
+    p.add_argument("--out", help="folder for analysis.json and the PNGs (default: RUN/analysis, beside the checkpoint)")
     add_json_flag(p)
     p.set_defaults(func=run)

@@ -1,6 +1,6 @@
 """`stemlm cache-sim`: replay real text through the hot-row cache and write the hit-rate curve (JSON + PNG).
 
-    stemlm cache-sim runs/tiny                                    # embedded corpus, held-out split
+    stemlm cache-sim runs/tiny                 # embedded corpus, held-out split; writes runs/tiny/cache-sim/
     stemlm cache-sim --tokenizer default --fractions 0.01,0.05,0.1,0.2 --policy lfu,lru --out sim/
     stemlm cache-sim CKPT --data notes.txt --warm --json
 
@@ -61,7 +61,12 @@ def register(subparsers) -> None:
         help="warm-start from token counts of these files (no PATH: the embedded corpus's train split)",
     )
     p.add_argument("--max-tokens", type=int, help="replay only the first N tokens of the stream")
-    p.add_argument("--out", metavar="DIR", help=f"write {JSON_NAME} and {PNG_NAME} into DIR")
+    p.add_argument(
+        "--out",
+        metavar="DIR",
+        help=f"write {JSON_NAME} and {PNG_NAME} into DIR (default with CKPT: RUN/cache-sim beside the checkpoint; "
+        "without CKPT nothing is written unless --out is given)",
+    )
     add_json_flag(p)
     p.set_defaults(func=run)
 
@@ -191,10 +196,15 @@ def run(args) -> int:
         **simulate(stream, vocab, fractions, policies, warm),
         "seconds": time.perf_counter() - start,
     }
-    if args.out:
+    out = Path(args.out) if args.out else None
+    if out is None and args.ckpt is not None:
+        from stemlm.runs import output_dir
+
+        out = output_dir(args.ckpt, "cache-sim")
+    if out is not None:
         from stemlm.checkpoint import write_json
 
-        out = Path(args.out)
+        report["out"] = str(out)
         out.mkdir(parents=True, exist_ok=True)
         write_json(out / JSON_NAME, report)
         plot(report, out / PNG_NAME)
@@ -207,6 +217,6 @@ def run(args) -> int:
         print(f"{r['policy']:<8}{r['fraction']:>9g}{r['capacity']:>8}{100 * r['hit_rate']:>9.1f}%")
     for r in report["static_top"]:
         print(f"{'static':<8}{r['fraction']:>9g}{r['capacity']:>8}{100 * r['hit_rate']:>9.1f}%")
-    if args.out:
-        print(f"wrote {Path(args.out) / JSON_NAME} and {Path(args.out) / PNG_NAME}")
+    if out is not None:
+        print(f"wrote {out / JSON_NAME} and {out / PNG_NAME}", file=sys.stderr)
     return 0

@@ -2,9 +2,10 @@
 
     stemlm eval niah runs/tiny --lengths 256,512,1024 --depths 0,0.25,0.5,0.75,1 --samples 4 --out niah/
     stemlm eval niah runs/tiny --lengths 256 --depths 0.5 --needles 4 --digits 4 --json
-    stemlm eval niah-data --out niah_train.jsonl --num 2000 --lengths 128,256   # then train with --data
+    stemlm eval niah-data --out niah_train.jsonl --num 2000 --lengths 192,256   # then train with --data
 
-`niah` writes `niah.json` (accuracy per cell, per length, overall) and `niah_heatmap.png` into `--out`;
+`niah` writes `niah.json` (accuracy per cell, per length, overall) and `niah_heatmap.png` into `--out`
+(default: the run folder's `eval-niah/`);
 lengths above the model's max_position_embeddings are refused. `niah-data` writes {"text": ...} jsonl
 documents (needle sample + answer) that a small model needs in its training mix to learn retrieval at all.
 This module adds both subcommands to the `stemlm eval` group (one registration function each).
@@ -66,9 +67,8 @@ def register_eval(subparsers) -> None:
     parser.add_argument("--device", default="cpu", help="torch device to run on (default: cpu)")
     parser.add_argument(
         "--out",
-        default="eval-niah",
         metavar="DIR",
-        help="folder for niah.json and niah_heatmap.png (default: eval-niah)",
+        help="folder for niah.json and niah_heatmap.png (default: RUN/eval-niah, beside the checkpoint)",
     )
     add_json_flag(parser)
     parser.set_defaults(func=run)
@@ -83,7 +83,10 @@ def register_eval_data(subparsers) -> None:
     data.add_argument("--out", required=True, metavar="FILE", help="the jsonl file to write")
     data.add_argument("--num", type=int, default=1000, help="number of documents (default: 1000)")
     data.add_argument(
-        "--lengths", type=_ints, default=[128, 256], help="document lengths in tokens to draw from (default: 128,256)"
+        "--lengths",
+        type=_ints,
+        default=[192, 256],
+        help="document lengths in tokens to draw from; each must hold the largest --needles (default: 192,256)",
     )
     data.add_argument("--needles", type=_ints, default=[1, 2, 4], help="needle counts to draw from (default: 1,2,4)")
     data.add_argument("--digits", type=int, default=7, help="digits of each magic number (default: 7)")
@@ -111,7 +114,9 @@ def run(args) -> int:
         max_context=model.config.max_position_embeddings,
         keep_outputs=True,
     )
-    out = Path(args.out)
+    from stemlm.runs import output_dir
+
+    out = Path(args.out) if args.out else output_dir(args.checkpoint, "eval-niah")
     out.mkdir(parents=True, exist_ok=True)
     (out / "niah.json").write_text(json.dumps(result, indent=2), encoding="utf-8")
     plot_niah_heatmap(result, out / "niah_heatmap.png", title=f"{result['variant']}: {Path(args.checkpoint).name}")
@@ -131,9 +136,11 @@ def run_data(args) -> int:
 
     if args.num < 1:
         raise StemlmError(f"--num must be positive, got {args.num}")
-    docs = passkey_documents(
-        get_tokenizer(args.tokenizer), args.num, args.lengths, needles=args.needles, digits=args.digits, seed=args.seed
-    )
+    tok = get_tokenizer(args.tokenizer)
+    try:
+        docs = passkey_documents(tok, args.num, args.lengths, needles=args.needles, digits=args.digits, seed=args.seed)
+    except StemlmError as exc:
+        raise StemlmError(f"{exc}; raise --lengths or lower --needles / --digits") from None
     path = write_jsonl(docs, args.out)
     print(f"wrote {len(docs)} documents to {path}", file=sys.stderr)
     return 0

@@ -5,7 +5,8 @@
     stemlm eval ppl runs/tiny --max-tokens 20000               # quick estimate over every document
 
 Each document is scored on its own after `<|endoftext|>`; a long one is cut into windows of `--seq-len`
-tokens advancing by `--stride`, each token scored once (see `stemlm.evaluation.perplexity`). `--data`
+tokens (default: the window the run trained at, so the figure means what the training log's held-out loss
+means) advancing by `--stride`, each token scored once (see `stemlm.evaluation.perplexity`). `--data`
 files are scored whole (no split). This module adds the `ppl` subcommand to the `stemlm eval` group.
 """
 
@@ -14,6 +15,7 @@ from __future__ import annotations
 import sys
 
 from stemlm.cli.common import add_json_flag, print_json
+from stemlm.errors import StemlmError
 
 
 def register_eval(subparsers) -> None:
@@ -30,7 +32,11 @@ def register_eval(subparsers) -> None:
         help="text/markdown/jsonl files or folders to score whole (default: the embedded corpus held-out split)",
     )
     parser.add_argument(
-        "--seq-len", type=int, metavar="L", help="window length in tokens (default: the model's maximum)"
+        "--seq-len",
+        type=int,
+        metavar="L",
+        help="window length in tokens (default: the window the run trained and evaluated at, from its "
+        "trainer state; the model's maximum for a folder without one)",
     )
     parser.add_argument("--stride", type=int, metavar="S", help="tokens the window advances by, 1..L (default: L)")
     parser.add_argument("--max-tokens", type=int, metavar="N", help="score only about N tokens, spread over documents")
@@ -42,8 +48,13 @@ def register_eval(subparsers) -> None:
 
 def run(args) -> int:
     from stemlm.evaluation.perplexity import evaluate_perplexity, load_eval_checkpoint
+    from stemlm.runs import training_window
 
+    if args.seq_len is not None and args.seq_len < 1:
+        raise StemlmError(f"--seq-len must be a positive number of tokens, got {args.seq_len}")
     model, tokenizer = load_eval_checkpoint(args.checkpoint, device=args.device)
+    window = args.seq_len or training_window(args.checkpoint)
+    window_source = "--seq-len" if args.seq_len else "the run's training window" if window else "the model maximum"
     if args.data:
         from stemlm.data import read_texts
 
@@ -56,18 +67,18 @@ def run(args) -> int:
         model,
         tokenizer,
         texts,
-        window=args.seq_len,
+        window=window,
         stride=args.stride,
         max_tokens=args.max_tokens,
         batch_size=args.batch_size,
     )
     if args.json:
-        print_json({"checkpoint": args.checkpoint, "data": source, **result.to_dict()})
+        print_json({"checkpoint": args.checkpoint, "data": source, "window_source": window_source, **result.to_dict()})
         return 0
     print(f"data: {source}", file=sys.stderr)
     print(
         f"loss {result.loss:.4f}  perplexity {result.perplexity:.2f}  bits/byte {result.bits_per_byte:.4f}  "
         f"({result.tokens:,} tokens, {result.bytes:,} bytes, {result.documents} documents; "
-        f"window {result.window}, stride {result.stride})"
+        f"window {result.window} ({window_source}), stride {result.stride})"
     )
     return 0

@@ -309,6 +309,14 @@ def final_report(trainer, result: dict[str, Any], args) -> dict[str, Any]:
 
     report = dict(result)
     report["run_dir_bytes"] = folder_bytes(result["run_dir"])
+    cfg = trainer.cfg
+    held = trainer.heldout_data
+    report["heldout_eval"] = {  # what the held-out loss was measured on (stemlm eval ppl defaults to this window)
+        "window": cfg.seq_len,
+        "tokens": min(cfg.eval_batches * cfg.batch_size, held.num_eval_windows(cfg.seq_len)) * cfg.seq_len
+        if held
+        else 0,
+    }
     try:
         from stemlm.accounting import TABLE_COMPONENTS, summarize
 
@@ -336,9 +344,26 @@ def final_report(trainer, result: dict[str, Any], args) -> dict[str, Any]:
             trainer.amp_dtype,
             world,
         )
+    if trainer.cfg.data is None and trainer.cfg.fact_fraction > 0:
+        report["facts"] = fact_recall(trainer)
     if args.sample_tokens > 0 and not result.get("stopped_by"):  # a stopped run exits without the sample
         report["sample"] = {"prompt": args.sample_prompt, "completion": sample(trainer, args)}
     return report
+
+
+def fact_recall(trainer) -> dict[str, Any]:
+    """Exact greedy recall of the mixed-in facts, on the trained templates and on held-out phrasings."""
+    from stemlm.experiments.knowledge import greedy_matches
+    from stemlm.facts import fact_prompts
+
+    cfg, tok = trainer.cfg, trainer.tokenizer
+    trainer.model.eval()
+    out: dict[str, Any] = {"region": cfg.fact_region, "relations": list(cfg.fact_relations)}
+    for split in ("train", "heldout"):
+        prompts = fact_prompts(split, tuple(cfg.fact_relations), region=cfg.fact_region)
+        hits = greedy_matches(trainer.model, [(tok.encode(p.prompt).ids, tok.encode(p.answer).ids) for p in prompts])
+        out[f"{split}_templates"] = {"prompts": len(prompts), "recall": sum(hits) / len(hits)}
+    return out
 
 
 def sample(trainer, args) -> str:
@@ -371,7 +396,12 @@ def render_report(r: dict[str, Any]) -> str:
             f"compute: {c['model_gflops_per_s']:,.1f} model GFLOP/s = {c['peak_share']:.0%} of "
             f"{c['matmul_peak_gflops_per_s']:,.1f} GFLOP/s, the best plain matmul at the model's shapes measured now"
         )
-    held = "n/a" if r["heldout_loss"] is None else f"{r['heldout_loss']:.4f}"
+    h = r.get("heldout_eval") or {}
+    held = (
+        "n/a"
+        if r["heldout_loss"] is None
+        else f"{r['heldout_loss']:.4f} ({h['tokens']:,} tokens, window {h['window']})"
+    )
     lines.append(
         f"train loss {r['train_loss']:.4f} | held-out loss {held} | skipped steps {r['skipped_steps']} | "
         f"loss spikes {r['loss_spikes']}"
@@ -382,6 +412,13 @@ def render_report(r: dict[str, Any]) -> str:
             f"tables in host memory: {r['device_bytes_saved'] / 2**20:,.1f} MiB kept off the {r['device']} "
             f"({r['host_table_bytes'] / 2**20:,.1f} MiB tables + {r['host_optimizer_bytes'] / 2**20:,.1f} MiB "
             f"optimizer state); host work hidden behind compute: {overlap}"
+        )
+    if "facts" in r:
+        f = r["facts"]
+        lines.append(
+            f"facts ({', '.join(f['relations'])}, {f['region']}): exact greedy recall "
+            f"{f['train_templates']['recall']:.2f} on the {f['train_templates']['prompts']} trained prompts, "
+            f"{f['heldout_templates']['recall']:.2f} on {f['heldout_templates']['prompts']} held-out phrasings"
         )
     lines.append(f"checkpoint: {r['checkpoint']} (run folder {r['run_dir_bytes'] / 1e6:.1f} MB)")
     if "sample" in r:

@@ -57,7 +57,7 @@ class TrainConfig:
     init_from: str | None = None  # start from the weights of this model checkpoint folder
     # the fact world mixed into the embedded corpus (not into --data): statements of fact_relations about the
     # countries of fact_region make up fact_fraction of the training tokens (stemlm.data.fact_mix); 0: none
-    fact_fraction: float = 0.2
+    fact_fraction: float = 0.0
     fact_region: str = "Europe"
     fact_relations: list[str] = dataclasses.field(default_factory=lambda: ["capital"])
     seq_len: int = 256

@@ -476,7 +476,11 @@ class Trainer:
         heldout = self.evaluate()
         record = {"kind": "eval", "step": self.step, "heldout_loss": heldout, "train_loss": last["loss"]}
         logger.log(record)
-        shown = "n/a" if heldout is None else f"{heldout:.4f} (ppl {math.exp(min(heldout, 50)):.1f})"
+        shown = (
+            "n/a"
+            if heldout is None
+            else f"{heldout:.4f} (ppl {math.exp(min(heldout, 50)):.1f}, window {self.cfg.seq_len})"
+        )
         logger.message(
             f"step {self.step}/{self.cfg.steps} | train {last['loss']:.4f} | held-out {shown} | lr {last['lr']:.2e} | "
             f"{last['tokens_per_s']:,.0f} tok/s, {last['model_gflops_per_s']:,.1f} GFLOP/s | "

@@ -1,0 +1,66 @@
+"""The fact-world mix of the default training data: its size, its content, and where the trainer uses it."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from stemlm.data import TokenDataset, get_tokenizer
+from stemlm.data.fact_mix import fact_repeats, fact_texts
+from stemlm.errors import StemlmError
+from stemlm.facts import fact_prompts
+from stemlm.train import data as data_mod
+from stemlm.train.config import TrainConfig
+
+CORPUS = ["It is a truth universally acknowledged. " * 400] * 40  # ~130k tokens
+
+
+@pytest.fixture(autouse=True)
+def _cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("STEMLM_CACHE", str(tmp_path / "cache"))
+
+
+def test_fact_tokens_make_up_the_requested_fraction():
+    tok = get_tokenizer("default")
+    corpus = TokenDataset.from_texts(CORPUS, tok)
+    docs = fact_texts(corpus.num_tokens, tok, 0.25, "Europe", ["capital"], seed=0)
+    mixed = TokenDataset.from_texts(CORPUS + docs, tok)
+    fact_tokens = mixed.num_tokens - corpus.num_tokens
+    assert abs(fact_tokens / mixed.num_tokens - 0.25) < 0.01
+    # Independent check of the content: every statement of the European capitals, equally often.
+    statements = [p.prompt + p.answer + "." for p in fact_prompts("train", ("capital",), region="Europe")]
+    lines = [line for doc in docs for line in doc.split("\n")]
+    repeats = len(lines) // len(statements)
+    assert sorted(lines) == sorted(statements * repeats) and repeats > 1
+    assert "The capital of Spain is Madrid." in lines and all("Chile" not in line for line in lines)
+
+
+def test_repeats_follow_the_fraction():
+    assert fact_repeats(30_000, 1_000, 0.25) == 10  # 10k facts beside 30k corpus tokens
+    assert fact_repeats(100, 1_000, 0.1) == 1  # at least one repeat
+    with pytest.raises(StemlmError, match="fact fraction"):
+        fact_repeats(100, 10, 1.0)
+
+
+def test_region_and_fraction_are_checked():
+    tok = get_tokenizer("default")
+    with pytest.raises(StemlmError, match="no country in region 'Atlantis'"):
+        fact_texts(1000, tok, 0.2, "Atlantis", ["capital"], seed=0)
+    with pytest.raises(StemlmError, match="fact_fraction must lie in"):
+        TrainConfig(fact_fraction=1.0)
+
+
+def test_trainer_mixes_facts_into_the_embedded_corpus_only(monkeypatch, tmp_path):
+    import stemlm.data.sources as sources
+
+    tok = get_tokenizer("default")
+    texts = (["Call me Ishmael. " * 3000] * 3, ["Some years ago. " * 100])
+    monkeypatch.setattr(sources, "load_corpus", lambda data=None: texts)  # stands in for the embedded corpus
+    plain_train, plain_held = data_mod.load_datasets(TrainConfig(fact_fraction=0.0), tok)
+    mixed_train, mixed_held = data_mod.load_datasets(TrainConfig(fact_fraction=0.2), tok)
+    assert abs((mixed_train.num_tokens - plain_train.num_tokens) / mixed_train.num_tokens - 0.2) < 0.02
+    assert np.array_equal(np.asarray(mixed_held.tokens), np.asarray(plain_held.tokens))  # held-out is text only
+    (tmp_path / "notes.txt").write_text("Some text of the user's own. " * 200)
+    user = TrainConfig(fact_fraction=0.2, data=[str(tmp_path)])
+    user_train, _ = data_mod.load_datasets(user, tok)
+    assert user_train.num_tokens == plain_train.num_tokens  # --data is never mixed
