@@ -136,3 +136,25 @@ def test_prompt_too_long(ckpt, capsys):
     folder, _, _ = ckpt
     assert main(["generate", str(folder), "--ids", ",".join(["5"] * 64)]) == 2
     assert "max_position_embeddings=64" in capsys.readouterr().err
+
+
+def test_default_sampling_is_shown_and_used(ckpt, capsys):
+    from stemlm.cli.main import build_parser
+
+    folder, model, tok = ckpt
+    args = build_parser().parse_args(["generate", str(folder), "x"])
+    assert (args.temperature, args.top_k, args.top_p) == (0.8, 50, 0.95)
+    out = _json(capsys, ["generate", str(folder), "Once upon a time", "--max-new-tokens", "8", "--ignore-eos", "--json"])
+    expected = generate(model, tok.encode("Once upon a time").ids, 8, temperature=0.8, top_k=50, top_p=0.95, seed=0)
+    assert out["token_ids"] == expected
+
+
+def test_prompt_from_stdin_and_echo(ckpt, capsys, monkeypatch):
+    import io
+
+    folder, _, _ = ckpt
+    common = ["generate", str(folder), "--max-new-tokens", "6", "--greedy", "--ignore-eos"]
+    reference = _json(capsys, [*common[:2], "Once upon a time", *common[2:], "--json"])
+    monkeypatch.setattr("sys.stdin", io.StringIO("Once upon a time\n"))
+    assert main([*common[:2], "-", *common[2:], "--echo"]) == 0
+    assert capsys.readouterr().out == "Once upon a time" + reference["completion"] + "\n"

@@ -127,3 +127,23 @@ def test_bad_json_file(capsys, tmp_path):
     (tmp_path / "config.json").write_text("{not json")
     assert main(["info", "--config", str(tmp_path)]) == 2
     assert "not valid JSON" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("with_run_config", [True, False])
+def test_config_from_a_run_folder(capsys, tmp_path, with_run_config):
+    config = get_preset("tiny")
+    step = tmp_path / "checkpoints" / "step-000010"
+    step.mkdir(parents=True)
+    (step / "config.json").write_text(config.to_json())
+    (step / "model.safetensors").write_bytes(b"")  # resolution needs the weights file to exist
+    if with_run_config:
+        (tmp_path / "run_config.json").write_text(json.dumps({"model": config.to_dict(), "train": {}}))
+    s = run_json(capsys, "--config", str(tmp_path))
+    assert s["parameters"]["total"] == acc.total_parameters(config)
+
+
+def test_verify_says_what_it_verified(capsys):
+    assert main(["info", "--preset", "tiny", "--verify"]) == 0
+    out = capsys.readouterr().out
+    total = acc.total_parameters(get_preset("tiny"))
+    assert f"verified: the model built on the meta device has {total:,} parameters" in out

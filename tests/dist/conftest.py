@@ -61,6 +61,7 @@ def train_config(assets: dict[str, Path], out: Path, **overrides) -> TrainConfig
         eval_batches=2,
         save_every=3,
         keep_last=5,
+        keep_optimizer_state="all",  # the tests resume from and compare the step-3 optimizer state
         out=str(out),
         device="cpu",
     )

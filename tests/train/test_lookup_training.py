@@ -40,7 +40,7 @@ def test_tables_join_the_table_group_and_move_row_sparsely(tmp_path, make_train_
 @pytest.mark.parametrize("kind", KINDS)
 def test_loss_goes_down_and_resume_is_exact(tmp_path, make_train_config, make_model_config, kind):
     config = make_model_config(kind, **SMALL)
-    kw = dict(steps=8, save_every=4, keep_last=4, eval_every=0, table_optim="lazy_adamw")
+    kw = dict(steps=8, save_every=4, keep_last=4, eval_every=0, table_optim="lazy_adamw", keep_optimizer_state="all")
     full = Trainer(config, make_train_config(tmp_path / "a", **kw), progress=False)
     result = full.fit()
     assert result["skipped_steps"] == 0

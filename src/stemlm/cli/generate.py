@@ -2,6 +2,7 @@
 
     stemlm generate runs/tiny "The capital of France is" --max-new-tokens 40 --top-p 0.9 --seed 1
     stemlm generate runs/tiny --ids 464,3139,286 --greedy --json
+    echo "The capital of Spain is" | stemlm generate runs/tiny - --greedy --echo   # prompt from stdin
 
 CKPT is a checkpoint folder or a run folder (its newest checkpoint). The prompt is tokenized with the
 checkpoint's tokenizer; `--ids` passes raw ids instead. Only the completion goes to stdout (streamed), the
@@ -18,6 +19,10 @@ from stemlm.cli.common import add_json_flag, add_table_flags, print_json
 from stemlm.errors import StemlmError
 
 EOT_TOKEN = "<|endoftext|>"
+# Sampling defaults: plain T = 1 sampling from a small model wanders into rare tokens within a few words;
+# a cooler temperature with top-k / top-p cut-offs (the usual defaults of HF generate and llama.cpp) keeps
+# samples readable while still varying with --seed. --greedy or --temperature 0 turns sampling off.
+DEFAULT_TEMPERATURE, DEFAULT_TOP_K, DEFAULT_TOP_P = 0.8, 50, 0.95
 
 
 def parse_ids(text: str, vocab_size: int) -> list[int]:
@@ -38,6 +43,8 @@ def _prompt_ids(args, model, tokenizer) -> list[int]:
         raise StemlmError('pass exactly one of a prompt text or --ids (e.g. stemlm generate CKPT "Once upon")')
     if args.ids is not None:
         return parse_ids(args.ids, model.config.vocab_size)
+    if args.prompt == "-":
+        args.prompt = sys.stdin.read().removesuffix("\n")  # `echo text |` adds a line break that is not prompt
     if tokenizer is None:
         raise StemlmError("this checkpoint has no tokenizer.json to encode the prompt; pass raw ids with --ids")
     ids = tokenizer.encode(args.prompt).ids
@@ -82,6 +89,8 @@ def run(args) -> int:
     )
     decoder = IncrementalDecoder(tokenizer) if tokenizer is not None else None
     out = sys.stdout
+    if args.echo and not args.json:
+        out.write(tokenizer.decode(prompt_ids) if tokenizer is not None else " ".join(map(str, prompt_ids)) + " ")
     new_ids: list[int] = []
     start = time.perf_counter()
     first = None
@@ -127,19 +136,29 @@ def register(subparsers) -> None:
         description="Sample a continuation of a prompt from a checkpoint or run folder, printing tokens as produced.",
     )
     p.add_argument("ckpt", metavar="CKPT", help="checkpoint folder, or run folder (uses its newest checkpoint)")
-    p.add_argument("prompt", nargs="?", help="prompt text, encoded with the checkpoint's tokenizer")
+    p.add_argument("prompt", nargs="?", help="prompt text, encoded with the checkpoint's tokenizer; - reads stdin")
+    p.add_argument("--echo", action="store_true", help="print the prompt before the completion (text output)")
     p.add_argument("--ids", help="comma-separated prompt token ids instead of a prompt text, e.g. 1,2,3")
     p.add_argument("--max-new-tokens", type=int, default=64, help="most tokens to generate (default 64)")
     p.add_argument("--greedy", action="store_true", help="always take the most likely token (no sampling)")
     p.add_argument(
-        "--temperature", type=float, default=1.0, help="softmax temperature for sampling; 0 means greedy (default 1.0)"
+        "--temperature",
+        type=float,
+        default=DEFAULT_TEMPERATURE,
+        help=f"softmax temperature for sampling; 0 means greedy (default {DEFAULT_TEMPERATURE})",
     )
-    p.add_argument("--top-k", type=int, default=0, help="sample among the k most likely tokens only; 0 = off")
+    p.add_argument(
+        "--top-k",
+        type=int,
+        default=DEFAULT_TOP_K,
+        help=f"sample among the k most likely tokens only; 0 = off (default {DEFAULT_TOP_K})",
+    )
     p.add_argument(
         "--top-p",
         type=float,
-        default=1.0,
-        help="nucleus sampling: the smallest set of tokens with total probability >= p (default 1.0 = off)",
+        default=DEFAULT_TOP_P,
+        help=f"nucleus sampling: the smallest set of tokens with total probability >= p; 1 = off "
+        f"(default {DEFAULT_TOP_P})",
     )
     p.add_argument("--seed", type=int, default=0, help="random seed; the same seed gives the same sample")
     p.add_argument(

@@ -87,10 +87,14 @@ def add_memory_flags(parser) -> None:
 
 
 def load_config_file(path: str) -> ModelConfig:
-    """A config from a checkpoint folder (its config.json) or a JSON file (a model config, or {"model": {...}})."""
+    """A config from a checkpoint or run folder, or a JSON file (a model config, or {"model": {...}})."""
     p = Path(path)
-    if p.is_dir():
-        p = p / "config.json"
+    if p.is_dir() and (p / "run_config.json").is_file() and not (p / "config.json").is_file():
+        p = p / "run_config.json"  # a training run folder: its resolved config (model section nested)
+    elif p.is_dir():
+        from stemlm.runs import resolve_checkpoint
+
+        p = resolve_checkpoint(p) / "config.json"
     if not p.is_file():
         raise StemlmError(f"{path} is neither a config.json file nor a folder holding one")
     try:
@@ -160,6 +164,11 @@ def run(args) -> int:
         print_json(summary)
     else:
         print(render(config, summary))
+        if args.verify:
+            print(
+                f"verified: the model built on the meta device has {summary['verified_parameters_on_meta']:,} "
+                "parameters, equal to the count above"
+            )
     return 0
 
 
