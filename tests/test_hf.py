@@ -323,3 +323,43 @@ def test_register_is_idempotent():
     stemlm.hf.register()
     stemlm.hf.register()
     assert AutoModelForCausalLM._model_mapping[StemlmConfig] is StemlmForCausalLM
+
+
+# ----------------------------------------------------------------------------------------------------------
+# dense stemlm -> a model_type "llama" folder (stemlm convert --to-llama)
+# ----------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("tied", [False, True])
+def test_llama_export_loads_silently_with_the_same_logits(tmp_path, tied, capsys):
+    import logging
+    import warnings
+
+    from stemlm.cli.main import main
+
+    model, folder = saved_stemlm(tmp_path, tiny_config("dense", tie_word_embeddings=tied))
+    assert main(["convert", "--to-llama", str(folder), "--out", str(tmp_path / "llama"), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["model_type"] == "llama"
+    assert json.loads((tmp_path / "llama" / "config.json").read_text())["model_type"] == "llama"
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    logger = logging.getLogger("transformers")
+    logger.addHandler(handler)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            llama = LlamaForCausalLM.from_pretrained(tmp_path / "llama")
+    finally:
+        logger.removeHandler(handler)
+    assert not [r for r in records if r.levelno >= logging.WARNING], [r.getMessage() for r in records]
+    ids = random_ids(2, 12)
+    torch.testing.assert_close(llama(ids).logits, model(ids).logits, atol=1e-5, rtol=0)
+    assert torch.equal(load_hf_llama(tmp_path / "llama")(ids).logits, model(ids).logits)  # and back into stemlm
+
+
+def test_llama_export_refuses_a_stem_model(tmp_path, capsys):
+    from stemlm.cli.main import main
+
+    _, folder = saved_stemlm(tmp_path, tiny_config("stem"))
+    assert main(["convert", "--to-llama", str(folder), "--out", str(tmp_path / "llama")]) == 2
+    assert "only a dense model exports as Llama" in capsys.readouterr().err
+    assert not (tmp_path / "llama").exists()

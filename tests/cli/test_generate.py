@@ -144,7 +144,9 @@ def test_default_sampling_is_shown_and_used(ckpt, capsys):
     folder, model, tok = ckpt
     args = build_parser().parse_args(["generate", str(folder), "x"])
     assert (args.temperature, args.top_k, args.top_p) == (0.8, 50, 0.95)
-    out = _json(capsys, ["generate", str(folder), "Once upon a time", "--max-new-tokens", "8", "--ignore-eos", "--json"])
+    out = _json(
+        capsys, ["generate", str(folder), "Once upon a time", "--max-new-tokens", "8", "--ignore-eos", "--json"]
+    )
     expected = generate(model, tok.encode("Once upon a time").ids, 8, temperature=0.8, top_k=50, top_p=0.95, seed=0)
     assert out["token_ids"] == expected
 

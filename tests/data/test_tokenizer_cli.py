@@ -23,4 +23,4 @@ def test_train_and_encode(tmp_path, capsys):
     assert run(["tokenizer", "encode", "--tokenizer", str(out), "the cat", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["count"] >= 1
     assert run(["tokenizer", "encode", "--tokenizer", "gpt2", "Hello world"]) == 0
-    assert capsys.readouterr().out.strip() == "15496 995"
+    assert capsys.readouterr().out.splitlines() == ["15496 995", "'Hello' 'Ġworld'"]  # ids, then the pieces

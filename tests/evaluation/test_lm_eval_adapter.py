@@ -215,3 +215,26 @@ def test_registered_with_lm_eval_by_name(tiny_ckpt, lm_and_tok):
     assert ll == pytest.approx(_direct_loglikelihood(model, lm.tok, *PAIRS[0])[0], abs=1e-4)
     with pytest.raises(StemlmError, match="pretrained=CKPT"):
         get_model("stemlm").create_from_arg_string("batch_size=2")
+
+
+def test_task_report_gives_n_stderr_and_chance(shipped_results):
+    import json as _json
+    import math
+
+    from stemlm.evaluation.lm_eval_adapter import task_report
+    from stemlm.evaluation.tasks import shipped_task_dir
+
+    report = task_report(shipped_results)
+    capital = report["stemlm_facts_capital"]
+    rows = [_json.loads(line) for line in (shipped_task_dir() / "data" / "stemlm_facts_capital.jsonl").open()][:3]
+    assert capital["n"] == 3 and capital["chance"] == pytest.approx(sum(1 / len(r["choices"]) for r in rows) / 3)
+    p = capital["metrics"]["acc"]["value"]
+    assert capital["metrics"]["acc"]["stderr"] == pytest.approx(math.sqrt(p * (1 - p) / 2))
+    assert report["stemlm_cloze"]["chance"] is None  # a greedy-match task has no uniform-guess level
+    assert report["stemlm_heldout_ppl"]["metrics"]["bits_per_byte"]["stderr"] is None
+
+
+def test_cli_text_shows_n_stderr_and_chance(tiny_ckpt, capsys):
+    assert main(["eval", "lm", str(tiny_ckpt), "--tasks", "stemlm_facts_capital", "--limit", "4"]) == 0
+    out = capsys.readouterr().out
+    assert "stemlm_facts_capital  n    4  acc " in out and " ± " in out and "(chance 0.250)" in out

@@ -4,11 +4,14 @@
     stemlm convert --from-dense ckpt/smollm2 --stem-layers 0 --out ckpt/smollm2-stem0
     stemlm convert --from-dense runs/tiny-dense --stem-layers odd --out ckpt/tiny-retrofit
     stemlm train --preset tiny --init-from ckpt/tiny-retrofit ...
+    stemlm convert --to-llama runs/tiny-dense --out ckpt/tiny-llama      # model_type llama, for transformers
 
 `--from-gguf` writes a Hugging Face Llama folder (dequantised fp32 weights, tokenizer, chat template; see
 `stemlm.gguf_import`). `--from-dense` takes a stemlm dense checkpoint, a run folder (its newest checkpoint) or
 a local Hugging Face Llama folder; each selected layer's up-projection becomes the table E · W_upᵀ (see
-`stemlm.convert`); the tokenizer is copied. `--json` prints the output path and the new config.
+`stemlm.convert`); the tokenizer is copied. `--to-llama` writes a dense checkpoint with model_type "llama"
+(`stemlm.hf.llama.save_as_llama`): a stemlm dense folder already loads into LlamaForCausalLM, but with a
+model-type warning; this one loads silently. `--json` prints the output path and the new config.
 """
 
 from __future__ import annotations
@@ -20,6 +23,19 @@ from stemlm.errors import StemlmError
 
 
 def run(args) -> int:
+    if args.to_llama is not None:
+        from stemlm.hf.llama import save_as_llama
+        from stemlm.runs import load_checkpoint
+
+        if args.stem_layers is not None:
+            raise StemlmError("--stem-layers applies to --from-dense; --to-llama exports a dense model as it is")
+        model, tokenizer = load_checkpoint(args.to_llama)
+        out = save_as_llama(model, args.out, tokenizer, force=args.force)
+        if args.json:
+            print_json({"out": str(out), "model_type": "llama"})
+        else:
+            print(f"wrote Hugging Face Llama folder {out} (model_type llama)", file=sys.stderr)
+        return 0
     if args.from_gguf is not None:
         from stemlm.gguf_import import convert_gguf, summary
 
@@ -57,7 +73,7 @@ def run(args) -> int:
 def register(subparsers) -> None:
     p = subparsers.add_parser(
         "convert",
-        help="import a GGUF model, or retrofit a dense checkpoint into a STEM checkpoint",
+        help="import a GGUF model, retrofit a dense checkpoint into STEM, or export a dense one as Llama",
         description="Import a Llama GGUF file as a Hugging Face Llama folder (--from-gguf), or retrofit a dense "
         "checkpoint (stemlm or local HF Llama) into STEM with tables U_l = E · W_up_lᵀ (--from-dense).",
     )
@@ -68,6 +84,12 @@ def register(subparsers) -> None:
         help="dense stemlm checkpoint or run folder, or a local Hugging Face Llama folder",
     )
     source.add_argument("--from-gguf", metavar="FILE", help="a Llama-architecture GGUF file (llama.cpp format)")
+    source.add_argument(
+        "--to-llama",
+        metavar="CKPT",
+        help="export a dense stemlm checkpoint or run folder as a Hugging Face Llama folder (model_type llama), "
+        "which transformers' LlamaForCausalLM loads without a warning",
+    )
     p.add_argument(
         "--stem-layers",
         metavar="SPEC",

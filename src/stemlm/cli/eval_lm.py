@@ -63,7 +63,7 @@ def register_eval(subparsers) -> None:
 
 
 def run(args) -> int:
-    from stemlm.evaluation.lm_eval_adapter import StemlmLM, run_lm_eval, summarize_results
+    from stemlm.evaluation.lm_eval_adapter import StemlmLM, run_lm_eval, summarize_results, task_report
 
     tasks = [t.strip() for t in args.tasks.split(",") if t.strip()] if args.tasks else None
     if args.tasks is not None and not tasks:
@@ -91,12 +91,20 @@ def run(args) -> int:
                 "limit": args.limit,
                 "results": summary,
                 "n_samples": results.get("n-samples", {}),
+                "tasks": task_report(results),
             }
         )
         return 0
-    width = max(len(t) for t in summary)
-    for task, metrics in summary.items():
-        print(f"{task:<{width}}  " + "  ".join(f"{k} {v:.4f}" for k, v in metrics.items()))
+    report = task_report(results)
+    width = max(len(t) for t in report)
+    for task, r in report.items():
+        cells = [
+            f"{k} {m['value']:.4f}" + (f" ± {m['stderr']:.4f}" if m["stderr"] is not None else "")
+            for k, m in r["metrics"].items()
+        ]
+        chance = "n/a" if r["chance"] is None else f"{r['chance']:.3f}"
+        print(f"{task:<{width}}  n {r['n']:>4}  " + "  ".join(cells) + f"  (chance {chance})")
+    print("± is one standard error of the mean over the n examples; chance = uniform guessing among the choices")
     if args.out:
         print(f"full results: {args.out}", file=sys.stderr)
     return 0

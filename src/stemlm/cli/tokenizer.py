@@ -2,7 +2,7 @@
 
     stemlm tokenizer train --out DIR                        # embedded corpus, train split, vocab 8192
     stemlm tokenizer train --data notes/ more.jsonl --vocab-size 16000 --out DIR --json
-    stemlm tokenizer encode --tokenizer gpt2 "Hello world"  # -> 15496 995
+    stemlm tokenizer encode --tokenizer gpt2 "Hello world"  # -> 15496 995, then the pieces 'Hello' 'Ġworld'
 
 `train` uses the train split of `load_corpus` (the same split the trainer uses, so held-out documents
 never shape the vocabulary). The shipped default tokenizer is exactly
@@ -85,4 +85,5 @@ def run_encode(args) -> int:
         print_json({"ids": enc.ids, "tokens": enc.tokens, "count": len(enc.ids)})
     else:
         print(" ".join(map(str, enc.ids)))
+        print(" ".join(repr(piece) for piece in enc.tokens))  # byte-level pieces: Ġ marks a leading space
     return 0

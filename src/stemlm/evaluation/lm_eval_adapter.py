@@ -24,6 +24,7 @@ os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import logging  # noqa: E402
+import math  # noqa: E402
 from pathlib import Path  # noqa: E402
 from typing import Any  # noqa: E402
 
@@ -212,7 +213,7 @@ def run_lm_eval(
             num_fewshot=num_fewshot,
             task_manager=manager,
             bootstrap_iters=0,
-            log_samples=False,
+            log_samples=True,  # read once for the chance levels below, then dropped
             random_seed=seed,
             numpy_random_seed=seed,
             torch_random_seed=seed,
@@ -222,7 +223,36 @@ def run_lm_eval(
         raise
     except Exception as exc:  # lm-eval / datasets errors: surface them as one actionable line
         raise StemlmError(f"lm-eval failed: {type(exc).__name__}: {str(exc).strip().splitlines()[0]}") from exc
+    samples = results.pop("samples", {}) or {}
+    results["chance"] = {task: chance_level(results, task, rows) for task, rows in samples.items()}
     return results
+
+
+def chance_level(results: dict[str, Any], task: str, samples: list[dict]) -> float | None:
+    """Expected accuracy of uniform guessing: the mean of 1 / (number of choices) over the scored documents of
+    a multiple-choice task; None for other task kinds (a greedy-match or perplexity task has no such level)."""
+    if results.get("configs", {}).get(task, {}).get("output_type") != "multiple_choice" or not samples:
+        return None
+    return sum(1.0 / len(row["arguments"]) for row in samples) / len(samples)
+
+
+BINARY_METRICS = ("acc", "acc_norm", "exact_match")
+
+
+def task_report(results: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """{task: {"n", "chance", "metrics": {metric: {"value", "stderr"}}}}; the standard error of a 0/1 metric's
+    mean is sqrt(p (1 - p) / (n - 1)) (the sample standard deviation over sqrt(n), as lm-eval's `mean_stderr`),
+    None for other metrics (lm-eval runs here without bootstrap)."""
+    report = {}
+    for task, values in summarize_results(results).items():
+        n = int(results.get("n-samples", {}).get(task, {}).get("effective", 0))
+        metrics = {}
+        for metric, value in values.items():
+            binary = metric in BINARY_METRICS and n > 1
+            stderr = math.sqrt(value * (1 - value) / (n - 1)) if binary else None
+            metrics[metric] = {"value": value, "stderr": stderr}
+        report[task] = {"n": n, "chance": results.get("chance", {}).get(task), "metrics": metrics}
+    return report
 
 
 def summarize_results(results: dict[str, Any]) -> dict[str, dict[str, float]]:

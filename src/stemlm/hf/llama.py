@@ -1,7 +1,8 @@
-"""Read a local Hugging Face Llama folder (config.json + safetensors) into a dense `StemLM`, without transformers.
+"""Hugging Face Llama folders: read one into a dense `StemLM`, or write a dense `StemLM` as one, without transformers.
 
     from stemlm.hf import load_hf_llama
     model = load_hf_llama("path/to/llama-folder")        # dense StemLM with the Llama's logits
+    save_as_llama(dense_model, "out/llama", tokenizer)    # model_type "llama": LlamaForCausalLM loads it silently
 
 Our weight names are HF Llama's, so the tensors load as they are; only the config is translated. Features
 our decoder does not have are refused with a message instead of loading into a model with other logits:
@@ -135,3 +136,49 @@ def load_hf_llama(
     model.tie_weights()
     model.reset_buffers(device)
     return model
+
+
+def model_config_to_llama_config(config: ModelConfig) -> dict[str, Any]:
+    """The HF `LlamaConfig` dict of a dense model (every layer dense SwiGLU); anything else is refused."""
+    if config.special_layers:
+        raise StemlmError(
+            f"only a dense model exports as Llama; this one has ffn {config.ffn!r} in layers {config.special_layers}"
+        )
+    return {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "vocab_size": config.vocab_size,
+        "hidden_size": config.hidden_size,
+        "intermediate_size": config.intermediate_size,
+        "num_hidden_layers": config.num_hidden_layers,
+        "num_attention_heads": config.num_attention_heads,
+        "num_key_value_heads": config.kv_heads,
+        "head_dim": config.head_size,
+        "max_position_embeddings": config.max_position_embeddings,
+        "rope_theta": config.rope_theta,
+        "rms_norm_eps": config.rms_norm_eps,
+        "tie_word_embeddings": config.tie_word_embeddings,
+        "initializer_range": config.initializer_range,
+        "hidden_act": "silu",
+        "attention_bias": False,
+        "mlp_bias": False,
+        "torch_dtype": "float32",
+    }
+
+
+def save_as_llama(model: StemLM, directory: str | Path, tokenizer=None, *, force: bool = False) -> Path:
+    """Write a dense model as a Hugging Face Llama folder (config.json with model_type "llama", the same tensors
+    under the same names, the tokenizer), atomically; `LlamaForCausalLM.from_pretrained` then loads it without
+    a warning and with the same logits."""
+    from safetensors.torch import save_file
+
+    from stemlm.checkpoint import TOKENIZER_NAME, model_state_for_saving, write_json
+    from stemlm.safe_write import AtomicFolder
+
+    config = model_config_to_llama_config(model.config)
+    with AtomicFolder(directory, producer="stemlm convert --to-llama", force=force) as tmp:
+        write_json(tmp / CONFIG_NAME, config)
+        save_file(model_state_for_saving(model), str(tmp / WEIGHTS_NAME), metadata={"format": "pt"})
+        if tokenizer is not None:
+            tokenizer.save(str(tmp / TOKENIZER_NAME))
+    return Path(directory)

@@ -97,6 +97,18 @@ class RunLogger:
         self.file.close()
 
 
+SMOOTH_STEPS = 20  # trailing window of the smoothed train curve in loss.png
+
+
+def smoothed(values, window: int = SMOOTH_STEPS) -> list[float]:
+    """Trailing mean over up to `window` values (the first points average what exists so far)."""
+    out, total = [], 0.0
+    for i, v in enumerate(values):
+        total += v - (values[i - window] if i >= window else 0.0)
+        out.append(total / min(i + 1, window))
+    return out
+
+
 def plot_losses(metrics_path: str | Path, png_path: str | Path, title: str = "") -> Path | None:
     """Draw train loss per step and held-out loss per evaluation into a PNG; None if there is nothing to draw."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg  # no pyplot: no global backend state
@@ -111,7 +123,9 @@ def plot_losses(metrics_path: str | Path, png_path: str | Path, title: str = "")
     FigureCanvasAgg(fig)
     ax = fig.add_subplot()
     if train:
-        ax.plot(*zip(*train, strict=True), lw=0.8, alpha=0.8, label="train loss")
+        steps, losses = zip(*train, strict=True)
+        ax.plot(steps, losses, lw=0.6, alpha=0.35, color="C0", label="train loss (per step)")
+        ax.plot(steps, smoothed(losses), lw=1.6, color="C0", label=f"train loss (mean of last {SMOOTH_STEPS} steps)")
     if held:
         ax.plot(*zip(*held, strict=True), "o-", lw=1.5, label="held-out loss")
     ax.set_xlabel("step")

@@ -260,7 +260,9 @@ function drawTop(box, top, editedSide) {
     const p = el("td", "prob");
     const bar = el("span", "bar");
     bar.style.width = `${Math.round((100 * t.prob) / scale)}%`;
-    p.append(bar, el("span", "num", prob(t.prob)));
+    const track = el("span", "track");
+    track.append(bar);
+    p.append(track, el("span", "num", prob(t.prob)));
     const change = editedSide ? t.prob - t.other_prob : t.other_prob - t.prob;
     const delta = el("td", `num delta ${change > 0 ? "up" : change < 0 ? "down" : ""}`, `${change >= 0 ? "+" : "−"}${prob(Math.abs(change))}`);
     tr.append(p, el("td", "num other", prob(t.other_prob)), delta);
