@@ -43,8 +43,6 @@ def _prompt_ids(args, model, tokenizer) -> list[int]:
         raise StemlmError('pass exactly one of a prompt text or --ids (e.g. stemlm generate CKPT "Once upon")')
     if args.ids is not None:
         return parse_ids(args.ids, model.config.vocab_size)
-    if args.prompt == "-":
-        args.prompt = sys.stdin.read().removesuffix("\n")  # `echo text |` adds a line break that is not prompt
     if tokenizer is None:
         raise StemlmError("this checkpoint has no tokenizer.json to encode the prompt; pass raw ids with --ids")
     ids = tokenizer.encode(args.prompt).ids
@@ -57,6 +55,8 @@ def run(args) -> int:
     from stemlm.generate import IncrementalDecoder, stream_tokens
     from stemlm.runs import load_for_generation
 
+    if args.prompt == "-":
+        args.prompt = sys.stdin.read().removesuffix("\n")  # `echo text |` adds a line break that is not prompt
     model, tokenizer, offloaded = load_for_generation(  # offloaded: None unless --tables host / mmap
         args.ckpt,
         tables=args.tables,
