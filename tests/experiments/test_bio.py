@@ -85,7 +85,10 @@ def test_bio_cli_two_seeds_json(tmp_path, capsys):
     assert json.loads((out / "results.json").read_text()) == result
     md = (out / "results.md").read_text()
     assert "**extraction**" in md and "chance" in md
-    assert main(["experiment", "bio", "--out", str(out), *TINY]) == 2  # never overwrites a run
-    assert "already holds" in capsys.readouterr().err
+    # A rerun with the same settings reuses both seeds (no training: identical per-seed results).
+    assert main(["experiment", "bio", "--seeds", "2", "--out", str(out), "--json", *TINY]) == 0
+    assert json.loads(capsys.readouterr().out)["per_seed"] == result["per_seed"]
+    assert main(["experiment", "bio", "--out", str(out), *TINY, "--set", "people=10"]) == 2  # never overwrites
+    assert "other settings" in capsys.readouterr().err
     assert main(["experiment", "bio", "--set", "people=x", "--out", str(tmp_path / "b")]) == 2
     assert "not a valid int" in capsys.readouterr().err

@@ -65,7 +65,11 @@ def register_experiment(subparsers) -> None:
         "people), then measure memorisation, QA extraction on the held-out half against chance, and knowledge "
         "bits per parameter, over several seeds.",
     )
-    p.add_argument("--out", default="runs/bio", help="output folder (default runs/bio); must not hold a bio run")
+    p.add_argument(
+        "--out",
+        default="runs/bio",
+        help="output folder (default runs/bio); seeds already there with the same settings are reused",
+    )
     p.add_argument("--seeds", type=int, default=2, help="seeds 0..N-1 (default 2)")
     p.add_argument("--quick", action="store_true", help="reduced budget (60 people, 80 dense steps): a smoke run")
     p.add_argument("--serial", action="store_true", help="train the two models one after the other")

@@ -21,7 +21,8 @@ Per seed (the seed draws the people, the documents, the tokenizer's data and the
      (bits) on the values after the first biography template, floored at 0 per attribute; per parameter
      (total and active).
 Writes OUT/results.json and OUT/results.md; `per_seed` and `summary` (mean, ci95: t over seeds, see
-`stemlm.experiments.stats`).
+`stemlm.experiments.stats`). Each seed's result is kept in OUT/seedN/result.json, so rerunning with more
+`--seeds` and the same settings trains only the new seeds.
 """
 
 from __future__ import annotations
@@ -50,7 +51,7 @@ from stemlm.experiments.stats import summarize_seeds
 @dataclass
 class BioConfig:
     out: str = "runs/bio"
-    people: int = 200
+    people: int = 100
     bios_per_person: int = 6  # distinct biographies per person (the paper's multi-bio augmentation)
     qa_repeats: int = 2  # QA documents per QA-trained person
     corpus_chars: int = 20_000  # natural text after the world; the trainer's held-out tail comes from it
@@ -62,7 +63,7 @@ class BioConfig:
     stem_layers: str = "odd"
     seq_len: int = 128
     batch_size: int = 16
-    dense_steps: int = 600  # the STEM run gets the steps that match this run's training FLOPs
+    dense_steps: int = 400  # the STEM run gets the steps that match this run's training FLOPs
     lr: float = 3e-3
     parallel: bool = True  # train the two models in two processes (one thread each)
 
@@ -218,14 +219,31 @@ def run_seed(cfg: BioConfig, seed: int, folder: Path, log) -> dict:
     return out
 
 
+def _seed_result(cfg: BioConfig, seed: int, folder: Path, log) -> dict:
+    """A seed's result: reused from folder/result.json when it was written with the same settings, computed
+    (and saved there) when the folder does not exist; any other folder is refused, never overwritten."""
+    settings = {k: v for k, v in asdict(cfg).items() if k not in ("out", "parallel")}
+    saved = folder / "result.json"
+    if saved.exists():
+        record = json.loads(saved.read_text())
+        if record["settings"] != settings:
+            raise StemlmError(f"{folder} holds a seed run with other settings; choose another --out or delete it")
+        log(f"seed {seed}: reusing {saved}")
+        return record["result"]
+    if folder.exists():
+        raise StemlmError(f"{folder} holds an unfinished seed run; choose another --out or delete it")
+    result = run_seed(cfg, seed, folder, log)
+    saved.write_text(json.dumps({"settings": settings, "result": result}, indent=2) + "\n")
+    return result
+
+
 def run_bio(cfg: BioConfig, seeds: int = 2, log=print) -> dict:
+    """Seeds 0..seeds-1 (each reused when OUT already holds it with the same settings), then the summary."""
     if seeds < 1:
         raise StemlmError(f"--seeds must be >= 1, got {seeds}")
     out = Path(cfg.out)
-    if (out / "seed0").exists():
-        raise StemlmError(f"{out} already holds a bio run; choose another --out or delete it")
     start = time.perf_counter()
-    per_seed = [run_seed(cfg, s, out / f"seed{s}", log) for s in range(seeds)]
+    per_seed = [_seed_result(cfg, s, out / f"seed{s}", log) for s in range(seeds)]
     results = {
         "config": asdict(cfg),
         "seeds": seeds,

@@ -18,7 +18,6 @@ ROWS = (
     ("extraction_heldout_phrasing", "acc", "extraction: QA, held-out half, held-out phrasing"),
     ("bits_per_param", None, "knowledge bits / total parameter"),
     ("bits_per_active_param", None, "knowledge bits / active parameter"),
-    ("heldout_loss", None, "held-out LM loss (natural text)"),
 )
 
 
