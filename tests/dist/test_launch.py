@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 
 import pytest
@@ -43,3 +44,31 @@ def test_counter_and_single_process_exchange():
     assert counter.pop_step() == {"table_bytes_sent": 40, "table_bytes_recv": 12, "table_bytes_sent/rows": 40}
     assert counter.pop_step() == {"table_bytes_sent": 0, "table_bytes_recv": 0}
     assert (counter.total_sent, counter.total_recv) == (40, 12)
+
+
+def test_multi_node_command_uses_a_rendezvous():
+    cmd = torchrun_command(8, ["train"], nnodes=4, rdzv_endpoint="node0:29500")
+    assert "--standalone" not in cmd
+    assert cmd[3:8] == ["--nnodes=4", "--rdzv-backend=c10d", "--rdzv-endpoint=node0:29500", "--rdzv-id=stemlm",
+                        "--nproc-per-node=8"]  # fmt: skip
+    with pytest.raises(StemlmError, match="needs --rdzv-endpoint"):
+        torchrun_command(8, ["train"], nnodes=2)
+
+
+def test_slurm_tasks_become_ranks(monkeypatch):
+    from stemlm.cli.train_launch import distributed_worker
+    from stemlm.dist.launch import adopt_slurm_env
+
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.setenv(name, "")  # recorded, so the variables adopt_slurm_env sets are removed afterwards
+        monkeypatch.delenv(name)
+    monkeypatch.setenv("SLURM_NTASKS", "16")
+    monkeypatch.setenv("SLURM_PROCID", "9")
+    monkeypatch.setenv("SLURM_LOCALID", "1")
+    monkeypatch.setenv("SLURM_NTASKS_PER_NODE", "8(x2)")
+    with pytest.raises(StemlmError, match="no MASTER_ADDR / MASTER_PORT"):
+        adopt_slurm_env()
+    monkeypatch.setenv("MASTER_ADDR", "node0")
+    monkeypatch.setenv("MASTER_PORT", "29500")
+    assert distributed_worker()
+    assert [os.environ[k] for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")] == ["9", "16", "1", "8"]

@@ -122,6 +122,12 @@ def register(subparsers) -> None:
         "--batch-size stays the global micro-batch, split over the N processes (default 1)",
     )
     parser.add_argument(
+        "--nnodes", type=int, default=1, help="nodes of a multi-node run: start the same command on each (default 1)"
+    )
+    parser.add_argument(
+        "--rdzv-endpoint", metavar="HOST:PORT", help="with --nnodes > 1: the rendezvous address every node can reach"
+    )
+    parser.add_argument(
         "--parallel",
         choices=("ddp", "fsdp"),
         help="with --nproc > 1: replicate the backbone (ddp) or shard it per layer (fsdp, FSDP2); "
@@ -272,11 +278,11 @@ def run(args) -> int:
         raise StemlmError(f"--sample-tokens must be >= 0 (0 skips the sample), got {args.sample_tokens}")
     if args.nproc < 1:
         raise StemlmError(f"--nproc must be at least 1, got {args.nproc}")
-    if args.nproc > 1 and "RANK" not in os.environ:
+    if (args.nproc > 1 or args.nnodes > 1) and "RANK" not in os.environ:
         if not args.resume:  # fail here, before starting processes, when the batch cannot be split
             from stemlm.dist.launch import local_batch_size
 
-            local_batch_size(TrainConfig().with_overrides(train_overrides(args)).batch_size, args.nproc)
+            local_batch_size(TrainConfig().with_overrides(train_overrides(args)).batch_size, args.nproc * args.nnodes)
         return launch_workers(args)
     import torch
 

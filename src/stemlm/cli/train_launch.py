@@ -21,13 +21,16 @@ import threading
 from stemlm.errors import StemlmError
 
 # Namespace entries that are not flags of the workers' command line.
-NOT_FORWARDED = {"nproc", "func", "train_parser", "command", "debug", "help"}
+NOT_FORWARDED = {"nproc", "nnodes", "rdzv_endpoint", "func", "train_parser", "command", "debug", "help"}
 TAIL_CHARS = 20_000  # the end of the workers' stderr kept for torchrun's failure summary
 STOPPED_MARK = "continue with: stemlm train --resume"  # rank 0's line after a stop by signal (Trainer.fit)
 
 
 def distributed_worker() -> bool:
-    """Whether this process is one of several ranks that torchrun started."""
+    """Whether this process is one of several ranks that torchrun (or SLURM's srun) started."""
+    from stemlm.dist.launch import adopt_slurm_env
+
+    adopt_slurm_env()
     return "RANK" in os.environ and int(os.environ.get("WORLD_SIZE", "1")) > 1
 
 
@@ -70,7 +73,7 @@ def launch_workers(args) -> int:
     """Run `stemlm train` in `args.nproc` processes under torchrun; 0 on success, else StemlmError."""
     from stemlm.dist.launch import torchrun_command
 
-    cmd = torchrun_command(args.nproc, worker_argv(args))
+    cmd = torchrun_command(args.nproc, worker_argv(args), nnodes=args.nnodes, rdzv_endpoint=args.rdzv_endpoint)
     print(f"stemlm train: starting {args.nproc} processes: {shlex.join(cmd)}", file=sys.stderr, flush=True)
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     with ForwardStop(proc) as stop:

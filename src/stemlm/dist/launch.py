@@ -36,6 +36,28 @@ def launched_by_torchrun() -> bool:
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ
 
 
+def adopt_slurm_env() -> None:
+    """Under `srun` with one task per GPU (no torchrun), take rank and world size from SLURM's variables.
+
+    The job script exports MASTER_ADDR (e.g. the first host of `scontrol show hostnames`) and MASTER_PORT;
+    without them a multi-task job is an error rather than N independent single-process runs.
+    """
+    if launched_by_torchrun() or int(os.environ.get("SLURM_NTASKS", "1")) <= 1 or "SLURM_PROCID" not in os.environ:
+        return
+    missing = [name for name in ("MASTER_ADDR", "MASTER_PORT") if name not in os.environ]
+    if missing:
+        raise StemlmError(
+            f"SLURM job with {os.environ['SLURM_NTASKS']} tasks but no {' / '.join(missing)}: export the address "
+            "and a free port of the first node in the job script"
+        )
+    os.environ.update(
+        RANK=os.environ["SLURM_PROCID"],
+        WORLD_SIZE=os.environ["SLURM_NTASKS"],
+        LOCAL_RANK=os.environ.get("SLURM_LOCALID", "0"),
+        LOCAL_WORLD_SIZE=os.environ.get("SLURM_NTASKS_PER_NODE", "1").split("(")[0],
+    )
+
+
 def init_distributed(backend: str | None = None, device: str | None = None, timeout_s: float = 600.0) -> DistInfo:
     """Join the process group described by torchrun's environment; a plain process gets a world of one."""
     if not launched_by_torchrun():
@@ -56,7 +78,9 @@ def init_distributed(backend: str | None = None, device: str | None = None, time
     else:
         dev = torch.device("cpu")
     if not dist.is_initialized():
-        dist.init_process_group(backend, rank=rank, world_size=world, timeout=timedelta(seconds=timeout_s))
+        # device_id binds the process group to this rank's GPU (NCCL connects eagerly, no device guessing).
+        bound = {"device_id": dev} if use_cuda else {}
+        dist.init_process_group(backend, rank=rank, world_size=world, timeout=timedelta(seconds=timeout_s), **bound)
     return DistInfo(rank, world, local_rank, dev, backend)
 
 
@@ -75,15 +99,23 @@ def local_batch_size(global_batch: int, world_size: int) -> int:
     return global_batch // world_size
 
 
-def torchrun_command(nproc: int, args: list[str], module: str = "stemlm.cli.main") -> list[str]:
-    """`python -m torch.distributed.run --standalone --nproc-per-node N -m <module> <args>` for this interpreter."""
-    if nproc < 1:
-        raise StemlmError(f"--nproc must be at least 1, got {nproc}")
+def torchrun_command(
+    nproc: int, args: list[str], module: str = "stemlm.cli.main", nnodes: int = 1, rdzv_endpoint: str | None = None
+) -> list[str]:
+    """`python -m torch.distributed.run --standalone --nproc-per-node N -m <module> <args>` for this interpreter;
+    with `nnodes` > 1 the same command runs on every node and they meet at `rdzv_endpoint` (c10d rendezvous)."""
+    if nproc < 1 or nnodes < 1:
+        raise StemlmError(f"--nproc and --nnodes must be at least 1, got {nproc} and {nnodes}")
+    if nnodes > 1 and not rdzv_endpoint:
+        raise StemlmError("--nnodes > 1 needs --rdzv-endpoint HOST:PORT (a node every node can reach)")
+    where = ["--standalone"]
+    if nnodes > 1:
+        where = [f"--nnodes={nnodes}", "--rdzv-backend=c10d", f"--rdzv-endpoint={rdzv_endpoint}", "--rdzv-id=stemlm"]
     return [
         sys.executable,
         "-m",
         "torch.distributed.run",
-        "--standalone",
+        *where,
         f"--nproc-per-node={nproc}",
         "-m",
         module,
