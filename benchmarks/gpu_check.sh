@@ -10,6 +10,8 @@
 #   3. host_equal: 20 bf16 steps with --tables host vs --tables device on the GPU; losses must agree to 2e-2
 #      (bitwise is a CPU guarantee; on CUDA the host-side optimizer and the norm run on another device).
 #   4. decode_offload: host tables behind the hot-row cache at the paper-350m shape with vocab 8192.
+#   5. nproc_smoke: 2 bf16 steps of `stemlm train --nproc N` (N = visible GPUs, at most 2: NCCL, FSDP2 with its
+#      bf16 MixedPrecisionPolicy, chunked loss, activation checkpointing) on shards from `stemlm data prepare`.
 # Exit status: the number of failed checks. Prepared on a CPU-only machine; see README "GPU check".
 set -u
 PY=${PYTHON:-python}
@@ -56,6 +58,15 @@ print(f"step-20 loss device {losses['device'][-1]:.4f} host {losses['host'][-1]:
 print(f"RESULT host_equal_max_loss_diff={diff:.2e} overlap={summary['host_overlap']:.3f}")
 assert diff < 2e-2, diff
 PYEOF
+smoke_dir=$(mktemp -d)
+"$PY" -c "from stemlm.data import load_embedded_corpus as c; open('$smoke_dir/corpus.txt','w').write(c()[0].text)"
+gpus=$("$PY" -c "import torch; print(min(2, torch.cuda.device_count()))")
+run nproc_smoke 240 bash -c "'$PY' -m stemlm.cli.main data prepare '$smoke_dir/corpus.txt' --out '$smoke_dir/shards' \
+  --workers 2 --no-progress && '$PY' -m stemlm.cli.main train --data '$smoke_dir/shards' --nproc $gpus \
+  --device cuda --dtype bf16 --parallel fsdp --steps 2 --batch-size 2 --seq-len 256 --loss-chunk 256 \
+  --activation-checkpointing --sample-tokens 0 --no-progress --out '$smoke_dir/run' --json \
+  && echo RESULT nproc_smoke_ok=1 ranks=$gpus"
+rm -rf "$smoke_dir"
 run decode_offload 180 "$PY" benchmarks/decode_offload.py --device cuda --preset paper-350m --set vocab_size=8192 \
   --decode 128 --warmup 32 --reps 2 --warm-chars 200000
 echo "gpu_check: $failed failed"
