@@ -160,3 +160,15 @@ def test_prompt_from_stdin_and_echo(ckpt, capsys, monkeypatch):
     monkeypatch.setattr("sys.stdin", io.StringIO("Once upon a time\n"))
     assert main([*common[:2], "-", *common[2:], "--echo"]) == 0
     assert capsys.readouterr().out == "Once upon a time" + reference["completion"] + "\n"
+
+
+def test_dtype_bf16_runs_the_model_under_autocast(ckpt, capsys):
+    import torch
+
+    folder, model, tok = ckpt
+    argv = ["generate", str(folder), "Once upon a time", "--max-new-tokens", "6", "--greedy", "--ignore-eos", "--json"]
+    out = _json(capsys, [*argv, "--dtype", "bf16"])
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        expected = generate(model, tok.encode("Once upon a time").ids, 6, greedy=True)
+    assert out["token_ids"] == expected and out["autocast_dtype"] == "bfloat16"
+    assert _json(capsys, argv)["autocast_dtype"] == "float32"  # auto on a CPU

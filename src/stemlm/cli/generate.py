@@ -51,7 +51,21 @@ def _prompt_ids(args, model, tokenizer) -> list[int]:
     return ids
 
 
+def _device_type(model) -> str:
+    return next(model.parameters()).device.type
+
+
+def _autocast_dtype(name: str, model):
+    import torch
+
+    from stemlm.train.config import resolve_dtype
+
+    return resolve_dtype(name, torch.device(_device_type(model)))
+
+
 def run(args) -> int:
+    import torch
+
     from stemlm.generate import IncrementalDecoder, stream_tokens
     from stemlm.runs import load_for_generation
 
@@ -94,13 +108,16 @@ def run(args) -> int:
     new_ids: list[int] = []
     start = time.perf_counter()
     first = None
-    for token in tokens:
-        if first is None:
-            first = time.perf_counter() - start
-        new_ids.append(token)
-        if not args.json:
-            out.write(decoder.push(token) if decoder else f"{token} ")
-            out.flush()
+    # The generator runs inside the loop, so every forward sees this autocast (weights stay as loaded).
+    amp = _autocast_dtype(args.dtype, model)
+    with torch.autocast(_device_type(model), dtype=torch.bfloat16, enabled=amp == torch.bfloat16):
+        for token in tokens:
+            if first is None:
+                first = time.perf_counter() - start
+            new_ids.append(token)
+            if not args.json:
+                out.write(decoder.push(token) if decoder else f"{token} ")
+                out.flush()
     seconds = time.perf_counter() - start
     rate = len(new_ids) / seconds if seconds > 0 else 0.0
     completion = tokenizer.decode(new_ids) if tokenizer is not None else None
@@ -115,6 +132,7 @@ def run(args) -> int:
                 "seconds": seconds,
                 "time_to_first_token_s": first,
                 "tokens_per_s": rate,
+                "autocast_dtype": str(amp).removeprefix("torch."),
                 **({"tables": offloaded.report()} if offloaded else {}),
             }
         )
@@ -169,6 +187,12 @@ def register(subparsers) -> None:
     )
     p.add_argument("--ignore-eos", action="store_true", help="keep going past <|endoftext|> until --max-new-tokens")
     p.add_argument("--device", default="cpu", help="torch device to run on, e.g. cpu or cuda (default cpu)")
+    p.add_argument(
+        "--dtype",
+        choices=("auto", "fp32", "bf16"),
+        default="auto",
+        help="compute dtype (autocast); auto: bf16 on a CUDA device that supports it, else fp32 (default auto)",
+    )
     add_table_flags(p)
     add_json_flag(p)
     p.set_defaults(func=run)
