@@ -50,7 +50,10 @@ FITS = {
 }
 # bf16 autocast; on 2 ranks FSDP2 also gathers the weights in bf16 (MixedPrecisionPolicy), so it is compared to
 # the 1-process bf16 run at bf16 precision rather than at TOL.
-BF16_FITS = {"dense-fsdp-bf16": ("dense", dict(parallel="fsdp", dtype="bf16", steps=3, eval_every=3, save_every=3))}
+BF16_FITS = {
+    "dense-fsdp-bf16": ("dense", dict(parallel="fsdp", dtype="bf16", steps=3, eval_every=3, save_every=3)),
+    "stem-ddp-bf16": ("stem", dict(parallel="ddp", dtype="bf16", steps=3, eval_every=3, save_every=3)),
+}
 # name -> (run folder whose step-3 checkpoint is resumed on 2 ranks, overrides)
 RESUMES = {
     "stem-fsdp": ("two/stem-fsdp", {}),
@@ -211,8 +214,9 @@ def test_two_ranks_train_the_one_process_model(runs, name):
 
 
 @pytest.mark.dist
-def test_fsdp_bf16_mixed_precision_trains_the_one_process_model(runs):
-    one, two = runs / "one" / "dense-fsdp-bf16", runs / "two" / "dense-fsdp-bf16"
+@pytest.mark.parametrize("name", list(BF16_FITS))
+def test_bf16_runs_train_the_one_process_model(runs, name):
+    one, two = runs / "one" / name, runs / "two" / name
     torch.testing.assert_close(losses(two), losses(one), rtol=2e-2, atol=0)  # bf16 has 8 mantissa bits
     got, want = read_state(two / "checkpoints" / "step-000003"), read_state(one / "checkpoints" / "step-000003")
     assert all(v.dtype == torch.float32 for v in got.values())  # fp32 masters are what is saved
@@ -220,10 +224,11 @@ def test_fsdp_bf16_mixed_precision_trains_the_one_process_model(runs):
         torch.testing.assert_close(got[key], value, rtol=0, atol=2e-2, msg=key)
 
 
-def expected_traffic(assets, step: int, grad_accum: int, width: int) -> dict[str, int]:
+def expected_traffic(assets, step: int, grad_accum: int, width: int, row_bytes: int = 4) -> dict[str, int]:
     """Bytes sent between 2 ranks in one step, counted from the data: for each micro-batch each rank sends the
     other its 2 request counts (int64) and the ids it owns among this rank's unique ids (int32); the owner
-    answers with their rows and gets their gradients back (float32, `width` = summed table widths)."""
+    answers with their rows and gets their gradients back (float32, or bf16 under bf16 autocast: `row_bytes`
+    per entry; `width` = summed table widths)."""
     train_texts, _ = load_corpus([str(assets["data"])])
     data = TokenDataset.from_texts(train_texts, load_tokenizer(assets["tokenizer"]))
     total = dict(counts=0, ids=0, rows=0, grads=0)
@@ -232,18 +237,20 @@ def expected_traffic(assets, step: int, grad_accum: int, width: int) -> dict[str
         asked = sum(int((x[r * 2 : r * 2 + 2].unique() % 2 != r).sum()) for r in range(2))
         total["counts"] += 2 * 8
         total["ids"] += 4 * asked
-        total["rows"] += 4 * width * asked
-        total["grads"] += 4 * width * asked
+        total["rows"] += row_bytes * width * asked
+        total["grads"] += row_bytes * width * asked
     return total
 
 
 @pytest.mark.dist
-@pytest.mark.parametrize("name", ["stem-ddp", "stem-fsdp"])
+@pytest.mark.parametrize("name", ["stem-ddp", "stem-fsdp", "stem-ddp-bf16"])
 def test_table_bytes_per_step_are_logged(runs, dist_assets, dist_cache, name):
     width = model_config("stem").intermediate_size  # one table layer (odd layers of 2)
     records = train_records(runs / "two" / name)
+    overrides = {**FITS, **BF16_FITS}[name][1]
+    row_bytes = 2 if overrides.get("dtype") == "bf16" else 4  # bf16 autocast: rows and gradients travel in bf16
     for record in records:
-        expected = expected_traffic(dist_assets, record["step"] - 1, FITS[name][1].get("grad_accum", 1), width)
+        expected = expected_traffic(dist_assets, record["step"] - 1, overrides.get("grad_accum", 1), width, row_bytes)
         assert {k: record[f"table_bytes_sent/{k}"] for k in expected} == expected
         assert record["table_bytes_sent"] == sum(expected.values())
     assert "table_bytes_sent" not in train_records(runs / "two" / "dense-ddp")[0]

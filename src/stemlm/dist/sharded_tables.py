@@ -8,6 +8,8 @@ local row `r // N` of its owner. One step, per micro-batch:
    int32 local row indices), owners answer with the rows of every table at once (one all_to_all of
    [unique ids, sum of widths]). The returned callable is the model's `table_rows` hook, so the model math
    is untouched: `model(input_ids, labels=..., table_rows=tables.lookup(input_ids))`.
+   Under autocast the rows travel and are returned in the autocast dtype (bf16: half the bytes, and the FFN
+   product stays bf16), their gradients travel back in it too; the owners' shards and updates stay fp32.
 2. backward: the model's gradient for each unique row (already summed over its positions) goes back to
    its owner in one all_to_all; the owner's shard receives it as a sparse COO gradient, in which rows asked
    for by several ranks appear once per rank and are summed by `coalesce` (the optimizers do that).
@@ -239,7 +241,13 @@ class _FetchRows(torch.autograd.Function):
         ctx.tables, ctx.plan = tables, plan
         ctx.shapes = [s.shape for s in shards]
         ctx.widths = [s.shape[1] for s in shards]
+        ctx.master_dtype = shards[0].dtype
         served = torch.cat([s.index_select(0, plan.local_rows) for s in shards], dim=1)
+        device_type = served.device.type
+        if torch.is_autocast_enabled(device_type):
+            # Under autocast the rows cross ranks and enter the FFN product in the autocast dtype (half the
+            # bytes); the owners keep their fp32 master rows and receive the gradients back as fp32 below.
+            served = served.to(torch.get_autocast_dtype(device_type))
         got = all_to_all_rows(served, plan.recv_counts, plan.send_counts, tables.group, tables.comm, "rows")
         if len(shards) == 1:
             return (got,)
@@ -252,6 +260,7 @@ class _FetchRows(torch.autograd.Function):
         if tables.reduce == "mean" and tables.world_size > 1:
             grad = grad / tables.world_size
         back = all_to_all_rows(grad, plan.send_counts, plan.recv_counts, tables.group, tables.comm, "grads")
+        back = back.to(ctx.master_dtype)
         indices = plan.local_rows[None]
         shard_grads = [
             torch.sparse_coo_tensor(indices, part.contiguous(), shape, check_invariants=False)
