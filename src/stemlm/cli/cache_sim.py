@@ -194,8 +194,16 @@ def run(args) -> int:
         "data": args.data or "embedded corpus, held-out split",
         "warm": None if args.warm is None else (args.warm or "embedded corpus, train split"),
         **simulate(stream, vocab, fractions, policies, warm),
-        "seconds": time.perf_counter() - start,
     }
+    if args.ckpt is not None:  # n-gram kinds: the n-gram row cache too (fractions of its rows, no warm start)
+        from stemlm.checkpoint import load_config
+        from stemlm.offload.ngram_sim import simulate_ngram
+        from stemlm.runs import resolve_checkpoint
+
+        ngram = simulate_ngram(load_config(resolve_checkpoint(args.ckpt)), stream, fractions, policies)
+        if ngram is not None:
+            report["ngram"] = ngram
+    report["seconds"] = time.perf_counter() - start
     out = Path(args.out) if args.out else None
     if out is None and args.ckpt is not None:
         from stemlm.runs import output_dir
@@ -217,6 +225,11 @@ def run(args) -> int:
         print(f"{r['policy']:<8}{r['fraction']:>9g}{r['capacity']:>8}{100 * r['hit_rate']:>9.1f}%")
     for r in report["static_top"]:
         print(f"{'static':<8}{r['fraction']:>9g}{r['capacity']:>8}{100 * r['hit_rate']:>9.1f}%")
+    if "ngram" in report:
+        ng = report["ngram"]
+        print(f"n-gram rows: {ng['rows']:,}, {ng['keys_per_token']} ids per token, {ng['distinct_ids']:,} distinct")
+        for r in ng["results"]:
+            print(f"{r['policy']:<8}{r['fraction']:>9g}{r['capacity']:>8}{100 * r['hit_rate']:>9.1f}%")
     if out is not None:
         print(f"wrote {out / JSON_NAME} and {out / PNG_NAME}", file=sys.stderr)
     return 0

@@ -74,7 +74,7 @@ def _view(model, tokenizer, prompt_ids, hooks, max_new_tokens: int, top_k: int) 
 
 
 def run(args) -> int:
-    from stemlm.edit.positional import edit_hooks, make_edit
+    from stemlm.edit.positional import NGRAM_EDIT_NOTE, edit_hooks, make_edit
     from stemlm.edit.spans import DEFAULT_PAD, GLOBAL_DEFAULT_PAD, check_distinct
     from stemlm.edit.table_edits import TableEditor
 
@@ -135,6 +135,8 @@ def run(args) -> int:
             _check_shared(record.description, args.allow_shared_subwords)
             report["saved"] = str(editor.save(args.save, force=args.force, sources=sources))
     report.update(prompt=args.prompt, before=before, after=after)
+    if model.ngram_tables() and model.stem_tables():
+        report["note"] = NGRAM_EDIT_NOTE
     if args.json:
         print_json(report)
     else:
@@ -181,6 +183,8 @@ def _print(report: dict) -> None:
         print(f"rows changed: {token['token']!r} (id {token['id']}); also in: {shown or 'no other word'}")
     if "saved" in report:
         print(f"saved the edited checkpoint to {report['saved']}", file=sys.stderr)
+    if "note" in report:
+        print(f"note: {report['note']}", file=sys.stderr)
 
 
 def add_edit_flags(p, with_rows: bool = True) -> None:

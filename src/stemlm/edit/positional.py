@@ -15,6 +15,9 @@ With a KV cache the rows are substituted at prefill; later tokens read the edite
 cache, so the effect persists through decoding (decode steps run without hooks). A hook applied to a
 sequence that does not hold the source ids at the edited positions raises instead of editing the wrong
 tokens, which is what would happen if it were passed to a decode step.
+
+`stem_ngram` models: an edit swaps the token rows U_l[t] only (they are what `table_rows` serves); the hashed
+n-gram rows of the edited positions stay those of the original ids and are still added (`NGRAM_EDIT_NOTE`).
 """
 
 from __future__ import annotations
@@ -32,6 +35,10 @@ from stemlm.model.decoder import EmbedRows, ModelOutput, StemLM
 from stemlm.model.ffn import TableRows
 
 ROW_KINDS = ("stem", "embed", "both")
+NGRAM_EDIT_NOTE = (
+    "this model adds hashed n-gram rows to its STEM rows: the edit swaps the token rows U_l[t] only; the n-gram "
+    "rows of the edited positions are still those of the original ids"
+)
 Hooks = tuple[TableRows | None, EmbedRows | None]  # (table_rows, embed_rows) for one forward
 
 

@@ -42,13 +42,14 @@ from stemlm.config import ModelConfig
 from stemlm.dist.host_shards import HostShardedTables
 from stemlm.dist.launch import destroy_distributed, init_distributed, local_batch_size
 from stemlm.dist.sharded_tables import ShardedTables
+from stemlm.errors import StemlmError
 from stemlm.presets import get_preset
 from stemlm.runs import from_pretrained
 from stemlm.train.config import TrainConfig
 from stemlm.train.data import load_datasets_distributed
 from stemlm.train.dist_checkpoint import load_optimizers, save_distributed_checkpoint
 from stemlm.train.logging import RunLogger
-from stemlm.train.table_optim import clip_grad_norm_mixed, make_table_optimizer
+from stemlm.train.table_optim import clip_grad_norm_mixed, make_table_optimizer, use_sparse_table_grads
 from stemlm.train.trainer import FaultInjection, Trainer, default_run_dir
 
 FAULT_ENV = "STEMLM_FAULT_EXIT"
@@ -115,6 +116,15 @@ class DistributedTrainer(Trainer):
             if isinstance(self.tables, ShardedTables) and self.cfg.tables != "host":
                 for shard in self.tables.parameters():
                     shard.register_post_accumulate_grad_hook(_coalesce_grad)
+        if self.cfg.table_optim != "adamw" and (model.ngram_tables() or model.memory_tables()):
+            # n-gram / memory tables stay replicated; their row-sparse gradients must be declared before DDP
+            # wraps the model (gloo all-reduces sparse gradients; FSDP2 shards dense tensors only).
+            if self.cfg.parallel == "fsdp":
+                raise StemlmError(
+                    f"--table-optim {self.cfg.table_optim} with n-gram / memory tables needs --parallel ddp "
+                    "(FSDP2 cannot shard row-sparse gradients); or use --table-optim adamw"
+                )
+            use_sparse_table_grads(model)
         if self.cfg.parallel == "fsdp":
             from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 

@@ -1,0 +1,49 @@
+"""Cache simulation of the hashed n-gram tables (`stem_ngram`, `engram`): the id stream decoding would read.
+
+Each decoded token looks up K = orders x heads n-gram rows (the same ids in every n-gram layer), so the
+n-gram row cache sees one step of K ids per token. `ngram_id_stream` hashes a token stream exactly as the
+model does (`stemlm.model.ngram.NgramHasher`, the stream read as one sequence); `simulate_ngram` replays it
+through the same `CachePolicy` as the token rows, with cache sizes as fractions of the n-gram table rows.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from stemlm.config import ModelConfig
+from stemlm.model.ngram import ngram_hasher
+from stemlm.offload.cache import replay, resolve_capacity
+
+
+def ngram_id_stream(config: ModelConfig, tokens: list[int]) -> tuple[list[int], int, int]:
+    """(flattened [L, K] n-gram row ids, K, table rows) of a token stream; ([], 0, 0) without n-gram tables."""
+    hasher = ngram_hasher(config)
+    if hasher is None:
+        return [], 0, 0
+    ids = torch.tensor([tokens], dtype=torch.long)
+    keys = hasher.ids(ids, torch.full((1, hasher.context), -1))[0]
+    return keys.reshape(-1).tolist(), hasher.num_keys, hasher.num_rows
+
+
+def simulate_ngram(config: ModelConfig, tokens: list[int], fractions, policies) -> dict | None:
+    """Hit rates of the n-gram row cache for each fraction of its rows and policy; None without n-gram tables."""
+    stream, keys, rows = ngram_id_stream(config, tokens)
+    if not keys:
+        return None
+    results = []
+    for fraction in fractions:
+        capacity = resolve_capacity(rows, fraction=fraction)
+        for policy in policies:
+            stats = replay(stream, rows, capacity, policy, step_tokens=keys)
+            results.append(
+                {
+                    "policy": policy,
+                    "fraction": fraction,
+                    "capacity": capacity,
+                    "hits": stats.hits,
+                    "misses": stats.misses,
+                    "lookups": stats.lookups,
+                    "hit_rate": stats.hit_rate,
+                }
+            )
+    return {"rows": rows, "keys_per_token": keys, "distinct_ids": len(set(stream)), "results": results}
