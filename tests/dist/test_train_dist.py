@@ -47,10 +47,6 @@ FITS = {
     "stem-ddp-shards": ("stem", dict(parallel="ddp", grad_accum=2, data="shards")),
     # Memory levers under FSDP2: per-block activation checkpointing (applied before fully_shard), chunked loss.
     "stem-fsdp-memory": ("stem", dict(parallel="fsdp", activation_checkpointing=True, loss_chunk=24)),
-    # Lookup kinds: n-gram / memory tables stay replicated under DDP, with row-sparse gradients when asked.
-    "stem_ngram-ddp": ("stem_ngram", dict(parallel="ddp", table_optim="adamw", grad_accum=2)),
-    "engram-ddp": ("engram", dict(parallel="ddp", table_optim="lazy_adamw")),
-    "memory-ddp": ("memory", dict(parallel="ddp", table_optim="rowwise_adagrad")),
 }
 # bf16 autocast; on 2 ranks FSDP2 also gathers the weights in bf16 (MixedPrecisionPolicy), so it is compared to
 # the 1-process bf16 run at bf16 precision rather than at TOL.
