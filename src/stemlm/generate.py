@@ -18,6 +18,7 @@ output reach the model's `max_position_embeddings`.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -58,8 +59,8 @@ def top_p_filter(logits: torch.Tensor, p: float) -> torch.Tensor:
 
 
 def check_sampling(temperature: float, top_k: int | None, top_p: float) -> None:
-    if temperature < 0:
-        raise StemlmError(f"temperature must be >= 0 (0 means greedy), got {temperature}")
+    if not math.isfinite(temperature) or temperature < 0:
+        raise StemlmError(f"temperature must be a finite number >= 0 (0 means greedy), got {temperature}")
     if top_k is not None and top_k < 0:
         raise StemlmError(f"top_k must be >= 0 (0 disables it), got {top_k}")
     if not 0.0 < top_p <= 1.0:

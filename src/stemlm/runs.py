@@ -106,6 +106,25 @@ def _model_type(folder: Path) -> str | None:
     return data.get("model_type") if isinstance(data, dict) else None
 
 
+def check_tokenizer_fits(tokens: int, rows: int, where: str | Path) -> None:
+    """A checkpoint's tokenizer must cover its embedding rows: no id past the rows, and not far fewer tokens.
+
+    Models pad the vocabulary (to a multiple of 64 or 128, or some reserved ids), so a few unused rows are
+    normal; a tokenizer with over a quarter (and 1024) fewer tokens than the rows is another model's (a
+    300-token tokenizer on 8192 rows generates garbage) and is refused.
+    """
+    if tokens > rows:
+        raise StemlmError(
+            f"checkpoint {where}: its tokenizer has {tokens} tokens but the model's vocab_size is {rows}; "
+            "ids past the model vocabulary could not be embedded"
+        )
+    if rows - tokens > max(1024, rows // 4):
+        raise StemlmError(
+            f"checkpoint {where}: its tokenizer has {tokens} tokens but the model has {rows} embedding rows; "
+            "the tokenizer belongs to another model (put the one it was trained with next to it)"
+        )
+
+
 def load_checkpoint(
     path: str | Path,
     *,
@@ -134,11 +153,7 @@ def load_checkpoint(
             tokenizer = Tokenizer.from_file(str(folder / TOKENIZER_NAME))
         except Exception as exc:  # tokenizers raises a bare Exception on malformed files
             raise StemlmError(f"cannot read {folder / TOKENIZER_NAME}: {str(exc).splitlines()[0]}") from None
-        if tokenizer.get_vocab_size() > model.config.vocab_size:
-            raise StemlmError(
-                f"checkpoint {folder}: its tokenizer has {tokenizer.get_vocab_size()} tokens but the model's "
-                f"vocab_size is {model.config.vocab_size}; ids past the model vocabulary could not be embedded"
-            )
+        check_tokenizer_fits(tokenizer.get_vocab_size(), model.config.vocab_size, folder)
     return model, tokenizer
 
 

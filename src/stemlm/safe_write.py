@@ -239,3 +239,25 @@ def remove_leftovers(folder: Path, patterns: Iterable[str]) -> None:
                 shutil.rmtree(path, ignore_errors=True)
             else:
                 path.unlink(missing_ok=True)
+
+
+# ----- single output files (eval --out FILE and the like) -----
+def check_file_target(path: str | Path, *, force: bool = False, flag: str = "--out") -> None:
+    """Raise unless a command may write the file `path`: never a folder, an existing file only with `force`."""
+    path = Path(path)
+    if path.is_dir():
+        raise StemlmError(f"{flag} {path} is a folder; pass a file path")
+    if path.exists() and not force:
+        raise StemlmError(f"{flag} {path} already exists; choose another path or pass --force to replace it")
+
+
+def write_output_file(path: str | Path, text: str, *, force: bool = False, flag: str = "--out") -> Path:
+    """`check_file_target`, then write `text` atomically (the parent folder is created)."""
+    path = Path(path)
+    check_file_target(path, force=force, flag=flag)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise StemlmError(f"cannot create {path.parent}: {exc.strerror or exc}") from None
+    atomic_write_text(path, text)
+    return path

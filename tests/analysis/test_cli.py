@@ -40,7 +40,7 @@ def test_analyze_dense_skips_stem_only(ckpts, capsys, tmp_path):
     assert main(["analyze", dense, "--text", text, "--out", str(tmp_path / "d"), "--token", "France"]) == 0
     out = capsys.readouterr().out
     assert "nearest tokens to ' France'" in out and "angular spread" not in out
-    assert main(["analyze", dense, "--only", "spread", "--out", str(tmp_path / "d")]) == 2
+    assert main(["analyze", dense, "--only", "spread", "--out", str(tmp_path / "d2")]) == 2
     assert "need a STEM checkpoint" in capsys.readouterr().err
-    assert main(["analyze", dense, "--only", "moons", "--out", str(tmp_path / "d")]) == 2
+    assert main(["analyze", dense, "--only", "moons", "--out", str(tmp_path / "d2")]) == 2
     assert "unknown analysis" in capsys.readouterr().err

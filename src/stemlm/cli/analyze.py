@@ -27,10 +27,9 @@ TEXT_TOKENS = 4096  # tokens of held-out text read for spread and activated para
 
 def _text_ids(args, tokenizer) -> list[int]:
     if args.text is not None:
-        path = Path(args.text)
-        if not path.is_file():
-            raise StemlmError(f"--text {path} is not a file")
-        text = path.read_text(encoding="utf-8", errors="replace")
+        from stemlm.data.sources import read_texts
+
+        text = "\n".join(read_texts([args.text]))  # one-line errors for a missing, binary or non-UTF-8 file
     else:
         from stemlm.data import embedded_texts
 
@@ -64,17 +63,37 @@ def _chosen(args, model) -> list[str]:
 
 
 def run(args) -> int:
-    from stemlm.analysis import activated, attribution, nearest, spread
     from stemlm.runs import load_checkpoint, output_dir
+    from stemlm.safe_write import AtomicFolder, check_target
 
+    if args.max_tokens is not None and args.max_tokens < 1:
+        raise StemlmError(f"--max-tokens must be >= 1, got {args.max_tokens}")
+    if args.top_k < 1:
+        raise StemlmError(f"--top-k must be >= 1, got {args.top_k}")
+    out = Path(args.out) if args.out else output_dir(args.ckpt, "analysis")
+    guard = {"producer": "stemlm analyze", "force": args.force, "sources": [args.ckpt]}
+    check_target(out, **guard)  # before any work
     model, tokenizer = load_checkpoint(args.ckpt, need_tokenizer="analysis")
     names = _chosen(args, model)
-    out = Path(args.out) if args.out else output_dir(args.ckpt, "analysis")
-    out.mkdir(parents=True, exist_ok=True)
     prompt_ids = tokenizer.encode(args.prompt).ids
     if not prompt_ids:
         raise StemlmError("--prompt encodes to no tokens; pass some text")
-    report: dict = {"checkpoint": args.ckpt, "prompt": args.prompt, "out": str(out), "pngs": {}}
+    with AtomicFolder(out, **guard) as tmp:
+        report = _analyze(args, model, tokenizer, names, prompt_ids, tmp, out)
+    report["pngs"] = {name: str(out / Path(png).name) for name, png in report["pngs"].items()}
+    if args.json:
+        print_json(report)
+    else:
+        _print(report)
+    return 0
+
+
+def _analyze(args, model, tokenizer, names, prompt_ids, out: Path, final: Path) -> dict:
+    """Every chosen analysis, its PNG written into `out` (the temporary folder of the atomic write to `final`)."""
+    from stemlm.analysis import activated, attribution, nearest, spread
+    from stemlm.runs import load_checkpoint
+
+    report: dict = {"checkpoint": args.ckpt, "prompt": args.prompt, "out": str(final), "pngs": {}}
     if "spread" in names or "activated" in names:
         text_ids = _text_ids(args, tokenizer)
     if "spread" in names:
@@ -99,12 +118,9 @@ def run(args) -> int:
     if "activated" in names:
         report["activated"] = activated.activated_vs_context(model.config, text_ids)
         report["pngs"]["activated"] = str(activated.plot_activated(report["activated"], out / "activated.png"))
-    (out / "analysis.json").write_text(json.dumps(report, indent=2) + "\n")
-    if args.json:
-        print_json(report)
-    else:
-        _print(report)
-    return 0
+    pngs = {name: str(final / Path(png).name) for name, png in report["pngs"].items()}
+    (out / "analysis.json").write_text(json.dumps({**report, "pngs": pngs}, indent=2) + "\n")
+    return report
 
 
 def _print(report: dict) -> None:
@@ -158,5 +174,6 @@ def register(subparsers) -> None:
     p.add_argument("--max-tokens", type=int, default=512, help="distinct tokens compared in the spread (default 512)")
     p.add_argument("--only", default="all", help=f"comma list of analyses: {', '.join(ANALYSES)} (default all)")
     p.add_argument("--out", help="folder for analysis.json and the PNGs (default: RUN/analysis, beside the checkpoint)")
+    p.add_argument("--force", action="store_true", help="replace --out if it holds an earlier analyze output")
     add_json_flag(p)
     p.set_defaults(func=run)

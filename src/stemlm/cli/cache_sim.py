@@ -67,6 +67,7 @@ def register(subparsers) -> None:
         help=f"write {JSON_NAME} and {PNG_NAME} into DIR (default with CKPT: RUN/cache-sim beside the checkpoint; "
         "without CKPT nothing is written unless --out is given)",
     )
+    p.add_argument("--force", action="store_true", help="replace --out if it holds an earlier cache-sim output")
     add_json_flag(p)
     p.set_defaults(func=run)
 
@@ -173,7 +174,16 @@ def plot(report: dict, path: Path) -> None:
 def run(args) -> int:
     from stemlm.data.corpus import embedded_texts
     from stemlm.data.sources import read_texts
+    from stemlm.safe_write import AtomicFolder, check_target
 
+    out = Path(args.out) if args.out else None
+    if out is None and args.ckpt is not None:
+        from stemlm.runs import output_dir
+
+        out = output_dir(args.ckpt, "cache-sim")
+    guard = {"producer": "stemlm cache-sim", "force": args.force, "sources": [args.ckpt] if args.ckpt else []}
+    if out is not None:
+        check_target(out, **guard)  # before the replay
     fractions, policies = _floats(args.fractions), _policies(args.policy)
     if args.max_tokens is not None and args.max_tokens < 1:
         raise StemlmError("--max-tokens must be >= 1")
@@ -204,18 +214,13 @@ def run(args) -> int:
         if ngram is not None:
             report["ngram"] = ngram
     report["seconds"] = time.perf_counter() - start
-    out = Path(args.out) if args.out else None
-    if out is None and args.ckpt is not None:
-        from stemlm.runs import output_dir
-
-        out = output_dir(args.ckpt, "cache-sim")
     if out is not None:
         from stemlm.checkpoint import write_json
 
         report["out"] = str(out)
-        out.mkdir(parents=True, exist_ok=True)
-        write_json(out / JSON_NAME, report)
-        plot(report, out / PNG_NAME)
+        with AtomicFolder(out, **guard) as tmp:
+            write_json(tmp / JSON_NAME, report)
+            plot(report, tmp / PNG_NAME)
     if args.json:
         print_json(report)
         return 0

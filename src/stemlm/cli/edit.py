@@ -253,16 +253,18 @@ def _variants(spec: str, model) -> list[str]:
 
 def run_eval(args) -> int:
     import json
-    from pathlib import Path
 
     from stemlm.edit.evaluate import evaluate_edits
     from stemlm.edit.report import format_edit_table
     from stemlm.facts import RELATIONS, edit_records
+    from stemlm.safe_write import check_file_target, write_output_file
 
     if args.relation not in RELATIONS:
         raise StemlmError(f"unknown relation {args.relation!r}; choose one of {', '.join(RELATIONS)}")
     if args.records < 0:
         raise StemlmError(f"--records must be >= 0 (0 = all), got {args.records}")
+    if args.out:
+        check_file_target(args.out, force=args.force)  # before the (long) evaluation
     records = edit_records(args.relation, args.records or None, seed=args.seed)
     model, tokenizer = load_for_edit(args.ckpt)
     layers = parse_layers(args.layers, model)
@@ -288,7 +290,7 @@ def run_eval(args) -> int:
         dense, dense_tok = load_for_edit(args.dense)
         results["variants"]["dense-embed"] = evaluate_edits(dense, dense_tok, records, rows="embed", **settings)
     if args.out:
-        Path(args.out).write_text(json.dumps(results, indent=2) + "\n")
+        write_output_file(args.out, json.dumps(results, indent=2) + "\n", force=args.force)
     if args.json:
         print_json(results)
     else:
@@ -326,6 +328,7 @@ def register_eval(subparsers) -> None:
         "--fluency-records", type=int, default=10, help="records whose generations measure fluency (default 10)"
     )
     p.add_argument("--out", metavar="FILE", help="also write the results as JSON to FILE")
+    p.add_argument("--force", action="store_true", help="replace --out FILE if it exists")
     add_edit_flags(p, with_rows=False)
     add_json_flag(p)
     p.set_defaults(func=run_eval)

@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from pathlib import Path
 
 from stemlm.cli.common import add_json_flag, print_json
 from stemlm.errors import StemlmError
@@ -58,13 +57,17 @@ def register_eval(subparsers) -> None:
     parser.add_argument("--seed", type=int, default=0, help="seed for lm-eval's sampling and few-shot choice")
     parser.add_argument("--device", default="cpu", help="torch device to run on (default: cpu)")
     parser.add_argument("--out", metavar="FILE", help="also write lm-eval's full results as JSON to FILE")
+    parser.add_argument("--force", action="store_true", help="replace --out FILE if it exists")
     add_json_flag(parser)
     parser.set_defaults(func=run)
 
 
 def run(args) -> int:
     from stemlm.evaluation.lm_eval_adapter import StemlmLM, run_lm_eval, summarize_results, task_report
+    from stemlm.safe_write import check_file_target, write_output_file
 
+    if args.out:
+        check_file_target(args.out, force=args.force)  # before the (long) evaluation
     tasks = [t.strip() for t in args.tasks.split(",") if t.strip()] if args.tasks else None
     if args.tasks is not None and not tasks:
         raise StemlmError("--tasks is empty: name at least one task")
@@ -82,8 +85,7 @@ def run(args) -> int:
     )
     summary = summarize_results(results)
     if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(results, indent=2, default=str), encoding="utf-8")
+        write_output_file(args.out, json.dumps(results, indent=2, default=str), force=args.force)
     if args.json:
         print_json(
             {

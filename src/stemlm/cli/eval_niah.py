@@ -70,6 +70,7 @@ def register_eval(subparsers) -> None:
         metavar="DIR",
         help="folder for niah.json and niah_heatmap.png (default: RUN/eval-niah, beside the checkpoint)",
     )
+    parser.add_argument("--force", action="store_true", help="replace --out if it holds an earlier niah output")
     add_json_flag(parser)
     parser.set_defaults(func=run)
 
@@ -81,6 +82,7 @@ def register_eval_data(subparsers) -> None:
         description="Synthetic needle-in-a-haystack training documents (prompt + answer) as jsonl for --data.",
     )
     data.add_argument("--out", required=True, metavar="FILE", help="the jsonl file to write")
+    data.add_argument("--force", action="store_true", help="replace --out FILE if it exists")
     data.add_argument("--num", type=int, default=1000, help="number of documents (default: 1000)")
     data.add_argument(
         "--lengths",
@@ -100,7 +102,12 @@ def register_eval_data(subparsers) -> None:
 def run(args) -> int:
     from stemlm.evaluation.niah import model_answerer, plot_niah_heatmap, run_niah
     from stemlm.evaluation.perplexity import load_eval_checkpoint
+    from stemlm.runs import output_dir
+    from stemlm.safe_write import AtomicFolder, check_target
 
+    out = Path(args.out) if args.out else output_dir(args.checkpoint, "eval-niah")
+    guard = {"producer": "stemlm eval niah", "force": args.force, "sources": [args.checkpoint]}
+    check_target(out, **guard)  # before the evaluation
     model, tokenizer = load_eval_checkpoint(args.checkpoint, device=args.device)
     result = run_niah(
         model_answerer(model, tokenizer),
@@ -114,12 +121,10 @@ def run(args) -> int:
         max_context=model.config.max_position_embeddings,
         keep_outputs=True,
     )
-    from stemlm.runs import output_dir
-
-    out = Path(args.out) if args.out else output_dir(args.checkpoint, "eval-niah")
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "niah.json").write_text(json.dumps(result, indent=2), encoding="utf-8")
-    plot_niah_heatmap(result, out / "niah_heatmap.png", title=f"{result['variant']}: {Path(args.checkpoint).name}")
+    with AtomicFolder(out, **guard) as tmp:
+        (tmp / "niah.json").write_text(json.dumps(result, indent=2), encoding="utf-8")
+        title = f"{result['variant']}: {Path(args.checkpoint).name}"
+        plot_niah_heatmap(result, tmp / "niah_heatmap.png", title=title)
     if args.json:
         print_json({k: v for k, v in result.items() if k != "outputs"} | {"out": str(out)})
         return 0
@@ -141,6 +146,6 @@ def run_data(args) -> int:
         docs = passkey_documents(tok, args.num, args.lengths, needles=args.needles, digits=args.digits, seed=args.seed)
     except StemlmError as exc:
         raise StemlmError(f"{exc}; raise --lengths or lower --needles / --digits") from None
-    path = write_jsonl(docs, args.out)
+    path = write_jsonl(docs, args.out, force=args.force)
     print(f"wrote {len(docs)} documents to {path}", file=sys.stderr)
     return 0

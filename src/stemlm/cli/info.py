@@ -138,6 +138,8 @@ def run(args) -> int:
     if args.list_presets:
         return list_all(args.json)
     name, config = resolve(args)
+    if args.seq_len is not None and args.seq_len < 1:
+        raise StemlmError(f"--seq-len must be a positive integer, got {args.seq_len}")
     seq_len = args.seq_len or min(DEFAULT_SEQ_LEN, config.max_position_embeddings)
     if seq_len > config.max_position_embeddings:
         raise StemlmError(

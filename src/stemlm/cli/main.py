@@ -30,8 +30,19 @@ SUBCOMMANDS = [
 ]
 
 
+class OneLineParser(argparse.ArgumentParser):
+    """argparse, but a usage error is one stderr line naming the problem (exit 2); --help still shows usage."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+# import name -> (package, the pyproject extra that installs it)
+OPTIONAL_EXTRAS = {"lm_eval": ("lm-eval", "eval"), "gguf": ("gguf", "gguf"), "selenium": ("selenium", "dev")}
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="stemlm", description="STEM transformers: train, run, edit and inspect.")
+    parser = OneLineParser(prog="stemlm", description="STEM transformers: train, run, edit and inspect.")
     parser.add_argument("--debug", action="store_true", help="show full tracebacks instead of one-line errors")
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name in SUBCOMMANDS:
@@ -50,6 +61,13 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("stemlm: interrupted", file=sys.stderr)
         return 130
+    except ImportError as exc:  # an optional extra that is not installed: name it, not a traceback
+        top = (exc.name or "").split(".")[0]
+        if top not in OPTIONAL_EXTRAS or args.debug:
+            raise
+        package, extra = OPTIONAL_EXTRAS[top]
+        print(f"stemlm {args.command}: error: this needs {package}: pip install 'stemlm[{extra}]'", file=sys.stderr)
+        return 2
     except BrokenPipeError:
         # The reader went away (`stemlm info --json | head`): not an error; silence the flush at exit too.
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())

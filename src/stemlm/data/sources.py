@@ -84,6 +84,8 @@ def read_documents(paths: list[str | Path]) -> list[Document]:
             found = _read_file(arg)
             if not found:
                 raise StemlmError(f"{arg} is empty")
+        elif arg.exists():  # a device or pipe (/dev/zero would be read forever)
+            raise StemlmError(f"data path {arg} is not a regular file or folder")
         else:
             raise StemlmError(f"data path not found: {arg}")
         docs.extend(found)

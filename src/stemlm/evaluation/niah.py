@@ -256,9 +256,8 @@ def passkey_documents(
     return docs
 
 
-def write_jsonl(texts: Sequence[str], path: str | Path) -> Path:
-    """Write texts as `{"text": ...}` lines (the jsonl form `--data` reads)."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts), encoding="utf-8")
-    return path
+def write_jsonl(texts: Sequence[str], path: str | Path, *, force: bool = False) -> Path:
+    """Write texts as `{"text": ...}` lines (the jsonl form `--data` reads); an existing file only with `force`."""
+    from stemlm.safe_write import write_output_file
+
+    return write_output_file(path, "".join(json.dumps({"text": t}) + "\n" for t in texts), force=force)

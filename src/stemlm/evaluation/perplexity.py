@@ -158,8 +158,12 @@ def evaluate_perplexity(
     """
     from stemlm.data.tokenizer import eot_id
 
-    window = window or model.config.max_position_embeddings
-    stride = stride or window
+    # None means "default"; 0 is not a silent default but a mistake.
+    for name, value in (("window (--seq-len)", window), ("stride", stride), ("batch_size", batch_size)):
+        if value is not None and value < 1:
+            raise StemlmError(f"{name} must be a positive integer, got {value}")
+    window = model.config.max_position_embeddings if window is None else window
+    stride = window if stride is None else stride
     rolling_windows(0, window, stride)  # validate the arguments before any work
     texts = [t for t in texts if t]
     if not texts:

@@ -81,6 +81,8 @@ class Trainer:
         _resume_from: Path | None = None,
     ) -> None:
         self.cfg, self.fault_injection, self.progress = cfg, fault_injection, progress
+        if _resume_from is None and cfg.out:
+            check_run_dir(cfg.out)  # before anything is built: a refused --out costs nothing
         self.device = resolve_device(cfg.device)
         self.amp_dtype = resolve_dtype(cfg.dtype, self.device)
         self.tokenizer = tokenizer or resolve_tokenizer(cfg)
@@ -176,7 +178,6 @@ class Trainer:
         return load_datasets(self.cfg, self.tokenizer)
 
     def _start_run_dir(self) -> None:
-        check_run_dir(self.run_dir)
         ckpts = self.run_dir / CHECKPOINTS_DIR
         if ckpts.is_dir() and any(STEP_DIR.match(p.name) for p in ckpts.iterdir()):
             raise StemlmError(

@@ -1,0 +1,357 @@
+"""The bad-input suite: every subcommand given bad input exits 2 with exactly one stderr line naming the problem, and
+changes nothing on disk (the whole workspace, folders included, is hashed before and after each case).
+
+Cases run in-process through `stemlm.cli.main.main(argv)` on a tiny workspace built once: a STEM and a dense
+checkpoint with the default tokenizer, a run folder, a checkpoint whose tokenizer does not fit its rows, a damaged
+one, files and folders to be refused as outputs. Placeholders in an argv: {ck} {dense} {run} {ws} {nope} {file}
+{full} {bin} {text} {tokdir} {smalltok} {corrupt} {legacy} {outdir}. API cases at the end assert StemlmError.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+
+from stemlm.checkpoint import save_pretrained
+from stemlm.cli.main import main
+from stemlm.config import ModelConfig
+from stemlm.data.tokenizer import default_tokenizer, save_tokenizer, train_bpe
+from stemlm.errors import StemlmError
+from stemlm.model import build_model
+
+P = "Country: Spain. Capital:"
+
+
+def tiny(ffn: str = "stem", vocab: int = 8192) -> ModelConfig:
+    return ModelConfig(
+        vocab_size=vocab,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        max_position_embeddings=64,
+        ffn=ffn,
+        stem_layers="1",
+    )
+
+
+@pytest.fixture(scope="module")
+def ws(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("bad_inputs")
+    tok = default_tokenizer()
+    save_pretrained(build_model(tiny()), root / "ck", tokenizer=tok)
+    save_pretrained(build_model(tiny("dense")), root / "dense" / "model", tokenizer=tok)
+    save_pretrained(build_model(tiny()), root / "run" / "checkpoints" / "step-000001", tokenizer=tok)
+    (root / "run" / "run_config.json").write_text("{}")
+    small = train_bpe([(root / "ck" / "config.json").read_text() * 20], vocab_size=300)
+    save_pretrained(build_model(tiny()), root / "smalltok", tokenizer=small)
+    save_pretrained(build_model(tiny()), root / "corrupt", tokenizer=tok)
+    weights = root / "corrupt" / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:-4096] + b"\xff" * 4096)
+    shutil.copytree(root / "ck", root / "legacy")
+    (root / "legacy" / "stemlm-manifest.json").unlink()
+    (root / "file.txt").write_text("a file\n")
+    (root / "full").mkdir()
+    (root / "full" / "notes.txt").write_text("the user's notes\n")
+    (root / "binary.bin").write_bytes(bytes(range(256)) * 64)
+    (root / "text.txt").write_text("The king of Spain spoke to the queen of France. " * 40)
+    save_tokenizer(tok, root / "tokdir")
+    (root / "outdir").mkdir()  # an empty folder: a fine output, so failures must leave it empty
+    (root / "cwd").mkdir()
+    return root
+
+
+def tree(root: Path) -> dict[str, str]:
+    """Every file and folder under root: folders by name, small files by content, large ones by size/mtime/inode."""
+    out = {}
+    for p in sorted(root.rglob("*")):
+        rel = str(p.relative_to(root))
+        if p.is_dir():
+            out[rel] = "dir"
+        else:
+            st = p.stat()
+            small = st.st_size < 65536
+            out[rel] = (
+                hashlib.sha256(p.read_bytes()).hexdigest() if small else f"{st.st_size}:{st.st_mtime_ns}:{st.st_ino}"
+            )
+    return out
+
+
+def fill(argv: list[str], ws: Path) -> list[str]:
+    names = dict(
+        ck=ws / "ck",
+        dense=ws / "dense" / "model",
+        run=ws / "run",
+        ws=ws,
+        nope=ws / "does-not-exist",
+        file=ws / "file.txt",
+        full=ws / "full",
+        bin=ws / "binary.bin",
+        text=ws / "text.txt",
+        tokdir=ws / "tokdir",
+        smalltok=ws / "smalltok",
+        corrupt=ws / "corrupt",
+        legacy=ws / "legacy",
+        outdir=ws / "outdir",
+    )
+    return [a.format(**{k: str(v) for k, v in names.items()}) for a in argv]
+
+
+# (argv, a piece of the one error line). Grouped by subcommand.
+CASES = [
+    # --- top level and info ---
+    (["bogus-command"], "invalid choice"),
+    (["info", "--preset", "nope"], "nope"),
+    (["info", "--config", "{nope}"], "does-not-exist"),
+    (["info", "--config", "{file}"], "JSON"),
+    (["info", "--preset", "tiny", "--set", "hidden_size=abc"], "hidden_size"),
+    (["info", "--preset", "tiny", "--set", "nokey=1"], "unknown config key 'nokey'"),
+    (["info", "--preset", "tiny", "--set", "rope_theta=inf"], "rope_theta must be a positive finite number"),
+    (["info", "--preset", "tiny", "--set", "rms_norm_eps=nan"], "rms_norm_eps"),
+    (["info", "--preset", "tiny", "--set", "num_attention_heads=3"], "does not divide"),
+    (["info", "--preset", "tiny", "--set", "stem_layers=9"], "out of range"),
+    (["info", "--preset", "tiny", "--seq-len", "0"], "seq"),
+    (["info", "--preset", "tiny", "--seq-len", "-5"], "seq"),
+    (["info", "--preset", "tiny", "--dtype", "fp64"], "invalid choice"),
+    (["info", "--bogus-flag"], "unrecognized arguments"),
+    # --- train (all refused before any data is read or anything written) ---
+    (["train", "--steps", "0"], "steps must be a positive integer"),
+    (["train", "--steps", "-3"], "steps must be a positive integer"),
+    (["train", "--steps", "x"], "invalid int value"),
+    (["train", "--batch-size", "0"], "batch_size"),
+    (["train", "--seq-len", "0"], "seq_len must be a positive integer"),
+    (["train", "--grad-accum", "0"], "grad_accum"),
+    (["train", "--lr", "nan"], "lr must be a positive number"),
+    (["train", "--lr", "inf"], "lr must be a positive number"),
+    (["train", "--lr", "-1"], "lr must be a positive number"),
+    (["train", "--warmup", "500", "--steps", "10"], "warmup"),
+    (["train", "--set", "foo=1"], "prefix the key"),
+    (["train", "--set", "train.nokey=1"], "unknown training config key"),
+    (["train", "--set", "model.hidden_size=abc"], "hidden_size"),
+    (["train", "--set", "model.rope_theta=inf"], "rope_theta"),
+    (["train", "--set", "noequals"], "not of the form"),
+    (["train", "--preset", "nope"], "nope"),
+    (["train", "--ffn", "bogus"], "invalid choice"),
+    (["train", "--stem-layers", "99"], "out of range"),
+    (["train", "--resume", "{nope}"], "does not exist"),
+    (["train", "--resume", "{ck}"], "not a training run folder"),
+    (["train", "--resume", "{run}", "--init-from", "{ck}"], "cannot be combined"),
+    (["train", "--out", "{ck}"], "model checkpoint folder"),
+    (["train", "--out", "{full}"], "not a stemlm run"),
+    (["train", "--out", "{file}"], "is a file"),
+    (["train", "--nproc", "0"], "--nproc"),
+    (["train", "--sample-tokens", "-1"], "--sample-tokens"),
+    (["train", "--device", "bogus"], "invalid choice"),
+    (["train", "--dtype", "fp16"], "invalid choice"),
+    (["train", "--table-lr", "abc"], "--table-lr"),
+    (["train", "--keep-last", "0"], "keep_last"),
+    (["train", "--max-skipped", "-1"], "max_skipped"),
+    (["train", "--save-minutes", "nan"], "save_minutes"),
+    (["train", "--eval-every", "-1"], "eval_every"),
+    (["train", "--spike-factor", "0"], "spike_factor"),
+    (["train", "--grad-clip", "-1"], "grad_clip"),
+    (["train", "--threads", "0"], "threads"),
+    (["train", "--data", "{nope}"], "does-not-exist"),
+    (["train", "--data", "/dev/zero"], "not a regular file"),
+    (["train", "--tokenizer", "{nope}"], "does-not-exist"),
+    # --- tokenizer ---
+    (["tokenizer"], "required"),
+    (["tokenizer", "train", "--out", "{ck}"], "model checkpoint folder"),
+    (["tokenizer", "train", "--out", "{ck}", "--force"], "model checkpoint folder"),
+    (["tokenizer", "train", "--out", "{file}"], "is a file"),
+    (["tokenizer", "train", "--out", "{tokdir}"], "already exists"),
+    (["tokenizer", "train", "--vocab-size", "10", "--out", "{outdir}"], "too small"),
+    (["tokenizer", "train", "--data", "{nope}", "--out", "{outdir}"], "does-not-exist"),
+    (["tokenizer", "train", "--heldout-fraction", "2", "--out", "{outdir}"], "fraction"),
+    (["tokenizer", "encode", "--tokenizer", "{nope}", "x"], "does-not-exist"),
+    # --- generate ---
+    (["generate", "{nope}", "x"], "does not exist"),
+    (["generate", "{file}", "x"], "is a file"),
+    (["generate", "{ck}", "x", "--max-new-tokens", "-1"], "max_new_tokens"),
+    (["generate", "{ck}", "x", "--temperature", "nan"], "temperature"),
+    (["generate", "{ck}", "x", "--temperature", "inf"], "temperature"),
+    (["generate", "{ck}", "x", "--temperature", "-1"], "temperature"),
+    (["generate", "{ck}", "x", "--top-k", "-1"], "top"),
+    (["generate", "{ck}", "x", "--top-p", "1.5"], "top"),
+    (["generate", "{ck}", "x", "--top-p", "0"], "top"),
+    (["generate", "{ck}", "x", "--device", "bogus"], "device"),
+    (["generate", "{ck}", "--ids", "abc"], "ids"),
+    (["generate", "{ck}", "--ids", "99999"], "99999"),
+    (["generate", "{ck}", "x", "--cache-rows", "5"], "host"),
+    (["generate", "{smalltok}", "x"], "tokenizer"),
+    # --- convert ---
+    (["convert", "--from-dense", "{nope}", "--stem-layers", "odd", "--out", "{outdir}"], "does-not-exist"),
+    (["convert", "--from-dense", "{ck}", "--stem-layers", "odd", "--out", "{outdir}"], "dense"),
+    (["convert", "--from-dense", "{dense}", "--stem-layers", "9", "--out", "{outdir}"], "out of range"),
+    (["convert", "--from-dense", "{dense}", "--stem-layers", "odd", "--out", "{full}"], "not empty"),
+    (["convert", "--from-dense", "{dense}", "--stem-layers", "odd", "--out", "{full}", "--force"], "not written by"),
+    (["convert", "--from-dense", "{dense}", "--stem-layers", "odd", "--out", "{ws}/dense", "--force"], "the source"),
+    (["convert", "--from-dense", "{dense}", "--stem-layers", "odd", "--out", "{dense}", "--force"], "the source"),
+    (["convert", "--from-dense", "{dense}", "--stem-layers", "odd", "--out", "{file}"], "is a file"),
+    (["convert", "--from-dense", "{dense}", "--out", "{outdir}"], "--stem-layers"),
+    (["convert", "--from-gguf", "{nope}", "--out", "{outdir}"], "does-not-exist"),
+    (["convert", "--from-dense", "{dense}", "--stem-layers", "odd"], "required: --out"),
+    # --- cache-sim ---
+    (["cache-sim", "{ck}", "--fractions", "2"], "fraction"),
+    (["cache-sim", "{ck}", "--fractions", "abc"], "fraction"),
+    (["cache-sim", "{ck}", "--policy", "bogus"], "bogus"),
+    (["cache-sim", "{nope}"], "does not exist"),
+    (["cache-sim", "{ck}", "--max-tokens", "0"], "max-tokens"),
+    (["cache-sim", "--tokenizer", "{nope}"], "does-not-exist"),
+    (["cache-sim", "{ck}", "--data", "{bin}"], "binary"),
+    (["cache-sim", "{ck}", "--out", "{file}"], "is a file"),
+    (["cache-sim", "{ck}", "--out", "{full}"], "not empty"),
+    # --- edit ---
+    (["edit", "{ck}", "--prompt", P, "--source", "Spain", "--target", "Spain"], "same entity"),
+    (["edit", "{ck}", "--prompt", P, "--target", "Spain"], "--source"),
+    (["edit", "{ck}", "--source", "Spain", "--inject", "Zorbia", "--target", "France"], "exclusive"),
+    (["edit", "{ck}", "--source", "Spain", "--target", "Germany"], "--prompt"),
+    (["edit", "{ck}", "--prompt", P, "--source", "Spain", "--target", "Germany", "--top-k", "0"], "--top-k"),
+    (["edit", "{ck}", "--source", "Spain", "--target", "Germany", "--save", "{full}"], "not empty"),
+    (["edit", "{ck}", "--source", "Spain", "--target", "Germany", "--save", "{ck}", "--force"], "the source"),
+    (["edit", "{run}", "--source", "Spain", "--target", "Germany", "--save", "{ws}", "--force"], "the source"),
+    (["edit", "{ck}", "--source", "Spain", "--target", "Germany", "--save", "{file}"], "is a file"),
+    (["edit", "{nope}", "--prompt", P, "--source", "Spain", "--target", "Germany"], "does not exist"),
+    (["edit", "{ck}", "--prompt", P, "--source", "Spain", "--target", "Germany", "--layers", "9"], "out of range"),
+    (["edit", "{ck}", "--prompt", P, "--source", "Spain", "--target", "Germany", "--strategy", "x"], "invalid choice"),
+    (["edit", "{ck}", "--prompt", P, "--source", "Atlantis", "--target", "Germany"], "Atlantis"),
+    # --- eval ---
+    (["eval", "ppl", "{nope}"], "does not exist"),
+    (["eval", "ppl", "{ck}", "--batch-size", "0"], "batch_size"),
+    (["eval", "ppl", "{ck}", "--seq-len", "0"], "seq-len"),
+    (["eval", "ppl", "{ck}", "--stride", "0"], "stride"),
+    (["eval", "ppl", "{ck}", "--max-tokens", "0"], "max_tokens"),
+    (["eval", "ppl", "{ck}", "--data", "{nope}"], "does-not-exist"),
+    (["eval", "ppl", "{ck}", "--data", "{bin}"], "binary"),
+    (["eval", "ppl", "{ck}", "--device", "bogus"], "device"),
+    (["eval", "niah", "{ck}", "--lengths", "abc"], "lengths"),
+    (["eval", "niah", "{ck}", "--samples", "0"], "samples"),
+    (["eval", "niah", "{ck}", "--lengths", "32", "--out", "{file}"], "is a file"),
+    (["eval", "niah", "{ck}", "--lengths", "32", "--out", "{full}"], "not empty"),
+    (["eval", "niah", "{ck}", "--lengths", "32", "--out", "{ws}", "--force"], "the source"),
+    (["eval", "niah-data", "--out", "{file}", "--num", "3"], "exists"),
+    (["eval", "niah-data", "--out", "{ws}/n.jsonl", "--num", "0"], "num"),
+    (["eval", "edits", "{ck}", "--records", "-1"], "records"),
+    (["eval", "edits", "{ck}", "--out", "{file}"], "exists"),
+    (["eval", "lm", "{ck}", "--tasks", "no_such_task"], "no_such_task"),
+    (["eval", "lm", "{ck}", "--out", "{file}"], "exists"),
+    # --- analyze ---
+    (["analyze", "{ck}", "--max-tokens", "0"], "max-tokens"),
+    (["analyze", "{ck}", "--top-k", "0"], "top-k"),
+    (["analyze", "{ck}", "--text", "{bin}"], "binary"),
+    (["analyze", "{ck}", "--text", "{nope}"], "does-not-exist"),
+    (["analyze", "{ck}", "--only", "bogus"], "bogus"),
+    (["analyze", "{dense}", "--only", "spread"], "need a STEM checkpoint"),
+    (["analyze", "{ck}", "--prompt", " "], "prompt"),
+    (["analyze", "{ck}", "--out", "{file}"], "is a file"),
+    (["analyze", "{ck}", "--out", "{full}"], "not empty"),
+    (["analyze", "{ck}", "--out", "{ck}", "--force"], "the source"),
+    # --- serve ---
+    (["serve", "{nope}"], "does not exist"),
+    (["serve", "{ck}", "--port", "-1"], "--port"),
+    (["serve", "{ck}", "--port", "70000"], "--port"),
+    (["serve", "{ck}", "--cache-rows", "5"], "host"),
+    (["serve", "{ck}", "--save-dir", "{ck}"], "served checkpoint"),
+    (["serve", "{ck}", "--device", "bogus"], "device"),
+    # --- experiment and data ---
+    (["experiment", "knowledge", "--set", "bogus=1"], "bogus"),
+    (["experiment", "knowledge", "--steps", "0", "--out", "{outdir}"], "steps"),
+    (["experiment", "compare", "--kinds", "dense,bogus", "--out", "{outdir}"], "bogus"),
+    (["experiment", "compare", "--budget", "abc", "--out", "{outdir}"], "budget"),
+    (["data", "prepare", "{nope}", "--out", "{ws}/shards"], "does-not-exist"),
+    (["data", "prepare", "{text}", "--out", "{full}"], "already exists"),
+    (["data", "prepare", "{text}", "--out", "{file}"], "already exists"),
+    (["data", "verify", "{nope}"], "does-not-exist"),
+    (["data", "verify", "{ck}"], "manifest"),
+    # --- verify ---
+    (["verify", "{nope}"], "does not exist"),
+    (["verify", "{corrupt}"], "model.safetensors (changed)"),
+    (["verify", "{legacy}"], "no stemlm-manifest.json"),
+    (["verify", "{file}"], "is a file"),
+]
+
+
+@pytest.mark.parametrize("argv, message", CASES, ids=[" ".join(c[0])[:60] for c in CASES])
+def test_bad_input_is_one_line_exit_2_and_nothing_changes(ws, capsys, monkeypatch, argv, message):
+    monkeypatch.chdir(ws / "cwd")  # commands with a default output folder would write here
+    monkeypatch.setenv("STEMLM_CACHE", str(ws / "cwd" / ".cache"))
+    before = tree(ws)
+    try:
+        code = main(fill(argv, ws))
+    except SystemExit as exc:  # argparse
+        code = exc.code
+    err = capsys.readouterr().err
+    lines = err.strip().splitlines()
+    assert code == 2, err
+    assert len(lines) == 1, err
+    assert message in lines[0], lines[0]
+    assert lines[0].startswith("stemlm"), lines[0]
+    assert tree(ws) == before
+
+
+def test_the_suite_covers_every_subcommand():
+    from stemlm.cli.main import SUBCOMMANDS
+
+    assert len(CASES) >= 100
+    assert set(SUBCOMMANDS) <= {argv[0] for argv, _ in CASES}
+
+
+def test_a_missing_extra_is_one_line_naming_it(ws, capsys, monkeypatch):
+    for module in [m for m in sys.modules if m == "lm_eval" or m.startswith("lm_eval.")]:
+        monkeypatch.delitem(sys.modules, module)
+    monkeypatch.setitem(sys.modules, "lm_eval", None)  # import lm_eval -> ImportError, as when not installed
+    assert main(["eval", "lm", str(ws / "ck")]) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert lines == ["stemlm eval: error: this needs lm-eval: pip install 'stemlm[eval]'"]
+
+
+# ----- the same problems through the Python API: StemlmError, never a bare exception -----
+def _api_cases(ws: Path):
+    from stemlm.convert import convert_checkpoint
+    from stemlm.generate import generate
+    from stemlm.runs import load_checkpoint
+    from stemlm.train.config import TrainConfig
+
+    model = build_model(tiny())
+    return [
+        lambda: ModelConfig(rope_theta=float("inf")),
+        lambda: ModelConfig(hidden_size=0),
+        lambda: TrainConfig(seq_len=0),
+        lambda: TrainConfig(lr=float("nan")),
+        lambda: TrainConfig(max_skipped=-1),
+        lambda: save_pretrained(model, ws / "full"),
+        lambda: save_pretrained(model, ws / "file.txt", force=True),
+        lambda: convert_checkpoint(ws / "dense" / "model", "odd", ws / "dense", force=True),
+        lambda: load_checkpoint(ws / "smalltok"),
+        lambda: load_checkpoint(ws / "nope"),
+        lambda: generate(model, [1, 2], 3, temperature=float("nan")),
+        lambda: generate(model, [1, 2], 3, temperature=float("inf")),
+    ]
+
+
+@pytest.mark.parametrize("index", range(12))
+def test_api_bad_input_raises_stemlm_error(ws, index):
+    before = tree(ws)
+    with pytest.raises(StemlmError):
+        _api_cases(ws)[index]()
+    assert tree(ws) == before
+
+
+def test_corrupt_json_state_in_a_run_is_one_line(ws, capsys, tmp_path):
+    run = tmp_path / "run"
+    shutil.copytree(ws / "run", run)
+    ckpt = run / "checkpoints" / "step-000001"
+    state = {"format": "stemlm-trainer-state-v1", "step": "seven", "config": {}}
+    (ckpt / "trainer_state.json").write_text(json.dumps(state))
+    before = tree(tmp_path)
+    assert main(["train", "--resume", str(run)]) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and "'step' must be a non-negative integer" in lines[0], lines
+    assert tree(tmp_path) == before
+    assert os.path.isdir(ckpt)
