@@ -106,6 +106,20 @@ def _model_type(folder: Path) -> str | None:
     return data.get("model_type") if isinstance(data, dict) else None
 
 
+def check_device(device: str | torch.device) -> torch.device:
+    """The torch device a `--device` value names, or a one-line error (unknown name, CUDA absent or out of range)."""
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise StemlmError(f"unknown device {str(device)!r}; use cpu, cuda or cuda:N") from None
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise StemlmError(f"device {dev} requested but torch sees no CUDA device; use --device cpu")
+        if dev.index is not None and dev.index >= torch.cuda.device_count():
+            raise StemlmError(f"device {dev} does not exist ({torch.cuda.device_count()} CUDA devices visible)")
+    return dev
+
+
 def check_tokenizer_fits(tokens: int, rows: int, where: str | Path) -> None:
     """A checkpoint's tokenizer must cover its embedding rows: no id past the rows, and not far fewer tokens.
 
@@ -136,6 +150,7 @@ def load_checkpoint(
 
     `need_tokenizer` names what the tokenizer is needed for; then a folder without one is a one-line error.
     """
+    check_device(device)
     folder = resolve_checkpoint(path)
     if need_tokenizer and not (folder / TOKENIZER_NAME).is_file():
         raise StemlmError(

@@ -17,6 +17,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from stemlm.checkpoint import save_pretrained
 from stemlm.cli.main import main
@@ -180,7 +181,9 @@ CASES = [
     (["generate", "{ck}", "x", "--top-k", "-1"], "top"),
     (["generate", "{ck}", "x", "--top-p", "1.5"], "top"),
     (["generate", "{ck}", "x", "--top-p", "0"], "top"),
-    (["generate", "{ck}", "x", "--device", "bogus"], "device"),
+    (["generate", "{ck}", "x", "--device", "bogus"], "unknown device 'bogus'"),
+    (["generate", "{ck}", "x", "--device", "cuda"], "no CUDA device"),
+    (["generate", "{ck}", "x", "--tables", "host", "--device", "cuda"], "no CUDA device"),
     (["generate", "{ck}", "--ids", "abc"], "ids"),
     (["generate", "{ck}", "--ids", "99999"], "99999"),
     (["generate", "{ck}", "x", "--cache-rows", "5"], "host"),
@@ -229,7 +232,8 @@ CASES = [
     (["eval", "ppl", "{ck}", "--max-tokens", "0"], "max_tokens"),
     (["eval", "ppl", "{ck}", "--data", "{nope}"], "does-not-exist"),
     (["eval", "ppl", "{ck}", "--data", "{bin}"], "binary"),
-    (["eval", "ppl", "{ck}", "--device", "bogus"], "device"),
+    (["eval", "ppl", "{ck}", "--device", "bogus"], "unknown device 'bogus'"),
+    (["eval", "ppl", "{ck}", "--device", "cuda"], "no CUDA device"),
     (["eval", "niah", "{ck}", "--lengths", "abc"], "lengths"),
     (["eval", "niah", "{ck}", "--samples", "0"], "samples"),
     (["eval", "niah", "{ck}", "--lengths", "32", "--out", "{file}"], "is a file"),
@@ -248,7 +252,7 @@ CASES = [
     (["analyze", "{ck}", "--text", "{nope}"], "does-not-exist"),
     (["analyze", "{ck}", "--only", "bogus"], "bogus"),
     (["analyze", "{dense}", "--only", "spread"], "need a STEM checkpoint"),
-    (["analyze", "{ck}", "--prompt", " "], "prompt"),
+    (["analyze", "{ck}", "--prompt", ""], "--prompt encodes to no tokens"),
     (["analyze", "{ck}", "--out", "{file}"], "is a file"),
     (["analyze", "{ck}", "--out", "{full}"], "not empty"),
     (["analyze", "{ck}", "--out", "{ck}", "--force"], "the source"),
@@ -258,7 +262,8 @@ CASES = [
     (["serve", "{ck}", "--port", "70000"], "--port"),
     (["serve", "{ck}", "--cache-rows", "5"], "host"),
     (["serve", "{ck}", "--save-dir", "{ck}"], "served checkpoint"),
-    (["serve", "{ck}", "--device", "bogus"], "device"),
+    (["serve", "{ck}", "--device", "bogus"], "unknown device 'bogus'"),
+    (["serve", "{ck}", "--tables", "host", "--device", "cuda"], "no CUDA device"),
     # --- experiment and data ---
     (["experiment", "knowledge", "--set", "bogus=1"], "bogus"),
     (["experiment", "knowledge", "--steps", "0", "--out", "{outdir}"], "steps"),
@@ -279,6 +284,8 @@ CASES = [
 
 @pytest.mark.parametrize("argv, message", CASES, ids=[" ".join(c[0])[:60] for c in CASES])
 def test_bad_input_is_one_line_exit_2_and_nothing_changes(ws, capsys, monkeypatch, argv, message):
+    if "cuda" in argv and torch.cuda.is_available():
+        pytest.skip("a machine with CUDA")
     monkeypatch.chdir(ws / "cwd")  # commands with a default output folder would write here
     monkeypatch.setenv("STEMLM_CACHE", str(ws / "cwd" / ".cache"))
     before = tree(ws)

@@ -325,15 +325,16 @@ class OffloadedLM:
 def open_checkpoint(path: str | Path, tables: str = "host", **load_kwargs) -> tuple[OffloadedLM, object]:
     """`OffloadedLM.load` for a CKPT argument (checkpoint or run folder), plus its tokenizer (or None)."""
     from stemlm.data.tokenizer import load_tokenizer
-    from stemlm.runs import resolve_checkpoint
+    from stemlm.runs import check_device, check_tokenizer_fits, resolve_checkpoint
 
+    check_device(load_kwargs.get("device", "cpu"))
     folder = resolve_checkpoint(path)
     tokenizer = load_tokenizer(folder) if (folder / TOKENIZER_NAME).is_file() else None
     lm = OffloadedLM.load(folder, tables, **load_kwargs)
-    if tokenizer is not None and tokenizer.get_vocab_size() > lm.model.config.vocab_size:
-        lm.close()
-        raise StemlmError(
-            f"checkpoint {folder}: its tokenizer has {tokenizer.get_vocab_size()} tokens but the model's "
-            f"vocab_size is {lm.model.config.vocab_size}"
-        )
+    if tokenizer is not None:
+        try:
+            check_tokenizer_fits(tokenizer.get_vocab_size(), lm.model.config.vocab_size, folder)
+        except StemlmError:
+            lm.close()
+            raise
     return lm, tokenizer
