@@ -174,7 +174,7 @@ class ModelConfig:
             value = getattr(self, name)
             need(
                 isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value > 0,
-                f"{name} must be a positive finite number, got {value!r}",
+                f"{name} must be a positive number (finite), got {value!r}",
             )
         for name in ("tie_word_embeddings", "moe_shared_expert", "router_z_loss"):
             need(isinstance(getattr(self, name), bool), f"{name} must be true or false, got {getattr(self, name)!r}")

@@ -134,6 +134,13 @@ def check_target(
 
 # ----- writing -----
 def current_umask() -> int:
+    # /proc gives it without changing it; os.umask() sets it to read it, racing other threads' file creation.
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except OSError:
+        pass
     mask = os.umask(0o022)
     os.umask(mask)
     return mask

@@ -113,7 +113,7 @@ CASES = [
     (["info", "--config", "{file}"], "JSON"),
     (["info", "--preset", "tiny", "--set", "hidden_size=abc"], "hidden_size"),
     (["info", "--preset", "tiny", "--set", "nokey=1"], "unknown config key 'nokey'"),
-    (["info", "--preset", "tiny", "--set", "rope_theta=inf"], "rope_theta must be a positive finite number"),
+    (["info", "--preset", "tiny", "--set", "rope_theta=inf"], "rope_theta must be a positive number (finite)"),
     (["info", "--preset", "tiny", "--set", "rms_norm_eps=nan"], "rms_norm_eps"),
     (["info", "--preset", "tiny", "--set", "num_attention_heads=3"], "does not divide"),
     (["info", "--preset", "tiny", "--set", "stem_layers=9"], "out of range"),

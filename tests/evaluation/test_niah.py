@@ -130,7 +130,7 @@ def test_cli_niah_and_errors(tiny_ckpt, tmp_path, capsys):
     saved = json.loads((out / "niah.json").read_text())
     assert printed["grid"] == saved["grid"] and set(saved["grid"]) == {"80", "96"}
     assert len(saved["outputs"]) == 4 and (out / "niah_heatmap.png").is_file()
-    assert main(["eval", "niah", str(tiny_ckpt), "--lengths", "128", "--out", str(out)]) == 2
+    assert main(["eval", "niah", str(tiny_ckpt), "--lengths", "128", "--out", str(out), "--force"]) == 2
     err = capsys.readouterr().err.strip()
     assert err == (
         "stemlm eval: error: context length 128 exceeds the model's max_position_embeddings=96; use lengths up to 96"
