@@ -199,6 +199,9 @@ CASES = [
     (["convert", "--from-dense", "{dense}", "--stem-layers", "odd", "--out", "{file}"], "is a file"),
     (["convert", "--from-dense", "{dense}", "--out", "{outdir}"], "--stem-layers"),
     (["convert", "--from-gguf", "{nope}", "--out", "{outdir}"], "does-not-exist"),
+    (["convert", "--to-llama", "{dense}", "--out", "{ws}/dense", "--force"], "contains the source"),
+    (["convert", "--to-llama", "{dense}", "--out", "{full}", "--force"], "not written by"),
+    (["convert", "--to-llama", "{nope}", "--out", "{outdir}"], "does not exist"),
     (["convert", "--from-dense", "{dense}", "--stem-layers", "odd"], "required: --out"),
     # --- cache-sim ---
     (["cache-sim", "{ck}", "--fractions", "2"], "fraction"),

@@ -24,13 +24,16 @@ from stemlm.errors import StemlmError
 
 def run(args) -> int:
     if args.to_llama is not None:
-        from stemlm.hf.llama import save_as_llama
-        from stemlm.runs import load_checkpoint
+        from stemlm.hf.llama import LLAMA_PRODUCER, save_as_llama
+        from stemlm.runs import load_checkpoint, resolve_checkpoint
+        from stemlm.safe_write import check_target
 
         if args.stem_layers is not None:
             raise StemlmError("--stem-layers applies to --from-dense; --to-llama exports a dense model as it is")
+        sources = (args.to_llama, resolve_checkpoint(args.to_llama))
+        check_target(args.out, producer=LLAMA_PRODUCER, force=args.force, sources=sources)  # before loading
         model, tokenizer = load_checkpoint(args.to_llama)
-        out = save_as_llama(model, args.out, tokenizer, force=args.force)
+        out = save_as_llama(model, args.out, tokenizer, force=args.force, sources=sources)
         if args.json:
             print_json({"out": str(out), "model_type": "llama"})
         else:

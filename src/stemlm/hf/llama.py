@@ -166,7 +166,10 @@ def model_config_to_llama_config(config: ModelConfig) -> dict[str, Any]:
     }
 
 
-def save_as_llama(model: StemLM, directory: str | Path, tokenizer=None, *, force: bool = False) -> Path:
+LLAMA_PRODUCER = "stemlm convert --to-llama"
+
+
+def save_as_llama(model: StemLM, directory: str | Path, tokenizer=None, *, force: bool = False, sources=()) -> Path:
     """Write a dense model as a Hugging Face Llama folder (config.json with model_type "llama", the same tensors
     under the same names, the tokenizer), atomically; `LlamaForCausalLM.from_pretrained` then loads it without
     a warning and with the same logits."""
@@ -176,7 +179,7 @@ def save_as_llama(model: StemLM, directory: str | Path, tokenizer=None, *, force
     from stemlm.safe_write import AtomicFolder
 
     config = model_config_to_llama_config(model.config)
-    with AtomicFolder(directory, producer="stemlm convert --to-llama", force=force) as tmp:
+    with AtomicFolder(directory, producer=LLAMA_PRODUCER, force=force, sources=sources) as tmp:
         write_json(tmp / CONFIG_NAME, config)
         save_file(model_state_for_saving(model), str(tmp / WEIGHTS_NAME), metadata={"format": "pt"})
         if tokenizer is not None:
