@@ -147,3 +147,12 @@ def test_verify_says_what_it_verified(capsys):
     out = capsys.readouterr().out
     total = acc.total_parameters(get_preset("tiny"))
     assert f"verified: the model built on the meta device has {total:,} parameters" in out
+
+
+@pytest.mark.parametrize("kind", ["stem_ngram", "engram", "memory"])
+def test_ffn_flag_with_the_meta_model(capsys, kind):
+    s = run_json(capsys, "--preset", "tiny", "--ffn", kind, "--verify")
+    config = get_preset("tiny").replace(ffn=kind)
+    assert s["ffn"] == kind and s["verified_parameters_on_meta"] == s["parameters"]["total"]
+    assert s["parameters"]["total"] == acc.total_parameters(config)
+    assert s["decode"]["params_touched"] == acc.decode_params_touched(config)

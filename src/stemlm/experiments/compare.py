@@ -253,6 +253,11 @@ def _evaluate(model, tokenizer, cfg: CompareConfig) -> dict[str, Any]:
     return {"heldout": ppl.to_dict(), "tasks": tasks, "niah": niah}
 
 
+def _has_tables(model) -> bool:
+    """Whether the table optimizer group (its own lr) trained anything: token, n-gram or memory tables."""
+    return bool(model.stem_tables() or model.ngram_tables() or model.memory_tables())
+
+
 def run_kind(job: dict[str, Any], threads: int | None) -> dict[str, Any]:
     """Train one run (`job`: kind, model config, steps, lr, seed, overrides, data, run folder) and evaluate it
     unless `job["evaluate"]` is false (runs in a worker process when `threads` is given)."""
@@ -287,7 +292,7 @@ def run_kind(job: dict[str, Any], threads: int | None) -> dict[str, Any]:
     flops_per_token = training_flops_per_token(config, cfg.seq_len)
     return {
         **{k: job[k] for k in ("kind", "steps", "lr", "seed", "digest")},
-        "table_lr": train_cfg.table_peak_lr if config.ffn == "stem" else None,
+        "table_lr": train_cfg.table_peak_lr if _has_tables(trainer.model) else None,
         "embed_lr": train_cfg.table_peak_lr if train_cfg.embed_like_tables else train_cfg.lr,
         "tokens": fit["tokens_seen"],
         "model": config.to_dict(),

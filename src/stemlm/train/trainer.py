@@ -357,7 +357,7 @@ class Trainer:
         }
         if auxes:
             record["aux_loss"] = sum(auxes) / len(auxes)
-        if self.model.stem_tables():
+        if self.model.stem_tables() or self.model.ngram_tables() or self.model.memory_tables():
             record["table_lr"] = cfg.table_peak_lr * mult
         return record
 
