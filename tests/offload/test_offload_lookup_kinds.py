@@ -106,3 +106,14 @@ def test_cli_generate_host_equals_resident(tmp_path, capsys, kind):
         outputs[tables] = json.loads(capsys.readouterr().out)
     assert outputs["host"]["token_ids"] == outputs["resident"]["token_ids"] and len(outputs["host"]["token_ids"]) == 10
     assert outputs["host"]["tables"]["placement"] == "host"
+
+
+def test_serve_resident_view_reads_every_family(folder):
+    from stemlm.serve.views import resident_view
+
+    kind, path = folder
+    ids = torch.tensor([PROMPT])
+    with OffloadedLM.load(path, "host", cache_fraction=0.1) as lm, torch.no_grad():
+        view = resident_view(lm)  # the host tables as the model's own parameters, no copy
+        assert not any(p.is_meta for p in view.parameters())
+        torch.testing.assert_close(view(ids).logits, from_pretrained(path)(ids).logits, atol=1e-6, rtol=0)

@@ -21,6 +21,7 @@ from stemlm.edit.positional import rows_to_parts, table_layers
 from stemlm.errors import StemlmError
 from stemlm.model.decoder import StemLM
 from stemlm.offload.engine import OffloadedLM
+from stemlm.offload.families import table_families
 from stemlm.offload.providers import table_parameter_names
 
 EMBED_NAME = "model.embed_tokens.weight"
@@ -42,23 +43,32 @@ def shared_copy(model: StemLM, replace: dict[str, torch.Tensor]) -> StemLM:
 
 
 def resident_view(lm: OffloadedLM) -> StemLM:
-    """The offloaded model with its tables read straight from the host provider (CPU device only)."""
-    provider = lm.provider
-    if provider.kind != "host":
-        raise StemlmError(f"a resident view needs host tables, not {provider.kind}")
+    """The offloaded model with its tables read straight from the host providers (CPU device only): token
+    tables, and the n-gram tables and memory values of the lookup kinds."""
+    providers = lm.providers
+    kinds = {p.kind for p in providers.all().values()}
+    if kinds != {"host"}:
+        raise StemlmError(f"a resident view needs host tables, not {', '.join(sorted(kinds)) or 'none'}")
     if _device(lm.model).type != "cpu":
         raise StemlmError(
             "editing and analysis read the tables directly; with --tables host that needs --device cpu "
             "(or serve with --tables resident)"
         )
+    families = table_families(lm.model)
     tables = {}
-    for layer, name in table_parameter_names(lm.model).items():
-        if provider.layout == "token":
-            offset, width = provider.layer_slices[layer]
-            tables[name] = provider.matrix[:, offset : offset + width]  # a strided view, no copy
-        else:
-            tables[name] = provider.tables[provider.layers.index(layer)]
+    for family, provider in (("token", providers.token), ("ngram", providers.ngram)):
+        for layer, name in families.get(family, {}).items():
+            tables[name] = _host_table(provider, layer)
+    for layer, name in families.get("memory", {}).items():
+        tables[name] = _host_table(providers.memory[layer], layer)
     return shared_copy(lm.model, tables)
+
+
+def _host_table(provider, layer: int) -> torch.Tensor:
+    if provider.layout == "token":
+        offset, width = provider.layer_slices[layer]
+        return provider.matrix[:, offset : offset + width]  # a strided view, no copy
+    return provider.tables[provider.layers.index(layer)]
 
 
 def editable_copy(model: StemLM, layers: Sequence[int] | None, rows: str) -> StemLM:
