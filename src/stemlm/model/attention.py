@@ -116,11 +116,6 @@ class KVCache:
         self.lengths = [min(n, length) for n in self.lengths]
 
 
-# `enable_gqa` arrived in torch 2.5; outputs are bitwise those of repeating k/v on CPU, gradients equal to 1e-6
-# (tests/model/test_attention.py).
-SDPA_GQA = tuple(int(p) for p in torch.__version__.split(".")[:2]) >= (2, 5)
-
-
 class Attention(nn.Module):
     """Grouped-query self-attention with RoPE through `scaled_dot_product_attention`."""
 
@@ -149,16 +144,12 @@ class Attention(nn.Module):
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if cache is not None:
             k, v = cache.update(self.layer_idx, k, v)
-        gqa = {}
         if self.num_kv_heads != self.num_heads:
-            if SDPA_GQA:  # SDPA shares each key/value head among its query heads: no repeated copies kept
-                gqa = {"enable_gqa": True}
-            else:
-                repeat = self.num_heads // self.num_kv_heads
-                k, v = k.repeat_interleave(repeat, dim=1), v.repeat_interleave(repeat, dim=1)
+            repeat = self.num_heads // self.num_kv_heads
+            k, v = k.repeat_interleave(repeat, dim=1), v.repeat_interleave(repeat, dim=1)
         # mask None with T > 1 means a fresh causal prefill; a single new token attends to everything cached.
         is_causal = mask is None and T > 1
-        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal, **gqa)
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal)
         return self.o_proj(y.transpose(1, 2).reshape(B, T, self.num_heads * self.head_dim))
 
 
