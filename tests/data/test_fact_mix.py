@@ -64,3 +64,24 @@ def test_trainer_mixes_facts_into_the_embedded_corpus_only(monkeypatch, tmp_path
     user = TrainConfig(fact_fraction=0.2, data=[str(tmp_path)])
     user_train, _ = data_mod.load_datasets(user, tok)
     assert user_train.num_tokens == plain_train.num_tokens  # --data is never mixed
+
+
+def test_train_command_reports_fact_recall(monkeypatch, tmp_path, capsys):
+    import json
+
+    import stemlm.data.sources as sources
+    from stemlm.cli.main import main
+
+    texts = (["Call me Ishmael. " * 3000] * 3, ["Some years ago. " * 200])
+    monkeypatch.setattr(sources, "load_corpus", lambda data=None: texts)  # stands in for the embedded corpus
+    model = ["model.hidden_size=32", "model.num_hidden_layers=2", "model.intermediate_size=64"]
+    argv = ["train", "--steps", "2", "--seq-len", "32", "--batch-size", "2", "--out", str(tmp_path / "run")]
+    assert main([*argv, "--set", *model, "--sample-tokens", "0", "--no-progress", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    facts = report["facts"]
+    assert facts["region"] == "Europe" and facts["relations"] == ["capital"]
+    prompts = len(fact_prompts("train", ("capital",), region="Europe"))
+    assert facts["train_templates"]["prompts"] == prompts and 0 <= facts["train_templates"]["recall"] <= 1
+    assert report["heldout_eval"]["window"] == 32 and report["run_dir_bytes"] > 0
+    run_config = json.loads((tmp_path / "run" / "run_config.json").read_text())
+    assert run_config["train"]["fact_fraction"] == 0.2
