@@ -91,8 +91,8 @@ def register(subparsers) -> None:
     )
     parser.add_argument(
         "--table-optim",
-        help="optimizer of the STEM tables: adamw (default; dense, as the official code), lazy_adamw or "
-        "rowwise_adagrad (row-sparse; see stemlm.train.table_optim)",
+        help="optimizer of the STEM tables: rowwise_adagrad (default) or lazy_adamw (row-sparse: touched rows "
+        "only), or adamw (dense over whole tables, as the official code); see stemlm.train.table_optim",
     )
     parser.add_argument(
         "--tables",

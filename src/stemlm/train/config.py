@@ -13,6 +13,10 @@ Choices documented here rather than in code comments elsewhere:
   backbone lr 2e-3 / wd 0.1, held-out loss over 32k tokens: table lr x1 5.626 (wd 0.1) / 5.627 (wd 0);
   x10 5.431 (wd 0) / 5.430 (wd 0.1): the lr matters (-0.20 nats), the table weight decay does not at this
   length (one run each; PAPER.md's prototype also found x10 with wd 0 slightly better).
+- the table optimizer defaults to the row-sparse `rowwise_adagrad` (FBGEMM-style, touched rows only; `adamw`
+  is the official code's dense AdamW over whole tables). Held-out loss against `lazy_adamw` over seeds:
+  `benchmarks/table_optim_seeds.py` (README "Row-sparse tables"); its state is one float per row instead of
+  2 x d_ff, and its step is the cheaper one.
 - defaults size `stemlm train` to about 5 minutes on two idle CPU cores: 200 steps x 8 x 256 tokens (410k
   tokens; the tiny preset trained at 1,729 tokens/s on two idle cores in CI, ~240 s). 20% of those tokens are
   the fact world's capital statements for the 53 European countries (`fact_fraction`, `fact_region`), meant to
@@ -79,7 +83,7 @@ class TrainConfig:
     eps: float = 1e-8
     grad_clip: float = 1.0  # one global L2 norm over all parameters; 0 disables clipping
     aux_loss_coef: float = 0.01  # MoE balancing loss weight
-    table_optim: str = "adamw"  # optimizer of the STEM table group (see stemlm.train.table_optim)
+    table_optim: str = "rowwise_adagrad"  # STEM table optimizer: row-sparse by measurement (see the docstring)
     table_lr: float | None = None  # peak lr of the tables; None: lr * table_lr_scale
     table_lr_scale: float = 10.0
     table_wd: float = 0.0
