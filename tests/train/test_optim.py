@@ -38,7 +38,7 @@ def test_dense_model_has_one_optimizer(make_model_config):
 def test_weight_decay_per_group(make_model_config):
     # With zero gradients AdamW's update is the decoupled decay alone: w <- w * (1 - lr * wd).
     model = build_model(make_model_config("stem"))
-    cfg = TrainConfig(lr=0.1, weight_decay=0.5, table_lr=0.2, table_wd=0.25)
+    cfg = TrainConfig(lr=0.1, weight_decay=0.5, table_lr=0.2, table_wd=0.25, table_optim="adamw")  # dense tables
     opts = build_optimizers(model, cfg)
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     for p in model.parameters():

@@ -55,9 +55,13 @@ class _FetchHostRows(torch.autograd.Function):
         ctx.tables, ctx.plan = tables, plan
         ctx.shapes = [s.shape for s in shards]
         ctx.widths = [s.shape[1] for s in shards]
+        ctx.master_dtype = shards[0].dtype
         local_rows = plan.local_rows.to("cpu")
         served = torch.cat([s.index_select(0, local_rows) for s in shards], dim=1)
         served = served.to(plan.positions.device, non_blocking=served.is_pinned())
+        device_type = served.device.type
+        if torch.is_autocast_enabled(device_type):  # as ShardedTables: rows cross in the autocast dtype
+            served = served.to(torch.get_autocast_dtype(device_type))
         got = all_to_all_rows(served, plan.recv_counts, plan.send_counts, tables.group, tables.comm, "rows")
         if len(shards) == 1:
             return (got,)
@@ -70,7 +74,7 @@ class _FetchHostRows(torch.autograd.Function):
         if tables.reduce == "mean" and tables.world_size > 1:
             grad = grad / tables.world_size
         back = all_to_all_rows(grad, plan.send_counts, plan.recv_counts, tables.group, tables.comm, "grads")
-        back, indices = back.to("cpu"), plan.local_rows.to("cpu")[None]
+        back, indices = back.to("cpu", ctx.master_dtype), plan.local_rows.to("cpu")[None]
         shard_grads = [
             torch.sparse_coo_tensor(indices, part.contiguous(), shape, check_invariants=False)
             for part, shape in zip(back.split(ctx.widths, dim=1), ctx.shapes, strict=True)

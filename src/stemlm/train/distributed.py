@@ -113,7 +113,7 @@ class DistributedTrainer(Trainer):
         self.tables = None
         if model.stem_tables():
             self.tables = HostShardedTables(model, self.device) if self.cfg.tables == "host" else ShardedTables(model)
-            if isinstance(self.tables, ShardedTables) and self.cfg.tables != "host":
+            if isinstance(self.tables, ShardedTables):  # host shards too: the hook is device-agnostic
                 for shard in self.tables.parameters():
                     shard.register_post_accumulate_grad_hook(_coalesce_grad)
         if self.cfg.table_optim != "adamw" and (model.ngram_tables() or model.memory_tables()):
