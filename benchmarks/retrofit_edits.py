@@ -4,7 +4,8 @@ capital, on several phrasings, and does a second country asked in the same promp
 
 The dense checkpoint is retrofitted in memory at each `--sets` layer set (`E·W_upᵀ`, no training). A country is
 "known" on a phrasing when the retrofit answers its capital greedily; each known source is paired with the next
-known country of the list. Per set and phrasing: exact greedy rate of the new capital and the share with
+known country of the list (a phrasing with fewer than 3 known countries gets no pairs: its rates print as 0).
+Per set and phrasing: exact greedy rate of the new capital and the share with
 P(new capital) > P(true capital) (sequence log-probabilities), each beside its unedited value; locality: in
 "The capital of S is C_S. The capital of O is", with S edited, the share where O's capital is still the greedy
 answer (unedited beside it).
@@ -44,6 +45,8 @@ def measure(model, tok, phrasing: str) -> dict:
     cap = {c: tok.encode(" " + country(c).capital).ids for c in COUNTRIES}
     known = [c for c in COUNTRIES if greedy_is(model, tok.encode(phrasing.format(s=c)).ids, cap[c], None)]
     rows = {"known": len(known), "greedy": [0, 0], "pnew": [0, 0], "local": [0, 0]}
+    if len(known) < 3:  # a pair needs a different target, and locality a third country
+        known = []
     for k, src in enumerate(known):
         tgt, other = known[(k + 1) % len(known)], known[(k + 2) % len(known)]
         prompt = tok.encode(phrasing.format(s=src)).ids
