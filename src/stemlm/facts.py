@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import random
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from functools import lru_cache
 from importlib import resources
@@ -120,10 +121,17 @@ def country(name: str) -> Country:
     raise KeyError(f"no country named {name!r} in the fact world")
 
 
-def countries_in(region: str | None = None) -> tuple[Country, ...]:
-    """The countries of one region (e.g. "Europe"; case-insensitive), or all of them for None / "all"."""
-    if region is None or region.lower() == "all":
+def countries_in(region: str | Sequence[str] | None = None) -> tuple[Country, ...]:
+    """The countries of one region (e.g. "Europe"; case-insensitive), all of them for None / "all", or the
+    countries named in a list (exact names, in the list's order)."""
+    if region is None or (isinstance(region, str) and region.lower() == "all"):
         return load_countries()
+    if not isinstance(region, str):
+        by_name = {c.name: c for c in load_countries()}
+        unknown = [name for name in region if name not in by_name]
+        if unknown or not region:
+            raise ValueError(f"unknown country {unknown[0]!r} in the fact world" if unknown else "no country named")
+        return tuple(by_name[name] for name in region)
     found = tuple(c for c in load_countries() if (c.region or "").lower() == region.lower())
     if not found:
         regions = sorted({c.region for c in load_countries() if c.region})
@@ -132,7 +140,7 @@ def countries_in(region: str | None = None) -> tuple[Country, ...]:
 
 
 def fact_prompts(
-    split: str = "train", relations: tuple[str, ...] = RELATIONS, region: str | None = None
+    split: str = "train", relations: tuple[str, ...] = RELATIONS, region: str | Sequence[str] | None = None
 ) -> list[FactPrompt]:
     """Every (country, relation, template) prompt of the chosen template split ("train" or "heldout")."""
     if split not in ("train", "heldout"):
@@ -153,7 +161,7 @@ def fact_documents(
     lines_per_document: int = 64,
     seed: int = 0,
     relations: tuple[str, ...] = RELATIONS,
-    region: str | None = None,
+    region: str | Sequence[str] | None = None,
 ) -> list[str]:
     """Training text: every training-template statement of `relations` `repeats` times, shuffled into documents."""
     statements = [p.prompt + p.answer + "." for p in fact_prompts("train", relations, region)] * repeats
