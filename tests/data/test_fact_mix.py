@@ -10,7 +10,7 @@ from stemlm.data.fact_mix import fact_repeats, fact_texts
 from stemlm.errors import StemlmError
 from stemlm.facts import fact_prompts
 from stemlm.train import data as data_mod
-from stemlm.train.config import TrainConfig
+from stemlm.train.config import FACT_COUNTRIES, TrainConfig
 
 CORPUS = ["It is a truth universally acknowledged. " * 400] * 40  # ~130k tokens
 
@@ -33,6 +33,19 @@ def test_fact_tokens_make_up_the_requested_fraction():
     repeats = len(lines) // len(statements)
     assert sorted(lines) == sorted(statements * repeats) and repeats > 1
     assert "The capital of Spain is Madrid." in lines and all("Chile" not in line for line in lines)
+
+
+def test_named_countries_select_the_statements():
+    tok = get_tokenizer("default")
+    docs = fact_texts(20_000, tok, 0.3, ["Spain", "Germany"], ["capital"], seed=0)
+    lines = {line for doc in docs for line in doc.split("\n")}
+    pair = fact_prompts("train", ("capital",), region=["Spain", "Germany"])
+    assert lines == {p.prompt + p.answer + "." for p in pair}
+    assert "The capital of Germany is Berlin." in lines and len(lines) == 8
+    with pytest.raises(StemlmError, match="unknown country 'Atlantis'"):
+        fact_texts(1000, tok, 0.2, ["Spain", "Atlantis"], ["capital"], seed=0)
+    assert TrainConfig().fact_selection() == list(FACT_COUNTRIES)
+    assert TrainConfig(fact_countries=[]).fact_selection() == "Europe"
 
 
 def test_repeats_follow_the_fraction():
@@ -79,9 +92,10 @@ def test_train_command_reports_fact_recall(monkeypatch, tmp_path, capsys):
     assert main([*argv, "--set", *model, "--sample-tokens", "0", "--no-progress", "--json"]) == 0
     report = json.loads(capsys.readouterr().out)
     facts = report["facts"]
-    assert facts["region"] == "Europe" and facts["relations"] == ["capital"]
-    prompts = len(fact_prompts("train", ("capital",), region="Europe"))
+    assert facts["countries"] == list(FACT_COUNTRIES) and facts["relations"] == ["capital"]
+    prompts = len(fact_prompts("train", ("capital",), region=FACT_COUNTRIES))
+    assert prompts == 4 * len(FACT_COUNTRIES)
     assert facts["train_templates"]["prompts"] == prompts and 0 <= facts["train_templates"]["recall"] <= 1
     assert report["heldout_eval"]["window"] == 32 and report["run_dir_bytes"] > 0
     run_config = json.loads((tmp_path / "run" / "run_config.json").read_text())
-    assert run_config["train"]["fact_fraction"] == 0.2
+    assert run_config["train"]["fact_fraction"] == 0.3

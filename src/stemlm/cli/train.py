@@ -367,7 +367,11 @@ def fact_recall(trainer) -> dict[str, Any]:
 
     cfg, tok = trainer.cfg, trainer.tokenizer
     trainer.model.eval()
-    out: dict[str, Any] = {"region": cfg.fact_region, "countries": list(cfg.fact_countries), "relations": list(cfg.fact_relations)}
+    out: dict[str, Any] = {
+        "region": cfg.fact_region,
+        "countries": list(cfg.fact_countries),
+        "relations": list(cfg.fact_relations),
+    }
     for split in ("train", "heldout"):
         prompts = fact_prompts(split, tuple(cfg.fact_relations), region=cfg.fact_selection())
         hits = greedy_matches(trainer.model, [(tok.encode(p.prompt).ids, tok.encode(p.answer).ids) for p in prompts])

@@ -17,12 +17,14 @@ Choices documented here rather than in code comments elsewhere:
   is the official code's dense AdamW over whole tables). Held-out loss against `lazy_adamw` over seeds:
   `benchmarks/table_optim_seeds.py` (README "Row-sparse tables"); its state is one float per row instead of
   2 x d_ff, and its step is the cheaper one.
-- defaults size `stemlm train` to about 5 minutes on two idle CPU cores: 200 steps x 8 x 256 tokens (410k
-  tokens; the tiny preset trained at 1,729 tokens/s on two idle cores in CI, ~240 s). 20% of those tokens are
-  the fact world's capital statements for the 53 European countries (`fact_fraction`, `fact_region`), meant to
-  give the default model facts a row-swap edit can move; 200 rather than 150 steps keep the corpus tokens it
-  sees (328k) above the 307k of the former fact-free default. Measured once: held-out loss 5.302 (former
-  default 5.427), but capital recall only 0.04 — about 23 exposures per statement are not enough yet.
+- defaults size `stemlm train` to about 4 minutes on two idle CPU cores: 300 steps x 8 x 256 tokens (614k
+  tokens at ~3,200 tokens/s measured on two idle cores: 203 s). 30% of those tokens are the fact world's
+  capital statements for 12 well-known European countries (`fact_fraction`, `fact_countries`), so that the
+  default model knows facts a row-swap edit can move. Measured (one run each, `stemlm train --out R` and
+  `--set train.fact_fraction=0`): held-out corpus loss 5.181 with facts vs CORPUS_ONLY without; exact greedy
+  capital recall 0.98 on the 48 trained prompts, 0.67 on 24 held-out phrasings. Narrower settings did not
+  teach the binding: all 53 European countries at 20% over 200 steps (~23 exposures per statement) gave recall
+  0.04; 12 countries at 20% over 200 steps gave 0.48, and the README's edit turned Madrid into Athens.
 """
 
 from __future__ import annotations
@@ -68,7 +70,7 @@ class TrainConfig:
     init_from: str | None = None  # start from the weights of this model checkpoint folder
     # the fact world mixed into the embedded corpus (not into --data): statements of fact_relations about the
     # countries of fact_region make up fact_fraction of the training tokens (stemlm.data.fact_mix); 0: none
-    fact_fraction: float = 0.2
+    fact_fraction: float = 0.3
     fact_region: str = "Europe"
     # a few countries instead of the whole region, so each statement is seen often enough at the default budget
     # to be learnt (53 European countries got ~23 exposures each in 200 steps and were not); []: all of fact_region
@@ -78,7 +80,7 @@ class TrainConfig:
     batch_size: int = 8  # sequences per micro-batch
     grad_accum: int = 1  # micro-batches per optimizer step
     # --- schedule: linear warm-up, then cosine to min_lr_ratio * peak ---
-    steps: int = 200
+    steps: int = 300
     lr: float = 2e-3
     warmup: int | None = None  # None: 10% of steps
     min_lr_ratio: float = 0.1

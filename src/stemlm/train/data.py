@@ -61,7 +61,8 @@ def load_datasets(cfg: TrainConfig, tok: Tokenizer) -> tuple[Any, Any]:
         if cfg.data is None and cfg.fact_fraction > 0:  # the embedded corpus gets the fact world mixed in
             from stemlm.data.fact_mix import fact_texts
 
-            facts = fact_texts(train.num_tokens, tok, cfg.fact_fraction, cfg.fact_selection(), cfg.fact_relations, cfg.seed)
+            countries = cfg.fact_selection()
+            facts = fact_texts(train.num_tokens, tok, cfg.fact_fraction, countries, cfg.fact_relations, cfg.seed)
             train = TokenDataset.from_texts(train_texts + facts, tok, separator=cfg.separator)
         heldout = TokenDataset.from_texts(heldout_texts, tok, separator=cfg.separator) if heldout_texts else None
     if heldout is not None and heldout.num_tokens < cfg.seq_len + 1:
