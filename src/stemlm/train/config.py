@@ -21,7 +21,8 @@ Choices documented here rather than in code comments elsewhere:
   tokens at ~3,200 tokens/s measured on two idle cores: 203 s). 30% of those tokens are the fact world's
   capital statements for 12 well-known European countries (`fact_fraction`, `fact_countries`), so that the
   default model knows facts a row-swap edit can move. Measured (one run each, `stemlm train --out R` and
-  `--set train.fact_fraction=0`): held-out corpus loss 5.181 with facts vs CORPUS_ONLY without; exact greedy
+  `--set train.fact_fraction=0`): held-out corpus loss 5.181 with facts vs 5.075 without
+  (30% fewer corpus tokens); exact greedy
   capital recall 0.98 on the 48 trained prompts, 0.67 on 24 held-out phrasings. Narrower settings did not
   teach the binding: all 53 European countries at 20% over 200 steps (~23 exposures per statement) gave recall
   0.04; 12 countries at 20% over 200 steps gave 0.48, and the README's edit turned Madrid into Athens.
