@@ -30,7 +30,7 @@ def test_derived_values():
         ({"lr": float("nan")}, "lr must be a positive number"),
         ({"weight_decay": -0.1}, "weight_decay must be a non-negative number"),
         ({"beta2": 1.0}, "beta2 must lie in [0, 1)"),
-        ({"warmup": 200}, "warmup (200) must be smaller than steps (200)"),
+        ({"steps": 200, "warmup": 200}, "warmup (200) must be smaller than steps (200)"),
         ({"dtype": "fp16"}, "dtype must be one of auto, fp32, bf16"),
         ({"table_optim": "sgd"}, "table_optim must be one of"),
         ({"save_every": -1}, "save_every must be a non-negative integer"),
