@@ -428,8 +428,9 @@ def render_report(r: dict[str, Any]) -> str:
         )
     if "facts" in r:
         f = r["facts"]
+        where = f"{len(f['countries'])} countries" if f.get("countries") else f["region"]
         lines.append(
-            f"facts ({', '.join(f['relations'])}, {f['region']}): exact greedy recall "
+            f"facts ({', '.join(f['relations'])}, {where}): exact greedy recall "
             f"{f['train_templates']['recall']:.2f} on the {f['train_templates']['prompts']} trained prompts, "
             f"{f['heldout_templates']['recall']:.2f} on {f['heldout_templates']['prompts']} held-out phrasings"
         )
