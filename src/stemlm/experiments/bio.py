@@ -36,7 +36,6 @@ from dataclasses import asdict, dataclass, replace
 from multiprocessing import get_context
 from pathlib import Path
 
-import torch
 from tokenizers import Tokenizer
 
 from stemlm import bio
@@ -45,6 +44,7 @@ from stemlm.config import ModelConfig
 from stemlm.data import EOT_TOKEN, embedded_texts, train_bpe
 from stemlm.edit.evaluate import score_items
 from stemlm.errors import StemlmError
+from stemlm.experiments.knowledge import train_in_worker
 from stemlm.experiments.stats import summarize_seeds
 
 
@@ -109,20 +109,6 @@ def matched_steps(configs: dict[str, ModelConfig], seq_len: int, dense_steps: in
     return {n: round(dense_steps * dense / training_flops_per_token(c, seq_len)) for n, c in configs.items()}
 
 
-def _train(name: str, model_config: dict, train_fields: dict, tokenizer_json: str) -> dict:
-    # A worker process: one thread, so two runs share two cores without oversubscribing them.
-    torch.set_num_threads(1)
-    from stemlm.train import TrainConfig, Trainer
-
-    trainer = Trainer(
-        ModelConfig.from_dict(model_config),
-        TrainConfig(**train_fields),
-        tokenizer=Tokenizer.from_str(tokenizer_json),
-        progress=False,
-    )
-    return {"name": name, **trainer.fit()}
-
-
 def train_models(cfg: BioConfig, seed: int, configs, steps, tokenizer, data: Path, runs: Path) -> dict[str, dict]:
     jobs = []
     for name, config in configs.items():
@@ -141,8 +127,8 @@ def train_models(cfg: BioConfig, seed: int, configs, steps, tokenizer, data: Pat
         jobs.append((name, config.to_dict(), fields, tokenizer.to_str()))
     if cfg.parallel:
         with ProcessPoolExecutor(max_workers=len(jobs), mp_context=get_context("spawn")) as pool:
-            return {r["name"]: r for r in pool.map(_train, *zip(*jobs, strict=True))}
-    return {r["name"]: r for r in (_train(*job) for job in jobs)}
+            return {r["name"]: r for r in pool.map(train_in_worker, *zip(*jobs, strict=True))}
+    return {r["name"]: r for r in (train_in_worker(*job) for job in jobs)}
 
 
 # ----------------------------------------------------------------------------------------------------------

@@ -181,8 +181,9 @@ def arm_plan(cfg: KnowledgeConfig, configs: dict[str, ModelConfig]) -> dict[str,
     return plan
 
 
-def _train(name: str, model_config: dict, train_fields: dict, tokenizer_json: str) -> dict:
-    # Runs in a worker process: one thread, so two runs share the two cores without oversubscribing them.
+def train_in_worker(name: str, model_config: dict, train_fields: dict, tokenizer_json: str) -> dict:
+    # Runs in a worker process (bio.py uses it too): one thread, so two runs share the two cores without
+    # oversubscribing them.
     torch.set_num_threads(1)
     from stemlm.train import TrainConfig, Trainer
 
@@ -215,9 +216,9 @@ def train_arms(cfg, configs, plan, lrs, seed, tokenizer, data: Path, runs: Path)
         jobs.append((arm, configs[p["kind"]].to_dict(), fields, tokenizer.to_str()))
     if cfg.parallel and len(jobs) > 1:
         with ProcessPoolExecutor(max_workers=2, mp_context=get_context("spawn")) as pool:
-            results = list(pool.map(_train, *zip(*jobs, strict=True)))
+            results = list(pool.map(train_in_worker, *zip(*jobs, strict=True)))
     else:
-        results = [_train(*job) for job in jobs]
+        results = [train_in_worker(*job) for job in jobs]
     return {r["name"]: r for r in results}
 
 

@@ -31,7 +31,8 @@ from stemlm.offload.providers import (
     ResidentProvider,
     TableProvider,
     _load_backbone,
-    read_safetensors_header,
+    checked_tables,
+    checkpoint_entries,
 )
 from stemlm.runs import from_pretrained
 
@@ -86,23 +87,11 @@ def load_offloaded_model(
     if not families:
         raise StemlmError(f"checkpoint {directory} has no lookup tables to offload; load it with tables='resident'")
     files = weight_files(directory)
-    entries = {}
-    for f in files:  # every header first: a truncated file fails here, before any weight is read
-        entries.update(read_safetensors_header(f))
+    entries = checkpoint_entries(files)
     pin = device.type == "cuda"
 
     def provider(layer_names: dict[int, str], layer_layout: str) -> TableProvider:
-        placed = {}
-        for layer, name in layer_names.items():
-            if name not in entries:
-                raise StemlmError(f"checkpoint {directory} has no table tensor {name}")
-            expected = tuple(model.get_parameter(name).shape)
-            if entries[name].shape != expected:
-                raise StemlmError(
-                    f"checkpoint {directory}: table {name} has shape {list(entries[name].shape)}, "
-                    f"config.json implies {list(expected)}"
-                )
-            placed[layer] = entries[name]
+        placed = checked_tables(directory, entries, model, layer_names)
         if tables == "host":
             host = HostProvider(placed, layout=layer_layout, pin=pin, dtype=dtype)
             return host if table_dtype == "fp32" else CompactProvider(host, table_dtype, out_dtype=host.dtype)

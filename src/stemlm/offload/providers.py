@@ -242,6 +242,30 @@ def table_parameter_names(model: StemLM) -> dict[int, str]:
     return {layer: names[id(table.weight)] for layer, table in model.stem_tables().items()}
 
 
+def checkpoint_entries(files: list[Path]) -> dict:
+    """Every tensor entry of a checkpoint's safetensors files, by name (headers only, no weight is read)."""
+    entries = {}
+    for f in files:  # every header first: a truncated file fails here, before any weight is read
+        entries.update(read_safetensors_header(f))
+    return entries
+
+
+def checked_tables(directory: Path, entries: dict, model, names: dict[int, str]) -> dict:
+    """The entries of the table tensors `names` (layer -> name), each checked against the model's shape."""
+    placed = {}
+    for layer, name in names.items():
+        if name not in entries:
+            raise StemlmError(f"checkpoint {directory} has no table tensor {name}")
+        expected = tuple(model.get_parameter(name).shape)
+        if entries[name].shape != expected:
+            raise StemlmError(
+                f"checkpoint {directory}: table {name} has shape {list(entries[name].shape)}, "
+                f"config.json implies {list(expected)}"
+            )
+        placed[layer] = entries[name]
+    return placed
+
+
 def load_model(
     directory: str | Path,
     tables: str = "resident",
@@ -263,21 +287,9 @@ def load_model(
     names = table_parameter_names(model)
     if not names:
         raise StemlmError(f"checkpoint {directory} has no token tables to offload; load it with tables='resident'")
-    entries = {}
     files = weight_files(directory)
-    for f in files:  # every header first: a truncated file fails here, before any weight is read
-        entries.update(read_safetensors_header(f))
-    table_entries = {}
-    for layer, name in names.items():
-        if name not in entries:
-            raise StemlmError(f"checkpoint {directory} has no table tensor {name}")
-        expected = tuple(model.get_parameter(name).shape)
-        if entries[name].shape != expected:
-            raise StemlmError(
-                f"checkpoint {directory}: table {name} has shape {list(entries[name].shape)}, "
-                f"config.json implies {list(expected)}"
-            )
-        table_entries[layer] = entries[name]
+    entries = checkpoint_entries(files)
+    table_entries = checked_tables(directory, entries, model, names)
     pin = device.type == "cuda"
     if tables == "host":
         provider = HostProvider(table_entries, layout=layout, pin=pin, dtype=dtype)
