@@ -44,6 +44,7 @@ from stemlm.config import ModelConfig
 from stemlm.data import EOT_TOKEN, embedded_texts, train_bpe
 from stemlm.edit.evaluate import score_items
 from stemlm.errors import StemlmError
+from stemlm.experiments.folders import claim_out, start_unit
 from stemlm.experiments.knowledge import train_in_worker
 from stemlm.experiments.stats import summarize_seeds
 
@@ -216,8 +217,7 @@ def _seed_result(cfg: BioConfig, seed: int, folder: Path, log) -> dict:
             raise StemlmError(f"{folder} holds a seed run with other settings; choose another --out or delete it")
         log(f"seed {seed}: reusing {saved}")
         return record["result"]
-    if folder.exists():
-        raise StemlmError(f"{folder} holds an unfinished seed run; choose another --out or delete it")
+    start_unit(folder, settings)  # refuses another command's seed; an interrupted one of ours starts over
     result = run_seed(cfg, seed, folder, log)
     saved.write_text(json.dumps({"settings": settings, "result": result}, indent=2) + "\n")
     return result
@@ -227,7 +227,7 @@ def run_bio(cfg: BioConfig, seeds: int = 2, log=print) -> dict:
     """Seeds 0..seeds-1 (each reused when OUT already holds it with the same settings), then the summary."""
     if seeds < 1:
         raise StemlmError(f"--seeds must be >= 1, got {seeds}")
-    out = Path(cfg.out)
+    out = claim_out(Path(cfg.out), "bio")
     start = time.perf_counter()
     per_seed = [_seed_result(cfg, s, out / f"seed{s}", log) for s in range(seeds)]
     results = {

@@ -32,7 +32,6 @@ import hashlib
 import json
 import math
 import random
-import shutil
 import sys
 import time
 from concurrent.futures import ProcessPoolExecutor, as_completed
@@ -44,6 +43,7 @@ from typing import Any
 from stemlm.config import FFN_KINDS, ModelConfig
 from stemlm.errors import StemlmError
 from stemlm.experiments.compare_report import summarize_kind, write_report
+from stemlm.experiments.folders import claim_out, start_unit
 
 
 @dataclass
@@ -338,7 +338,9 @@ def run_jobs(cfg: CompareConfig, seed: int, runs: dict[str, tuple], folder: Path
             results[name] = previous
             log(f"compare: seed {seed}: {name} reused from {saved}")
         else:
-            shutil.rmtree(job["run_dir"], ignore_errors=True)  # an unfinished run of an interrupted experiment
+            # refuses another command's run; an interrupted one of ours starts over
+            settings = {k: job[k] for k in ("kind", "digest", "steps", "lr", "evaluate")}
+            start_unit(Path(job["run_dir"]), settings, record=folder / "runs" / f"{name}.started.json")
             jobs.append((name, job))
 
     def finished(name: str, r: dict[str, Any]) -> None:  # saved at once, so an interruption keeps it
@@ -429,6 +431,7 @@ def run_compare(cfg: CompareConfig, log=lambda msg: print(msg, file=sys.stderr))
     too_long = [n for n in cfg.niah_lengths if n > configs[cfg.kinds[0]].max_position_embeddings]
     if too_long:
         raise StemlmError(f"NIAH length {max(too_long)} exceeds max_position_embeddings={cfg.max_position_embeddings}")
+    out = claim_out(out, "compare")
     log(f"compare: steps per kind {plans} (budget {cfg.budget}), {cfg.seeds} seed(s)")
     log(f"compare: planned training FLOPs {planned_flops(cfg, configs, plans):.3g} (every seed and the sweep)")
     sweep = lr_sweep(cfg, configs, next(iter(plans.values())), out / "sweep", tokenizer, log) if cfg.lr_sweep else None

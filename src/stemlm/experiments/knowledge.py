@@ -27,7 +27,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import random
-import shutil
 import time
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict, dataclass, field
@@ -41,6 +40,7 @@ from stemlm.accounting import active_parameters, total_parameters, training_flop
 from stemlm.config import ModelConfig
 from stemlm.data import EOT_TOKEN, embedded_texts, train_bpe
 from stemlm.errors import StemlmError
+from stemlm.experiments.folders import claim_out, start_unit
 from stemlm.experiments.stats import summarize_seeds
 from stemlm.facts import fact_documents, fact_prompts
 
@@ -295,13 +295,15 @@ def run_seed(cfg: KnowledgeConfig, seed: int, lrs: dict[str, float], folder: Pat
 
     scfg = dataclasses.replace(cfg, seed=seed)
     saved = folder / "seed.json"
-    key = {"config": asdict(scfg), "lrs": lrs, "edits": edits}
+    # What decides the seed's result (not where it is written, how many seeds run, or how many processes).
+    settings = {k: v for k, v in asdict(scfg).items() if k not in ("out", "seeds", "parallel")}
+    key = {"config": settings, "lrs": lrs, "edits": edits}
     if saved.is_file():
         previous = json.loads(saved.read_text())
         if previous.get("key") == json.loads(json.dumps(key)):
             log(f"seed {seed}: reused from {saved}")
             return previous["result"]
-    shutil.rmtree(folder / "runs", ignore_errors=True)  # an unfinished seed of an interrupted run starts over
+    start_unit(folder, key)  # refuses another command's seed; an interrupted one of ours starts over
     tokenizer, data = build_data(scfg, folder / "data")
     configs = model_configs(scfg)
     plan = arm_plan(scfg, configs)
@@ -373,7 +375,7 @@ def run_knowledge(cfg: KnowledgeConfig, log=print) -> dict:
     if cfg.sweep_seed in range(cfg.seed, cfg.seed + cfg.seeds):
         raise StemlmError(f"sweep_seed {cfg.sweep_seed} is one of the final seeds; choose another")
     start = time.perf_counter()
-    out = Path(cfg.out)
+    out = claim_out(Path(cfg.out), "knowledge")
     log(f"knowledge: planned training FLOPs {planned_flops(cfg):.3g} ({cfg.seeds} seed(s) and the lr sweep)")
     families = {ARMS[a][3] for a in cfg.arms}
     sweep = lr_sweep(cfg, out / "sweep", log) if cfg.lr_sweep else None
