@@ -105,9 +105,25 @@ def test_active_parameters(tiny_config, kind):
 # ----------------------------------------------------------------------------------------------------------
 # FLOPs against FlopCounterMode
 # ----------------------------------------------------------------------------------------------------------
-def math_attention(q, k, v, attn_mask=None, is_causal=False, **kwargs):
+def grouped(attention):
+    """SDPA's `enable_gqa` for an explicit replacement: the query heads of a group [B, kv, g, T, hd] against their
+    one key/value head [B, kv, 1, S, hd], broadcast by matmul (no repeated copies are made)."""
+
+    def run(q, k, v, attn_mask=None, is_causal=False, enable_gqa=False, **kwargs):
+        assert attn_mask is None
+        heads, kv_heads = q.shape[1], k.shape[1]
+        if heads == kv_heads:
+            return attention(q, k, v, is_causal)
+        assert enable_gqa and heads % kv_heads == 0
+        q = q.unflatten(1, (kv_heads, heads // kv_heads))
+        return attention(q, k.unsqueeze(2), v.unsqueeze(2), is_causal).flatten(1, 2)
+
+    return run
+
+
+@grouped
+def math_attention(q, k, v, is_causal):
     """SDPA as two explicit matmuls over the full score matrix (what math SDPA computes)."""
-    assert attn_mask is None
     scores = torch.matmul(q, k.transpose(-2, -1)) / math.sqrt(q.shape[-1])
     if is_causal:
         T, S = q.shape[-2], k.shape[-2]
@@ -115,9 +131,9 @@ def math_attention(q, k, v, attn_mask=None, is_causal=False, **kwargs):
     return torch.matmul(scores.softmax(-1), v)
 
 
-def causal_rows_attention(q, k, v, attn_mask=None, is_causal=False, **kwargs):
+@grouped
+def causal_rows_attention(q, k, v, is_causal):
     """Causal attention computing only the needed keys: query i of T sees the first S - T + i + 1 keys."""
-    assert attn_mask is None
     T, S = q.shape[-2], k.shape[-2]
     rows = []
     for i in range(T):
@@ -192,6 +208,39 @@ def test_cpu_sdpa_counts_no_flops(tiny_model):
         == acc.prefill_flops(model.config, 10, 2)
         - 2 * 10 * acc.forward_flops_per_token(model.config, 10)["attn_scores"]
     )
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=SHAPE_IDS)
+def test_real_sdpa_flops_with_shared_kv_heads(tiny_config, monkeypatch, shape):
+    # torch's own count of SDPA with `enable_gqa` (no replacement): on the meta device SDPA decomposes into its
+    # math form, whose bmm's FlopCounterMode counts; `sdpa_flop_count` is its formula for the GPU kernels. Both
+    # count every query head at full length, which is accounting's "full" mode.
+    from torch.utils.flop_counter import sdpa_flop_count
+
+    from stemlm.model import attention as attention_mod
+
+    config = config_for(tiny_config, "stem", shape)
+    model = build_model(config, device="meta").eval()
+    B, T = 2, 12
+    kv_heads_seen = []
+    sdpa = F.scaled_dot_product_attention
+
+    def spy(q, k, v, **kwargs):
+        kv_heads_seen.append((k.shape[1], kwargs.get("enable_gqa", False)))
+        return sdpa(q, k, v, **kwargs)
+
+    monkeypatch.setattr(F, "scaled_dot_product_attention", spy)
+    with torch.no_grad(), FlopCounterMode(display=False) as counter:
+        model(torch.zeros(B, T, dtype=torch.long, device="meta"))
+    assert counter.get_total_flops() == acc.prefill_flops(config, T, B, "full")
+    gqa = config.kv_heads != config.num_attention_heads and attention_mod.SDPA_GQA
+    assert kv_heads_seen == [(config.kv_heads if gqa else config.num_attention_heads, gqa)] * config.num_hidden_layers
+    hd = config.head_size
+    per_layer = sdpa_flop_count(
+        (B, config.num_attention_heads, T, hd), (B, config.kv_heads, T, hd), (B, config.kv_heads, T, hd)
+    )
+    expected = acc.forward_flops_per_token(config, T, "full")["attn_scores"] * B * T
+    assert per_layer * config.num_hidden_layers == expected
 
 
 @pytest.mark.parametrize("kind", KINDS)

@@ -8,8 +8,10 @@ forwards. `stemlm info` prints `summarize(config, seq_len)`. Conventions, stated
   matmul costs 2 FLOPs per token. Lookups (token embedding, STEM / PLE table rows) are not FLOPs, nor are
   norms, RoPE, softmax, SiLU, residual adds (what `FlopCounterMode` counts too). Training ~ 3 x forward
   (backward = 2 x forward), the usual convention.
-- Attention scores (QK^T and AV, 4 * heads * head_dim FLOPs per query-key pair, GQA keys repeated to all query
-  heads) are `causal` by default: a length-L prefill has L(L+1)/2 query-key pairs, (L+1)/2 keys per token on
+- Attention scores (QK^T and AV, 4 * heads * head_dim FLOPs per query-key pair: under GQA every query head
+  still scores against its group's key/value head, so the count is per query head, whether k/v are repeated
+  or shared through SDPA's `enable_gqa`; FlopCounterMode's SDPA formula, `sdpa_flop_count`, counts the same)
+  are `causal` by default: a length-L prefill has L(L+1)/2 query-key pairs, (L+1)/2 keys per token on
   average. `full` counts L keys per token: what the seed's formula assumes and what math SDPA (and
   FlopCounterMode's SDPA formula, which ignores `is_causal`) computes. A decode step at context L reads L keys.
 - Active parameters per token. `active_backbone` = every parameter except the token-indexed tables of

@@ -143,3 +143,27 @@ def test_attention_mask_must_cover_cached_positions(tiny_model):
         out = model(ids, use_cache=True)
         with pytest.raises(StemlmError, match="attention_mask has shape"):
             model(ids[:, :1], attention_mask=torch.ones(1, 1), past_key_values=out.past_key_values)
+
+
+def test_sdpa_gqa_equals_repeated_keys(monkeypatch):
+    """`enable_gqa` (no repeated k/v copies) gives the logits of repeating k/v bitwise on CPU, and the gradients
+    to 1e-6 (the k/v gradient is summed over the query heads in another order)."""
+    from stemlm.config import ModelConfig
+    from stemlm.model import attention as attention_mod
+    from stemlm.model import build_model
+
+    if not attention_mod.SDPA_GQA:
+        pytest.skip("torch < 2.5 has no enable_gqa")
+    shape = dict(num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32, ffn="dense")
+    cfg = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2, **shape)
+    x = torch.randint(0, 64, (2, 12))
+    results = []
+    for gqa in (True, False):
+        monkeypatch.setattr(attention_mod, "SDPA_GQA", gqa)
+        model = build_model(cfg, seed=0)
+        out = model(x, labels=x)
+        out.loss.backward()
+        results.append((out.logits, [p.grad for p in model.parameters()]))
+    assert torch.equal(results[0][0], results[1][0])
+    for a, b in zip(results[0][1], results[1][1], strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)

@@ -116,6 +116,12 @@ class KVCache:
         self.lengths = [min(n, length) for n in self.lengths]
 
 
+# `enable_gqa` (torch >= 2.5): SDPA shares each key/value head among its query heads instead of attending to
+# repeated copies. On CPU its outputs equal repeat_interleave's bitwise and its gradients to 1e-6 (the k/v gradient
+# is summed over the query heads in another order): tests/model/test_attention.py. torch 2.4 repeats k/v.
+SDPA_GQA = tuple(int(p) for p in torch.__version__.split(".")[:2]) >= (2, 5)
+
+
 class Attention(nn.Module):
     """Grouped-query self-attention with RoPE through `scaled_dot_product_attention`."""
 
@@ -144,12 +150,16 @@ class Attention(nn.Module):
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if cache is not None:
             k, v = cache.update(self.layer_idx, k, v)
+        gqa = {}
         if self.num_kv_heads != self.num_heads:
-            repeat = self.num_heads // self.num_kv_heads
-            k, v = k.repeat_interleave(repeat, dim=1), v.repeat_interleave(repeat, dim=1)
+            if SDPA_GQA:
+                gqa = {"enable_gqa": True}
+            else:
+                repeat = self.num_heads // self.num_kv_heads
+                k, v = k.repeat_interleave(repeat, dim=1), v.repeat_interleave(repeat, dim=1)
         # mask None with T > 1 means a fresh causal prefill; a single new token attends to everything cached.
         is_causal = mask is None and T > 1
-        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal)
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal, **gqa)
         return self.o_proj(y.transpose(1, 2).reshape(B, T, self.num_heads * self.head_dim))
 
 

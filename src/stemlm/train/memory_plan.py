@@ -13,14 +13,15 @@ counted from its tensors as `stemlm train --nproc N` lays them out, on the most 
   their gradient is sparse, at most min(shard rows, global micro-batch tokens) rows;
 - activations: elements autograd saves per token for backward, counted for dense and STEM layers from the
   layer code (RMSNorm saves its input, 1/rms, the normalised input and its product with the gain: 3d + 1;
-  RoPE cos and sin: 2 head_dim; attention q, k, v (GQA keys and values repeated to all heads) and output:
-  4 heads head_dim, plus its log-sum-exp per head; SwiGLU gate, its SiLU, up (or the STEM rows) and the product:
-  4 d_ff), plus the final norm, the fp32 logits (V per token, or none with a chunked loss, which holds
-  `loss_chunk` x V transiently) and int64 ids and labels. With activation checkpointing a block keeps only its
-  input (d) and one block's set (with RoPE's) is live again during its backward. tests/train/test_memory_plan.py
-  measures these counts on real forwards (every tensor autograd saves, deduplicated by storage). Bytes are
-  4 per element (fp32 activations, as on CPU); bf16 autocast stores most of them in 2 bytes, so on a GPU the
-  activation figures are an upper bound.
+  RoPE cos and sin: 2 head_dim; attention q and output (2 heads head_dim), keys and values (2 kv_heads
+  head_dim with SDPA's enable_gqa, torch >= 2.5; else repeated to all heads), plus a log-sum-exp per head;
+  SwiGLU gate, its SiLU, up (or the STEM rows) and the product: 4 d_ff), plus the final norm, the fp32
+  logits (V per token, or none with a chunked loss, which holds `loss_chunk` x V transiently) and int64 ids
+  and labels. With activation checkpointing a block keeps only its input (d) and one block's set (with
+  RoPE's) is live again during its backward. tests/train/test_memory_plan.py measures these counts on real
+  forwards (every tensor autograd saves, deduplicated by storage). Bytes are 4 per element (fp32
+  activations, as on CPU); bf16 autocast stores most of them in 2 bytes, so on a GPU the activation figures
+  are an upper bound.
 - checkpoint: the model file (fp32, tables whole) and the optimizer state summed over ranks.
 """
 
@@ -31,6 +32,7 @@ from typing import Any
 
 from stemlm.config import ModelConfig
 from stemlm.errors import StemlmError
+from stemlm.model.attention import SDPA_GQA
 
 FP32, INT64 = 4, 8
 MODELLED_KINDS = ("dense", "stem")
@@ -54,7 +56,8 @@ def _block_elements(config: ModelConfig) -> tuple[int, int]:
     if not kinds <= set(MODELLED_KINDS):
         raise StemlmError(f"activation memory is modelled for {', '.join(MODELLED_KINDS)} layers, not {sorted(kinds)}")
     d, f, heads, hd = config.hidden_size, config.intermediate_size, config.num_attention_heads, config.head_size
-    return 2 * (3 * d + 1) + 4 * heads * hd + heads + 4 * f, 2 * hd
+    kv_heads = config.kv_heads if SDPA_GQA else heads
+    return 2 * (3 * d + 1) + 2 * (heads + kv_heads) * hd + heads + 4 * f, 2 * hd
 
 
 def activation_elements_per_token(config: ModelConfig, *, loss_chunk: int = 0, checkpointing: bool = False) -> int:
