@@ -13,7 +13,9 @@ r takes rows [r * b, (r + 1) * b), b = batch_size / N. DDP / FSDP2 average the b
 tables divide theirs by N, so N processes train the same model as one (up to float rounding); the MoE
 balancing loss is the exception (its batch statistics are per rank). Gradients are synchronised on the last
 micro-batch only (DDP `no_sync`, FSDP2 `set_requires_gradient_sync(False)` before it); one clip covers the
-backbone (replicated or sharded) and the table shards. Rank 0 alone writes the run folder, metrics and progress;
+backbone (replicated or sharded) and the table shards. With `--train tables` the backbone is frozen before any
+wrapping: only adapter gates (if any) go through DDP / FSDP2, and a backbone with nothing to learn is not wrapped
+at all (tests/dist/test_train_tables_dist.py). Rank 0 alone writes the run folder, metrics and progress;
 each step's table traffic, summed over ranks, is logged as `table_bytes_sent` (and `/counts`, `/ids`, `/rows`,
 `/grads`). Checkpoints: `stemlm.train.dist_checkpoint` (they resume on any number of processes).
 
@@ -125,7 +127,11 @@ class DistributedTrainer(Trainer):
                     "(FSDP2 cannot shard row-sparse gradients); or use --table-optim adamw"
                 )
             use_sparse_table_grads(model)
-        if self.cfg.parallel == "fsdp":
+        if not any(p.requires_grad for p in model.parameters()):
+            # `--train tables` with no adapter gates: nothing in the backbone learns, so there are no gradients to
+            # average (DDP refuses such a module) and each rank keeps the whole frozen backbone.
+            self.net = model
+        elif self.cfg.parallel == "fsdp":
             from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
             # Under bf16 the layers' weights are all-gathered and used in bf16 (half the gather traffic and
@@ -199,6 +205,8 @@ class DistributedTrainer(Trainer):
 
     def _sync(self, last: bool):
         """Synchronise gradients on the last micro-batch only."""
+        if self.net is self.model:  # a frozen, unwrapped backbone: no backbone gradients to synchronise
+            return contextlib.nullcontext()
         if self.cfg.parallel == "fsdp":
             self.net.set_requires_gradient_sync(last)
             return contextlib.nullcontext()
@@ -242,8 +250,11 @@ class DistributedTrainer(Trainer):
         return losses, auxes, all(v[2] == 0 for v in values)
 
     def _clip_gradients(self) -> float:
-        backbone = [p for group in self.optimizers[0].param_groups for p in group["params"]]
-        shards = self.tables.parameters() if self.tables is not None else ()
+        # Every optimized tensor but the row shards (whose norm needs a cross-rank sum): the backbone, if any learns
+        # (`--train tables` may leave no backbone optimizer), and replicated n-gram / memory tables.
+        shards = list(self.tables.parameters()) if self.tables is not None else []
+        sharded = {id(p) for p in shards}
+        backbone = [p for opt in self.optimizers for g in opt.param_groups for p in g["params"] if id(p) not in sharded]
         max_norm = self.cfg.grad_clip if self.cfg.grad_clip > 0 else float("inf")
         return clip_grad_norm_mixed(backbone, max_norm, sharded_params=shards).item()
 

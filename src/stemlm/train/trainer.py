@@ -114,6 +114,8 @@ class Trainer:
     # ----- construction -----
     def _build_model(self, model_config: ModelConfig | None, resume_from: Path | None):
         model = self._construct_model(model_config, resume_from)
+        if self.cfg.trainable == "tables":  # before any wrapping: DDP / FSDP2 must see the frozen backbone as frozen
+            freeze_backbone(model)
         if self.cfg.activation_checkpointing:  # before any FSDP wrapping (DistributedTrainer), as torchtitan orders
             from stemlm.train.memory import checkpoint_blocks
 
@@ -143,8 +145,6 @@ class Trainer:
         return model
 
     def _build_optimizers(self) -> list[torch.optim.Optimizer]:
-        if self.cfg.trainable == "tables":
-            freeze_backbone(self.model)
         self.host_tables = self._make_host_tables()
         optimizers = build_optimizers(self.model, self.cfg)
         if self.host_tables is not None:
