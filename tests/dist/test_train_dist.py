@@ -225,18 +225,16 @@ def test_bf16_runs_train_the_one_process_model(runs, name):
 
 
 def expected_traffic(assets, step: int, grad_accum: int, width: int, row_bytes: int = 4) -> dict[str, int]:
-    """Bytes sent between 2 ranks in one step, counted from the data: for each micro-batch each rank sends the
-    other its 2 request counts (int64) and the ids it owns among this rank's unique ids (int32); the owner
-    answers with their rows and gets their gradients back (float32, or bf16 under bf16 autocast: `row_bytes`
-    per entry; `width` = summed table widths)."""
+    """Bytes sent between 2 ranks in one step, counted from the data: for each micro-batch the owner of each of a
+    rank's unique ids that the other rank owns sends its row and gets its gradient back (float32, or bf16 under
+    bf16 autocast: `row_bytes` per entry; `width` = summed table widths). The routing is planned on the host
+    from the global batch's ids, so no request counts or ids travel."""
     train_texts, _ = load_corpus([str(assets["data"])])
     data = TokenDataset.from_texts(train_texts, load_tokenizer(assets["tokenizer"]))
-    total = dict(counts=0, ids=0, rows=0, grads=0)
+    total = dict(rows=0, grads=0)
     for k in range(grad_accum):
         x, _ = data.sample_batch(4, 32, seed=0, step=step * grad_accum + k)
         asked = sum(int((x[r * 2 : r * 2 + 2].unique() % 2 != r).sum()) for r in range(2))
-        total["counts"] += 2 * 8
-        total["ids"] += 4 * asked
         total["rows"] += row_bytes * width * asked
         total["grads"] += row_bytes * width * asked
     return total
@@ -305,10 +303,10 @@ def test_collectives_and_reads_per_micro_batch_and_per_step(runs):
         counts = torch.load(runs / f"checks{rank}.pt")["counts"]
         per_micro = {k: (counts[3][k] - counts[1][k]) / 2 for k in ("collectives", "reads")}
         per_step = {k: counts[1][k] - per_micro[k] for k in ("collectives", "reads")}
-        # Per micro-batch: the table exchange (request counts, ids, rows forward, gradients backward) and the one
-        # read of the request counts. Per step: one all_reduce of every micro-batch's loss and finiteness, one in
-        # the clip (the sharded tables' squared norm), one of the logged table traffic; a read of each.
-        assert per_micro == {"collectives": 4, "reads": 1}, counts
+        # Per micro-batch: the table exchange only (rows forward, gradients backward; planned on the host, so no
+        # count or id exchange and no read). Per step: one all_reduce of every micro-batch's loss and finiteness,
+        # one in the clip (the sharded tables' squared norm), one of the logged table traffic; a read of each.
+        assert per_micro == {"collectives": 2, "reads": 0}, counts
         assert per_step == {"collectives": 3, "reads": 3}, counts
         assert counts[3]["coalesced"] and counts[1]["coalesced"]  # sparse table gradients, summed per row
 

@@ -74,15 +74,36 @@ def all_to_all_rows(
     kind: str = "rows",
 ) -> torch.Tensor:
     """Send row blocks of `x` ([sum(send_counts), ...]) to each rank; return the [sum(recv_counts), ...] received."""
+    out, work = all_to_all_rows_async(x, send_counts, recv_counts, group, counter, kind)
+    if work is not None:
+        work.wait()
+    return out
+
+
+def all_to_all_rows_async(
+    x: torch.Tensor,
+    send_counts: list[int],
+    recv_counts: list[int],
+    group=None,
+    counter: CommCounter | None = None,
+    kind: str = "rows",
+):
+    """`all_to_all_rows` issued without waiting: (output buffer, work handle or None with one rank).
+
+    The output holds the received rows only after `work.wait()` (on NCCL that makes the current stream wait,
+    no host sync; on gloo it blocks until the exchange is done). Keep `x` alive until then.
+    """
     rank, world = group_rank_size(group)
     if world == 1:
-        return x.clone()
+        return x.clone(), None
     x = x.contiguous()
     out = x.new_empty((sum(recv_counts), *x.shape[1:]))
-    dist.all_to_all_single(out, x, output_split_sizes=recv_counts, input_split_sizes=send_counts, group=group)
+    work = dist.all_to_all_single(
+        out, x, output_split_sizes=recv_counts, input_split_sizes=send_counts, group=group, async_op=True
+    )
     if counter is not None:
         row_bytes = x.element_size() * math.prod(x.shape[1:])
         counter.record(
             kind, (sum(send_counts) - send_counts[rank]) * row_bytes, (sum(recv_counts) - recv_counts[rank]) * row_bytes
         )
-    return out
+    return out, work

@@ -2,81 +2,148 @@
 
 `HostShardedTables` is `ShardedTables` (same strided row ownership, same lookup plan, same checkpoints) with
 each rank's shards, and therefore the table optimizer's state, in host memory (pinned on CUDA) instead of on
-the rank's device. A lookup reads the rows this rank serves from its host shard, moves them to the device for
-the row exchange (NCCL needs device tensors; with gloo the move is a no-op), and the backward moves the
-gradient rows this rank owns back to the host as a sparse gradient of the host shard; the row-sparse table
-optimizer then steps on the host. The exchange is collective, so here the rows are fetched when the forward
-asks for them (no look-ahead thread; see stemlm.train.host_tables for the 1-process prefetching path).
-On a CPU every operation is the one `ShardedTables` performs, so training is bitwise equal to it.
+the rank's device. The rows this rank serves are read from its host shard and moved to the device for the
+row exchange (NCCL needs device tensors; with gloo the move is a no-op); the backward moves the gradient rows
+this rank owns back to the host as a sparse gradient of the host shard.
+
+Look-ahead, as the 1-process host tables (stemlm.train.host_tables), on one worker thread (FIFO):
+1. gather: for a training window, the host plan (every rank's ids are known: stemlm.dist.row_plan) and the
+   rows this rank will serve, index_select into pinned memory and copied to the device on a side CUDA stream,
+   queued two micro-batches ahead (and the next step's first window behind the table update);
+2. the trainer's thread issues the row exchange of window k+1 (async all_to_all: collectives stay on one
+   thread, in the same order on every rank) before computing window k;
+3. the row-sparse table optimizer steps on the worker (`AsyncTableOptimizer`, `wrap`), overlapped with the
+   backbone optimizer; the next step's first gather is queued behind it, so it reads the updated rows.
+Evaluation lookups and checkpoints wait for the queue (`sync`). On a CPU every operation is the one
+`ShardedTables` performs, on the same values, so training is bitwise equal to it.
 Tests: `OMP_NUM_THREADS=1 python -m pytest tests/dist/test_host_shards.py -q`.
 """
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+
 import torch
 from torch import nn
 
-from stemlm.dist.comm import all_to_all_rows
-from stemlm.dist.sharded_tables import RowPlan, ShardedTables, TableRowsFromShards
+from stemlm.dist.sharded_tables import PendingRows, RowPlan, ShardedTables
 
 
 class HostShardedTables(ShardedTables):
-    """This rank's table shards in host memory, exchanged through `device`."""
+    """This rank's table shards in host memory, exchanged through `device`, gathered ahead on a worker."""
 
     def __init__(self, model: nn.Module, device: torch.device, group=None, reduce: str = "mean") -> None:
         super().__init__(model, group=group, reduce=reduce)
-        self.device = device
+        self.device = self.compute_device = device
+        self.cuda = device.type == "cuda"
         with torch.no_grad():
             for key in list(self.shards):
                 host = self.shards[key].detach().to("cpu", copy=True)
-                self.shards[key] = nn.Parameter(host.pin_memory() if device.type == "cuda" else host)
-
-    def lookup(self, input_ids: torch.Tensor) -> TableRowsFromShards:
-        plan = self.plan(input_ids)
-        rows = _FetchHostRows.apply(self, plan, *(self.shard(i) for i in self.layers))
-        return TableRowsFromShards(dict(zip(self.layers, rows, strict=True)), plan)
+                self.shards[key] = nn.Parameter(host.pin_memory() if self.cuda else host)
+        self.worker = ThreadPoolExecutor(1, thread_name_prefix="stemlm-host-shards")
+        self.stream = torch.cuda.Stream(device) if self.cuda else None
+        self.pending: dict[int, Future] = {}
+        self.last_window = -1
+        self.work_s = self.wait_s = 0.0
 
     def host_bytes(self, optimizer: torch.optim.Optimizer | None = None) -> tuple[int, int]:
         """(bytes of this rank's host shards, bytes of their optimizer state)."""
+        self.sync()
         tables = sum(p.numel() * p.element_size() for p in self.shards.values())
         state = 0
         if optimizer is not None:
+            inner = getattr(optimizer, "inner", optimizer)
             state = sum(
-                t.numel() * t.element_size() for s in optimizer.state.values() for t in s.values() if torch.is_tensor(t)
+                t.numel() * t.element_size() for s in inner.state.values() for t in s.values() if torch.is_tensor(t)
             )
         return tables, state
 
+    # ----- the exchange with host shards -----
+    def _serve(self, plan: RowPlan) -> torch.Tensor:
+        self.sync()  # an evaluation lookup: no queued update may be writing the shards
+        return self._read_rows(plan.local_rows)[0]
 
-class _FetchHostRows(torch.autograd.Function):
-    """`ShardedTables`' row exchange with host shards: rows host -> device, gradients device -> host."""
+    def _read_rows(self, local_rows: torch.Tensor) -> tuple[torch.Tensor, object]:
+        """The rows to serve, on the device: (rows, CUDA event after the copy or None)."""
+        local_rows = local_rows.to("cpu")
+        parts = [self.shard(i).detach().index_select(0, local_rows) for i in self.layers]
+        if not self.cuda:
+            return torch.cat(parts, dim=1), None
+        staging = torch.empty(
+            (local_rows.numel(), sum(p.shape[1] for p in parts)), dtype=parts[0].dtype, pin_memory=True
+        )
+        torch.cat(parts, dim=1, out=staging)
+        with torch.cuda.stream(self.stream):
+            rows = staging.to(self.device, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record(self.stream)
+        return rows, event
 
-    @staticmethod
-    def forward(ctx, tables: HostShardedTables, plan: RowPlan, *shards: torch.Tensor):
-        ctx.tables, ctx.plan = tables, plan
-        ctx.shapes = [s.shape for s in shards]
-        ctx.widths = [s.shape[1] for s in shards]
-        ctx.master_dtype = shards[0].dtype
-        local_rows = plan.local_rows.to("cpu")
-        served = torch.cat([s.index_select(0, local_rows) for s in shards], dim=1)
-        served = served.to(plan.positions.device, non_blocking=served.is_pinned())
-        device_type = served.device.type
-        if torch.is_autocast_enabled(device_type):  # as ShardedTables: rows cross in the autocast dtype
-            served = served.to(torch.get_autocast_dtype(device_type))
-        got = all_to_all_rows(served, plan.recv_counts, plan.send_counts, tables.group, tables.comm, "rows")
-        if len(shards) == 1:
-            return (got,)
-        return tuple(part.contiguous() for part in got.split(ctx.widths, dim=1))
+    def _to_master(self, grads: torch.Tensor, dtype: torch.dtype, plan: RowPlan) -> tuple[torch.Tensor, torch.Tensor]:
+        return grads.to("cpu", dtype), plan.local_rows.to("cpu")
 
-    @staticmethod
-    def backward(ctx, *grads: torch.Tensor):
-        tables, plan = ctx.tables, ctx.plan
-        grad = torch.cat(grads, dim=1)
-        if tables.reduce == "mean" and tables.world_size > 1:
-            grad = grad / tables.world_size
-        back = all_to_all_rows(grad, plan.send_counts, plan.recv_counts, tables.group, tables.comm, "grads")
-        back, indices = back.to("cpu", ctx.master_dtype), plan.local_rows.to("cpu")[None]
-        shard_grads = [
-            torch.sparse_coo_tensor(indices, part.contiguous(), shape, check_invariants=False)
-            for part, shape in zip(back.split(ctx.widths, dim=1), ctx.shapes, strict=True)
-        ]
-        return (None, None, *shard_grads)
+    def _shard_device(self) -> torch.device:
+        return torch.device("cpu")
+
+    # ----- look-ahead -----
+    def _timed(self, fn: Callable, *args) -> Future:
+        def job():
+            start = time.perf_counter()
+            try:
+                return fn(*args)
+            finally:
+                self.work_s += time.perf_counter() - start
+
+        return self.worker.submit(job)
+
+    def _wait(self, future: Future):
+        start = time.perf_counter()
+        try:
+            return future.result()
+        finally:
+            self.wait_s += time.perf_counter() - start
+
+    def _gather(self, all_ids) -> tuple[RowPlan, torch.Tensor, object]:
+        plan = self.plan_on_host(all_ids, torch.device("cpu"))  # positions go to the device on the trainer's thread
+        rows, event = self._read_rows(plan.local_rows)
+        return plan, rows, event
+
+    def prefetch(self, window: int) -> None:
+        """Queue `window`'s plan and row gather on the worker (behind any queued table update)."""
+        if window not in self.pending:
+            self.pending[window] = self._timed(self._gather, self.ids_for(window))
+
+    def start_window(self, window: int, dtype: torch.dtype | None = None) -> PendingRows:
+        self.prefetch(window)
+        plan, rows, event = self._wait(self.pending.pop(window))
+        self.last_window = window
+        if event is not None:
+            current = torch.cuda.current_stream(self.device)
+            current.wait_event(event)
+            rows.record_stream(current)
+        plan.positions = plan.positions.to(self.device, non_blocking=True)
+        return self._exchange(plan, rows, dtype)
+
+    # ----- the host-side optimizer (stemlm.train.host_tables.AsyncTableOptimizer drives these) -----
+    def wrap(self, optimizer: torch.optim.Optimizer):
+        """The table optimizer stepped on the worker, overlapped with the backbone's (row-sparse ones only)."""
+        from stemlm.train.host_tables import AsyncTableOptimizer
+
+        return AsyncTableOptimizer(self, optimizer)
+
+    def clear_grads(self) -> None:
+        """Nothing to clear here: the shards' gradients are cleared by the update job that consumed them."""
+
+    def sync(self) -> None:
+        """Wait until every queued table update and gather has run."""
+        self._wait(self.worker.submit(lambda: None))
+
+    def overlap(self) -> float | None:
+        return None if self.work_s == 0 else max(0.0, 1.0 - self.wait_s / self.work_s)
+
+    def close(self) -> None:
+        self.sync()
+        self.pending.clear()
+        self.worker.shutdown(wait=True)

@@ -4,10 +4,15 @@ Each of N ranks owns the rows `r` with `r % N == rank` of every token table (str
 ids of a BPE vocabulary spread evenly over the ranks) and the optimizer state of those rows; row `r` is
 local row `r // N` of its owner. One step, per micro-batch:
 
-1. `lookup(input_ids)`: deduplicate the local batch's ids, send each owner the ids it owns (all_to_all of
-   int32 local row indices), owners answer with the rows of every table at once (one all_to_all of
-   [unique ids, sum of widths]). The returned callable is the model's `table_rows` hook, so the model math
-   is untouched: `model(input_ids, labels=..., table_rows=tables.lookup(input_ids))`.
+1. `lookup(input_ids, all_ids)`: deduplicate the local batch's ids; owners answer with the rows of every
+   table at once (one all_to_all of [unique ids, sum of widths]). Who asks whom for which rows is planned
+   on the host from every rank's input ids (`all_ids`, on the CPU: `plan_on_host`, stemlm.dist.row_plan), so
+   the rows are the only collective and nothing is read back from the device; without `all_ids`, `plan`
+   agrees on it with collectives (counts, then int32 local row indices, and a read of the counts). The
+   returned callable is the model's `table_rows` hook, so the model math is untouched:
+   `model(input_ids, labels=..., table_rows=tables.lookup(input_ids, all_ids))`. The trainer splits this into
+   `start_window(k)` (plan and issue the exchange async) and `.rows()` (wait at use), so micro-batch k+1's rows
+   travel while k computes (`bind_windows`; the shards do not change within a step).
    Under autocast the rows travel and are returned in the autocast dtype (bf16: half the bytes, and the FFN
    product stays bf16), their gradients travel back in it too; the owners' shards and updates stay fp32.
 2. backward: the model's gradient for each unique row (already summed over its positions) goes back to
@@ -25,12 +30,14 @@ FSDP and the backbone optimizer never see them. Tests: `python -m pytest tests/d
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
-from stemlm.dist.comm import CommCounter, all_to_all_rows, exchange_counts, group_rank_size
+from stemlm.dist.comm import CommCounter, all_to_all_rows, all_to_all_rows_async, exchange_counts, group_rank_size
+from stemlm.dist.row_plan import plan_arrays
 from stemlm.errors import StemlmError
 from stemlm.model.decoder import check_token_ids
 from stemlm.train.table_optim import flatten_optimizer_state, unflatten_optimizer_state
@@ -108,11 +115,82 @@ class ShardedTables(nn.Module):
             tuple(input_ids.shape), slot[inverse].reshape(input_ids.shape), send_counts, recv_counts, local_rows
         )
 
-    def lookup(self, input_ids: torch.Tensor) -> TableRowsFromShards:
-        """Fetch this micro-batch's rows of every table (collective); pass the result as `table_rows=`."""
-        plan = self.plan(input_ids)
-        rows = _FetchRows.apply(self, plan, *(self.shard(i) for i in self.layers))
-        return TableRowsFromShards(dict(zip(self.layers, rows, strict=True)), plan)
+    def plan_on_host(self, all_ids: Sequence[torch.Tensor], device: torch.device | None = None) -> RowPlan:
+        """The same routing as `plan`, computed alone from every rank's input ids on the CPU (no collective,
+        no device read; see stemlm.dist.row_plan). `all_ids[rank]` are this rank's ids; positions go to
+        `device` (default: the shards' device), the rows to serve stay on the shards' device."""
+        positions, send_counts, recv_counts, local_rows = plan_arrays(
+            all_ids, self.rank, self.world_size, self.vocab_size
+        )
+        device = self._shard_device() if device is None else device
+        return RowPlan(
+            tuple(all_ids[self.rank].shape),
+            torch.from_numpy(positions).to(device, non_blocking=True),
+            send_counts,
+            recv_counts,
+            torch.from_numpy(local_rows).to(self._shard_device(), non_blocking=True),
+        )
+
+    def start_lookup(self, plan: RowPlan, dtype: torch.dtype | None = None) -> PendingRows:
+        """Issue the plan's row exchange without waiting for it (collective, async); `.rows()` of the result is
+        the `table_rows` hook. `dtype`: the dtype the rows travel in (default: the autocast dtype if autocast
+        is on here, else the shards'). The shards must not change until `.rows()` (true within one step)."""
+        return self._exchange(plan, self._serve(plan), dtype)
+
+    def lookup(self, input_ids: torch.Tensor, all_ids: Sequence[torch.Tensor] | None = None) -> TableRowsFromShards:
+        """Fetch this micro-batch's rows of every table (collective); pass the result as `table_rows=`.
+
+        With `all_ids` (every rank's input ids on the CPU, this rank's equal to `input_ids`) the routing is
+        planned on the host (one collective: the rows; the backward adds the gradients'); without, by `plan`.
+        """
+        if all_ids is None:
+            plan = self.plan(input_ids)
+        else:
+            if tuple(all_ids[self.rank].shape) != tuple(input_ids.shape):
+                raise StemlmError(
+                    f"all_ids[{self.rank}] has shape {list(all_ids[self.rank].shape)} but input_ids "
+                    f"{list(input_ids.shape)}: pass this rank's input ids at index rank"
+                )
+            plan = self.plan_on_host(all_ids, input_ids.device)
+        return self.start_lookup(plan).rows()
+
+    # ----- look-ahead over training windows (the trainer's micro-batches) -----
+    def bind_windows(
+        self, ids_for: Callable[[int], Sequence[torch.Tensor]], windows_per_step: int, device: torch.device
+    ) -> None:
+        """`ids_for(window)`: every rank's input ids (CPU) of training micro-batch `window`."""
+        self.ids_for, self.windows_per_step, self.compute_device = ids_for, windows_per_step, device
+
+    def prefetch(self, window: int) -> None:
+        """Prepare `window`'s rows ahead (device shards: nothing to prepare; the plan is cheap host work)."""
+
+    def start_window(self, window: int, dtype: torch.dtype | None = None) -> PendingRows:
+        """Plan `window` on the host and issue its row exchange (async); see `start_lookup`."""
+        return self.start_lookup(self.plan_on_host(self.ids_for(window), self.compute_device), dtype)
+
+    def _shard_device(self) -> torch.device:
+        return self.shard(self.layers[0]).device
+
+    def _serve(self, plan: RowPlan) -> torch.Tensor:
+        """[sum(recv_counts), sum of widths]: the rows this rank serves, on the exchange device."""
+        local_rows = plan.local_rows.to(self._shard_device())
+        return torch.cat([self.shard(i).detach().index_select(0, local_rows) for i in self.layers], dim=1)
+
+    def _exchange(self, plan: RowPlan, served: torch.Tensor, dtype: torch.dtype | None) -> PendingRows:
+        device_type = served.device.type
+        if dtype is None and torch.is_autocast_enabled(device_type):
+            dtype = torch.get_autocast_dtype(device_type)
+        if dtype is not None:
+            # Under autocast the rows cross ranks and enter the FFN product in the autocast dtype (half the
+            # bytes); the owners keep their fp32 master rows and receive the gradients back as fp32.
+            served = served.to(dtype)
+        got, work = all_to_all_rows_async(served, plan.recv_counts, plan.send_counts, self.group, self.comm, "rows")
+        return PendingRows(self, plan, got, work, served)
+
+    def _to_master(self, grads: torch.Tensor, dtype: torch.dtype, plan: RowPlan) -> tuple[torch.Tensor, torch.Tensor]:
+        """(gradient rows received by this owner, in the shards' dtype and place; their local row indices)."""
+        device = self._shard_device()
+        return grads.to(device, dtype), plan.local_rows.to(device)
 
     # ----- gathering and loading (for checkpoints and evaluation) -----
     def gather_rows(self, local: torch.Tensor) -> torch.Tensor:
@@ -233,22 +311,36 @@ class TableRowsFromShards:
         return self.rows[layer_idx][self.plan.positions]
 
 
-class _FetchRows(torch.autograd.Function):
-    """Rows of every shard for the plan's unique ids; backward sends their gradients to the owners."""
+class PendingRows:
+    """One micro-batch's row exchange, issued and possibly still in flight; `rows()` waits and returns the hook."""
+
+    def __init__(self, tables: ShardedTables, plan: RowPlan, got: torch.Tensor, work, served: torch.Tensor) -> None:
+        self.tables, self.plan, self.got, self.work = tables, plan, got, work
+        self.served = served  # the send buffer must outlive the exchange
+
+    def wait(self) -> torch.Tensor:
+        if self.work is not None:
+            self.work.wait()
+            self.work, self.served = None, None
+        return self.got
+
+    def rows(self) -> TableRowsFromShards:
+        """Wait for the exchange; the rows, connected to the shards for the backward's gradient exchange."""
+        tables = self.tables
+        rows = _ExchangedRows.apply(tables, self, *(tables.shard(i) for i in tables.layers))
+        return TableRowsFromShards(dict(zip(tables.layers, rows, strict=True)), self.plan)
+
+
+class _ExchangedRows(torch.autograd.Function):
+    """The exchanged rows of every shard (forward: wait for them); backward sends their gradients to the owners."""
 
     @staticmethod
-    def forward(ctx, tables: ShardedTables, plan: RowPlan, *shards: torch.Tensor):
-        ctx.tables, ctx.plan = tables, plan
+    def forward(ctx, tables: ShardedTables, pending: PendingRows, *shards: torch.Tensor):
+        ctx.tables, ctx.plan = tables, pending.plan
         ctx.shapes = [s.shape for s in shards]
         ctx.widths = [s.shape[1] for s in shards]
         ctx.master_dtype = shards[0].dtype
-        served = torch.cat([s.index_select(0, plan.local_rows) for s in shards], dim=1)
-        device_type = served.device.type
-        if torch.is_autocast_enabled(device_type):
-            # Under autocast the rows cross ranks and enter the FFN product in the autocast dtype (half the
-            # bytes); the owners keep their fp32 master rows and receive the gradients back as fp32 below.
-            served = served.to(torch.get_autocast_dtype(device_type))
-        got = all_to_all_rows(served, plan.recv_counts, plan.send_counts, tables.group, tables.comm, "rows")
+        got = pending.wait()
         if len(shards) == 1:
             return (got,)
         return tuple(part.contiguous() for part in got.split(ctx.widths, dim=1))
@@ -260,8 +352,8 @@ class _FetchRows(torch.autograd.Function):
         if tables.reduce == "mean" and tables.world_size > 1:
             grad = grad / tables.world_size
         back = all_to_all_rows(grad, plan.send_counts, plan.recv_counts, tables.group, tables.comm, "grads")
-        back = back.to(ctx.master_dtype)
-        indices = plan.local_rows[None]
+        back, local_rows = tables._to_master(back, ctx.master_dtype, plan)
+        indices = local_rows[None]
         shard_grads = [
             torch.sparse_coo_tensor(indices, part.contiguous(), shape, check_invariants=False)
             for part, shape in zip(back.split(ctx.widths, dim=1), ctx.shapes, strict=True)

@@ -42,6 +42,7 @@ from stemlm.train.state import (
     STATE_FORMAT,
     STATE_NAME,
     TRAIN_PRODUCER,
+    _class_name,
     capture_rng,
     checkpoint_dir,
     load_optimizer_state,
@@ -147,7 +148,7 @@ def optimizer_state_for_dcp(
     metas = []
     for k, opt in enumerate(optimizers):
         flat, meta = flatten_optimizer_state(opt.state_dict())
-        metas.append({**meta, "class": type(opt).__name__})
+        metas.append({**meta, "class": _class_name(opt)})
         for name in sorted(flat):  # the same order on every rank: the conversions below are collective
             key, value = f"opt{k}.{name}", flat[name]
             param = _param_of(key, params)

@@ -8,16 +8,19 @@ Every rank builds the same model from the same seed (or reads the same checkpoin
   optimizer so the backbone optimizer never sees them) and stepped by the table optimizer on the shards;
 - the backbone is replicated with DDP (`parallel="ddp"`) or sharded with FSDP2 (`"fsdp"`: `fully_shard` per
   decoder layer, then the root).
-The global batch is the 1-process batch: each micro-batch is the same `sample_batch(seed, step)` draw and rank
-r takes rows [r * b, (r + 1) * b), b = batch_size / N. DDP / FSDP2 average the backbone gradients and the
-tables divide theirs by N, so N processes train the same model as one (up to float rounding); the MoE
-balancing loss is the exception (its batch statistics are per rank). Gradients are synchronised on the last
-micro-batch only (DDP `no_sync`, FSDP2 `set_requires_gradient_sync(False)` before it); one clip covers the
-backbone (replicated or sharded) and the table shards. With `--train tables` the backbone is frozen before any
-wrapping: only adapter gates (if any) go through DDP / FSDP2, and a backbone with nothing to learn is not wrapped
-at all (tests/dist/test_train_tables_dist.py). Rank 0 alone writes the run folder, metrics and progress;
-each step's table traffic, summed over ranks, is logged as `table_bytes_sent` (and `/counts`, `/ids`, `/rows`,
-`/grads`). Checkpoints: `stemlm.train.dist_checkpoint` (they resume on any number of processes).
+The global batch is the 1-process batch: each micro-batch is the same `sample_batch(seed, step)` draw and rank r
+takes rows [r * b, (r + 1) * b), b = batch_size / N. With sharded tables every rank reads the whole micro-batch's
+windows (B x (T+1) tokens; it computes on its rows only): every rank's ids plan the table exchange on the host, so
+a micro-batch costs two collectives (rows forward, gradients backward) and no device read, and micro-batch k+1's
+rows are exchanged (async) while k computes. DDP / FSDP2 average the backbone gradients and the tables divide
+theirs by N, so N processes train the same model as one (up to float rounding); the MoE balancing loss is the
+exception (its batch statistics are per rank). Gradients are synchronised on the last micro-batch only (DDP
+`no_sync`, FSDP2 `set_requires_gradient_sync(False)` before it); one clip covers the backbone (replicated or
+sharded) and the table shards. With `--train tables` the backbone is frozen before any wrapping: only adapter gates
+(if any) go through DDP / FSDP2, and a backbone with nothing to learn is not wrapped at all
+(tests/dist/test_train_tables_dist.py). Rank 0 alone writes the run folder, metrics and progress; each step's table
+traffic, summed over ranks, is logged as `table_bytes_sent` (and `/rows`, `/grads`). Checkpoints:
+`stemlm.train.dist_checkpoint` (they resume on any number of processes).
 
 A failing rank ends the job: torchrun then stops the others, and a rank blocked in a collective gives up
 after `cfg.dist_timeout` seconds. Fault injection for tests: `STEMLM_FAULT_EXIT=RANK:STEP` makes that rank
@@ -55,7 +58,7 @@ from stemlm.train.table_optim import clip_grad_norm_mixed, make_table_optimizer,
 from stemlm.train.trainer import FaultInjection, Trainer, default_run_dir
 
 FAULT_ENV = "STEMLM_FAULT_EXIT"
-TRAFFIC_KINDS = ("counts", "ids", "rows", "grads")
+TRAFFIC_KINDS = ("rows", "grads")  # the routing is planned on the host: no count or id messages
 
 
 class DistributedTrainer(Trainer):
@@ -112,7 +115,7 @@ class DistributedTrainer(Trainer):
         from torch.distributed.device_mesh import init_device_mesh
 
         self.mesh = init_device_mesh(self.device.type, (self.dist.world_size,))
-        self.tables = None
+        self.tables, self._batches = None, {}
         if model.stem_tables():
             self.tables = HostShardedTables(model, self.device) if self.cfg.tables == "host" else ShardedTables(model)
             if isinstance(self.tables, ShardedTables):  # host shards too: the hook is device-agnostic
@@ -171,8 +174,13 @@ class DistributedTrainer(Trainer):
             )
             for group in table_opt.param_groups:
                 group.update(name="tables", peak_lr=cfg.table_peak_lr)
-            optimizers.append(table_opt)
+            self.tables.bind_windows(self._rank_ids, cfg.grad_accum, self.device)
+            optimizers.append(self.tables.wrap(table_opt) if self._host_shards else table_opt)
         return optimizers
+
+    @property
+    def _host_shards(self) -> bool:
+        return isinstance(self.tables, HostShardedTables)
 
     def _make_host_tables(self):
         return None  # --tables host: the row shards themselves live on the host (HostShardedTables)
@@ -200,8 +208,20 @@ class DistributedTrainer(Trainer):
         return super()._make_logger() if self.is_main else _QuietLogger()
 
     # ----- one step -----
-    def _table_kwargs(self, x: torch.Tensor) -> dict[str, Any]:
-        return {} if self.tables is None else {"table_rows": self.tables.lookup(x)}
+    def _global_batch(self, window: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Micro-batch `window` of the global batch (CPU), read once: every rank's input ids plan the table
+        exchange on the host (stemlm.dist.row_plan), this rank's rows are its inputs and targets."""
+        if window not in self._batches:
+            for old in [w for w in self._batches if w < window - self.cfg.grad_accum]:
+                del self._batches[old]  # windows of a step cut short, or long gone
+            cfg = self.cfg
+            self._batches[window] = self.train_data.sample_batch(
+                cfg.batch_size, cfg.seq_len, seed=cfg.seed, step=window
+            )
+        return self._batches[window]
+
+    def _rank_ids(self, window: int) -> list[torch.Tensor]:
+        return list(self._global_batch(window)[0].split(self.local_batch))
 
     def _sync(self, last: bool):
         """Synchronise gradients on the last micro-batch only."""
@@ -213,17 +233,35 @@ class DistributedTrainer(Trainer):
         return contextlib.nullcontext() if last else self.net.no_sync()
 
     def _accumulate_gradients(self, step: int) -> tuple[list[float], list[float], bool]:
-        cfg, n = self.cfg, self.dist.world_size
+        cfg, n, tables = self.cfg, self.dist.world_size, self.tables
         rows = slice(self.dist.rank * self.local_batch, (self.dist.rank + 1) * self.local_batch)
-        stats, has_aux = [], False
+        first = step * cfg.grad_accum
+        stats, has_aux, pending = [], False, None
+        if tables is not None:
+            # The table exchange is planned on the host (no collective, no device read) and issued one micro-batch
+            # ahead: window k+1's rows travel while k computes (the shards do not change within a step). Host
+            # shards also gather two windows ahead on their worker.
+            for window in range(first, first + min(2, cfg.grad_accum)):
+                tables.prefetch(window)
+            with self.autocast():
+                pending = tables.start_window(first)
         for k in range(cfg.grad_accum):
-            x, y = self.train_data.sample_batch(
-                cfg.batch_size, cfg.seq_len, seed=cfg.seed, step=step * cfg.grad_accum + k, rows=rows
-            )  # this rank's rows only: no rank reads the others' windows
+            window = first + k
+            if tables is None:  # this rank's rows only: no rank reads the others' windows
+                x, y = self.train_data.sample_batch(cfg.batch_size, cfg.seq_len, seed=cfg.seed, step=window, rows=rows)
+            else:
+                x, y = (t[rows] for t in self._batches.pop(window, None) or self._global_batch(window))
             x, y = x.to(self.device), y.to(self.device)
             with self._sync(k == cfg.grad_accum - 1):
                 with self.autocast():
-                    out = self.net(x, labels=y, loss_chunk=cfg.loss_chunk, **self._table_kwargs(x))
+                    kwargs = {}
+                    if tables is not None:
+                        kwargs["table_rows"] = pending.rows()
+                        if k + 2 < cfg.grad_accum:
+                            tables.prefetch(window + 2)
+                        if k + 1 < cfg.grad_accum:
+                            pending = tables.start_window(window + 1)
+                    out = self.net(x, labels=y, loss_chunk=cfg.loss_chunk, **kwargs)
                 loss = out.loss if self.fault_injection is None else self.fault_injection(step + 1, out.loss)
                 aux = out.aux_loss.float() if out.aux_loss is not None else None
                 has_aux = aux is not None
@@ -288,13 +326,18 @@ class DistributedTrainer(Trainer):
         self.model.eval()
         windows = self.heldout_data.iter_eval_windows(cfg.seq_len, cfg.eval_batches * cfg.batch_size, cfg.batch_size)
         for x, y in windows:
-            part_x, part_y = x.tensor_split(n)[rank], y.tensor_split(n)[rank]
-            weight = 1.0
-            if part_x.shape[0] == 0:  # a short last batch: this rank still takes part in the collectives
-                part_x, part_y, weight = x[:1], y[:1], 0.0
+            # A short last batch: a rank without rows still takes part in the collectives, on x[:1] at weight 0.
+            parts = [
+                (p, q, 1.0) if p.shape[0] else (x[:1], y[:1], 0.0)
+                for p, q in zip(x.tensor_split(n), y.tensor_split(n), strict=True)
+            ]
+            part_x, part_y, weight = parts[rank]
             part_x, part_y = part_x.to(self.device), part_y.to(self.device)
             with self.autocast():
-                out = self.model(part_x, labels=part_y, **self._table_kwargs(part_x))
+                kwargs = {}
+                if self.tables is not None:  # every rank's ids are here: the exchange is planned on the host
+                    kwargs["table_rows"] = self.tables.lookup(part_x, all_ids=[p[0] for p in parts])
+                out = self.model(part_x, labels=part_y, **kwargs)
             totals += torch.tensor([out.loss.item() * part_y.numel(), part_y.numel()], dtype=torch.float64) * weight
         self.model.train()
         totals = totals.to(self.device)
@@ -303,6 +346,8 @@ class DistributedTrainer(Trainer):
 
     # ----- checkpoints -----
     def save(self) -> Path:
+        if self._host_shards:
+            self.tables.sync()  # the queued table update lands before the shards are read
         return save_distributed_checkpoint(self)
 
     def _load_optimizer_state(self, ckpt: Path, state: dict[str, Any]) -> None:
@@ -311,15 +356,17 @@ class DistributedTrainer(Trainer):
     def fit(self) -> dict[str, Any]:
         result = super().fit()
         result.update(world_size=self.dist.world_size, parallel=self.cfg.parallel)
-        if isinstance(self.tables, HostShardedTables):
+        if self._host_shards:
             tables, state = self.tables.host_bytes(self.optimizers[-1])
             result.update(tables="host", device_bytes_saved=tables + state, host_table_bytes=tables)
-            result.update(host_optimizer_bytes=state, host_overlap=None)  # per rank; fetched on demand
+            result.update(host_optimizer_bytes=state, host_overlap=self.tables.overlap())  # this rank's
         return result
 
     def finish(self, checkpoint: str | Path | None = None) -> None:
         """Leave the process group; on rank 0, replace `model` by the unsharded one from `checkpoint`
         (e.g. the final one) so the caller can generate or evaluate with it."""
+        if self._host_shards:
+            self.tables.close()
         destroy_distributed()
         if checkpoint is not None and self.is_main:
             self.model = from_pretrained(checkpoint, device=self.device).eval()
