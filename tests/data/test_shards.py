@@ -80,3 +80,42 @@ def test_too_little_data_errors(tok, tmp_path):
         build_shard([], tok, cache_dir=tmp_path)
     with pytest.raises(StemlmError, match="not a stemlm token shard"):
         TokenDataset.from_file(tmp_path / "missing.uint16.bin")
+
+
+def test_epoch_sampling_reads_every_aligned_window_once_per_epoch():
+    # Token i at position i: a window's first token is its start.
+    dataset = TokenDataset(np.arange(203, dtype=np.uint16), sampling="epoch")
+    seq_len, batch = 8, 5
+    total = (dataset.num_tokens - 1) // seq_len  # 25 aligned windows
+    epochs = []
+    for epoch in range(2):
+        starts = []
+        for step in range(epoch * 5, epoch * 5 + 5):
+            x, y = dataset.sample_batch(batch, seq_len, seed=4, step=step)
+            assert torch.equal(x, x[:, :1] + torch.arange(seq_len)) and torch.equal(y, x + 1)
+            starts += x[:, 0].tolist()
+            part, _ = dataset.sample_batch(batch, seq_len, seed=4, step=step, rows=slice(1, 3))  # a rank's rows
+            assert torch.equal(part, x[1:3])
+        assert sorted(starts) == list(range(0, total * seq_len, seq_len))  # each window once per epoch
+        epochs.append(starts)
+    assert epochs[0] != epochs[1] and epochs[0] != sorted(epochs[0])  # a fresh, shuffled order each epoch
+    other_seed = [dataset.sample_batch(batch, seq_len, seed=5, step=s)[0][:, 0].tolist() for s in range(5)]
+    assert sum(other_seed, []) != epochs[0]
+    with pytest.raises(StemlmError, match="windows"):
+        dataset.sample_batch(total + 1, seq_len, seed=0, step=0)
+    with pytest.raises(StemlmError, match="sampling"):
+        TokenDataset(dataset.tokens, sampling="shuffled")
+
+
+def test_sampling_choice_per_data_kind(tmp_path):
+    from stemlm.train.config import TrainConfig
+    from stemlm.train.data import resolve_sampling
+
+    assert resolve_sampling(TrainConfig()) == "uniform"  # the embedded corpus keeps the published figures' draws
+    assert resolve_sampling(TrainConfig(data=["x.txt"], sampling="epoch")) == "epoch"
+    (tmp_path / "manifest.json").write_text("{}")  # a prepared folder is recognised by its manifest
+    assert resolve_sampling(TrainConfig(data=[str(tmp_path)])) == "epoch"
+    with pytest.raises(StemlmError, match="per epoch only"):
+        resolve_sampling(TrainConfig(data=[str(tmp_path)], sampling="uniform"))
+    with pytest.raises(StemlmError, match="sampling must be one of"):
+        TrainConfig(sampling="shuffled")

@@ -39,7 +39,7 @@ from .conftest import VOCAB, model_config, train_config
 TOL = 1e-5
 # name -> (ffn, training overrides); grad_accum 2 exercises no_sync / set_requires_gradient_sync(False).
 FITS = {
-    "stem-ddp": ("stem", dict(parallel="ddp", table_optim="adamw", grad_accum=2)),
+    "stem-ddp": ("stem", dict(parallel="ddp", table_optim="adamw", grad_accum=2, traffic_every=4)),
     "stem-fsdp": ("stem", dict(parallel="fsdp", table_optim="lazy_adamw")),
     "dense-ddp": ("dense", dict(parallel="ddp")),
     "dense-fsdp": ("dense", dict(parallel="fsdp", grad_accum=2)),
@@ -247,10 +247,20 @@ def test_table_bytes_per_step_are_logged(runs, dist_assets, dist_cache, name):
     records = train_records(runs / "two" / name)
     overrides = {**FITS, **BF16_FITS}[name][1]
     row_bytes = 2 if overrides.get("dtype") == "bf16" else 4  # bf16 autocast: rows and gradients travel in bf16
-    for record in records:
-        expected = expected_traffic(dist_assets, record["step"] - 1, overrides.get("grad_accum", 1), width, row_bytes)
+    every, last = overrides.get("traffic_every", 10), records[-1]["step"]
+    logged = [r for r in records if "table_bytes_sent" in r]  # every `traffic_every` steps and the last
+    assert [r["step"] for r in logged] == [r["step"] for r in records if r["step"] % every == 0 or r["step"] == last]
+    since = 0
+    for record in logged:
+        steps = range(since, record["step"])  # the 0-based steps since the previous traffic record
+        expected = {"rows": 0, "grads": 0}
+        for step in steps:
+            for k, v in expected_traffic(dist_assets, step, overrides.get("grad_accum", 1), width, row_bytes).items():
+                expected[k] += v
         assert {k: record[f"table_bytes_sent/{k}"] for k in expected} == expected
         assert record["table_bytes_sent"] == sum(expected.values())
+        assert record["table_traffic_steps"] == len(steps)
+        since = record["step"]
     assert "table_bytes_sent" not in train_records(runs / "two" / "dense-ddp")[0]
 
 
@@ -305,9 +315,10 @@ def test_collectives_and_reads_per_micro_batch_and_per_step(runs):
         per_step = {k: counts[1][k] - per_micro[k] for k in ("collectives", "reads")}
         # Per micro-batch: the table exchange only (rows forward, gradients backward; planned on the host, so no
         # count or id exchange and no read). Per step: one all_reduce of every micro-batch's loss and finiteness,
-        # one in the clip (the sharded tables' squared norm), one of the logged table traffic; a read of each.
+        # one in the clip (the sharded tables' squared norm); a read of each. The table traffic is reduced and read
+        # only every `traffic_every` steps (and at the last), not in this step 2 of 3.
         assert per_micro == {"collectives": 2, "reads": 0}, counts
-        assert per_step == {"collectives": 3, "reads": 3}, counts
+        assert per_step == {"collectives": 2, "reads": 2}, counts
         assert counts[3]["coalesced"] and counts[1]["coalesced"]  # sparse table gradients, summed per row
 
 

@@ -127,3 +127,26 @@ def test_row_sparse_table_optimizer_plugs_in(make_model_config):
     opts = build_optimizers(model, TrainConfig(table_optim="lazy_adamw"))
     assert isinstance(opts[1], LazyAdamW)
     assert all(t.sparse for t in model.stem_tables().values())
+
+
+def test_backbone_adamw_is_foreach_on_cpu_and_equals_the_single_tensor_adamw_bitwise(make_model_config):
+    # Today's CPU numbers are kept: the foreach AdamW the CPU default picks (fused on CUDA) equals the single-tensor
+    # one bit for bit over steps with weight decay and a changing lr.
+    runs = []
+    for foreach in (None, False):
+        model = build_model(make_model_config("dense"), seed=0)
+        opt = build_optimizers(model, TrainConfig())[0]
+        if foreach is False:
+            for group in opt.param_groups:
+                group["foreach"] = False
+        else:
+            assert all(g["foreach"] is True and not g["fused"] for g in opt.param_groups)
+        gen = torch.Generator().manual_seed(1)
+        for step in range(4):
+            for p in model.parameters():
+                p.grad = torch.randn(p.shape, generator=gen)
+            for group in opt.param_groups:
+                group["lr"] = group["peak_lr"] * (step + 1) / 4
+            opt.step()
+        runs.append([p.detach().clone() for p in model.parameters()])
+    assert all(torch.equal(a, b) for a, b in zip(*runs, strict=True))

@@ -241,3 +241,56 @@ def test_clip_grad_norm_mixed_matches_torch_on_densified_copies():
     big = clip_grad_norm_mixed([a, b], max_norm=100.0)  # below the limit: gradients unchanged
     torch.testing.assert_close(big, torch.tensor(0.5), rtol=1e-5, atol=0)
     torch.testing.assert_close(a.grad, a2.grad)
+
+
+def test_lazy_adamw_foreach_equals_the_per_table_loop_bitwise():
+    # Three tables of different widths, each touching other rows (duplicates included), weight decay on: the
+    # multi-tensor path (CUDA's default) gives bitwise the loop's result on CPU, where torch runs foreach per tensor.
+    gen = torch.Generator().manual_seed(5)
+    shapes = [(V, D), (V, 3), (2 * V, 7)]
+    w0 = [torch.randn(s, generator=gen) for s in shapes]
+    runs = {}
+    for foreach in (False, True):
+        params = [nn.Parameter(w.clone()) for w in w0]
+        opt = make_table_optimizer("lazy_adamw", params, lr=1e-2, weight_decay=0.1, foreach=foreach)
+        step_gen = torch.Generator().manual_seed(6)
+        for step in range(5):
+            for p in params:
+                ids = torch.randint(0, p.shape[0], (4 + step,), generator=step_gen).tolist()
+                p.grad = sparse_rows(ids, torch.randn(len(ids), p.shape[1], generator=step_gen), tuple(p.shape))
+            opt.step()
+        runs[foreach] = [p.data.clone() for p in params] + [
+            t for p in params for t in (opt.state[p]["exp_avg"], opt.state[p]["exp_avg_sq"], opt.state[p]["step"])
+        ]
+    assert all(torch.equal(a, b) for a, b in zip(runs[False], runs[True], strict=True))
+    assert not torch.equal(runs[True][0], w0[0])
+
+
+def test_dense_table_adamw_is_foreach_on_cpu_and_fused_on_cuda():
+    from types import SimpleNamespace
+
+    from stemlm.train.table_optim import fast_optimizer_impl
+
+    opt = make_table_optimizer("adamw", [nn.Parameter(torch.zeros(V, D))], lr=1e-2)
+    assert opt.param_groups[0]["foreach"] is True and not opt.param_groups[0]["fused"]
+    assert fast_optimizer_impl([SimpleNamespace(device=torch.device("cuda"))]) == {"fused": True}
+    mixed = [SimpleNamespace(device=torch.device("cuda")), SimpleNamespace(device=torch.device("cpu"))]
+    assert fast_optimizer_impl(mixed) == {"foreach": True}  # e.g. host tables next to a CUDA backbone
+
+
+def test_clip_grad_norm_mixed_over_dtypes_matches_torch():
+    # fp32 and bf16 dense gradients (one _foreach_norm per device, one _foreach_mul_ per dtype) and a sparse one.
+    torch.manual_seed(4)
+    params = [nn.Parameter(torch.randn(6, 3)), nn.Parameter(torch.randn(8).bfloat16()), nn.Parameter(torch.randn(V, D))]
+    params[0].grad, params[1].grad = torch.randn(6, 3), torch.randn(8).bfloat16()
+    params[2].grad = sparse_rows([2, 9, 2], torch.randn(3, D))
+    copies = [nn.Parameter(p.data.clone()) for p in params]
+    for c, p in zip(copies, params, strict=True):
+        c.grad = p.grad.to_dense() if p.grad.is_sparse else p.grad.clone()
+    expected = torch.sqrt(sum(c.grad.float().square().sum() for c in copies))
+    norm = clip_grad_norm_mixed(params, max_norm=0.3)
+    torch.testing.assert_close(norm, expected, rtol=1e-6, atol=0)
+    coef = 0.3 / (float(expected) + 1e-6)
+    for c, p in zip(copies, params, strict=True):
+        got = p.grad.to_dense() if p.grad.is_sparse else p.grad
+        torch.testing.assert_close(got, (c.grad.float() * coef).to(c.grad.dtype))

@@ -5,9 +5,11 @@ A shard is a flat array of token ids (uint16 when every id fits, else uint32) wi
 cache directory (argument, else `$STEMLM_CACHE/tokens`, else `~/.cache/stemlm/tokens`). The key hashes the
 texts, the separator and the tokenizer's JSON, so a changed corpus or tokenizer never reads a stale shard;
 files are written to a temporary name and renamed, so an interrupted run leaves no half-written shard.
-`TokenDataset.sample_batch` draws windows from an RNG seeded by (seed, step) alone: a run resumed at step k
-sees exactly the batches of an uninterrupted one. `iter_eval_windows` walks fixed, non-overlapping windows
-for held-out evaluation.
+`TokenDataset.sample_batch` picks windows from (seed, step) alone, so a run resumed at step k sees exactly the
+batches of an uninterrupted one: with `sampling="uniform"` (the default) starts drawn uniformly with replacement
+from an RNG seeded by (seed, step); with `sampling="epoch"` every aligned window of seq_len + 1 tokens once per
+epoch, in the seeded Feistel order of prepared shards (`stemlm.data.stream.epoch_windows`, one implementation).
+`iter_eval_windows` walks fixed, non-overlapping windows for held-out evaluation.
 """
 
 from __future__ import annotations
@@ -73,13 +75,23 @@ def build_shard(
     return path, False
 
 
-class TokenDataset:
-    """A flat memory-mapped token array with seeded window sampling for training and evaluation."""
+SAMPLINGS = ("uniform", "epoch")
 
-    def __init__(self, tokens: np.ndarray, path: Path | None = None, from_cache: bool = False) -> None:
+
+class TokenDataset:
+    """A flat memory-mapped token array with seeded window sampling for training and evaluation.
+
+    `sampling` ("uniform" or "epoch", see the module docstring) may be set after construction."""
+
+    def __init__(
+        self, tokens: np.ndarray, path: Path | None = None, from_cache: bool = False, sampling: str = "uniform"
+    ) -> None:
+        if sampling not in SAMPLINGS:
+            raise StemlmError(f"sampling must be one of {', '.join(SAMPLINGS)}, got {sampling!r}")
         self.tokens = tokens
         self.path = path
         self.from_cache = from_cache
+        self.sampling = sampling
 
     @classmethod
     def from_texts(
@@ -123,14 +135,24 @@ class TokenDataset:
     def sample_batch(
         self, batch_size: int, seq_len: int, *, seed: int, step: int, rows: slice | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Random windows as (inputs, targets) LongTensors of shape [batch_size, seq_len] (or only `rows` of it).
+        """Windows as (inputs, targets) LongTensors of shape [batch_size, seq_len] (or only `rows` of it).
 
-        The RNG is derived from (seed, step) only, so the batch at a given step never depends on what was
-        drawn before it (exact resumption); a data-parallel rank reads just its `rows` of the global batch.
+        They depend on (seed, step) only, so the batch at a given step never depends on what was drawn before
+        it (exact resumption); a data-parallel rank reads just its `rows` of the global batch.
         """
         self._check_window(seq_len)
         if batch_size < 1:
             raise StemlmError(f"batch_size must be positive, got {batch_size}")
+        if self.sampling == "epoch":
+            from stemlm.data.stream import epoch_windows
+
+            total = self.num_eval_windows(seq_len)
+            if batch_size > total:
+                raise StemlmError(
+                    f"a batch of {batch_size} windows of {seq_len} tokens needs {batch_size} windows, but the dataset "
+                    f"holds {total}; lower the batch size or seq_len, or add data"
+                )
+            return self._windows(epoch_windows(step, batch_size, total, seed, rows) * seq_len, seq_len)
         if batch_size * seq_len + 1 > self.num_tokens:
             raise StemlmError(
                 f"a batch of {batch_size} x {seq_len} tokens needs at least {batch_size * seq_len + 1} tokens of "

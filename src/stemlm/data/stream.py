@@ -13,7 +13,8 @@ of seq_len + 1 tokens. Sample g of the run (micro-batch `step`, row b: g = step 
 `permute(g mod W)` of epoch g // W, where `permute` is a keyed Feistel bijection on [0, W) (cycle-walking on
 the next power of four) with keys from (seed, epoch): every window once per epoch, a fresh order each epoch,
 O(1) memory, and any sample computable alone, so a resumed run and each rank's slice of the global batch
-read exactly the windows of the uninterrupted single-process run.
+read exactly the windows of the uninterrupted single-process run. `epoch_windows` is that mapping, shared with
+text token shards under `sampling="epoch"` (`stemlm.data.shards.TokenDataset`).
 """
 
 from __future__ import annotations
@@ -122,6 +123,18 @@ def permute(index: np.ndarray, size: int, seed: int, epoch: int) -> np.ndarray:
     return x.astype(np.int64)
 
 
+def epoch_windows(step: int, batch_size: int, total: int, seed: int, rows: slice | None = None) -> np.ndarray:
+    """Window indices in [0, total) of micro-batch `step` (or its `rows`): sample g = step * batch_size + b is
+    window `permute(g mod total)` of epoch g // total (see the module docstring)."""
+    samples = step * batch_size + np.arange(batch_size, dtype=np.int64)[rows if rows is not None else slice(None)]
+    windows = np.empty_like(samples)
+    epochs = samples // total
+    for epoch in np.unique(epochs).tolist():
+        here = epochs == epoch
+        windows[here] = permute(samples[here] % total, total, seed, epoch)
+    return windows
+
+
 class StreamDataset:
     """One split of a prepared folder: memory-mapped tokens with epoch-wise sampling and evaluation windows."""
 
@@ -160,13 +173,7 @@ class StreamDataset:
                 f"a batch of {batch_size} windows of {seq_len} tokens needs {batch_size} windows, but {self.path} "
                 f"holds {total}; lower the batch size or seq_len, or add data"
             )
-        samples = step * batch_size + np.arange(batch_size, dtype=np.int64)[rows if rows is not None else slice(None)]
-        windows = np.empty_like(samples)
-        epochs = samples // total
-        for epoch in np.unique(epochs).tolist():
-            here = epochs == epoch
-            windows[here] = permute(samples[here] % total, total, seed, epoch)
-        return self._windows(windows, seq_len)
+        return self._windows(epoch_windows(step, batch_size, total, seed, rows), seq_len)
 
     def iter_eval_windows(
         self, seq_len: int, max_windows: int | None = None, batch_size: int = 8

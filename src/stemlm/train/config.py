@@ -51,6 +51,7 @@ DEVICES = ("auto", "cpu", "cuda")
 PARALLEL = ("ddp", "fsdp")
 TABLE_PLACES = ("device", "host")
 KEEP_OPTIMIZER = ("newest", "all")
+SAMPLING = ("auto", "epoch", "uniform")
 
 TRAINABLE = ("all", "tables")
 
@@ -77,6 +78,11 @@ class TrainConfig:
     # to be learnt (53 European countries got ~23 exposures each in 200 steps and were not); []: all of fact_region
     fact_countries: list[str] = dataclasses.field(default_factory=lambda: list(FACT_COUNTRIES))
     fact_relations: list[str] = dataclasses.field(default_factory=lambda: ["capital"])
+    # window sampling: epoch = every aligned window once per epoch in a seeded order (stemlm.data.stream.permute);
+    # uniform = any start, with replacement; auto = epoch for prepared shards, uniform for text and the embedded
+    # corpus (what every published figure of those, the default run's included, was measured with)
+    sampling: str = "auto"
+    prefetch: int = 2  # micro-batches read ahead on a worker thread (stemlm.train.prefetch); 0: read in the step
     seq_len: int = 256
     batch_size: int = 8  # sequences per micro-batch
     grad_accum: int = 1  # micro-batches per optimizer step
@@ -113,6 +119,7 @@ class TrainConfig:
     keep_optimizer_state: str = "newest"  # newest: only the newest checkpoint keeps optimizer state (resume); all
     spike_factor: float = 1.5  # a loss above spike_factor x the rolling median counts as a spike
     spike_window: int = 50  # steps in the rolling median (spikes count only once it is full)
+    traffic_every: int = 10  # --nproc: steps summed per table-traffic record (one all_reduce each; and the last)
     # --- several processes (stemlm train --nproc N; batch_size stays the global micro-batch, split over N) ---
     parallel: str = "ddp"  # backbone: ddp (replicated) or fsdp (FSDP2, sharded per layer); tables are row-sharded
     dist_timeout: float = 300.0  # seconds a rank waits in a collective for a stalled peer before failing
@@ -141,10 +148,12 @@ class TrainConfig:
             if not cond:
                 raise StemlmError(f"invalid training config: {msg}")
 
-        for name in ("steps", "seq_len", "batch_size", "grad_accum", "eval_batches", "keep_last", "spike_window"):
+        for name in (
+            "steps", "seq_len", "batch_size", "grad_accum", "eval_batches", "keep_last", "spike_window", "traffic_every"
+        ):
             value = getattr(self, name)
             need(_is_int(value) and value > 0, f"{name} must be a positive integer, got {value!r}")
-        for name in ("seed", "eval_every", "save_every", "max_skipped", "loss_chunk"):
+        for name in ("seed", "eval_every", "save_every", "max_skipped", "loss_chunk", "prefetch"):
             value = getattr(self, name)
             need(_is_int(value) and value >= 0, f"{name} must be a non-negative integer, got {value!r}")
         need(
@@ -192,6 +201,7 @@ class TrainConfig:
             self.keep_optimizer_state in KEEP_OPTIMIZER,
             f"keep_optimizer_state must be one of {', '.join(KEEP_OPTIMIZER)}, got {self.keep_optimizer_state!r}",
         )
+        need(self.sampling in SAMPLING, f"sampling must be one of {', '.join(SAMPLING)}, got {self.sampling!r}")
         need(self.parallel in PARALLEL, f"parallel must be one of {', '.join(PARALLEL)}, got {self.parallel!r}")
         from stemlm.train.table_optim import TABLE_OPTIMIZERS
 

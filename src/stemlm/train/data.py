@@ -3,7 +3,10 @@
 `--data DIR` naming a folder written by `stemlm data prepare` streams its memory-mapped shards
 (`stemlm.data.stream`: sampled without replacement per epoch, the folder's tokenizer unless `--tokenizer` says
 otherwise, which must then match it). Anything else (text/jsonl files and folders, or the embedded corpus) is
-read, split and tokenized into a cached shard as before (`stemlm.data.shards`: uniform window draws).
+read, split and tokenized into a cached shard as before (`stemlm.data.shards`). `cfg.sampling` picks how
+training windows are drawn (`resolve_sampling`): prepared shards always per epoch without replacement; text
+uniformly with replacement unless `sampling="epoch"` asks for the shards' per-epoch order (the default `auto`
+keeps text uniform, so the published figures of the embedded corpus stay reproducible).
 
 On N ranks (`load_datasets_distributed`) rank 0 alone reads the manifest or the text and builds the shards;
 the others wait at a broadcast, then open rank 0's files (memory maps: no rank reads text or loads tokens).
@@ -46,9 +49,19 @@ def resolve_tokenizer(cfg: TrainConfig) -> Tokenizer:
     return prepared_tokenizer(folder) if folder is not None else get_tokenizer("default")
 
 
+def resolve_sampling(cfg: TrainConfig) -> str:
+    """The window sampling of the run: "epoch" or "uniform" (`auto`: epoch for prepared shards, else uniform)."""
+    prepared = prepared_folder(cfg) is not None
+    if prepared and cfg.sampling == "uniform":
+        raise StemlmError("prepared shards are sampled per epoch only; use sampling epoch (or auto) with them")
+    if cfg.sampling == "auto":
+        return "epoch" if prepared else "uniform"
+    return cfg.sampling
+
+
 def load_datasets(cfg: TrainConfig, tok: Tokenizer) -> tuple[Any, Any]:
     """(train, heldout or None) datasets of the run; held-out is dropped when too small for one window."""
-    folder = prepared_folder(cfg)
+    folder, sampling = prepared_folder(cfg), resolve_sampling(cfg)
     if folder is not None:
         from stemlm.data.stream import open_prepared
 
@@ -65,6 +78,7 @@ def load_datasets(cfg: TrainConfig, tok: Tokenizer) -> tuple[Any, Any]:
             facts = fact_texts(train.num_tokens, tok, cfg.fact_fraction, countries, cfg.fact_relations, cfg.seed)
             train = TokenDataset.from_texts(train_texts + facts, tok, separator=cfg.separator)
         heldout = TokenDataset.from_texts(heldout_texts, tok, separator=cfg.separator) if heldout_texts else None
+        train.sampling = sampling
     if heldout is not None and heldout.num_tokens < cfg.seq_len + 1:
         heldout = None  # too small for one window: train without held-out evaluation
     return train, heldout
@@ -91,4 +105,6 @@ def load_datasets_distributed(cfg: TrainConfig, tok: Tokenizer, is_main: bool) -
     from stemlm.data import TokenDataset
 
     train_path, heldout_path = message[0]["paths"]
-    return TokenDataset.from_file(train_path), TokenDataset.from_file(heldout_path) if heldout_path else None
+    train = TokenDataset.from_file(train_path)
+    train.sampling = resolve_sampling(cfg)
+    return train, TokenDataset.from_file(heldout_path) if heldout_path else None

@@ -18,9 +18,10 @@ exception (its batch statistics are per rank). Gradients are synchronised on the
 `no_sync`, FSDP2 `set_requires_gradient_sync(False)` before it); one clip covers the backbone (replicated or
 sharded) and the table shards. With `--train tables` the backbone is frozen before any wrapping: only adapter gates
 (if any) go through DDP / FSDP2, and a backbone with nothing to learn is not wrapped at all
-(tests/dist/test_train_tables_dist.py). Rank 0 alone writes the run folder, metrics and progress; each step's table
-traffic, summed over ranks, is logged as `table_bytes_sent` (and `/rows`, `/grads`). Checkpoints:
-`stemlm.train.dist_checkpoint` (they resume on any number of processes).
+(tests/dist/test_train_tables_dist.py). Rank 0 alone writes the run folder, metrics and progress; the table
+traffic, summed over ranks and over the `traffic_every` steps up to the record's (one all_reduce per `traffic_every`
+steps, and at the last step), is logged as `table_bytes_sent` (and `/rows`, `/grads`), with `table_traffic_steps`
+the steps it covers. Checkpoints: `stemlm.train.dist_checkpoint` (they resume on any number of processes).
 
 A failing rank ends the job: torchrun then stops the others, and a rank blocked in a collective gives up
 after `cfg.dist_timeout` seconds. Fault injection for tests: `STEMLM_FAULT_EXIT=RANK:STEP` makes that rank
@@ -77,6 +78,7 @@ class DistributedTrainer(Trainer):
         device = None if cfg.device == "auto" else cfg.device
         self.dist = init_distributed(device=device, timeout_s=cfg.dist_timeout)
         self.local_batch = local_batch_size(cfg.batch_size, self.dist.world_size)
+        self.traffic, self.traffic_steps = dict.fromkeys(TRAFFIC_KINDS, 0), 0  # this rank's, since the last record
         if _resume_from is None and cfg.out is None:
             cfg = cfg.replace(out=self._shared_run_dir(model_config, cfg))
         super().__init__(
@@ -214,10 +216,7 @@ class DistributedTrainer(Trainer):
         if window not in self._batches:
             for old in [w for w in self._batches if w < window - self.cfg.grad_accum]:
                 del self._batches[old]  # windows of a step cut short, or long gone
-            cfg = self.cfg
-            self._batches[window] = self.train_data.sample_batch(
-                cfg.batch_size, cfg.seq_len, seed=cfg.seed, step=window
-            )
+            self._batches[window] = self._prefetched(window, torch.device("cpu"))  # read ahead, pinned on CUDA
         return self._batches[window]
 
     def _rank_ids(self, window: int) -> list[torch.Tensor]:
@@ -231,6 +230,13 @@ class DistributedTrainer(Trainer):
             self.net.set_requires_gradient_sync(last)
             return contextlib.nullcontext()
         return contextlib.nullcontext() if last else self.net.no_sync()
+
+    def _sample(self, window: int) -> tuple[torch.Tensor, torch.Tensor]:
+        # Without sharded tables this rank's rows only: no rank reads the others' windows. With them every rank
+        # reads the whole micro-batch: all ranks' ids plan the exchange (`_global_batch`).
+        cfg, rank = self.cfg, self.dist.rank
+        rows = None if self.tables is not None else slice(rank * self.local_batch, (rank + 1) * self.local_batch)
+        return self.train_data.sample_batch(cfg.batch_size, cfg.seq_len, seed=cfg.seed, step=window, rows=rows)
 
     def _accumulate_gradients(self, step: int) -> tuple[list[float], list[float], bool]:
         cfg, n, tables = self.cfg, self.dist.world_size, self.tables
@@ -247,11 +253,12 @@ class DistributedTrainer(Trainer):
                 pending = tables.start_window(first)
         for k in range(cfg.grad_accum):
             window = first + k
-            if tables is None:  # this rank's rows only: no rank reads the others' windows
-                x, y = self.train_data.sample_batch(cfg.batch_size, cfg.seq_len, seed=cfg.seed, step=window, rows=rows)
+            if tables is None:  # this rank's rows only (`_sample`), read ahead by the prefetcher
+                x, y = self._batch(window)
             else:
                 x, y = (t[rows] for t in self._batches.pop(window, None) or self._global_batch(window))
-            x, y = x.to(self.device), y.to(self.device)
+                pinned = self.device.type == "cuda"  # row views of the prefetcher's pinned global batch
+                x, y = x.to(self.device, non_blocking=pinned), y.to(self.device, non_blocking=pinned)
             with self._sync(k == cfg.grad_accum - 1):
                 with self.autocast():
                     kwargs = {}
@@ -302,19 +309,22 @@ class DistributedTrainer(Trainer):
             self.tables.comm.pop_step()  # drop the held-out evaluation's lookups: count this step's traffic only
         record = super().train_step()
         if self.tables is not None:
-            record.update(self._table_traffic())
+            sent = self.tables.comm.pop_step()  # host-side byte counts: no device read, no collective
+            for kind in TRAFFIC_KINDS:
+                self.traffic[kind] += sent.get(f"table_bytes_sent/{kind}", 0)
+            self.traffic_steps += 1
+            if self.step % self.cfg.traffic_every == 0 or self.step == self.cfg.steps:  # the same on every rank
+                record.update(self._table_traffic())
         return record
 
     def _table_traffic(self) -> dict[str, int]:
-        """This step's bytes sent between ranks for the table exchange, summed over the ranks (collective)."""
-        sent = self.tables.comm.pop_step()
-        counts = torch.tensor([sent.get(f"table_bytes_sent/{kind}", 0) for kind in TRAFFIC_KINDS], dtype=torch.int64)
-        counts = counts.to(self.device)
+        """Bytes sent between ranks for the table exchange since the last record, summed over the ranks (collective)."""
+        counts = torch.tensor([self.traffic[kind] for kind in TRAFFIC_KINDS], dtype=torch.int64).to(self.device)
         dist.all_reduce(counts)
         values = counts.tolist()
-        return {"table_bytes_sent": sum(values)} | {
-            f"table_bytes_sent/{kind}": v for kind, v in zip(TRAFFIC_KINDS, values, strict=True)
-        }
+        record = {"table_bytes_sent": sum(values), "table_traffic_steps": self.traffic_steps}
+        self.traffic, self.traffic_steps = dict.fromkeys(TRAFFIC_KINDS, 0), 0
+        return record | {f"table_bytes_sent/{kind}": v for kind, v in zip(TRAFFIC_KINDS, values, strict=True)}
 
     @torch.no_grad()
     def evaluate(self) -> float | None:

@@ -14,9 +14,12 @@
   tables' peak lr and weight decay: the control that tells "STEM helps" from "a per-token table at lr x10
   helps" (a dense model whose only per-token table gets the same treatment).
 
-Every group carries `peak_lr`; `set_learning_rates(optimizers, step, cfg)` sets `lr = peak_lr * lr_multiplier`
-so the schedule is a pure function of the step (nothing to checkpoint). `clip_gradients` computes the one
-global gradient norm over all parameters (dense and sparse) and clips by it.
+The backbone AdamW and the dense table AdamW take torch's multi-tensor implementation by the parameters' device
+(`fast_optimizer_impl`: `fused` on CUDA, `foreach` elsewhere; on CPU foreach equals the single-tensor AdamW
+bitwise, tests/train/test_optim.py). Every group carries `peak_lr`; `set_learning_rates(optimizers, step, cfg)`
+sets `lr = peak_lr * lr_multiplier` so the schedule is a pure function of the step (nothing to checkpoint).
+`clip_gradients` computes the one global gradient norm over all parameters (dense and sparse, with
+`torch._foreach_norm`) and clips by it.
 """
 
 from __future__ import annotations
@@ -29,7 +32,12 @@ from torch import nn
 from stemlm.errors import StemlmError
 from stemlm.model.decoder import StemLM
 from stemlm.train.config import TrainConfig
-from stemlm.train.table_optim import clip_grad_norm_mixed, make_table_optimizer, use_sparse_table_grads
+from stemlm.train.table_optim import (
+    clip_grad_norm_mixed,
+    fast_optimizer_impl,
+    make_table_optimizer,
+    use_sparse_table_grads,
+)
 
 
 def split_parameters(model: StemLM) -> dict[str, list[nn.Parameter]]:
@@ -76,9 +84,10 @@ def build_optimizers(model: StemLM, cfg: TrainConfig) -> list[torch.optim.Optimi
             {"params": [embed], "weight_decay": cfg.table_wd, "name": "embed", "peak_lr": cfg.table_peak_lr}
         )
     backbone_groups = [g for g in backbone_groups if g["params"]]
-    optimizers: list[torch.optim.Optimizer] = (
-        [torch.optim.AdamW(backbone_groups, lr=cfg.lr, betas=betas, eps=cfg.eps)] if backbone_groups else []
-    )
+    optimizers: list[torch.optim.Optimizer] = []
+    if backbone_groups:
+        impl = fast_optimizer_impl(p for g in backbone_groups for p in g["params"])
+        optimizers.append(torch.optim.AdamW(backbone_groups, lr=cfg.lr, betas=betas, eps=cfg.eps, **impl))
     if parts["tables"]:
         if cfg.table_optim != "adamw":
             use_sparse_table_grads(model)

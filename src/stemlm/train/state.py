@@ -122,8 +122,11 @@ def load_optimizer_state(
         prefix = f"opt{k}."
         # Cloned into fresh, aligned memory rather than views into the file buffer (see Trainer._build_model).
         own = {name[len(prefix) :]: t.clone() for name, t in tensors.items() if name.startswith(prefix)}
+        saved_state = unflatten_optimizer_state(own, meta)
+        for group, h in zip(saved_state["param_groups"], hyper, strict=True):
+            group.update(h)  # before loading: torch places AdamW's step on the device when this run is `fused`
         try:
-            opt.load_state_dict(unflatten_optimizer_state(own, meta))
+            opt.load_state_dict(saved_state)
         except (ValueError, KeyError, RuntimeError) as exc:
             raise StemlmError(f"{where}: optimizer {k} state does not fit this run ({exc})") from None
         for group, h in zip(opt.param_groups, hyper, strict=True):

@@ -19,7 +19,17 @@ chosen by name with `make_table_optimizer(name, params, ...)`:
 The row-sparse optimizers need sparse COO gradients: `use_sparse_table_grads(model)` switches the model's
 tables to `nn.Embedding(sparse=True)`; such gradients accumulate over micro-batches (by concatenation,
 summed at the step) and work under autocast. `torch.nn.utils.clip_grad_norm_` rejects sparse gradients
-(torch 2.13: no sparse `linalg_vector_norm`), hence `clip_grad_norm_mixed`.
+(torch 2.13: no sparse `linalg_vector_norm`), hence `clip_grad_norm_mixed`, which takes the norms of all dense
+pieces (dense gradients, coalesced sparse values, FSDP2 local shards) with one `torch._foreach_norm` per device
+and scales the dense ones with one `torch._foreach_mul_`, as `clip_grad_norm_(foreach=True)` does.
+
+Multi-tensor paths: `fast_optimizer_impl(params)` picks torch AdamW's implementation by where the parameters
+live, `fused` on CUDA, `foreach` elsewhere (on CPU the foreach AdamW gives bitwise the single-tensor result,
+so the CPU numbers are unchanged; fused CPU AdamW rounds differently). `DenseAdamW` takes it; `LazyAdamW`
+(`foreach=None`: by device, as torch decides) runs each group's elementwise moment and weight updates as
+`torch._foreach_*` calls over all its tables' touched rows (row gathers and scatters stay per table); on CPU
+torch runs those per tensor with the same kernels, so foreach and the per-table loop agree bitwise there.
+`rowwise_adagrad`'s per-row work is on [rows] vectors and stays a loop.
 
 Checkpoint state: `flatten_optimizer_state(opt.state_dict())` gives `(tensors, meta)`: tensors keyed
 `state.<param_index>.<name>` (safetensors-ready) and a JSON-able meta (param_groups and non-tensor state);
@@ -122,6 +132,12 @@ def row_sparse_grad(param: torch.Tensor, optimizer: str) -> tuple[torch.Tensor, 
     return grad.indices()[0], grad.values()
 
 
+def fast_optimizer_impl(params: Iterable[torch.Tensor]) -> dict[str, bool]:
+    """torch AdamW's multi-tensor implementation for `params`: {"fused": True} on CUDA, else {"foreach": True}."""
+    params = list(params)
+    return {"fused": True} if params and all(p.device.type == "cuda" for p in params) else {"foreach": True}
+
+
 def _row_state(state: dict, name: str, like: torch.Tensor) -> torch.Tensor:
     # load_state_dict leaves integer "step" tensors where they were loaded; keep them next to the parameter.
     if state[name].device != like.device:
@@ -152,11 +168,13 @@ class LazyAdamW(FlatStateMixin, torch.optim.Optimizer):
         betas: tuple[float, float] = (0.9, 0.999),
         eps: float = 1e-8,
         weight_decay: float = 0.0,
+        foreach: bool | None = None,
     ) -> None:
         _check_hparams(lr, eps, weight_decay)
         if not (0.0 <= betas[0] < 1.0 and 0.0 <= betas[1] < 1.0):
             raise StemlmError(f"betas must lie in [0, 1), got {betas}")
-        super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay))
+        defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, foreach=foreach)
+        super().__init__(params, defaults)
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -166,6 +184,7 @@ class LazyAdamW(FlatStateMixin, torch.optim.Optimizer):
                 loss = closure()
         for group in self.param_groups:
             lr, (beta1, beta2), eps, wd = group["lr"], group["betas"], group["eps"], group["weight_decay"]
+            params, idxs, grads, steps = [], [], [], []
             for p in group["params"]:
                 if p.grad is None:
                     continue
@@ -177,24 +196,58 @@ class LazyAdamW(FlatStateMixin, torch.optim.Optimizer):
                     state["step"] = torch.zeros(p.shape[0], dtype=torch.int64, device=p.device)
                     state["exp_avg"] = torch.zeros_like(p)
                     state["exp_avg_sq"] = torch.zeros_like(p)
-                steps = _row_state(state, "step", p).index_select(0, idx) + 1
-                state["step"].index_copy_(0, idx, steps)
-                w, m, v = (t.index_select(0, idx) for t in (p, state["exp_avg"], state["exp_avg_sq"]))
-                g = g.to(p.dtype)
-                # Same operations, in the same order and precision, as torch's single-tensor AdamW, with the
-                # bias corrections computed per row in float64 (torch computes its scalar ones in Python floats).
-                w.mul_(1 - lr * wd)
-                m.lerp_(g, 1 - beta1)
-                v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
-                s = steps.double()
-                step_size = (lr / (1 - beta1**s)).to(p.dtype)[:, None]
-                bias_correction2_sqrt = (1 - beta2**s).sqrt().to(p.dtype)[:, None]
-                denom = (v.sqrt() / bias_correction2_sqrt).add_(eps)
-                w.add_(m.mul(-step_size).div_(denom))
-                p.index_copy_(0, idx, w)
-                state["exp_avg"].index_copy_(0, idx, m)
-                state["exp_avg_sq"].index_copy_(0, idx, v)
+                row_steps = _row_state(state, "step", p).index_select(0, idx) + 1
+                state["step"].index_copy_(0, idx, row_steps)
+                params.append(p), idxs.append(idx), grads.append(g.to(p.dtype)), steps.append(row_steps)
+            if not params:
+                continue
+            w, m, v = ([t.index_select(0, i) for t, i in zip(ts, idxs, strict=True)] for ts in self._tensors(params))
+            # Same operations, in the same order and precision, as torch's single-tensor AdamW, with the bias
+            # corrections computed per row in float64 (torch computes its scalar ones in Python floats).
+            step_size, bias_correction2_sqrt = [], []
+            for p, row_steps in zip(params, steps, strict=True):
+                s = row_steps.double()
+                step_size.append((lr / (1 - beta1**s)).to(p.dtype)[:, None].neg())
+                bias_correction2_sqrt.append((1 - beta2**s).sqrt().to(p.dtype)[:, None])
+            foreach = group.get("foreach")
+            if foreach is None:
+                foreach = all(p.device.type == "cuda" for p in params)
+            (_adamw_rows_foreach if foreach else _adamw_rows)(
+                w, m, v, grads, step_size, bias_correction2_sqrt, lr=lr, wd=wd, beta1=beta1, beta2=beta2, eps=eps
+            )
+            for p, i, w_rows, m_rows, v_rows in zip(params, idxs, w, m, v, strict=True):
+                p.index_copy_(0, i, w_rows)
+                self.state[p]["exp_avg"].index_copy_(0, i, m_rows)
+                self.state[p]["exp_avg_sq"].index_copy_(0, i, v_rows)
         return loss
+
+    def _tensors(self, params: list[torch.Tensor]) -> tuple[list[torch.Tensor], ...]:
+        """(parameters, first moments, second moments) of `params`, as three lists."""
+        return params, [self.state[p]["exp_avg"] for p in params], [self.state[p]["exp_avg_sq"] for p in params]
+
+
+def _adamw_rows(w, m, v, g, step_size, bc2_sqrt, *, lr, wd, beta1, beta2, eps) -> None:
+    """In place on the gathered rows of each table: decoupled decay, moments, bias-corrected step."""
+    for w_, m_, v_, g_, s_, b_ in zip(w, m, v, g, step_size, bc2_sqrt, strict=True):
+        w_.mul_(1 - lr * wd)
+        m_.lerp_(g_, 1 - beta1)
+        v_.mul_(beta2).addcmul_(g_, g_, value=1 - beta2)
+        denom = (v_.sqrt() / b_).add_(eps)
+        w_.add_(m_.mul(s_).div_(denom))
+
+
+def _adamw_rows_foreach(w, m, v, g, step_size, bc2_sqrt, *, lr, wd, beta1, beta2, eps) -> None:
+    """`_adamw_rows` as multi-tensor calls: one kernel per operation over all tables (on CUDA)."""
+    torch._foreach_mul_(w, 1 - lr * wd)
+    torch._foreach_lerp_(m, g, 1 - beta1)
+    torch._foreach_mul_(v, beta2)
+    torch._foreach_addcmul_(v, g, g, value=1 - beta2)
+    denom = torch._foreach_sqrt(v)
+    torch._foreach_div_(denom, bc2_sqrt)
+    torch._foreach_add_(denom, eps)
+    update = torch._foreach_mul(m, step_size)
+    torch._foreach_div_(update, denom)
+    torch._foreach_add_(w, update)
 
 
 class RowwiseAdagrad(FlatStateMixin, torch.optim.Optimizer):
@@ -259,14 +312,19 @@ def make_table_optimizer(
     betas: tuple[float, float] = (0.9, 0.95),
     eps: float = 1e-8,
     weight_decay: float = 0.0,
+    foreach: bool | None = None,
 ) -> torch.optim.Optimizer:
-    """Build the table optimizer `name` (one of TABLE_OPTIMIZERS); `betas` is ignored by rowwise_adagrad."""
+    """Build the table optimizer `name` (one of TABLE_OPTIMIZERS); `betas` is ignored by rowwise_adagrad.
+
+    `foreach` None picks the multi-tensor path by device (`fast_optimizer_impl`); False forces the single-tensor
+    loop, True the foreach one (rowwise_adagrad has one path)."""
     params = list(params)
     if name == "adamw":
-        # foreach=False: the single-tensor path, identical on every device and the one LazyAdamW mirrors.
-        return DenseAdamW(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, foreach=False)
+        # fused on CUDA, foreach elsewhere (on CPU bitwise the single-tensor path that LazyAdamW mirrors).
+        impl = fast_optimizer_impl(params) if foreach is None else {"foreach": foreach}
+        return DenseAdamW(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, **impl)
     if name == "lazy_adamw":
-        return LazyAdamW(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
+        return LazyAdamW(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, foreach=foreach)
     if name == "rowwise_adagrad":
         return RowwiseAdagrad(params, lr=lr, eps=eps, weight_decay=weight_decay)
     raise StemlmError(f"unknown table optimizer {name!r}; choose one of {', '.join(TABLE_OPTIMIZERS)}")
@@ -287,14 +345,22 @@ def _local_grad(p: torch.Tensor) -> tuple[torch.Tensor, bool]:
     return grad, False
 
 
+def _sum_of_squares(tensors: list[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """Sum of squared entries of `tensors` in float32 on `device`: one `_foreach_norm` per device they sit on."""
+    by_device: dict[torch.device, list[torch.Tensor]] = {}
+    for t in tensors:
+        by_device.setdefault(t.device, []).append(t)
+    total = torch.zeros((), dtype=torch.float32, device=device)
+    for group in by_device.values():
+        norms = torch._foreach_norm(group, 2, dtype=torch.float32)
+        total = total + torch.stack(norms).square().sum().to(device)
+    return total
+
+
 def grad_norm_sq(params: Iterable[torch.Tensor]) -> torch.Tensor:
     """Sum of squared gradient entries held by this rank (float32); sparse gradients are coalesced first."""
-    total = torch.zeros((), dtype=torch.float32)
-    for p in params:
-        if p.grad is not None:
-            values, _ = _local_grad(p)
-            total = total.to(values.device) + values.float().square().sum()
-    return total
+    values = [_local_grad(p)[0] for p in params if p.grad is not None]
+    return _sum_of_squares(values, values[0].device if values else torch.device("cpu"))
 
 
 @torch.no_grad()
@@ -307,27 +373,25 @@ def clip_grad_norm_mixed(
     FSDP2's DTensor gradients with a Shard placement, which are shards; the squared norms of all shards and
     of `sharded_params` (each rank owning different rows, e.g. `ShardedTables.parameters()`) are summed over
     `group` (which must be the FSDP2 mesh's group too). Every rank must call it with the same arguments.
-    Scales like `torch.nn.utils.clip_grad_norm_`: by min(1, max_norm / (norm + 1e-6)).
+    Scales like `torch.nn.utils.clip_grad_norm_`: by min(1, max_norm / (norm + 1e-6)); the norms and the
+    scaling of dense gradients are multi-tensor (`torch._foreach_norm`, `torch._foreach_mul_`).
     """
     params = [p for p in params if p.grad is not None]
     sharded_params = list(sharded_params)
-    grads = [p.grad for p in params + sharded_params if p.grad is not None]
-    device = grads[0].device if grads else torch.device("cpu")  # NCCL needs the all_reduce on the GPU
-    replicated_sq = torch.zeros((), dtype=torch.float32, device=device)
-    sharded_sq = grad_norm_sq(sharded_params).to(device)
     any_shards = bool(sharded_params)  # decided by the arguments, identical on every rank
-    for p in params:
-        values, is_shard = _local_grad(p)
-        sq = values.float().square().sum().to(device)
-        if is_shard:
-            sharded_sq, any_shards = sharded_sq + sq, True
-        else:
-            replicated_sq = replicated_sq + sq
+    sharded_params = [p for p in sharded_params if p.grad is not None]
+    device = (params + sharded_params)[0].grad.device if params or sharded_params else torch.device("cpu")
+    local = [_local_grad(p) for p in params]  # NCCL needs the all_reduce on the GPU: `device` is a gradient's
+    replicated = [values for values, is_shard in local if not is_shard]
+    shards = [values for values, is_shard in local if is_shard] + [_local_grad(p)[0] for p in sharded_params]
+    any_shards = any_shards or bool(shards)  # FSDP2 shards: every rank holds its part of the same parameters
+    replicated_sq, sharded_sq = _sum_of_squares(replicated, device), _sum_of_squares(shards, device)
     if any_shards and torch.distributed.is_available() and torch.distributed.is_initialized():
         torch.distributed.all_reduce(sharded_sq, group=group)
     total = (replicated_sq + sharded_sq).sqrt()
     coef = (max_norm / (total + 1e-6)).clamp(max=1.0)
-    for p in params + [p for p in sharded_params if p.grad is not None]:
+    dense: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
+    for p in params + sharded_params:
         values, _ = _local_grad(p)
         if p.grad.layout == torch.sparse_coo:
             g = p.grad  # rebuilt rather than scaled in place so it stays marked coalesced
@@ -335,5 +399,7 @@ def clip_grad_norm_mixed(
                 g.indices(), values * coef.to(g.device, g.dtype), g.shape, is_coalesced=True, check_invariants=False
             )
         else:
-            values.mul_(coef.to(values.device, values.dtype))  # for a DTensor: its local shard, in place
+            dense.setdefault((values.device, values.dtype), []).append(values)  # a DTensor's local shard: in place
+    for (where, dtype), tensors in dense.items():
+        torch._foreach_mul_(tensors, coef.to(where, dtype))
     return total

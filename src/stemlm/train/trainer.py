@@ -4,19 +4,19 @@
     result = Trainer(model_config, TrainConfig(steps=400, out="runs/x")).fit()
     result = Trainer.resume("runs/x", overrides={"steps": 800}).fit()     # continue, bitwise on CPU
 
-One step: `grad_accum` micro-batches, each the deterministic window batch `sample_batch(seed, step *
-grad_accum + k)`, forward under autocast (fp32 master weights), loss = cross-entropy + aux_loss_coef x MoE aux
-loss, backward of loss / grad_accum; then one global gradient-norm clip over all parameters and a step of every
-optimizer (`stemlm.train.optim`). A non-finite loss or gradient norm skips the update (counted as
-`skipped_steps`; `max_skipped` in a row stop the run with an error); a non-finite loss, or one above
-`spike_factor` x the rolling median of the last `spike_window` losses, is counted as a spike. SIGINT / SIGTERM
-end the run after the current step with a checkpoint of it (`stemlm.train.guard`); checkpoints are also written
-every `save_every` steps and every `save_minutes` of wall time. The data position is the step number and every
-RNG state is checkpointed, so a resumed run reproduces the uninterrupted one. `fault_injection(step, loss) ->
-loss` (Python API only) lets tests poison a step's loss (NaN) or raise to simulate a crash.
-`stemlm.train.distributed.DistributedTrainer` runs this loop on N ranks by overriding the underscored hooks
-(`_build_optimizers`, `_accumulate_gradients`, `_clip_gradients`, `_agree`,
-`_load_optimizer_state`, `_make_logger`) and `is_main`.
+One step: `grad_accum` micro-batches, each the deterministic window batch `sample_batch(seed, step * grad_accum +
+k)` (read `cfg.prefetch` micro-batches ahead on a worker thread: `stemlm.train.prefetch`), forward under autocast
+(fp32 master weights), loss = cross-entropy + aux_loss_coef x MoE aux loss, backward of loss / grad_accum; then
+one global gradient-norm clip over all parameters and a step of every optimizer (`stemlm.train.optim`). A
+non-finite loss or gradient norm skips the update (counted as `skipped_steps`; `max_skipped` in a row stop the run
+with an error); a non-finite loss, or one above `spike_factor` x the rolling median of the last `spike_window`
+losses, is counted as a spike. SIGINT / SIGTERM end the run after the current step with a checkpoint of it
+(`stemlm.train.guard`); checkpoints are also written every `save_every` steps and every `save_minutes` of wall
+time. The data position is the step number and every RNG state is checkpointed, so a resumed run reproduces the
+uninterrupted one. `fault_injection(step, loss) -> loss` (Python API only) lets tests poison a step's loss (NaN)
+or raise to simulate a crash. `stemlm.train.distributed.DistributedTrainer` runs this loop on N ranks by
+overriding the underscored hooks (`_build_optimizers`, `_sample`, `_accumulate_gradients`, `_clip_gradients`,
+`_agree`, `_load_optimizer_state`, `_make_logger`) and `is_main`.
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ from stemlm.model import build_model
 from stemlm.presets import get_preset
 from stemlm.runs import CHECKPOINTS_DIR, STEP_DIR, from_pretrained, resolve_checkpoint
 from stemlm.train.config import TrainConfig, model_config_diff, resolve_device, resolve_dtype, tokenizer_digest
-from stemlm.train.data import load_datasets, resolve_tokenizer
+from stemlm.train.data import load_datasets, resolve_sampling, resolve_tokenizer
 from stemlm.train.guard import DivergenceGuard, StopSignals, check_run_dir
 from stemlm.train.logging import METRICS_NAME, PLOT_NAME, RunLogger, plot_losses
 from stemlm.train.optim import build_optimizers, clip_gradients, freeze_backbone, set_learning_rates
@@ -99,6 +99,7 @@ class Trainer:
                 f"{self.config.max_position_embeddings}"
             )
         self.train_data, self.heldout_data = self._load_data()
+        self.prefetcher = None  # built at the first micro-batch (stemlm.train.prefetch)
         self.train_data.sample_batch(cfg.batch_size, cfg.seq_len, seed=cfg.seed, step=0)  # fails early if too small
         self.optimizers = self._build_optimizers()
         self.step, self.skipped_steps, self.loss_spikes = 0, 0, 0
@@ -213,6 +214,7 @@ class Trainer:
                 "warmup_steps": self.cfg.warmup_steps,
                 "table_peak_lr": self.cfg.table_peak_lr,
                 "tokens_per_step": self.cfg.tokens_per_step,
+                "sampling": resolve_sampling(self.cfg),
                 "train_tokens": self.train_data.num_tokens,
                 "heldout_tokens": self.heldout_data.num_tokens if self.heldout_data else 0,
             },
@@ -361,14 +363,32 @@ class Trainer:
             record["table_lr"] = cfg.table_peak_lr * mult
         return record
 
+    def _sample(self, window: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Micro-batch `window` of the run on the host (this process's rows of it)."""
+        cfg = self.cfg
+        return self.train_data.sample_batch(cfg.batch_size, cfg.seq_len, seed=cfg.seed, step=window)
+
+    def _batch(self, window: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Micro-batch `window` on the device, the next ones being read meanwhile."""
+        return self._prefetched(window, self.device)
+
+    def _prefetched(self, window: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """`_sample(window)` moved to `device`, from the run's prefetcher (pinned on the host when training on CUDA)."""
+        if self.prefetcher is None:
+            from stemlm.train.prefetch import BatchPrefetcher
+
+            cfg, pin = self.cfg, self.device.type == "cuda"
+            end = cfg.steps * cfg.grad_accum
+            self.prefetcher = BatchPrefetcher(self._sample, device, ahead=cfg.prefetch, end=end, pin=pin)
+        return self.prefetcher.get(window)
+
     def _accumulate_gradients(self, step: int) -> tuple[list[float], list[float], bool]:
         """Forward and backward of the step's `grad_accum` micro-batches: (losses, aux losses, all finite)."""
         cfg = self.cfg
         losses, auxes = [], []
         for k in range(cfg.grad_accum):
             window = step * cfg.grad_accum + k
-            x, y = self.train_data.sample_batch(cfg.batch_size, cfg.seq_len, seed=cfg.seed, step=window)
-            x, y = x.to(self.device), y.to(self.device)
+            x, y = self._batch(window)
             rows = {} if self.host_tables is None else {"table_rows": self.host_tables.train_rows(window, x)}
             with self.autocast():
                 out = self.model(x, labels=y, loss_chunk=cfg.loss_chunk, **rows)
@@ -443,6 +463,9 @@ class Trainer:
                 )
         finally:
             logger.close()
+            if self.prefetcher is not None:
+                self.prefetcher.close()
+                self.prefetcher = None
         if self.is_main:
             plot_losses(self.run_dir / METRICS_NAME, self.run_dir / PLOT_NAME, title=self.run_dir.name)
         tokens = cfg.tokens_per_step * self.step
