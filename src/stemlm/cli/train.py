@@ -52,6 +52,8 @@ TRAIN_FLAGS = [
     ("--out", "out", str, "run folder (default runs/<preset>-<ffn>-<timestamp>)"),
     ("--tokenizer", "tokenizer", str, "default | gpt2 | path to a tokenizer.json (default: the default one)"),
     ("--separator", "separator", str, "special token placed after every document (default {})"),
+    ("--sampling", "sampling", str, "epoch, uniform, or auto: epoch for prepared shards, else uniform (default {})"),
+    ("--prefetch", "prefetch", int, "micro-batches read ahead on a worker thread; 0: off (default {})"),
     ("--init-from", "init_from", str, "start from the weights (and tokenizer) of this model checkpoint folder"),
     ("--loss-chunk", "loss_chunk", int, "lm_head + loss this many tokens at a time (no full logits kept); 0: off"),
     ("--train", "trainable", str, "parameters that learn: all, or tables (the backbone frozen) (default {})"),
