@@ -71,11 +71,7 @@ def write_model_files(
     model: StemLM, folder: Path, tokenizer=None, max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES
 ) -> None:
     """Write config, weights (sharded when large) and tokenizer into an existing folder (not atomic by itself)."""
-    if tokenizer is not None and tokenizer.get_vocab_size() > model.config.vocab_size:
-        raise StemlmError(
-            f"tokenizer has {tokenizer.get_vocab_size()} tokens but the model's vocab_size is {model.config.vocab_size}"
-        )
-    write_json(folder / CONFIG_NAME, model.config.to_hf_dict())
+    write_model_config(model.config, folder, tokenizer)
     shards = _shards(model_state_for_saving(model), max_shard_bytes)
     if len(shards) == 1:
         save_file(shards[0], str(folder / WEIGHTS_NAME), metadata={"format": "pt"})
@@ -88,6 +84,15 @@ def write_model_files(
                 weight_map[tensor_name] = name
                 total += t.numel() * t.element_size()
         write_json(folder / INDEX_NAME, {"metadata": {"total_size": total}, "weight_map": weight_map})
+
+
+def write_model_config(config: ModelConfig, folder: Path, tokenizer=None) -> None:
+    """config.json (and tokenizer.json) of a model folder; the weights are written by the caller."""
+    if tokenizer is not None and tokenizer.get_vocab_size() > config.vocab_size:
+        raise StemlmError(
+            f"tokenizer has {tokenizer.get_vocab_size()} tokens but the model's vocab_size is {config.vocab_size}"
+        )
+    write_json(folder / CONFIG_NAME, config.to_hf_dict())
     if tokenizer is not None:
         tokenizer.save(str(folder / TOKENIZER_NAME))
 
@@ -146,6 +151,13 @@ def load_config(directory: str | Path) -> ModelConfig:
 
 def weight_files(directory: str | Path) -> list[Path]:
     directory = Path(directory)
+    from stemlm.sharded_checkpoint import is_sharded
+
+    if is_sharded(directory):
+        raise StemlmError(
+            f"{directory} is a sharded checkpoint (written by stemlm train --nproc); this reader needs the model "
+            f"folder: convert it with stemlm export {directory} --out DIR"
+        )
     if (directory / INDEX_NAME).is_file():
         try:
             index = json.loads((directory / INDEX_NAME).read_text())
@@ -162,7 +174,11 @@ def weight_files(directory: str | Path) -> list[Path]:
 
 
 def read_state(directory: str | Path, device: str | torch.device = "cpu") -> dict[str, torch.Tensor]:
-    """All tensors of a checkpoint folder (safetensors only; never pickle)."""
+    """All tensors of a checkpoint folder (safetensors only; never pickle); a sharded one is assembled."""
+    from stemlm.sharded_checkpoint import is_sharded, read_sharded_state
+
+    if is_sharded(directory):
+        return {k: v.to(device) for k, v in read_sharded_state(directory).items()}
     state: dict[str, torch.Tensor] = {}
     for f in weight_files(directory):
         try:

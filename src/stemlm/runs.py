@@ -30,6 +30,7 @@ from tokenizers import Tokenizer
 from stemlm.checkpoint import CONFIG_NAME, TOKENIZER_NAME, load_config, read_state, weight_files
 from stemlm.errors import StemlmError
 from stemlm.model.decoder import StemLM
+from stemlm.sharded_checkpoint import is_sharded
 
 CHECKPOINTS_DIR = "checkpoints"
 LATEST_NAME = "latest.json"
@@ -40,6 +41,8 @@ def is_checkpoint(path: Path) -> bool:
     """A complete checkpoint: config.json plus every weights file it needs."""
     if not (path / CONFIG_NAME).is_file():
         return False
+    if is_sharded(path):  # written by `stemlm train --nproc N` (stemlm.sharded_checkpoint)
+        return True
     try:
         weight_files(path)
     except StemlmError:

@@ -209,7 +209,11 @@ def test_two_ranks_train_the_one_process_model(runs, name):
     init = build_model(model_config(FITS[name][0]), seed=0).state_dict()
     assert max((got[k] - v).abs().max().item() for k, v in init.items()) > 100 * TOL  # not vacuous
     state = json.loads((two / "checkpoints" / "step-000006" / "trainer_state.json").read_text())
-    assert state["distributed"] == {"world_size": 2, "parallel": FITS[name][1]["parallel"], "optimizer_state": "dcp"}
+    assert state["distributed"] == {
+        "world_size": 2,
+        "parallel": FITS[name][1]["parallel"],
+        "format": "dcp-safetensors-v1",
+    }
     assert json.loads((two / "run_config.json").read_text())["distributed"]["local_batch_size"] == 2
 
 

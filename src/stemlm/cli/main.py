@@ -27,6 +27,7 @@ SUBCOMMANDS = [
     "experiment",
     "serve",
     "verify",
+    "export",
 ]
 
 

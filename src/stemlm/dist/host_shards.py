@@ -40,7 +40,9 @@ class HostShardedTables(ShardedTables):
         self.cuda = device.type == "cuda"
         with torch.no_grad():
             for key in list(self.shards):
-                host = self.shards[key].detach().to("cpu", copy=True)
+                shard = self.shards[key].detach()
+                # A model built on the meta device (stemlm.train.dist_init) gets uninitialised host rows.
+                host = torch.empty_like(shard, device="cpu") if shard.is_meta else shard.to("cpu", copy=True)
                 self.shards[key] = nn.Parameter(host.pin_memory() if self.cuda else host)
         self.worker = ThreadPoolExecutor(1, thread_name_prefix="stemlm-host-shards")
         self.stream = torch.cuda.Stream(device) if self.cuda else None

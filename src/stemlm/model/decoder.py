@@ -177,25 +177,36 @@ class StemLM(nn.Module):
                 stds.update(module.init_stds())
         return stds
 
+    def init_specs(self) -> list[tuple[str, torch.nn.Parameter, float | None]]:
+        """(name, parameter, std) in the order `init_weights` draws them from its generator; std None: ones.
+
+        stemlm.train.dist_init replays this order to initialise only one rank's shards to the same values."""
+        std = self.config.initializer_range
+        tables = {id(t.weight) for t in self.stem_tables().values()}
+        own = self.init_stds()
+        specs: list[tuple[str, torch.nn.Parameter, float | None]] = []
+        for name, param in self.named_parameters():
+            if id(param) in own:
+                specs.append((name, param, own[id(param)]))
+            elif id(param) in tables:
+                if self.config.table_init == "xavier":
+                    specs.append((name, param, math.sqrt(2.0 / (param.shape[0] + param.shape[1]))))
+                else:
+                    specs.append((name, param, self.config.table_init_std))
+            elif name.endswith("norm.weight"):
+                specs.append((name, param, None))
+            else:
+                specs.append((name, param, std))
+        return specs
+
     @torch.no_grad()
     def init_weights(self, seed: int | None = None) -> None:
         """Initialise every parameter: N(0, initializer_range) for projections and embeddings, ones for norms,
         and the token tables by `table_init` (official STEM: xavier-normal over the whole V x width table)."""
         generator = torch.Generator(device="cpu")
         generator.manual_seed(0 if seed is None else seed)
-        std = self.config.initializer_range
-        tables = {id(t.weight) for t in self.stem_tables().values()}
-        own = self.init_stds()
-        for name, param in self.named_parameters():
-            if id(param) in own:
-                _normal_(param, own[id(param)], generator)
-            elif id(param) in tables:
-                if self.config.table_init == "xavier":
-                    table_std = math.sqrt(2.0 / (param.shape[0] + param.shape[1]))
-                else:
-                    table_std = self.config.table_init_std
-                _normal_(param, table_std, generator)
-            elif name.endswith("norm.weight"):
+        for _, param, std in self.init_specs():
+            if std is None:
                 param.fill_(1.0)
             else:
                 _normal_(param, std, generator)

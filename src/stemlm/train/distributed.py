@@ -49,11 +49,14 @@ from stemlm.dist.host_shards import HostShardedTables
 from stemlm.dist.launch import destroy_distributed, init_distributed, local_batch_size
 from stemlm.dist.sharded_tables import ShardedTables
 from stemlm.errors import StemlmError
+from stemlm.model import build_model
 from stemlm.presets import get_preset
 from stemlm.runs import from_pretrained
-from stemlm.train.config import TrainConfig
+from stemlm.sharded_checkpoint import is_sharded
+from stemlm.train.config import TrainConfig, model_config_diff
 from stemlm.train.data import load_datasets_distributed
-from stemlm.train.dist_checkpoint import load_optimizers, save_distributed_checkpoint
+from stemlm.train.dist_checkpoint import ShardedSaver, load_model_pieces, load_optimizers
+from stemlm.train.dist_init import init_plan, init_rank_part, materialise
 from stemlm.train.logging import RunLogger
 from stemlm.train.table_optim import clip_grad_norm_mixed, make_table_optimizer, use_sparse_table_grads
 from stemlm.train.trainer import FaultInjection, Trainer, default_run_dir
@@ -112,17 +115,50 @@ class DistributedTrainer(Trainer):
         return name[0]
 
     # ----- construction: shard the tables, wrap the backbone, then build the optimizers -----
+    def _construct_model(self, model_config, resume_from):
+        # A fresh run, or a resume of a sharded checkpoint: the model is built on the meta device, and each rank
+        # materialises only its part once sharded (stemlm.train.dist_init). Starting from a model folder
+        # (--init-from, a 1-process checkpoint) still reads it whole on every rank, then shards it.
+        self._meta_source = None
+        if resume_from is not None and is_sharded(resume_from):
+            config = load_config(resume_from)
+            diff = model_config_diff(config, model_config) if model_config is not None else []
+            if diff:
+                raise StemlmError(f"model config differs from the checkpoint {resume_from}: {'; '.join(diff)}")
+            self._meta_source = resume_from
+        elif resume_from is None and not self.cfg.init_from:
+            config = model_config or get_preset(self.cfg.preset)
+            self._meta_source = "init"
+        else:
+            return super()._construct_model(model_config, resume_from)
+        model = build_model(config, device="meta").train()
+        self._init_plan = init_plan(model)
+        return model
+
+    def _materialise(self, model) -> None:
+        """Allocate this rank's part of a meta-built model, then initialise it or read it from the checkpoint."""
+        if self._meta_source is None:
+            return
+        materialise(model, self.tables, self.device)
+        if self._meta_source == "init":
+            init_rank_part(model, self.tables, self._init_plan, self.cfg.seed)
+        else:
+            load_model_pieces(model, self.tables, self.mesh, self._meta_source)
+
     def _build_model(self, model_config, resume_from):
         model = super()._build_model(model_config, resume_from)
         from torch.distributed.device_mesh import init_device_mesh
 
         self.mesh = init_device_mesh(self.device.type, (self.dist.world_size,))
+        self.saver = ShardedSaver(self.cfg.dist_timeout)
         self.tables, self._batches = None, {}
         if model.stem_tables():
             self.tables = HostShardedTables(model, self.device) if self.cfg.tables == "host" else ShardedTables(model)
-            if isinstance(self.tables, ShardedTables):  # host shards too: the hook is device-agnostic
-                for shard in self.tables.parameters():
-                    shard.register_post_accumulate_grad_hook(_coalesce_grad)
+        if self.cfg.parallel != "fsdp":
+            self._materialise(model)  # DDP copies rank 0's weights at construction: they must exist before it
+        if self.tables is not None:  # host shards too: the hook is device-agnostic
+            for shard in self.tables.parameters():
+                shard.register_post_accumulate_grad_hook(_coalesce_grad)
         if self.cfg.table_optim != "adamw" and (model.ngram_tables() or model.memory_tables()):
             # n-gram / memory tables stay replicated; their row-sparse gradients must be declared before DDP
             # wraps the model (gloo all-reduces sparse gradients; FSDP2 shards dense tensors only).
@@ -147,6 +183,7 @@ class DistributedTrainer(Trainer):
             for layer in model.model.layers:
                 fully_shard(layer, mesh=self.mesh, **kwargs)
             fully_shard(model, mesh=self.mesh, **kwargs)
+            self._materialise(model)  # after sharding: only this rank's shards are allocated
             self.net = model
         else:
             from torch.nn.parallel import DistributedDataParallel
@@ -356,15 +393,22 @@ class DistributedTrainer(Trainer):
 
     # ----- checkpoints -----
     def save(self) -> Path:
+        """Start an asynchronous sharded checkpoint of this step (stemlm.train.dist_checkpoint); fit waits for it."""
         if self._host_shards:
             self.tables.sync()  # the queued table update lands before the shards are read
-        return save_distributed_checkpoint(self)
+        return self.saver.save(self)
 
     def _load_optimizer_state(self, ckpt: Path, state: dict[str, Any]) -> None:
         load_optimizers(self.optimizers, ckpt, state, tables=self.tables, mesh=self.mesh)
 
     def fit(self) -> dict[str, Any]:
-        result = super().fit()
+        try:
+            result = super().fit()
+        except BaseException:
+            with contextlib.suppress(Exception):
+                self.saver.wait()  # a save in flight still completes (or leaves only its temporary folder)
+            raise
+        self.saver.wait()  # the last checkpoint is in place before fit returns
         result.update(world_size=self.dist.world_size, parallel=self.cfg.parallel)
         if self._host_shards:
             tables, state = self.tables.host_bytes(self.optimizers[-1])

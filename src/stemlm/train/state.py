@@ -43,6 +43,7 @@ STATE_NAME = "trainer_state.json"
 OPTIMIZER_NAME = "optimizer.safetensors"
 STATE_FORMAT = "stemlm-trainer-state-v1"
 TRAIN_PRODUCER = "stemlm train"  # names a trainer checkpoint in its manifest
+SHARDED_OPTIMIZER_FILES = "dcp/shard-*-model-00002-of-00002.safetensors"  # a sharded checkpoint's optimizer state
 
 
 def checkpoint_dir(run_dir: str | Path, step: int) -> Path:
@@ -172,12 +173,17 @@ def drop_optimizer_state(run_dir: Path, keep: Path) -> None:
 
     The folder's manifest loses the entry first, so `stemlm verify` still passes (a kill in between leaves
     the file merely unrecorded, never a recorded file missing)."""
-    for path in (run_dir / CHECKPOINTS_DIR).glob(f"step-*/{OPTIMIZER_NAME}"):
-        if path.parent == keep:
+    folder = run_dir / CHECKPOINTS_DIR
+    # A sharded checkpoint's optimizer state is each rank's second DCP file (stemlm.train.dist_checkpoint).
+    paths = [*folder.glob(f"step-*/{OPTIMIZER_NAME}"), *folder.glob(f"step-*/{SHARDED_OPTIMIZER_FILES}")]
+    for path in paths:
+        ckpt = path.parent if path.name == OPTIMIZER_NAME else path.parent.parent
+        if ckpt == keep:
             continue
-        manifest = read_manifest(path.parent)
-        if manifest is not None and manifest["files"].pop(OPTIMIZER_NAME, None) is not None:
-            atomic_write_text(path.parent / MANIFEST_NAME, json.dumps(manifest, indent=2, sort_keys=True) + "\n")
+        manifest = read_manifest(ckpt)
+        name = path.relative_to(ckpt).as_posix()
+        if manifest is not None and manifest["files"].pop(name, None) is not None:
+            atomic_write_text(ckpt / MANIFEST_NAME, json.dumps(manifest, indent=2, sort_keys=True) + "\n")
         path.unlink(missing_ok=True)
 
 
@@ -265,3 +271,32 @@ def read_trainer_state(ckpt: Path) -> tuple[dict[str, Any], dict[str, torch.Tens
     except (SafetensorError, OSError) as exc:
         raise StemlmError(f"{ckpt / OPTIMIZER_NAME} is missing or corrupt ({exc})") from None
     return state, tensors
+
+
+# ----- the identity of the training data -----
+def data_digest(train) -> str | None:
+    """What the run trains on, cheaply: a prepared folder's manifest digest (it holds every shard's sha256), or
+    raw text's token-shard content key (sha256 of tokenizer, separator and every training document: the file
+    name `stemlm.data.shards` gives it). Nothing is re-read or re-hashed. None for a dataset of another kind."""
+    from stemlm.data.stream import is_prepared, manifest_digest
+
+    path = getattr(train, "path", None)
+    if path is None:
+        return None
+    path = Path(path)
+    if path.is_dir() and is_prepared(path):
+        return f"shards:{manifest_digest(path)}"
+    if path.name.endswith(".bin"):
+        return f"text:{path.name.split('.')[0]}"
+    return None
+
+
+def check_same_data(saved: str | None, current: str | None, ckpt: Path) -> None:
+    """Refuse to resume a run on other data than its checkpoint was trained on (when both are known)."""
+    if saved is None or current is None or saved == current:
+        return
+    raise StemlmError(
+        f"{ckpt} was trained on other data (digest {saved}) than this run reads now ({current}): the resumed run "
+        "would not continue the same one. Resume with the run's --data, or start a new run from these weights "
+        f"with --init-from {ckpt}"
+    )

@@ -49,6 +49,8 @@ from stemlm.train.guard import DivergenceGuard, StopSignals, check_run_dir
 from stemlm.train.logging import METRICS_NAME, PLOT_NAME, RunLogger, plot_losses
 from stemlm.train.optim import build_optimizers, clip_gradients, freeze_backbone, set_learning_rates
 from stemlm.train.state import (
+    check_same_data,
+    data_digest,
     load_optimizer_state,
     read_resumable_state,
     read_state_json,
@@ -265,6 +267,8 @@ class Trainer:
 
     def _restore(self, ckpt: Path) -> None:
         state = read_state_json(ckpt)
+        data = state.get("data")
+        check_same_data(data.get("digest") if isinstance(data, dict) else None, data_digest(self.train_data), ckpt)
         self._load_optimizer_state(ckpt, state)
         self.step = state["step"]
         self.skipped_steps, self.loss_spikes = state["skipped_steps"], state["loss_spikes"]
@@ -298,7 +302,11 @@ class Trainer:
             "loss_spikes": self.loss_spikes,
             "spike_window": list(self.window),
             "train_time_s": self.train_time,
-            "data": {"seed": self.cfg.seed, "next_window_step": self.step * self.cfg.grad_accum},
+            "data": {
+                "seed": self.cfg.seed,
+                "next_window_step": self.step * self.cfg.grad_accum,
+                "digest": data_digest(self.train_data),
+            },
             "config": {"model": self.config.to_dict(), "train": self.cfg.to_dict()},
         }
 
