@@ -25,6 +25,7 @@ from stemlm.config import ModelConfig
 from stemlm.data.tokenizer import default_tokenizer, save_tokenizer, train_bpe
 from stemlm.errors import StemlmError
 from stemlm.model import build_model
+from tests.sharded import write_sharded
 
 P = "Country: Spain. Capital:"
 
@@ -64,6 +65,17 @@ def ws(tmp_path_factory) -> Path:
     (root / "text.txt").write_text("The king of Spain spoke to the queen of France. " * 40)
     save_tokenizer(tok, root / "tokdir")
     (root / "outdir").mkdir()  # an empty folder: a fine output, so failures must leave it empty
+    # Sharded checkpoints (as `stemlm train --nproc N` writes them), intact and damaged four ways.
+    for name in ("sharded", "shardmiss", "shardflip", "shardextra", "shardtrunc"):
+        write_sharded(build_model(tiny()), root / name, tok)
+    (root / "shardmiss" / "dcp" / "shard-00001-model-00001-of-00002.safetensors").unlink()
+    flip = root / "shardflip" / "dcp" / "shard-00001-model-00002-of-00002.safetensors"
+    data = bytearray(flip.read_bytes())
+    data[-100:] = bytes(255 - b for b in data[-100:])  # tensor bytes: the header still parses
+    flip.write_bytes(bytes(data))
+    shutil.copy(flip, root / "shardextra" / "dcp" / "shard-00003-model-00001-of-00001.safetensors")
+    trunc = root / "shardtrunc" / "dcp" / "shard-00001-model-00002-of-00002.safetensors"
+    trunc.write_bytes(trunc.read_bytes()[:-64])
     (root / "cwd").mkdir()
     return root
 
@@ -100,6 +112,11 @@ def fill(argv: list[str], ws: Path) -> list[str]:
         corrupt=ws / "corrupt",
         legacy=ws / "legacy",
         outdir=ws / "outdir",
+        sharded=ws / "sharded",
+        shardmiss=ws / "shardmiss",
+        shardflip=ws / "shardflip",
+        shardextra=ws / "shardextra",
+        shardtrunc=ws / "shardtrunc",
     )
     return [a.format(**{k: str(v) for k, v in names.items()}) for a in argv]
 
@@ -285,6 +302,18 @@ CASES = [
     (["verify", "{corrupt}"], "model.safetensors (changed)"),
     (["verify", "{legacy}"], "no stemlm-manifest.json"),
     (["verify", "{file}"], "is a file"),
+    # --- export ---
+    (["export", "{nope}", "--out", "{ws}/exported"], "does not exist"),
+    (["export", "{sharded}", "--out", "{full}"], "already exists"),
+    (["export", "{sharded}", "--out", "{full}", "--force"], "was not written by stemlm export"),
+    (["export", "{sharded}", "--out", "{ws}", "--force"], "contains the source"),
+    (["export", "{shardmiss}", "--out", "{ws}/exported"], "is missing dcp/shard-00001-model-00001-of-00002"),
+    (["export", "{shardflip}", "--out", "{ws}/exported"], "does not match its SHA-256"),
+    (["export", "{shardextra}", "--out", "{ws}/exported"], "which its manifest does not record"),
+    (["export", "{shardtrunc}", "--out", "{ws}/exported"], "does not have the size its manifest records"),
+    (["export", "{corrupt}", "--out", "{ws}/exported"], "fail verification"),
+    (["export", "{sharded}"], "--out"),
+    (["generate", "{shardtrunc}", "x"], "does not have the size"),
 ]
 
 

@@ -28,6 +28,7 @@ Tests: `OMP_NUM_THREADS=1 python -m pytest tests/dist/test_train_dist.py tests/d
 
 from __future__ import annotations
 
+import sys
 import threading
 from pathlib import Path
 from typing import Any
@@ -250,17 +251,29 @@ class ShardedSaver:
         if finisher is not None:
             finisher.join()
         elif future is not None:
-            future.result()
+            try:
+                future.result()
+            except BaseException as exc:
+                self.error = exc
         error, self.error = self.error, None
         if error is not None:
             if isinstance(error, StemlmError):
                 raise error
-            raise StemlmError(f"writing a checkpoint failed ({type(error).__name__}: {error})") from None
+            raise StemlmError(f"writing a checkpoint failed: {_describe(error)}") from None
+
+
+def _describe(error) -> str:
+    """One line for a save's error: DCP's CheckpointException carries one exception per failing rank."""
+    if isinstance(error, tuple):  # CheckpointException.failures values: (exception, stack summary)
+        error = error[0]
+    failures = getattr(error, "failures", None)
+    if isinstance(failures, dict) and failures:
+        return "; ".join(f"rank {rank}: {_describe(exc)}" for rank, exc in sorted(failures.items()))
+    text = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {text[0] if text else ''}"
 
 
 def _raised():
-    import sys
-
     return sys.exc_info()
 
 

@@ -6,7 +6,8 @@
                                                          opt<k>.state.<param_index>.<name> (k: 0 backbone, 1 tables)
         trainer_state.json                               step, counters, spike window, RNG states (torch as
                                                          base64, numpy and python as lists), optimizer
-                                                         param_groups, data position, resolved config
+                                                         param_groups, data position and digest
+                                                         (resuming on other data is refused), resolved config
     RUN/checkpoints/latest.json                          {"step": 123, "path": "step-000123"}, replaced atomically
 
 A checkpoint folder is built in a temporary sibling and renamed into place (`AtomicFolder`, which also records
