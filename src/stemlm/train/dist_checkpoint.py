@@ -139,10 +139,6 @@ def _param_of(key: str, params: dict[str, torch.Tensor]) -> torch.Tensor | None:
     return params.get(key.rsplit(".", 1)[0])
 
 
-def _class_name(opt) -> str:
-    return type(getattr(opt, "inner", opt)).__name__
-
-
 # ----- the pieces of this rank -----
 def backbone_state(model) -> dict[str, torch.Tensor]:
     """The model's own state (DTensor shards under FSDP2), a tied lm_head once (as the model files store it)."""

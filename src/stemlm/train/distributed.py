@@ -137,8 +137,9 @@ class DistributedTrainer(Trainer):
 
     def _materialise(self, model) -> None:
         """Allocate this rank's part of a meta-built model, then initialise it or read it from the checkpoint."""
-        if self._meta_source is None:
+        if self._meta_source is None or getattr(self, "_materialised", False):
             return
+        self._materialised = True
         materialise(model, self.tables, self.device)
         if self._meta_source == "init":
             init_rank_part(model, self.tables, self._init_plan, self.cfg.seed)
@@ -171,6 +172,7 @@ class DistributedTrainer(Trainer):
         if not any(p.requires_grad for p in model.parameters()):
             # `--train tables` with no adapter gates: nothing in the backbone learns, so there are no gradients to
             # average (DDP refuses such a module) and each rank keeps the whole frozen backbone.
+            self._materialise(model)
             self.net = model
         elif self.cfg.parallel == "fsdp":
             from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
