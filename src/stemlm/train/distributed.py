@@ -25,7 +25,9 @@ the steps it covers. Checkpoints: `stemlm.train.dist_checkpoint` (they resume on
 
 A failing rank ends the job: torchrun then stops the others, and a rank blocked in a collective gives up
 after `cfg.dist_timeout` seconds. Fault injection for tests: `STEMLM_FAULT_EXIT=RANK:STEP` makes that rank
-exit with status 1 just before it computes that (1-based) step.
+exit with status 1 just before it computes that (1-based) step, once its part of any checkpoint being written
+in the background is on disk (so the test knows which checkpoint survives; a real crash can lose the one in
+flight, never an earlier one).
 Tests: `OMP_NUM_THREADS=1 python -m pytest tests/dist/test_train_dist.py -q`.
 """
 
@@ -343,7 +345,7 @@ class DistributedTrainer(Trainer):
         return clip_grad_norm_mixed(backbone, max_norm, sharded_params=shards).item()
 
     def train_step(self) -> dict[str, Any]:
-        _maybe_inject_exit(self.dist.rank, self.step + 1)
+        _maybe_inject_exit(self.dist.rank, self.step + 1, before=self.saver.wait)
         if self.tables is not None:
             self.tables.comm.pop_step()  # drop the held-out evaluation's lookups: count this step's traffic only
         record = super().train_step()
@@ -452,11 +454,13 @@ class _QuietLogger:
         pass
 
 
-def _maybe_inject_exit(rank: int, step: int) -> None:
+def _maybe_inject_exit(rank: int, step: int, before=None) -> None:
     spec = os.environ.get(FAULT_ENV)
     if not spec:
         return
     target_rank, _, target_step = spec.partition(":")
     if int(target_rank) == rank and int(target_step) == step:
+        if before is not None:
+            before()  # this rank's part of a checkpoint in flight is written first: tests know which one survives
         print(f"{FAULT_ENV}: rank {rank} exits before step {step}", file=sys.stderr, flush=True)
         os._exit(1)
