@@ -73,8 +73,20 @@ def _worker(rank: int, world: int, port: int, root, assets) -> None:
     for name, overrides in INITS.items():
         cfg = train_config(assets, root / "init" / name, **overrides)
         checks[f"init-{name}"] = _init_checks(DistributedTrainer(model_config("stem"), cfg, progress=False), rank)
+    from stemlm.dist.sharded_tables import ShardedTables
+
+    def no_gather(*args, **kwargs):
+        raise AssertionError("a table or tensor was gathered")
+
+    saved_gathers = dist.all_gather, ShardedTables.gather_rows
     for name, overrides in FITS.items():
-        DistributedTrainer(model_config("stem"), train_config(assets, root / name, **overrides), progress=False).fit()
+        # DDP never all-gathers a tensor itself: any gather here would come from a checkpoint.
+        dist.all_gather, ShardedTables.gather_rows = no_gather, no_gather
+        try:
+            cfg = train_config(assets, root / name, **overrides)
+            DistributedTrainer(model_config("stem"), cfg, progress=False).fit()
+        finally:
+            dist.all_gather, ShardedTables.gather_rows = saved_gathers
         if rank == 0:
             shutil.copytree(root / name, root / "resumed" / name)
         dist.barrier()
@@ -166,3 +178,20 @@ def test_export_of_a_two_rank_checkpoint_loads_everywhere(runs, tmp_path, capsys
     exported, sharded = read_state(out), read_state(runs / "ddp" / "checkpoints" / "step-000006")
     assert set(exported) == set(sharded) and all(torch.equal(exported[k], sharded[k]) for k in sharded)
     assert main(["generate", str(out), "Spain", "--greedy", "--max-new-tokens", "3"]) == 0
+
+
+def test_a_checkpoint_of_the_older_pickled_format_is_not_resumed(tmp_path, dist_assets, dist_cache):
+    """Older --nproc checkpoints kept optimizer state in DCP's pickled format: refused, never unpickled."""
+    from stemlm.errors import StemlmError
+    from stemlm.train.trainer import Trainer
+
+    cfg = train_config(dist_assets, tmp_path / "run", steps=2, eval_every=0, save_every=0)
+    Trainer(model_config("stem"), cfg, progress=False).fit()
+    ckpt = tmp_path / "run" / "checkpoints" / "step-000002"
+    state = json.loads((ckpt / "trainer_state.json").read_text())
+    state["distributed"] = {"world_size": 2, "parallel": "ddp", "optimizer_state": "dcp"}
+    (ckpt / "trainer_state.json").write_text(json.dumps(state))
+    (ckpt / "dcp").mkdir()
+    (ckpt / "dcp" / ".metadata").write_bytes(b"\x80\x04not to be unpickled")
+    with pytest.raises(StemlmError, match="older stemlm --nproc run .* start from its weights with --init-from"):
+        Trainer.resume(ckpt, overrides={"steps": 3}, progress=False)
