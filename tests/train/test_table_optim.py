@@ -278,8 +278,10 @@ def test_dense_table_adamw_is_foreach_on_cpu_and_fused_on_cuda():
     assert fast_optimizer_impl(mixed) == {"foreach": True}  # e.g. host tables next to a CUDA backbone
 
 
-def test_clip_grad_norm_mixed_over_dtypes_matches_torch():
-    # fp32 and bf16 dense gradients (one _foreach_norm per device, one _foreach_mul_ per dtype) and a sparse one.
+@pytest.mark.parametrize("foreach", [None, True])
+def test_clip_grad_norm_mixed_over_dtypes_matches_torch(foreach):
+    # fp32 and bf16 dense gradients (one _foreach_mul_ per dtype) and a sparse one; the norm by the CPU default's
+    # per-tensor sum and by the multi-tensor _foreach_norm (CUDA's default).
     torch.manual_seed(4)
     params = [nn.Parameter(torch.randn(6, 3)), nn.Parameter(torch.randn(8).bfloat16()), nn.Parameter(torch.randn(V, D))]
     params[0].grad, params[1].grad = torch.randn(6, 3), torch.randn(8).bfloat16()
@@ -288,9 +290,25 @@ def test_clip_grad_norm_mixed_over_dtypes_matches_torch():
     for c, p in zip(copies, params, strict=True):
         c.grad = p.grad.to_dense() if p.grad.is_sparse else p.grad.clone()
     expected = torch.sqrt(sum(c.grad.float().square().sum() for c in copies))
-    norm = clip_grad_norm_mixed(params, max_norm=0.3)
+    norm = clip_grad_norm_mixed(params, max_norm=0.3, foreach=foreach)
     torch.testing.assert_close(norm, expected, rtol=1e-6, atol=0)
     coef = 0.3 / (float(expected) + 1e-6)
     for c, p in zip(copies, params, strict=True):
         got = p.grad.to_dense() if p.grad.is_sparse else p.grad
         torch.testing.assert_close(got, (c.grad.float() * coef).to(c.grad.dtype))
+
+
+def test_clip_on_cpu_is_bitwise_the_per_tensor_arithmetic():
+    # The CPU default keeps the former arithmetic exactly: a running float32 sum of each gradient's squares.
+    gen = torch.Generator().manual_seed(8)
+    params = [nn.Parameter(torch.zeros(n, 7)) for n in (3, 50, 11)]
+    for p in params:
+        p.grad = torch.randn(p.shape, generator=gen) * 3
+    grads = [p.grad.clone() for p in params]
+    total = torch.zeros(())
+    for g in grads:
+        total = total + g.square().sum()
+    norm = clip_grad_norm_mixed(params, max_norm=1.0)
+    assert torch.equal(norm, total.sqrt())
+    coef = (1.0 / (total.sqrt() + 1e-6)).clamp(max=1.0)
+    assert all(torch.equal(p.grad, g * coef) for p, g in zip(params, grads, strict=True))

@@ -18,8 +18,8 @@ The backbone AdamW and the dense table AdamW take torch's multi-tensor implement
 (`fast_optimizer_impl`: `fused` on CUDA, `foreach` elsewhere; on CPU foreach equals the single-tensor AdamW
 bitwise, tests/train/test_optim.py). Every group carries `peak_lr`; `set_learning_rates(optimizers, step, cfg)`
 sets `lr = peak_lr * lr_multiplier` so the schedule is a pure function of the step (nothing to checkpoint).
-`clip_gradients` computes the one global gradient norm over all parameters (dense and sparse, with
-`torch._foreach_norm`) and clips by it.
+`clip_gradients` computes the one global gradient norm over all parameters (dense and sparse; with
+`torch._foreach_norm` on CUDA) and clips by it.
 """
 
 from __future__ import annotations

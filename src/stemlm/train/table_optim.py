@@ -21,7 +21,8 @@ tables to `nn.Embedding(sparse=True)`; such gradients accumulate over micro-batc
 summed at the step) and work under autocast. `torch.nn.utils.clip_grad_norm_` rejects sparse gradients
 (torch 2.13: no sparse `linalg_vector_norm`), hence `clip_grad_norm_mixed`, which takes the norms of all dense
 pieces (dense gradients, coalesced sparse values, FSDP2 local shards) with one `torch._foreach_norm` per device
-and scales the dense ones with one `torch._foreach_mul_`, as `clip_grad_norm_(foreach=True)` does.
+on CUDA (as `clip_grad_norm_(foreach=True)` does; on CPU, where torch would loop anyway, the former per-tensor sum
+keeps runs bitwise unchanged) and scales the dense ones with one `torch._foreach_mul_` (bitwise `mul_` on CPU).
 
 Multi-tensor paths: `fast_optimizer_impl(params)` picks torch AdamW's implementation by where the parameters
 live, `fused` on CUDA, `foreach` elsewhere (on CPU the foreach AdamW gives bitwise the single-tensor result,
@@ -345,27 +346,37 @@ def _local_grad(p: torch.Tensor) -> tuple[torch.Tensor, bool]:
     return grad, False
 
 
-def _sum_of_squares(tensors: list[torch.Tensor], device: torch.device) -> torch.Tensor:
-    """Sum of squared entries of `tensors` in float32 on `device`: one `_foreach_norm` per device they sit on."""
+def _sum_of_squares(tensors: list[torch.Tensor], device: torch.device, foreach: bool | None = None) -> torch.Tensor:
+    """Sum of squared entries of `tensors` in float32 on `device`. Multi-tensor (one `_foreach_norm` per device)
+    where `foreach` says so, by default on CUDA; elsewhere a running sum of each tensor's squares, in order (the
+    former arithmetic, which keeps CPU runs bitwise what they were: the two differ by rounding)."""
     by_device: dict[torch.device, list[torch.Tensor]] = {}
     for t in tensors:
         by_device.setdefault(t.device, []).append(t)
     total = torch.zeros((), dtype=torch.float32, device=device)
-    for group in by_device.values():
-        norms = torch._foreach_norm(group, 2, dtype=torch.float32)
-        total = total + torch.stack(norms).square().sum().to(device)
+    for where, group in by_device.items():
+        if where.type == "cuda" if foreach is None else foreach:
+            total = total + torch.stack(torch._foreach_norm(group, 2, dtype=torch.float32)).square().sum().to(device)
+        else:
+            for t in group:
+                total = total + t.float().square().sum().to(device)
     return total
 
 
-def grad_norm_sq(params: Iterable[torch.Tensor]) -> torch.Tensor:
+def grad_norm_sq(params: Iterable[torch.Tensor], foreach: bool | None = None) -> torch.Tensor:
     """Sum of squared gradient entries held by this rank (float32); sparse gradients are coalesced first."""
     values = [_local_grad(p)[0] for p in params if p.grad is not None]
-    return _sum_of_squares(values, values[0].device if values else torch.device("cpu"))
+    return _sum_of_squares(values, values[0].device if values else torch.device("cpu"), foreach)
 
 
 @torch.no_grad()
 def clip_grad_norm_mixed(
-    params: Iterable[torch.Tensor], max_norm: float, *, sharded_params: Iterable = (), group=None
+    params: Iterable[torch.Tensor],
+    max_norm: float,
+    *,
+    sharded_params: Iterable = (),
+    group=None,
+    foreach: bool | None = None,
 ) -> torch.Tensor:
     """Clip dense, sparse and FSDP2 gradients together by their global L2 norm; returns the norm before clipping.
 
@@ -373,8 +384,9 @@ def clip_grad_norm_mixed(
     FSDP2's DTensor gradients with a Shard placement, which are shards; the squared norms of all shards and
     of `sharded_params` (each rank owning different rows, e.g. `ShardedTables.parameters()`) are summed over
     `group` (which must be the FSDP2 mesh's group too). Every rank must call it with the same arguments.
-    Scales like `torch.nn.utils.clip_grad_norm_`: by min(1, max_norm / (norm + 1e-6)); the norms and the
-    scaling of dense gradients are multi-tensor (`torch._foreach_norm`, `torch._foreach_mul_`).
+    Scales like `torch.nn.utils.clip_grad_norm_`: by min(1, max_norm / (norm + 1e-6)). Dense gradients are
+    scaled with one `torch._foreach_mul_` per device and dtype; the norms are `torch._foreach_norm`s where
+    `foreach` (default: on CUDA; see `_sum_of_squares`).
     """
     params = [p for p in params if p.grad is not None]
     sharded_params = list(sharded_params)
@@ -383,9 +395,9 @@ def clip_grad_norm_mixed(
     device = (params + sharded_params)[0].grad.device if params or sharded_params else torch.device("cpu")
     local = [_local_grad(p) for p in params]  # NCCL needs the all_reduce on the GPU: `device` is a gradient's
     replicated = [values for values, is_shard in local if not is_shard]
-    shards = [values for values, is_shard in local if is_shard] + [_local_grad(p)[0] for p in sharded_params]
+    shards = [_local_grad(p)[0] for p in sharded_params] + [values for values, is_shard in local if is_shard]
     any_shards = any_shards or bool(shards)  # FSDP2 shards: every rank holds its part of the same parameters
-    replicated_sq, sharded_sq = _sum_of_squares(replicated, device), _sum_of_squares(shards, device)
+    replicated_sq, sharded_sq = _sum_of_squares(replicated, device, foreach), _sum_of_squares(shards, device, foreach)
     if any_shards and torch.distributed.is_available() and torch.distributed.is_initialized():
         torch.distributed.all_reduce(sharded_sq, group=group)
     total = (replicated_sq + sharded_sq).sqrt()
