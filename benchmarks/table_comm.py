@@ -10,11 +10,23 @@ same fp32 rows as here), computed analytically. Row-sharded traffic grows with t
 
 Run: `OMP_NUM_THREADS=1 python benchmarks/table_comm.py [--batch 8 --seq 256 --steps 3]` (~1 min)
 Last line: `RESULT sharded_over_official_bytes=...`
+
+`--exchange`: the trainer's step with the exchange planned on the host and issued a micro-batch ahead ("after",
+today's code) against the previous path ("before": the collective plan, i.e. a count all_to_all, an id
+all_to_all and a read of the counts per micro-batch, the rows exchanged when the forward asks for them and, with
+`--tables host` shards, the table update on the trainer's thread and no gathers ahead). Two `DistributedTrainer`s
+per placement (tiny preset, lazy_adamw, the default corpus) run their real `train_step()` round-robin on the same 2
+gloo ranks after warm-up; one extra step of each counts the collectives called from Python and the tensor reads
+(`item` / `tolist`). Last line: `RESULT device_after_over_before=... host_after_over_before=...
+collectives_per_step_before=... collectives_per_step_after=...` (median step-time ratios, < 1 = faster now).
+    OMP_NUM_THREADS=1 python benchmarks/table_comm.py --exchange [--grad-accum 4 --reps 6]
 """
 
 from __future__ import annotations
 
 import argparse
+import os
+import socket
 import statistics
 import tempfile
 import time
@@ -73,12 +85,143 @@ def worker(rank: int, tmp: str, batch: int, seq: int, steps: int) -> None:
     dist.destroy_process_group()
 
 
+COLLECTIVES = ("all_reduce", "all_to_all_single", "all_gather", "broadcast", "barrier")
+
+
+def as_before(trainer) -> None:
+    """Put one trainer back on the previous exchange path (see the module docstring)."""
+    tables = trainer.tables
+
+    def start_window(window: int, dtype=None):
+        ids = tables.ids_for(window)[tables.rank]
+        pending = tables.start_lookup(tables.plan(ids), dtype)  # collective plan, with its read of the counts
+        pending.wait()
+        return pending
+
+    tables.start_window, tables.prefetch = start_window, lambda window: None
+    if hasattr(trainer.optimizers[-1], "inner"):  # host shards: the update on the trainer's thread
+        trainer.optimizers[-1] = trainer.optimizers[-1].inner
+
+
+def counted_step(trainer) -> tuple[int, int]:
+    """(collectives, tensor reads) of one train_step on this rank."""
+    import pytest
+
+    host_steps = {
+        id(s["step"]) for opt in trainer.optimizers for s in getattr(opt, "inner", opt).state.values() if "step" in s
+    }
+    counts = [0, 0]
+    patch = pytest.MonkeyPatch()
+    for name in COLLECTIVES:
+        original = getattr(dist, name)
+
+        def collective(*a, _original=original, **kw):
+            counts[0] += 1
+            return _original(*a, **kw)
+
+        patch.setattr(dist, name, collective)
+    for name in ("item", "tolist"):
+        original = getattr(torch.Tensor, name)
+
+        def read(self, *a, _original=original, **kw):
+            counts[1] += id(self) not in host_steps  # AdamW-style host step counters are no device reads
+            return _original(self, *a, **kw)
+
+        patch.setattr(torch.Tensor, name, read)
+    try:
+        trainer.train_step()
+    finally:
+        patch.undo()
+    return counts[0], counts[1]
+
+
+def exchange_worker(rank: int, port: int, tmp: str, args: argparse.Namespace) -> None:
+    torch.set_num_threads(1)
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(WORLD), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1")
+    os.environ["MASTER_PORT"] = str(port)
+    from stemlm.train.config import TrainConfig
+    from stemlm.train.distributed import DistributedTrainer
+
+    cfg = TrainConfig(
+        steps=args.warmup + args.reps + 2,
+        batch_size=args.batch,
+        seq_len=args.seq,
+        grad_accum=args.grad_accum,
+        table_optim="lazy_adamw",
+        eval_every=0,
+        save_every=0,
+        device="cpu",
+    )
+    trainers = {}
+    for tables in args.tables.split(","):
+        for mode in ("before", "after"):
+            out = f"{tmp}/{tables}-{mode}"
+            trainers[f"{tables}-{mode}"] = trainer = DistributedTrainer(
+                get_preset("tiny"), cfg.replace(out=out, tables=tables), progress=False
+            )
+            if mode == "before":
+                as_before(trainer)
+    for trainer in trainers.values():
+        for _ in range(args.warmup):
+            trainer.train_step()
+    counts = {name: counted_step(trainer) for name, trainer in trainers.items()}
+    names, seconds = list(trainers), {name: [] for name in trainers}
+    for rep in range(args.reps):
+        for k in range(len(names)):  # rotate the order, so no trainer always runs first
+            name = names[(rep + k) % len(names)]
+            start = time.perf_counter()
+            trainers[name].train_step()
+            seconds[name].append(time.perf_counter() - start)
+    for name, trainer in trainers.items():
+        if name.startswith("host-after"):
+            trainer.tables.close()
+    torch.save({"counts": counts, "seconds": seconds}, f"{tmp}/exchange{rank}.pt")
+    dist.destroy_process_group()
+
+
+def exchange_main(args: argparse.Namespace) -> None:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    with tempfile.TemporaryDirectory() as tmp:
+        mp.spawn(exchange_worker, args=(port, tmp, args), nprocs=WORLD)
+        results = [torch.load(f"{tmp}/exchange{r}.pt") for r in range(WORLD)]
+    print(
+        f"{WORLD} gloo ranks x 1 thread, tiny preset, global batch {args.batch}x{args.seq}, grad_accum "
+        f"{args.grad_accum}, lazy_adamw; {args.reps} round-robin steps after {args.warmup}; load average "
+        f"{os.getloadavg()[0]:.1f} on {os.cpu_count()} cores"
+    )
+    ratios = {}
+    for name in results[0]["counts"]:
+        # A step ends in collectives, so the ranks' step times agree; the slower rank's time is the step's.
+        steps = [max(pair) for pair in zip(*(r["seconds"][name] for r in results), strict=True)]
+        median = statistics.median(steps)
+        collectives, reads = results[0]["counts"][name]
+        print(
+            f"  {name:<14} median step {median * 1e3:8.1f} ms (min {min(steps) * 1e3:.1f}, max "
+            f"{max(steps) * 1e3:.1f}); per step {collectives} collectives, {reads} tensor reads (rank 0)"
+        )
+        ratios[name] = median
+    out = [f"{t}_after_over_before={ratios[f'{t}-after'] / ratios[f'{t}-before']:.3f}" for t in args.tables.split(",")]
+    first = args.tables.split(",")[0]
+    before, after = results[0]["counts"][f"{first}-before"][0], results[0]["counts"][f"{first}-after"][0]
+    print(f"RESULT {' '.join(out)} collectives_per_step_before={before} collectives_per_step_after={after}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--batch", type=int, default=8, help="global batch (sequences), split over 2 ranks")
     parser.add_argument("--seq", type=int, default=256, help="tokens per sequence")
     parser.add_argument("--steps", type=int, default=3, help="training steps measured")
+    parser.add_argument("--exchange", action="store_true", help="time the trainer's exchange now vs before")
+    parser.add_argument("--grad-accum", type=int, default=4, help="--exchange: micro-batches per step")
+    parser.add_argument("--tables", default="device,host", help="--exchange: placements, comma-separated")
+    parser.add_argument("--warmup", type=int, default=2, help="--exchange: untimed steps per trainer first")
+    parser.add_argument("--reps", type=int, default=6, help="--exchange: timed steps per trainer")
     args = parser.parse_args()
+    if args.exchange:
+        exchange_main(args)
+        return
     with tempfile.TemporaryDirectory() as tmp:
         mp.spawn(worker, args=(tmp, args.batch, args.seq, args.steps), nprocs=WORLD)
         results = [torch.load(f"{tmp}/rank{r}.pt") for r in range(WORLD)]

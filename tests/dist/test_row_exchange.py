@@ -7,7 +7,9 @@ One fork of 2 ranks checks, on this rank:
   gather ahead and update the host tables on a worker thread) ends bitwise equal to the same run with the
   exchange planned collectively and waited at once (today's synchronous path), for device and host shards;
 - in that run the exchange of micro-batch k+1 is issued before micro-batch k's forward runs, and waited only
-  when k+1's forward needs it.
+  when k+1's forward needs it;
+- a step skipped for a non-finite loss on one rank leaves host shards (gathers ahead, update on the worker)
+  bitwise equal to device shards.
 Run: `OMP_NUM_THREADS=1 python -m pytest tests/dist/test_row_exchange.py -q`.
 """
 
@@ -112,6 +114,16 @@ def _worker(rank: int, world: int, port: int, root, assets) -> None:
                     out["plans"] = _plans_equal(trainer.tables, rank)
                 if tables == "host":
                     trainer.tables.close()  # (finish() would also leave the process group)
+    # A non-finite loss on rank 1 in step 2: the step is skipped on both ranks (no update queued), and the gathers
+    # ahead still serve the right rows afterwards.
+    poison = lambda step, loss: loss * float("nan") if step == 2 and rank == 1 else loss  # noqa: E731
+    for tables in ("device", "host"):
+        cfg = train_config(assets, root / f"{tables}-nan", tables=tables, dist_timeout=60, **{**RUN, "steps": 4})
+        trainer = DistributedTrainer(model_config("stem"), cfg, fault_injection=poison, progress=False)
+        trainer.fit()
+        out[f"{tables}-nan"] = {k: v.detach().clone() for k, v in trainer.tables.shards.items()}
+        if tables == "host":
+            trainer.tables.close()
     torch.save(out, root / f"rank{rank}.pt")
     destroy_distributed()
 
@@ -146,6 +158,17 @@ def test_exchange_ahead_is_bitwise_the_synchronous_one(runs, tables):
         out = torch.load(runs / f"rank{rank}.pt")
         for key, shard in out[f"{tables}-sync"].items():
             assert torch.equal(out[f"{tables}-ahead"][key], shard)
+
+
+@pytest.mark.dist
+def test_a_skipped_step_with_host_shards_ahead(runs):
+    host, device = records(runs / "host-nan"), records(runs / "device-nan")
+    assert host == device
+    assert [r[1] is None for r in host if r[0] == "train"] == [False, True, False, False]
+    for rank in range(2):
+        out = torch.load(runs / f"rank{rank}.pt")
+        for key, shard in out["device-nan"].items():
+            assert torch.equal(out["host-nan"][key], shard)
 
 
 @pytest.mark.dist
