@@ -29,6 +29,7 @@ from safetensors.torch import save_file
 from stemlm.config import MODEL_TYPE, ModelConfig
 from stemlm.errors import StemlmError
 from stemlm.safe_write import AtomicFolder, fsync_tree  # noqa: F401  (re-exported: the writers' import path)
+from stemlm.table_storage import expand_state, read_storage
 
 if TYPE_CHECKING:  # the model imports this module to save itself; the format never needs the model class
     from stemlm.model.decoder import StemLM
@@ -174,7 +175,8 @@ def weight_files(directory: str | Path) -> list[Path]:
 
 
 def read_state(directory: str | Path, device: str | torch.device = "cpu") -> dict[str, torch.Tensor]:
-    """All tensors of a checkpoint folder (safetensors only; never pickle); a sharded one is assembled."""
+    """All tensors of a checkpoint folder (safetensors only; never pickle); a sharded one is assembled, and
+    compact tables (bf16 / int8 rows, `stemlm.table_storage`) come back dequantised to fp32."""
     from stemlm.sharded_checkpoint import is_sharded, read_sharded_state
 
     if is_sharded(directory):
@@ -187,4 +189,24 @@ def read_state(directory: str | Path, device: str | torch.device = "cpu") -> dic
                     state[name] = reader.get_tensor(name)
         except (SafetensorError, OSError, ValueError) as exc:
             raise StemlmError(f"weights file {f} is corrupt or truncated ({exc})") from None
-    return state
+    return expand_state(state, read_storage(directory), directory)
+
+
+def write_weights(
+    folder: Path, state: dict[str, torch.Tensor], max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES, metadata=None
+) -> None:
+    """Write `state` as model.safetensors (or shards plus the index) into an existing folder; `metadata` is
+    added to every file's safetensors metadata."""
+    meta = {"format": "pt", **(metadata or {})}
+    shards = _shards(state, max_shard_bytes)
+    if len(shards) == 1:
+        save_file(shards[0], str(folder / WEIGHTS_NAME), metadata=meta)
+        return
+    weight_map, total = {}, 0
+    for k, shard in enumerate(shards, start=1):
+        name = f"model-{k:05d}-of-{len(shards):05d}.safetensors"
+        save_file(shard, str(folder / name), metadata=meta)
+        for tensor_name, t in shard.items():
+            weight_map[tensor_name] = name
+            total += t.numel() * t.element_size()
+    write_json(folder / INDEX_NAME, {"metadata": {"total_size": total}, "weight_map": weight_map})

@@ -208,28 +208,15 @@ def load_for_generation(
     cache_fraction: float | None = None,
     cache_policy: str = "lfu",
     device: str | torch.device = "cpu",
-    table_dtype: str = "fp32",
+    table_dtype: str | None = None,
 ):
-    """(model, tokenizer, OffloadedLM or None): resident tables load the plain way, host / mmap tables offloaded."""
-    if tables == "resident":
-        if cache_rows is not None or cache_fraction is not None:
-            raise StemlmError("--cache-rows / --cache-fraction need --tables host or --tables mmap")
-        if table_dtype != "fp32":
-            raise StemlmError("--table-dtype bf16/int8 needs --tables host")
-        model, tokenizer = load_checkpoint(path, device=device)
-        return model, tokenizer, None
-    from stemlm.offload.engine import open_checkpoint
+    """(model, tokenizer, OffloadedLM or None): resident tables load the plain way, host / mmap tables offloaded
+    (`stemlm.inference.load_inference` with fp32 compute)."""
+    from stemlm.inference import InferenceOptions, load_inference
 
-    offloaded, tokenizer = open_checkpoint(
-        path,
-        tables,
-        cache_rows=cache_rows,
-        cache_fraction=cache_fraction,
-        policy=cache_policy,
-        device=device,
-        table_dtype=table_dtype,
-    )
-    return offloaded.model, tokenizer, offloaded
+    options = InferenceOptions(tables, table_dtype, cache_rows, cache_fraction, cache_policy, str(device), "fp32")
+    loaded = load_inference(path, options)
+    return loaded.model, loaded.tokenizer, loaded.offloaded
 
 
 def from_pretrained(

@@ -24,7 +24,8 @@ def add_json_flag(parser) -> None:
 
 
 def add_table_flags(p) -> None:
-    """The table placement and cache flags of `stemlm generate`."""
+    """The table placement, cache and table dtype flags of every command that runs a checkpoint
+    (`stemlm.inference.InferenceOptions`)."""
     p.add_argument(
         "--tables",
         choices=("resident", "host", "mmap"),
@@ -52,10 +53,23 @@ def add_table_flags(p) -> None:
     p.add_argument(
         "--table-dtype",
         choices=("fp32", "bf16", "int8"),
-        default="fp32",
-        help="with --tables host: store the table rows as fp32 (default), bf16, or int8 with one scale per row "
-        "and layer (dequantised when gathered)",
+        help="the format the table rows are kept in: fp32, bf16, or int8 with one scale per row and layer "
+        "(dequantised when gathered); default: as the checkpoint stores them. host: converted on load; mmap: must "
+        "match the file (stemlm convert CKPT --table-dtype stores it so); resident: rows rounded, no memory saved",
     )
+
+
+def add_inference_flags(p, table_choices=("resident", "host", "mmap")) -> None:
+    """--device, --dtype and the table flags: the options of `stemlm.inference.load_inference`."""
+    p.add_argument("--device", default="cpu", help="torch device to run on, e.g. cpu or cuda (default cpu)")
+    p.add_argument(
+        "--dtype",
+        choices=("auto", "fp32", "bf16"),
+        default="auto",
+        help="compute dtype (autocast; weights stay as loaded); auto: bf16 on a CUDA device that supports it, "
+        "else fp32 (default auto)",
+    )
+    add_table_flags(p)
 
 
 def register_group(subparsers, name: str, entries: list[str], help_text: str, description: str):

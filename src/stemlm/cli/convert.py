@@ -5,13 +5,15 @@
     stemlm convert --from-dense runs/tiny-dense --stem-layers odd --out ckpt/tiny-retrofit
     stemlm train --preset tiny --init-from ckpt/tiny-retrofit ...
     stemlm convert --to-llama runs/tiny-dense --out ckpt/tiny-llama      # model_type llama, for transformers
+    stemlm convert runs/tiny --table-dtype int8 --out ckpt/tiny-int8     # lookup tables as row-wise int8
 
 `--from-gguf` writes a Hugging Face Llama folder (dequantised fp32 weights, tokenizer, chat template; see
 `stemlm.gguf_import`). `--from-dense` takes a stemlm dense checkpoint, a run folder (its newest checkpoint) or
 a local Hugging Face Llama folder; each selected layer's up-projection becomes the table E · W_upᵀ (see
 `stemlm.convert`); the tokenizer is copied. `--to-llama` writes a dense checkpoint with model_type "llama"
 (`stemlm.hf.llama.save_as_llama`): a stemlm dense folder already loads into LlamaForCausalLM, but with a
-model-type warning; this one loads silently. `--json` prints the output path and the new config.
+model-type warning; this one loads silently. `CKPT --table-dtype bf16|int8` stores the lookup tables
+compactly (`stemlm.table_convert`). `--json` prints the output path and the new config.
 """
 
 from __future__ import annotations
@@ -22,7 +24,26 @@ from stemlm.cli.common import add_json_flag, print_json
 from stemlm.errors import StemlmError
 
 
+def _convert_tables(args) -> int:
+    from stemlm.table_convert import convert_tables
+
+    if args.stem_layers is not None:
+        raise StemlmError("--stem-layers applies to --from-dense; CKPT --table-dtype keeps the model's layers")
+    if args.table_dtype is None:
+        raise StemlmError("convert CKPT needs --table-dtype bf16 or int8 (the format to store the tables in)")
+    out = convert_tables(args.ckpt, args.table_dtype, args.out, force=args.force)
+    if args.json:
+        print_json({"out": str(out), "table_dtype": args.table_dtype})
+    else:
+        print(f"wrote {out} with {args.table_dtype} lookup tables", file=sys.stderr)
+    return 0
+
+
 def run(args) -> int:
+    if args.ckpt is not None:
+        return _convert_tables(args)
+    if args.table_dtype is not None:
+        raise StemlmError("--table-dtype applies to a CKPT argument: stemlm convert CKPT --table-dtype int8 --out DIR")
     if args.to_llama is not None:
         from stemlm.hf.llama import LLAMA_PRODUCER, save_as_llama
         from stemlm.runs import load_checkpoint, resolve_checkpoint
@@ -82,6 +103,12 @@ def register(subparsers) -> None:
     )
     source = p.add_mutually_exclusive_group(required=True)
     source.add_argument(
+        "ckpt",
+        nargs="?",
+        metavar="CKPT",
+        help="a stemlm checkpoint or run folder whose lookup tables --table-dtype stores compactly",
+    )
+    source.add_argument(
         "--from-dense",
         metavar="CKPT",
         help="dense stemlm checkpoint or run folder, or a local Hugging Face Llama folder",
@@ -124,6 +151,12 @@ def register(subparsers) -> None:
         default=32768,
         metavar="N",
         help="(--init calib) calibration tokens to run through the dense model (default 32768)",
+    )
+    p.add_argument(
+        "--table-dtype",
+        choices=("bf16", "int8"),
+        help="(CKPT) store every lookup table as bf16, or int8 codes with one fp32 scale per row (row-wise "
+        "quantisation); every command loads the result, --tables host/mmap keep the rows compact",
     )
     p.add_argument("--out", required=True, metavar="DIR", help="folder to write the converted model to")
     p.add_argument(

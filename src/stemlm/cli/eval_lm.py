@@ -16,7 +16,7 @@ import argparse
 import json
 import sys
 
-from stemlm.cli.common import add_json_flag, print_json
+from stemlm.cli.common import add_inference_flags, add_json_flag, print_json
 from stemlm.errors import StemlmError
 
 
@@ -55,7 +55,7 @@ def register_eval(subparsers) -> None:
     parser.add_argument("--max-length", type=int, metavar="L", help="context window (default: the model's maximum)")
     parser.add_argument("--builtin", action="store_true", help="also index lm-eval's built-in tasks (cached data only)")
     parser.add_argument("--seed", type=int, default=0, help="seed for lm-eval's sampling and few-shot choice")
-    parser.add_argument("--device", default="cpu", help="torch device to run on (default: cpu)")
+    add_inference_flags(parser)
     parser.add_argument("--out", metavar="FILE", help="also write lm-eval's full results as JSON to FILE")
     parser.add_argument("--force", action="store_true", help="replace --out FILE if it exists")
     add_json_flag(parser)
@@ -71,18 +71,24 @@ def run(args) -> int:
     tasks = [t.strip() for t in args.tasks.split(",") if t.strip()] if args.tasks else None
     if args.tasks is not None and not tasks:
         raise StemlmError("--tasks is empty: name at least one task")
+    from stemlm.inference import InferenceOptions
+
     lm = StemlmLM.from_checkpoint(
-        args.checkpoint, device=args.device, batch_size=args.batch_size, max_length=args.max_length
+        args.checkpoint,
+        options=InferenceOptions.from_args(args),
+        batch_size=args.batch_size,
+        max_length=args.max_length,
     )
-    results = run_lm_eval(
-        lm,
-        tasks,
-        limit=args.limit,
-        include_paths=args.include_path,
-        num_fewshot=args.num_fewshot,
-        builtin=args.builtin,
-        seed=args.seed,
-    )
+    with lm.loaded:
+        results = run_lm_eval(
+            lm,
+            tasks,
+            limit=args.limit,
+            include_paths=args.include_path,
+            num_fewshot=args.num_fewshot,
+            builtin=args.builtin,
+            seed=args.seed,
+        )
     summary = summarize_results(results)
     if args.out:
         write_output_file(args.out, json.dumps(results, indent=2, default=str), force=args.force)

@@ -18,7 +18,7 @@ import json
 import sys
 from pathlib import Path
 
-from stemlm.cli.common import add_json_flag, print_json
+from stemlm.cli.common import add_inference_flags, add_json_flag, print_json
 from stemlm.errors import StemlmError
 
 
@@ -64,7 +64,7 @@ def register_eval(subparsers) -> None:
     )
     parser.add_argument("--digits", type=int, default=7, help="digits of each magic number (default: 7)")
     parser.add_argument("--seed", type=int, default=0, help="seed of keys, numbers and distractor positions")
-    parser.add_argument("--device", default="cpu", help="torch device to run on (default: cpu)")
+    add_inference_flags(parser)
     parser.add_argument(
         "--out",
         metavar="DIR",
@@ -101,26 +101,28 @@ def register_eval_data(subparsers) -> None:
 
 def run(args) -> int:
     from stemlm.evaluation.niah import model_answerer, plot_niah_heatmap, run_niah
-    from stemlm.evaluation.perplexity import load_eval_checkpoint
+    from stemlm.evaluation.perplexity import load_eval
+    from stemlm.inference import InferenceOptions
     from stemlm.runs import output_dir
     from stemlm.safe_write import AtomicFolder, check_target
 
     out = Path(args.out) if args.out else output_dir(args.checkpoint, "eval-niah")
     guard = {"producer": "stemlm eval niah", "force": args.force, "sources": [args.checkpoint]}
     check_target(out, **guard)  # before the evaluation
-    model, tokenizer = load_eval_checkpoint(args.checkpoint, device=args.device)
-    result = run_niah(
-        model_answerer(model, tokenizer),
-        tokenizer,
-        args.lengths,
-        args.depths,
-        samples=args.samples,
-        needles=args.needles,
-        digits=args.digits,
-        seed=args.seed,
-        max_context=model.config.max_position_embeddings,
-        keep_outputs=True,
-    )
+    with load_eval(args.checkpoint, InferenceOptions.from_args(args)) as loaded:
+        model, tokenizer = loaded.model, loaded.tokenizer
+        result = run_niah(
+            model_answerer(model, tokenizer),
+            tokenizer,
+            args.lengths,
+            args.depths,
+            samples=args.samples,
+            needles=args.needles,
+            digits=args.digits,
+            seed=args.seed,
+            max_context=model.config.max_position_embeddings,
+            keep_outputs=True,
+        )
     with AtomicFolder(out, **guard) as tmp:
         (tmp / "niah.json").write_text(json.dumps(result, indent=2), encoding="utf-8")
         title = f"{result['variant']}: {Path(args.checkpoint).name}"

@@ -3,6 +3,7 @@
     stemlm eval ppl runs/tiny                                  # the embedded corpus's held-out split
     stemlm eval ppl runs/tiny --data notes.txt docs/ --seq-len 512 --stride 256 --json
     stemlm eval ppl runs/tiny --max-tokens 20000               # quick estimate over every document
+    stemlm eval ppl runs/tiny --tables mmap --table-dtype int8 # e.g. a checkpoint from convert --table-dtype int8
 
 Each document is scored on its own after `<|endoftext|>`; a long one is cut into windows of `--seq-len`
 tokens (default: the window the run trained at, so the figure means what the training log's held-out loss
@@ -14,7 +15,7 @@ from __future__ import annotations
 
 import sys
 
-from stemlm.cli.common import add_json_flag, print_json
+from stemlm.cli.common import add_inference_flags, add_json_flag, print_json
 from stemlm.errors import StemlmError
 
 
@@ -41,18 +42,26 @@ def register_eval(subparsers) -> None:
     parser.add_argument("--stride", type=int, metavar="S", help="tokens the window advances by, 1..L (default: L)")
     parser.add_argument("--max-tokens", type=int, metavar="N", help="score only about N tokens, spread over documents")
     parser.add_argument("--batch-size", type=int, default=8, help="windows per forward (default: 8)")
-    parser.add_argument("--device", default="cpu", help="torch device to run on (default: cpu)")
+    add_inference_flags(parser)
     add_json_flag(parser)
     parser.set_defaults(func=run)
 
 
 def run(args) -> int:
-    from stemlm.evaluation.perplexity import evaluate_perplexity, load_eval_checkpoint
-    from stemlm.runs import training_window
+    from stemlm.evaluation.perplexity import load_eval
+    from stemlm.inference import InferenceOptions
 
     if args.seq_len is not None and args.seq_len < 1:
         raise StemlmError(f"--seq-len must be a positive number of tokens, got {args.seq_len}")
-    model, tokenizer = load_eval_checkpoint(args.checkpoint, device=args.device)
+    with load_eval(args.checkpoint, InferenceOptions.from_args(args)) as loaded:
+        return _score(args, loaded)
+
+
+def _score(args, loaded) -> int:
+    from stemlm.evaluation.perplexity import evaluate_perplexity
+    from stemlm.runs import training_window
+
+    model, tokenizer = loaded.model, loaded.tokenizer
     window = args.seq_len or training_window(args.checkpoint)
     window_source = "--seq-len" if args.seq_len else "the run's training window" if window else "the model maximum"
     if args.data:
@@ -73,7 +82,16 @@ def run(args) -> int:
         batch_size=args.batch_size,
     )
     if args.json:
-        print_json({"checkpoint": args.checkpoint, "data": source, "window_source": window_source, **result.to_dict()})
+        tables = {"tables": loaded.offloaded.report()} if loaded.offloaded else {}
+        print_json(
+            {
+                "checkpoint": args.checkpoint,
+                "data": source,
+                "window_source": window_source,
+                **result.to_dict(),
+                **tables,
+            }
+        )
         return 0
     print(f"data: {source}", file=sys.stderr)
     print(

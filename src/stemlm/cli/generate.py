@@ -15,7 +15,7 @@ import functools
 import sys
 import time
 
-from stemlm.cli.common import add_json_flag, add_table_flags, print_json
+from stemlm.cli.common import add_inference_flags, add_json_flag, print_json
 from stemlm.errors import StemlmError
 
 EOT_TOKEN = "<|endoftext|>"
@@ -51,35 +51,15 @@ def _prompt_ids(args, model, tokenizer) -> list[int]:
     return ids
 
 
-def _device_type(model) -> str:
-    return next(model.parameters()).device.type
-
-
-def _autocast_dtype(name: str, model):
-    import torch
-
-    from stemlm.train.config import resolve_dtype
-
-    return resolve_dtype(name, torch.device(_device_type(model)))
-
-
 def run(args) -> int:
-    import torch
-
     from stemlm.generate import IncrementalDecoder, stream_tokens
-    from stemlm.runs import load_for_generation
+    from stemlm.inference import InferenceOptions, load_inference
 
     if args.prompt == "-":
         args.prompt = sys.stdin.read().removesuffix("\n")  # `echo text |` adds a line break that is not prompt
-    model, tokenizer, offloaded = load_for_generation(  # offloaded: None unless --tables host / mmap
-        args.ckpt,
-        tables=args.tables,
-        cache_rows=args.cache_rows,
-        cache_fraction=args.cache_fraction,
-        cache_policy=args.cache_policy,
-        device=args.device,
-        table_dtype=args.table_dtype,
-    )
+    # Every forward of the loaded model runs under the --dtype autocast (stemlm.inference.bind_forward).
+    loaded = load_inference(args.ckpt, InferenceOptions.from_args(args))
+    model, tokenizer, offloaded, amp = loaded.model, loaded.tokenizer, loaded.offloaded, loaded.autocast_dtype
     eos_token = EOT_TOKEN
     if args.chat:
         from stemlm.chat import require_chat
@@ -108,16 +88,13 @@ def run(args) -> int:
     new_ids: list[int] = []
     start = time.perf_counter()
     first = None
-    # The generator runs inside the loop, so every forward sees this autocast (weights stay as loaded).
-    amp = _autocast_dtype(args.dtype, model)
-    with torch.autocast(_device_type(model), dtype=torch.bfloat16, enabled=amp == torch.bfloat16):
-        for token in tokens:
-            if first is None:
-                first = time.perf_counter() - start
-            new_ids.append(token)
-            if not args.json:
-                out.write(decoder.push(token) if decoder else f"{token} ")
-                out.flush()
+    for token in tokens:
+        if first is None:
+            first = time.perf_counter() - start
+        new_ids.append(token)
+        if not args.json:
+            out.write(decoder.push(token) if decoder else f"{token} ")
+            out.flush()
     seconds = time.perf_counter() - start
     rate = len(new_ids) / seconds if seconds > 0 else 0.0
     completion = tokenizer.decode(new_ids) if tokenizer is not None else None
@@ -186,13 +163,6 @@ def register(subparsers) -> None:
         "GGUF) and stop at the template's end-of-turn token",
     )
     p.add_argument("--ignore-eos", action="store_true", help="keep going past <|endoftext|> until --max-new-tokens")
-    p.add_argument("--device", default="cpu", help="torch device to run on, e.g. cpu or cuda (default cpu)")
-    p.add_argument(
-        "--dtype",
-        choices=("auto", "fp32", "bf16"),
-        default="auto",
-        help="compute dtype (autocast); auto: bf16 on a CUDA device that supports it, else fp32 (default auto)",
-    )
-    add_table_flags(p)
+    add_inference_flags(p)
     add_json_flag(p)
     p.set_defaults(func=run)

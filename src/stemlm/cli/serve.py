@@ -2,6 +2,7 @@
 
     stemlm serve runs/tiny                                   # http://127.0.0.1:7860/
     stemlm serve runs/tiny --tables host --cache-fraction 0.2 --save-dir edited/
+    stemlm serve ckpt/tiny-int8 --tables mmap --device cuda --dtype bf16   # int8 rows mapped, bf16 autocast
 
 The page works offline (no CDN). It listens on loopback unless --host says otherwise; it has no login, so
 only expose it on a network you trust. Edited checkpoints are saved only under --save-dir, each in a new
@@ -16,6 +17,7 @@ import os
 import socket
 import sys
 
+from stemlm.cli.common import add_inference_flags
 from stemlm.errors import StemlmError
 
 
@@ -57,16 +59,9 @@ def run(args) -> int:
     except ImportError as exc:
         raise StemlmError(f"stemlm serve needs Flask ({exc.name} is missing): pip install 'flask>=3.0'") from None
 
-    pg = Playground.load(
-        args.ckpt,
-        tables=args.tables,
-        cache_rows=args.cache_rows,
-        cache_fraction=args.cache_fraction,
-        policy=args.cache_policy,
-        device=args.device,
-        save_dir=args.save_dir,
-        chat=args.chat,
-    )
+    from stemlm.inference import InferenceOptions
+
+    pg = Playground.load(args.ckpt, InferenceOptions.from_args(args), save_dir=args.save_dir, chat=args.chat)
     try:
         with listen(args.host, args.port) as sock:  # the server keeps its own duplicate of the descriptor
             app = create_app(pg, trusted_hosts(args.host, args.allow_host))
@@ -113,25 +108,7 @@ def register(subparsers) -> None:
         help="also answer requests whose Host header is NAME (repeatable; default: loopback names and --host only, "
         "which guards against DNS rebinding)",
     )
-    p.add_argument(
-        "--tables",
-        choices=("resident", "host"),
-        default="resident",
-        help="where the STEM tables live: on the device (default) or in host memory behind a device row cache "
-        "whose statistics the page shows",
-    )
-    size = p.add_mutually_exclusive_group()
-    size.add_argument("--cache-rows", type=int, metavar="N", help="with --tables host: device cache of N token rows")
-    size.add_argument(
-        "--cache-fraction",
-        type=float,
-        metavar="F",
-        help="with --tables host: device cache of this fraction of the vocabulary (default 0.2)",
-    )
-    p.add_argument(
-        "--cache-policy", choices=("lfu", "lru"), default="lfu", help="with --tables host: cache policy (default lfu)"
-    )
-    p.add_argument("--device", default="cpu", help="torch device to run on, e.g. cpu or cuda (default cpu)")
+    add_inference_flags(p)
     p.add_argument(
         "--save-dir",
         metavar="DIR",

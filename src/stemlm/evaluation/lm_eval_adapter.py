@@ -35,7 +35,7 @@ from lm_eval.api.registry import register_model  # noqa: E402
 from tokenizers import Tokenizer  # noqa: E402
 
 from stemlm.errors import StemlmError  # noqa: E402
-from stemlm.evaluation.perplexity import load_eval_checkpoint, model_device, token_logprobs  # noqa: E402
+from stemlm.evaluation.perplexity import load_eval, model_device, token_logprobs  # noqa: E402
 from stemlm.model.decoder import StemLM  # noqa: E402
 
 DEFAULT_MAX_GEN_TOKS = 64
@@ -71,10 +71,18 @@ class StemlmLM(LM):
 
     # ----- construction from lm-eval's model_args -----
     @classmethod
-    def from_checkpoint(cls, pretrained: str | Path, *, device: str | None = None, **kwargs: Any) -> StemlmLM:
-        """Load CKPT (a checkpoint or run folder); its tokenizer, or the default one when it has none."""
-        model, tokenizer = load_eval_checkpoint(str(pretrained), device=device or "cpu")
-        return cls(model, tokenizer, **kwargs)
+    def from_checkpoint(
+        cls, pretrained: str | Path, *, device: str | None = None, options=None, **kwargs: Any
+    ) -> StemlmLM:
+        """Load CKPT (a checkpoint or run folder); its tokenizer, or the default one when it has none.
+        `options` (`stemlm.inference.InferenceOptions`: tables, table dtype, compute dtype) replaces `device`;
+        the loaded checkpoint is kept as `.loaded` (close it when done)."""
+        from stemlm.inference import InferenceOptions
+
+        loaded = load_eval(str(pretrained), options or InferenceOptions(device=device or "cpu", dtype="fp32"))
+        lm = cls(loaded.model, loaded.tokenizer, **kwargs)
+        lm.loaded = loaded
+        return lm
 
     @classmethod
     def create_from_arg_obj(cls, arg_dict: dict[str, Any], additional_config: dict | None = None) -> StemlmLM:

@@ -97,20 +97,31 @@ def token_logprobs(
     return out
 
 
-def load_eval_checkpoint(path: str, device: str = "cpu") -> tuple[StemLM, Tokenizer]:
-    """Model and tokenizer of a CKPT argument; the default tokenizer when the checkpoint has none (and fits)."""
+def load_eval(path: str, options=None):
+    """A CKPT argument loaded for evaluation (`stemlm.inference.load_inference` with `options`: tables, table
+    dtype, compute dtype), as a `Loaded` whose tokenizer is the default one when the checkpoint has none."""
     from stemlm.data.tokenizer import default_tokenizer
-    from stemlm.runs import load_checkpoint
+    from stemlm.inference import load_inference
 
-    model, tokenizer = load_checkpoint(path, device=device)
-    if tokenizer is None:
+    loaded = load_inference(path, options)
+    if loaded.tokenizer is None:
         tokenizer = default_tokenizer()
-        if tokenizer.get_vocab_size() > model.config.vocab_size:
+        if tokenizer.get_vocab_size() > loaded.model.config.vocab_size:
+            loaded.close()
             raise StemlmError(
                 f"checkpoint {path} has no tokenizer.json and the default tokenizer does not fit its vocab_size "
-                f"{model.config.vocab_size}; save the tokenizer with the checkpoint"
+                f"{loaded.model.config.vocab_size}; save the tokenizer with the checkpoint"
             )
-    return model, tokenizer
+        loaded.tokenizer = tokenizer
+    return loaded
+
+
+def load_eval_checkpoint(path: str, device: str = "cpu") -> tuple[StemLM, Tokenizer]:
+    """Model and tokenizer of a CKPT argument (resident tables, fp32); see `load_eval` for the other options."""
+    from stemlm.inference import InferenceOptions
+
+    loaded = load_eval(path, InferenceOptions(device=device, dtype="fp32"))
+    return loaded.model, loaded.tokenizer
 
 
 @dataclass

@@ -206,7 +206,7 @@ class OffloadedLM:
         warm_counts=None,
         background: bool = True,
         prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
-        table_dtype: str = "fp32",
+        table_dtype: str | None = None,
     ) -> OffloadedLM:
         """Load a checkpoint; host / mmap tables get a cache of `cache_rows` rows or `cache_fraction` of the
         vocabulary (DEFAULT_CACHE_FRACTION when neither is given; 0 rows stages every row per step)."""

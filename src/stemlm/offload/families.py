@@ -23,7 +23,7 @@ import torch
 from stemlm.checkpoint import load_config, weight_files
 from stemlm.errors import StemlmError
 from stemlm.model.decoder import StemLM
-from stemlm.offload.compact import CompactProvider
+from stemlm.offload.compact import CompactMmapProvider, CompactProvider, RowSource
 from stemlm.offload.providers import (
     TABLE_MODES,
     HostProvider,
@@ -35,6 +35,7 @@ from stemlm.offload.providers import (
     checkpoint_entries,
 )
 from stemlm.runs import from_pretrained
+from stemlm.table_storage import SCALE_SUFFIX, check_table_dtype, read_storage
 
 
 @dataclass
@@ -68,18 +69,32 @@ def load_offloaded_model(
     device: str | torch.device = "cpu",
     dtype: torch.dtype | None = None,
     layout: str = "token",
-    table_dtype: str = "fp32",
+    table_dtype: str | None = None,
 ) -> tuple[StemLM, OffloadProviders]:
-    """A checkpoint's model with its lookup tables placed by `tables`, and their providers; `table_dtype` bf16 /
-    int8 stores host tables compactly (stemlm.offload.compact)."""
-    if table_dtype != "fp32" and tables != "host":
-        raise StemlmError(f"table dtype {table_dtype} needs tables='host' (got {tables!r})")
+    """A checkpoint's model with its lookup tables placed by `tables`, and their providers.
+
+    `table_dtype` (fp32 / bf16 / int8; None: as the checkpoint stores them) is the format the rows are kept in
+    (`stemlm.offload.compact`): host tables are converted to it on load, mmap tables are read in the format
+    the file has (another one is refused: `stemlm convert CKPT --table-dtype` stores them so), resident
+    tables are rounded through it and held in the model's dtype (no memory saved)."""
     if tables not in TABLE_MODES:
         raise StemlmError(f"unknown table placement {tables!r}; choose one of {', '.join(TABLE_MODES)}")
+    if table_dtype is not None:
+        check_table_dtype(table_dtype)
     device = torch.device(device)
+    storage = read_storage(directory)
+    stored = storage["dtype"] if storage else "fp32"
+    want = table_dtype or stored
     if tables == "resident":
         model = from_pretrained(directory, device=device, dtype=dtype)
+        if want != stored:
+            round_tables(model, want)
         return model, OffloadProviders(token=ResidentProvider(model) if model.stem_tables() else None)
+    if tables == "mmap" and want != stored:
+        raise StemlmError(
+            f"--tables mmap reads the rows in the format the checkpoint stores ({stored}); to map {want} rows, "
+            f"store them so first: stemlm convert CKPT --table-dtype {want} --out DIR (or use --tables host)"
+        )
     config = load_config(directory)
     with torch.device("meta"):
         model = StemLM(config)
@@ -88,14 +103,25 @@ def load_offloaded_model(
         raise StemlmError(f"checkpoint {directory} has no lookup tables to offload; load it with tables='resident'")
     files = weight_files(directory)
     entries = checkpoint_entries(files)
-    pin = device.type == "cuda"
+    pin = device.type == "cuda"  # staging buffers only; see HostProvider
+    compact = set(storage["tensors"]) if storage else set()
+
+    def source(name: str, entry) -> RowSource:
+        scale = entries.get(name + SCALE_SUFFIX) if name in compact and stored == "int8" else None
+        if name in compact and stored == "int8" and scale is None:
+            raise StemlmError(f"checkpoint {directory}: int8 table {name} has no scales {name}{SCALE_SUFFIX}")
+        return RowSource(entry, scale)
 
     def provider(layer_names: dict[int, str], layer_layout: str) -> TableProvider:
         placed = checked_tables(directory, entries, model, layer_names)
+        if not storage and want == "fp32":  # the ordinary format: fp32 rows as the file has them
+            if tables == "host":
+                return HostProvider(placed, layout=layer_layout, pin=pin, dtype=dtype)
+            return MmapProvider(placed, dtype=dtype, pin=pin)
+        sources = {layer: source(layer_names[layer], entry) for layer, entry in placed.items()}
         if tables == "host":
-            host = HostProvider(placed, layout=layer_layout, pin=pin, dtype=dtype)
-            return host if table_dtype == "fp32" else CompactProvider(host, table_dtype, out_dtype=host.dtype)
-        return MmapProvider(placed, dtype=dtype, pin=pin)
+            return CompactProvider(sources, want, out_dtype=dtype or torch.float32, pin=pin)
+        return CompactMmapProvider(sources, out_dtype=dtype or torch.float32, pin=pin)
 
     providers = OffloadProviders(
         token=provider(families["token"], layout) if "token" in families else None,
@@ -103,5 +129,19 @@ def load_offloaded_model(
         memory={i: provider({i: name}, "token") for i, name in families.get("memory", {}).items()},
     )
     skip = {name for layer_names in families.values() for name in layer_names.values()}
+    skip |= {name + SCALE_SUFFIX for name in compact}
     _load_backbone(model, directory, files, skip, device, dtype)
     return model, providers
+
+
+@torch.no_grad()
+def round_tables(model: StemLM, table_dtype: str) -> None:
+    """Replace every lookup table's rows by what they read back as after storing them as `table_dtype`
+    (resident tables with `--table-dtype`: the effect on the model's outputs, at the model's own dtype)."""
+    from stemlm.table_storage import round_rows
+
+    for tables in (model.stem_tables(), model.ngram_tables(), model.memory_tables()):
+        for table in tables.values():
+            weight = table.weight
+            for start in range(0, weight.shape[0], 4096):
+                weight[start : start + 4096] = round_rows(weight[start : start + 4096], table_dtype)

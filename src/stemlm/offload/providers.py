@@ -8,8 +8,11 @@ cache and the engine use, so another backend (e.g. FBGEMM's table-batched embedd
 
 - `ResidentProvider`: the model's own tables on the compute device (the baseline; the engine then lets the
   model look rows up itself).
-- `HostProvider`: tables in host memory, pinned when CUDA is present; layout "token" stores one [V, W]
-  matrix so a token's rows for all layers are one contiguous read, layout "layer" keeps one [V, w] per layer.
+- `HostProvider`: tables in host memory; layout "token" stores one [V, W] matrix so a token's rows for all
+  layers are one contiguous read, layout "layer" keeps one [V, w] per layer. The tables themselves are never
+  pinned: they are no DMA source (a gather copies the rows into a staging buffer, and that buffer, pinned
+  when CUDA is present, is what the device copy reads), and pinned allocations are page-locked and rounded
+  up by the caching host allocator (a 21 GB table would lock 32 GiB).
 - `MmapProvider`: tables memory-mapped straight from the safetensors files (larger than RAM is fine); the
   header is parsed here (8-byte little-endian length, JSON with dtype / shape / data_offsets), no pickle.
 
@@ -29,7 +32,7 @@ import numpy as np
 import torch
 from safetensors import SafetensorError, safe_open
 
-from stemlm.checkpoint import load_config, weight_files
+from stemlm.checkpoint import load_config
 from stemlm.errors import StemlmError
 from stemlm.model.decoder import StemLM
 from stemlm.runs import from_pretrained
@@ -40,6 +43,7 @@ SAFETENSORS_DTYPES = {
     "F32": (np.float32, torch.float32),
     "F16": (np.float16, torch.float16),
     "BF16": (np.uint16, torch.bfloat16),
+    "I8": (np.int8, torch.int8),  # the codes of int8 tables (stemlm.table_storage), read with their scales
 }
 ROW_BLOCK = 4096  # rows copied per block when loading tables into RAM (bounds the temporary memory)
 
@@ -92,7 +96,7 @@ def read_safetensors_header(path: str | Path) -> dict[str, TensorEntry]:
 def memmap_entry(entry: TensorEntry) -> np.memmap:
     """A read-only numpy view of one tensor's bytes (no read happens until rows are indexed)."""
     if entry.dtype not in SAFETENSORS_DTYPES:
-        raise StemlmError(f"{entry.path}: table dtype {entry.dtype} is not supported (use F32, F16 or BF16)")
+        raise StemlmError(f"{entry.path}: table dtype {entry.dtype} is not supported (use F32, F16, BF16 or I8)")
     np_dtype = SAFETENSORS_DTYPES[entry.dtype][0]
     if entry.nbytes != int(np.prod(entry.shape)) * np.dtype(np_dtype).itemsize:
         raise StemlmError(f"{entry.path}: header says {entry.nbytes} bytes for {entry.dtype} {list(entry.shape)}")
@@ -154,7 +158,8 @@ class HostProvider(TableProvider):
     """Tables in host memory: one token-major [V, W] matrix (layout "token") or one [V, w] per layer ("layer").
 
     `tables` maps layer -> a CPU tensor or a `TensorEntry` of a safetensors file; entries are read block by
-    block straight into the final (pinned) buffer, so loading never holds two copies of a table.
+    block straight into the final buffer, so loading never holds two copies of a table. `pin` pins the
+    staging buffer each `gather` returns (the source of the host->device copy), never the tables.
     """
 
     kind = "host"
@@ -177,13 +182,13 @@ class HostProvider(TableProvider):
         self.layout, self.pin = layout, pin
         self.matrix, self.tables = None, []
         if layout == "token":
-            self.matrix = torch.empty(self.vocab_size, self.row_width, dtype=self.dtype, pin_memory=pin)
+            self.matrix = torch.empty(self.vocab_size, self.row_width, dtype=self.dtype)
         for layer, source, name in zip(layers, sources, names, strict=True):
             offset, width = self.layer_slices[layer]
             if layout == "token":
                 dest = self.matrix[:, offset : offset + width]
             else:
-                dest = torch.empty(self.vocab_size, width, dtype=self.dtype, pin_memory=pin)
+                dest = torch.empty(self.vocab_size, width, dtype=self.dtype)
                 self.tables.append(dest)
             for start in range(0, self.vocab_size, ROW_BLOCK):
                 block = source[start : start + ROW_BLOCK]
@@ -287,19 +292,14 @@ def load_model(
     names = table_parameter_names(model)
     if not names:
         raise StemlmError(f"checkpoint {directory} has no token tables to offload; load it with tables='resident'")
-    files = weight_files(directory)
-    entries = checkpoint_entries(files)
-    table_entries = checked_tables(directory, entries, model, names)
-    pin = device.type == "cuda"
-    if tables == "host":
-        provider = HostProvider(table_entries, layout=layout, pin=pin, dtype=dtype)
-    else:
-        provider = MmapProvider(table_entries, dtype=dtype, pin=pin)
-    _load_backbone(model, directory, files, set(names.values()), device, dtype)
-    return model, provider
+    from stemlm.offload.families import load_offloaded_model  # one loader for every family and table format
+
+    model, providers = load_offloaded_model(directory, tables, device=device, dtype=dtype, layout=layout)
+    return model, providers.token
 
 
 def _load_backbone(model: StemLM, directory, files, skip: set[str], device: torch.device, dtype) -> None:
+    # `skip`: the offloaded tables (and the scales of int8 ones), which stay meta placeholders
     state = {}
     for f in files:
         try:

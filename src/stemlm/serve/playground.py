@@ -6,7 +6,7 @@ request on its own thread:
 
 - the served model is only read: positional edits travel as per-call row hooks, and a saved global edit is
   written into a copy whose edited tables are clones (copy-on-save), so no request ever sees another's edit;
-- with `--tables host` generation goes through the offload engine's row cache and prefetch pipeline, which
+- with `--tables host|mmap` generation goes through the offload engine's row cache and prefetch pipeline, which
   keep state between steps, so one generation runs at a time there (`_generation_lock`); editing and the
   heat map read the host tables through `views.resident_view` and do not touch the cache;
 - saves are serialised (`_save_lock`) so two saves cannot pick the same new folder.
@@ -72,6 +72,7 @@ class Playground:
             self.chat = require_chat(self.checkpoint)
         eos = self.chat.eos_token if self.chat and self.chat.eos_token else EOT_TOKEN
         self.eos_id = tokenizer.token_to_id(eos)
+        self.autocast_dtype = torch.float32  # set by `load` (the compute dtype every forward runs under)
         self._generation_lock = threading.Lock()
         self._save_lock = threading.Lock()
         self._view: StemLM | None = None if offloaded is not None else model
@@ -84,34 +85,38 @@ class Playground:
 
     @classmethod
     def load(
-        cls,
-        ckpt: str | Path,
-        *,
-        tables: str = "resident",
-        cache_rows: int | None = None,
-        cache_fraction: float | None = None,
-        policy: str = "lfu",
-        device: str = "cpu",
-        save_dir: str | Path | None = None,
-        chat: bool = False,
+        cls, ckpt: str | Path, options=None, *, save_dir: str | Path | None = None, chat: bool = False, **fields
     ) -> Playground:
-        """Load a checkpoint (or a run's newest) with its tables on the device ("resident") or the host."""
-        from stemlm.runs import load_checkpoint, resolve_checkpoint
+        """Load a checkpoint (or a run's newest) with `options` (`stemlm.inference.InferenceOptions`: tables
+        resident / host / mmap, table dtype, compute dtype; or its fields as keywords, e.g. tables="host",
+        cache_rows=16); every forward runs under its autocast."""
+        from stemlm.inference import InferenceOptions, load_inference
+        from stemlm.runs import resolve_checkpoint
 
         folder = resolve_checkpoint(ckpt)
-        if tables == "resident":
-            if cache_rows is not None or cache_fraction is not None:
-                raise StemlmError("--cache-rows / --cache-fraction need --tables host")
-            model, tokenizer = load_checkpoint(folder, device=device)
-            return cls(model, tokenizer, checkpoint=folder, save_dir=save_dir, chat=chat)
-        if tables != "host":
-            raise StemlmError(f"unknown table placement {tables!r} for serve; choose resident or host")
-        from stemlm.offload.engine import open_checkpoint
+        if options is None:
+            options = InferenceOptions(**fields)
+        elif fields:
+            raise StemlmError("pass the load options as InferenceOptions or as keywords, not both")
+        loaded = load_inference(folder, options)
+        try:
+            pg = cls(
+                loaded.model,
+                loaded.tokenizer,
+                checkpoint=folder,
+                offloaded=loaded.offloaded,
+                save_dir=save_dir,
+                chat=chat,
+            )
+        except StemlmError:
+            loaded.close()
+            raise
+        pg.autocast_dtype = loaded.autocast_dtype
+        if pg._view is not None and pg._view is not pg.model:  # the editing view of host tables: same autocast
+            from stemlm.inference import bind_forward
 
-        lm, tokenizer = open_checkpoint(
-            folder, tables, cache_rows=cache_rows, cache_fraction=cache_fraction, policy=policy, device=device
-        )
-        return cls(lm.model, tokenizer, checkpoint=folder, offloaded=lm, save_dir=save_dir, chat=chat)
+            bind_forward(pg._view, None, loaded.autocast_dtype)
+        return pg
 
     # ----- what the page shows about the model -----
     def info(self) -> dict:
@@ -124,7 +129,8 @@ class Playground:
             "stem_layers": tables,
             "vocab_size": config.vocab_size,
             "max_position_embeddings": config.max_position_embeddings,
-            "tables": "host" if self.offloaded is not None else "resident",
+            "tables": self.offloaded.memory()["placement"] if self.offloaded is not None else "resident",
+            "autocast_dtype": str(self.autocast_dtype).removeprefix("torch."),
             "editing": self._view_error
             or (None if tables else f"this checkpoint has no STEM tables (ffn={config.ffn})"),
             "strategies": list(STRATEGIES),

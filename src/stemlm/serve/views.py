@@ -22,7 +22,7 @@ from stemlm.errors import StemlmError
 from stemlm.model.decoder import StemLM
 from stemlm.offload.engine import OffloadedLM
 from stemlm.offload.families import table_families
-from stemlm.offload.providers import table_parameter_names
+from stemlm.offload.providers import HostProvider, table_parameter_names
 
 EMBED_NAME = "model.embed_tokens.weight"
 
@@ -53,6 +53,11 @@ def resident_view(lm: OffloadedLM) -> StemLM:
         raise StemlmError(
             "editing and analysis read the tables directly; with --tables host that needs --device cpu "
             "(or serve with --tables resident)"
+        )
+    if any(not isinstance(p, HostProvider) for p in providers.all().values()):
+        raise StemlmError(
+            "editing and analysis read the tables directly, which the compact (--table-dtype bf16/int8) host "
+            "tables do not allow; serve with --table-dtype fp32 or --tables resident to edit"
         )
     families = table_families(lm.model)
     tables = {}
