@@ -12,11 +12,22 @@ rotating order, so load from other processes hits all alike); the median decode 
 its ratio to resident and the hit rate over the timed repetitions (prefills included); every step's logits
 must be equal across configurations.
 
+Then, for each table dtype (`--table-dtypes`, default fp32,bf16,int8; `stemlm.offload.compact`), through the
+same loader the CLI uses (`stemlm.inference`, host tables, 20% cache): the held-out perplexity
+(`stemlm.evaluation.perplexity`, windows of `--ppl-window`, `--ppl-tokens` tokens of the held-out split) and
+its change against fp32 rows; the bytes of table rows read from the host store per decoded token (misses
+x stored row bytes, measured over the timed decode stream with warm caches); a token's stored row bytes;
+and the bytes a whole decode step reads (`stemlm.accounting`, fp32 weights, the rows at their stored size).
+With `--ckpt` (a trained checkpoint or run folder) the model is that checkpoint; without it the preset's
+random weights, whose perplexity change means nothing.
+
     OMP_NUM_THREADS=2 python benchmarks/decode_offload.py                 # tiny preset, fp32, CPU
     python benchmarks/decode_offload.py --decode 64 --reps 2              # quicker
+    python benchmarks/decode_offload.py --ckpt runs/tiny --reps 1         # a trained model: perplexity figures
     python benchmarks/decode_offload.py --device cuda --preset paper-350m --set vocab_size=8192
 
-The last line is `RESULT host_cache20_over_resident=… hit_rate_cache20=…` (the 20% cache, LFU).
+The last line is `RESULT host_cache20_over_resident=… hit_rate_cache20=… int8_ppl_change=…% bf16_ppl_change=…%
+fp32_bytes_per_token=… int8_bytes_per_token=…` (the 20% cache, LFU; bytes: host rows read per decoded token).
 """
 
 from __future__ import annotations
@@ -30,12 +41,16 @@ from collections import Counter
 
 import torch
 
-from stemlm.checkpoint import save_pretrained
+from stemlm.accounting import decode_bytes_per_token
+from stemlm.checkpoint import load_config, save_pretrained
 from stemlm.data.corpus import embedded_texts
 from stemlm.data.tokenizer import default_tokenizer
+from stemlm.evaluation.perplexity import evaluate_perplexity, load_eval
+from stemlm.inference import InferenceOptions
 from stemlm.model import build_model
 from stemlm.offload import OffloadedLM, decode_step, forced_decode, prefill
 from stemlm.presets import get_preset
+from stemlm.runs import resolve_checkpoint
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
@@ -71,6 +86,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--sync", action="store_true", help="fetch rows on the compute thread (no prefetch worker)")
     p.add_argument("--reps", type=int, default=3, help="timed repetitions per configuration (default 3)")
+    p.add_argument("--ckpt", help="a trained checkpoint or run folder (default: the preset with random weights)")
+    p.add_argument("--table-dtypes", default="fp32,bf16,int8", help="table dtypes compared (default fp32,bf16,int8)")
+    p.add_argument("--ppl-tokens", type=int, default=10000, help="held-out tokens scored per dtype (default 10000)")
+    p.add_argument("--ppl-window", type=int, default=256, help="perplexity window (default 256)")
     return p.parse_args(argv)
 
 
@@ -124,6 +143,37 @@ def time_decode(runs: dict[str, OffloadedLM], prompt: list[int], decode: list[in
     return seconds
 
 
+def table_dtypes(folder, args, device, dtype, counts, warm, timed, segment, config) -> dict[str, dict]:
+    """Per table dtype: held-out perplexity, host bytes read per decoded token, stored row and step bytes."""
+    texts = embedded_texts("heldout")
+    compute = "bf16" if dtype == torch.bfloat16 else "fp32"
+    fp32_step = decode_bytes_per_token(config, dtype_bytes=4)["weights"]
+    out = {}
+    for name in args.table_dtypes.split(","):
+        options = InferenceOptions("host", name, None, 0.2, args.policy, str(device), compute)
+        with load_eval(folder, options) as lm:
+            ppl = evaluate_perplexity(
+                lm.model, lm.tokenizer, texts, window=args.ppl_window, max_tokens=args.ppl_tokens
+            ).perplexity
+            fp32_row = lm.offloaded.provider.row_width * 4
+        with OffloadedLM.load(
+            folder, "host", cache_fraction=0.2, policy=args.policy, device=device, warm_counts=counts, table_dtype=name
+        ) as lm:
+            forced_decode(lm.model, warm[:1], warm[1:segment], rows=lm.rows)  # warm the cache like the speed runs
+            provider, misses, decoded = lm.provider, 0, 0
+            for start in range(0, len(timed), segment):
+                piece = timed[start : start + segment]
+                _, kv = prefill(lm.model, torch.tensor([piece[: args.prompt]]), lm.rows)
+                before = lm.stats().misses
+                for token in piece[args.prompt :]:
+                    _, kv = decode_step(lm.model, token, kv, lm.rows)
+                misses += lm.stats().misses - before
+                decoded += len(piece) - args.prompt
+            row = provider.stored_row_bytes if hasattr(provider, "stored_row_bytes") else provider.row_bytes
+        out[name] = {"ppl": ppl, "host": misses * row / decoded, "row": row, "step": fp32_step - fp32_row + row}
+    return out
+
+
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     device = torch.device(
@@ -137,7 +187,8 @@ def main(argv: list[str] | None = None) -> None:
     fractions = [float(f) for f in args.fractions.split(",")]
     if 0.2 not in fractions:
         sys.exit("--fractions must include 0.2 (the RESULT line reports it)")
-    config = get_preset(args.preset).with_overrides(args.overrides)
+    config = load_config(resolve_checkpoint(args.ckpt)) if args.ckpt else get_preset(args.preset)
+    config = config.with_overrides(args.overrides) if not args.ckpt else config
     segment = args.prompt + args.decode
     if segment > config.max_position_embeddings:
         sys.exit(f"--prompt + --decode exceed max_position_embeddings={config.max_position_embeddings}")
@@ -146,13 +197,17 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(f"the default tokenizer's ids exceed vocab_size {config.vocab_size}; add --set vocab_size=8192")
     warm, timed = stream[: args.warmup], stream[args.warmup :]
     print(
-        f"{args.preset}: {config.num_hidden_layers} layers, d {config.hidden_size}, d_ff {config.intermediate_size}, "
-        f"V {config.vocab_size}, tables in layers {config.special_layers}; {device}, {dtype}",
+        f"{args.ckpt or args.preset}: {config.num_hidden_layers} layers, d {config.hidden_size}, "
+        f"d_ff {config.intermediate_size}, V {config.vocab_size}, tables in layers {config.special_layers}; "
+        f"{device}, {dtype}",
         file=sys.stderr,
     )
 
     with tempfile.TemporaryDirectory() as tmp:
-        save_pretrained(build_model(config, seed=0).to(dtype), tmp)
+        if args.ckpt:
+            tmp = str(resolve_checkpoint(args.ckpt))
+        else:
+            save_pretrained(build_model(config, seed=0).to(dtype), tmp)
         runs = {"resident": OffloadedLM.load(tmp, "resident", device=device)}
         counts = warm_counts(args.warm_chars, config.vocab_size)
         for f in fractions:
@@ -184,6 +239,7 @@ def main(argv: list[str] | None = None) -> None:
             hit_rates[name] = (s.hits - hits) / max(1, s.unique_ids - lookups)
         for lm in runs.values():
             lm.close()
+        compact = table_dtypes(tmp, args, device, dtype, counts, warm, timed, segment, config)
 
     base = statistics.median(speeds["resident"])
     print(f"{'configuration':<20}{'tokens/s':>10}{'ratio':>8}{'hit rate':>10}  (median of {args.reps})")
@@ -191,10 +247,19 @@ def main(argv: list[str] | None = None) -> None:
         rate = statistics.median(values)
         hit = f"{100 * hit_rates[name]:.1f}%" if name in hit_rates else "-"
         print(f"{name:<20}{rate:>10.1f}{rate / base:>8.3f}{hit:>10}")
+    print(f"\n{'tables':<7}{'perplexity':>11}{'change':>9}{'host B/token':>14}{'row B':>8}{'step B/token':>14}")
+    for name, r in compact.items():
+        change = 100 * (r["ppl"] / compact["fp32"]["ppl"] - 1) if "fp32" in compact else float("nan")
+        r["change"] = change
+        print(f"{name:<7}{r['ppl']:>11.3f}{change:>+8.3f}%{r['host']:>14,.0f}{r['row']:>8,}{r['step']:>14,}")
+    print("(host B/token: table bytes read from the host store per decoded token at the 20% cache; row B: one token's")
+    print(" rows as stored; step B/token: all weights a decode step reads, the rows at their stored size)")
     key = "host+cache0.2"
+    extra = "".join(f" {n}_ppl_change={r['change']:+.3f}%" for n, r in compact.items() if n != "fp32")
+    extra += "".join(f" {n}_bytes_per_token={r['host']:.0f}" for n, r in compact.items())
     print(
         f"RESULT host_cache20_over_resident={statistics.median(speeds[key]) / base:.3f} "
-        f"hit_rate_cache20={hit_rates[key]:.3f}"
+        f"hit_rate_cache20={hit_rates[key]:.3f}{extra}"
     )
 
 

@@ -22,6 +22,7 @@ prefetched fetches them on first use. Callers that pass their own row hooks (the
 
 from __future__ import annotations
 
+import types
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -88,19 +89,20 @@ def bind_forward(model, rows=None, amp: torch.dtype = torch.float32) -> None:
     `RowPipeline` or `LookupRows`) is given, receive its row hooks unless the caller passes its own."""
     from stemlm.offload.lookup_rows import LookupRows
 
-    inner = model.forward
     device_type = next(p for p in model.parameters() if not p.is_meta).device.type
     hooks = {} if rows is None else rows.hooks() if isinstance(rows, LookupRows) else {"table_rows": rows}
     hooks = {k: v for k, v in hooks.items() if v is not None}
 
-    def forward(*args, **kwargs):
+    def forward(self, *args, **kwargs):
         for name, hook in hooks.items():
             if kwargs.get(name) is None:
                 kwargs[name] = hook
         with torch.autocast(device_type, dtype=torch.bfloat16, enabled=amp == torch.bfloat16):
-            return inner(*args, **kwargs)
+            return type(self).forward(self, *args, **kwargs)
 
-    model.forward = forward  # an instance attribute: nn.Module.__call__ finds it before the class method
+    # An instance attribute, which nn.Module.__call__ finds before the class method; a bound method (not a
+    # closure over `model`), so a copy.deepcopy of the model rebinds it to the copy.
+    model.forward = types.MethodType(forward, model)
 
 
 def load_inference(path: str | Path, options: InferenceOptions | None = None, *, need_tokenizer: str | None = None):
