@@ -148,7 +148,7 @@ def test_every_placement_of_a_compact_checkpoint_equals_the_in_memory_compact_pa
     fp32, int8, bf16, _ = checkpoints
     reference, rounded = _ppl(capsys, fp32), {}
     for dtype, folder in (("int8", int8), ("bf16", bf16)):
-        in_memory = rounded[dtype] = _ppl(capsys, fp32, "--table-dtype", dtype)  # resident, rows rounded through the format
+        in_memory = rounded[dtype] = _ppl(capsys, fp32, "--table-dtype", dtype)  # resident: rows rounded
         assert in_memory["loss"] != reference["loss"] and abs(in_memory["loss"] / reference["loss"] - 1) < 0.01
         for tables in ("resident", "host", "mmap") if dtype == "int8" else ("mmap",):
             stored = _ppl(capsys, folder, "--tables", tables)

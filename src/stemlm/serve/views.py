@@ -48,7 +48,10 @@ def resident_view(lm: OffloadedLM) -> StemLM:
     providers = lm.providers
     kinds = {p.kind for p in providers.all().values()}
     if kinds != {"host"}:
-        raise StemlmError(f"a resident view needs host tables, not {', '.join(sorted(kinds)) or 'none'}")
+        raise StemlmError(
+            f"editing and analysis read the tables directly, which needs host tables, not "
+            f"{', '.join(sorted(kinds)) or 'none'}; serve with --tables host or resident to edit"
+        )
     if _device(lm.model).type != "cpu":
         raise StemlmError(
             "editing and analysis read the tables directly; with --tables host that needs --device cpu "
