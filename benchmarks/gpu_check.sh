@@ -68,6 +68,6 @@ run nproc_smoke 240 bash -c "'$PY' -m stemlm.cli.main data prepare '$smoke_dir/c
   && echo RESULT nproc_smoke_ok=1 ranks=$gpus"
 rm -rf "$smoke_dir"
 run decode_offload 180 "$PY" benchmarks/decode_offload.py --device cuda --preset paper-350m --set vocab_size=8192 \
-  --decode 128 --warmup 32 --reps 2 --warm-chars 200000
+  --decode 128 --warmup 32 --reps 2 --warm-chars 200000 --ppl-tokens 4000
 echo "gpu_check: $failed failed"
 exit "$failed"

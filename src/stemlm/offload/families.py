@@ -95,6 +95,13 @@ def load_offloaded_model(
             f"--tables mmap reads the rows in the format the checkpoint stores ({stored}); to map {want} rows, "
             f"store them so first: stemlm convert CKPT --table-dtype {want} --out DIR (or use --tables host)"
         )
+    from stemlm.sharded_checkpoint import is_sharded
+
+    if is_sharded(directory):
+        raise StemlmError(
+            f"checkpoint {directory} is sharded (stemlm train --nproc); --tables {tables} reads a plain model "
+            f"folder: write one with stemlm export {directory} --out DIR (or use --tables resident)"
+        )
     config = load_config(directory)
     with torch.device("meta"):
         model = StemLM(config)
