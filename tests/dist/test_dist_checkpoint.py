@@ -1,7 +1,7 @@
 """Sharded checkpoints and meta-device initialisation on 2 gloo processes (stemlm.train.dist_checkpoint, dist_init).
 
 One fork of 2 ranks runs every scenario: the initial weights each rank materialises (DDP, FSDP2, host tables)
-against the 1-process `build_model`, fits with a sharded checkpoint at step 3 resumed on 2 ranks (DDP, host
+against the 1-process `build_model`, or against the model folder it starts from (`--init-from`), fits with a sharded checkpoint at step 3 resumed on 2 ranks (DDP, host
 tables), and a run whose last save fails while being written. Run:
 `OMP_NUM_THREADS=1 python -m pytest tests/dist/test_dist_checkpoint.py -q`.
 """
@@ -16,8 +16,9 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from stemlm.checkpoint import read_state
+from stemlm.checkpoint import read_state, save_pretrained
 from stemlm.cli.main import main
+from stemlm.data import load_tokenizer
 from stemlm.model import build_model
 from stemlm.runs import resolve_checkpoint
 from stemlm.safe_write import verify_folder
@@ -35,15 +36,22 @@ INITS = {
     "ddp": dict(parallel="ddp"),
     "fsdp": dict(parallel="fsdp"),
     "host": dict(parallel="fsdp", tables="host"),
+    # A model folder (seed 7): each rank reads only the rows it keeps.
+    "init-from-fsdp": dict(parallel="fsdp", init_from="SOURCE"),
+    "init-from-ddp": dict(parallel="ddp", tables="host", init_from="SOURCE"),
 }
 
 
-def _init_checks(trainer, rank: int) -> dict[str, bool]:
+def _init_checks(trainer, rank: int, source) -> dict[str, bool]:
     """Each materialised piece of this rank against the same rows of the 1-process initial model (bitwise)."""
     from torch.distributed.tensor import DTensor
 
-    full = build_model(trainer.config, seed=trainer.cfg.seed).state_dict()
-    out = {"meta": trainer._meta_source == "init"}
+    if trainer.cfg.init_from:
+        full = read_state(source)
+        out = {"meta": trainer._meta_source == ("folder", source)}
+    else:
+        full = build_model(trainer.config, seed=trainer.cfg.seed).state_dict()
+        out = {"meta": trainer._meta_source == "init"}
     for i in trainer.tables.layers:
         name = trainer.tables.model_names[i]
         out[name] = torch.equal(trainer.tables.shard(i).detach().cpu(), full[name][rank::2])
@@ -70,9 +78,12 @@ def _worker(rank: int, world: int, port: int, root, assets) -> None:
     from stemlm.train.distributed import DistributedTrainer
 
     checks = {}
+    source = root / "source"
     for name, overrides in INITS.items():
+        overrides = {k: str(source) if v == "SOURCE" else v for k, v in overrides.items()}
         cfg = train_config(assets, root / "init" / name, **overrides)
-        checks[f"init-{name}"] = _init_checks(DistributedTrainer(model_config("stem"), cfg, progress=False), rank)
+        model = model_config("stem") if "init_from" not in overrides else None
+        checks[f"init-{name}"] = _init_checks(DistributedTrainer(model, cfg, progress=False), rank, source)
     from stemlm.dist.sharded_tables import ShardedTables
 
     def no_gather(*args, **kwargs):
@@ -118,6 +129,8 @@ def runs(dist_assets, tmp_path_factory):
     root = tmp_path_factory.mktemp("dist_ckpt")
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("STEMLM_CACHE", str(dist_assets["cache"]))
+        tokenizer = load_tokenizer(dist_assets["tokenizer"])
+        save_pretrained(build_model(model_config("stem"), seed=7), root / "source", tokenizer=tokenizer)
         mp.start_processes(_worker, args=(2, free_port(), root, dist_assets), nprocs=2, start_method="fork")
     return root
 

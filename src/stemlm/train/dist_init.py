@@ -113,3 +113,63 @@ def init_rank_part(model: nn.Module, tables, plan: list[tuple[str, tuple[int, ..
             local.fill_(1.0)
         else:
             _draw(shape, std, generator, keep)
+
+
+@torch.no_grad()
+def load_rank_part(model: nn.Module, tables, plan: list[tuple[str, tuple[int, ...], float | None]], folder) -> None:
+    """Fill this rank's materialised tensors from a model folder (--init-from, a 1-process checkpoint), reading
+    only what it keeps: its FSDP2 rows, its table rows (read in row blocks, so never a whole table at once), or
+    a whole replicated tensor. The checks are `stemlm.runs.from_pretrained`'s; values are cast to the model's
+    fp32 masters."""
+    from safetensors import SafetensorError, safe_open
+
+    from stemlm.checkpoint import weight_files
+    from stemlm.errors import StemlmError
+
+    expected = {name: shape for name, shape, _ in plan}
+    params = dict(model.named_parameters())
+    shards = {tables.model_names[i]: tables.shard(i) for i in tables.layers} if tables is not None else {}
+    tied = model.config.tie_word_embeddings
+    seen: set[str] = set()
+    for path in weight_files(folder):
+        try:
+            with safe_open(str(path), framework="pt", device="cpu") as reader:
+                for name in reader.keys():
+                    if tied and name == "lm_head.weight":
+                        continue  # stored once, as the embedding (from_pretrained drops it too)
+                    if name not in expected:
+                        raise StemlmError(f"checkpoint {folder} does not match its config.json: unexpected {name}")
+                    piece = reader.get_slice(name)
+                    shape = tuple(piece.get_shape())
+                    if shape != expected[name]:
+                        raise StemlmError(
+                            f"checkpoint {folder}: tensor {name} has shape {list(shape)}, config.json implies "
+                            f"{list(expected[name])}"
+                        )
+                    seen.add(name)
+                    _read_rows(name, shape, piece, reader, shards, params, tables)
+        except (SafetensorError, OSError) as exc:
+            raise StemlmError(f"weights file {path} is corrupt or truncated ({exc})") from None
+    missing = sorted(set(expected) - seen)
+    if missing:
+        raise StemlmError(
+            f"checkpoint {folder} does not match its config.json: missing {len(missing)} tensors (e.g. {missing[0]})"
+        )
+
+
+def _read_rows(name: str, shape, piece, reader, shards, params, tables) -> None:
+    if not shape:
+        params[name].detach().copy_(reader.get_tensor(name))
+        return
+    row_values = 1
+    for size in shape[1:]:
+        row_values *= size
+    if name in shards:
+        keep = _keep_strided(shards[name].detach(), tables.rank, tables.world_size)
+        for start, stop in _row_blocks(shape[0], row_values):
+            keep(start, stop, piece[start:stop])
+        return
+    local, offset = _local_and_offset(params[name].detach())
+    stop = offset + (local.shape[0] if local.dim() else shape[0])
+    if stop > offset:  # an FSDP2 shard past the last row (more ranks than rows) reads nothing
+        _keep_block(local, offset)(offset, stop, piece[offset:stop])

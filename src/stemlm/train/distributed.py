@@ -46,19 +46,19 @@ import torch.distributed as dist
 from tokenizers import Tokenizer
 
 from stemlm.checkpoint import load_config
-from stemlm.config import ModelConfig
+from stemlm.config import MODEL_TYPE, ModelConfig
 from stemlm.dist.host_shards import HostShardedTables
 from stemlm.dist.launch import destroy_distributed, init_distributed, local_batch_size
 from stemlm.dist.sharded_tables import ShardedTables
 from stemlm.errors import StemlmError
 from stemlm.model import build_model
 from stemlm.presets import get_preset
-from stemlm.runs import from_pretrained
+from stemlm.runs import _model_type, from_pretrained
 from stemlm.sharded_checkpoint import is_sharded
 from stemlm.train.config import TrainConfig, model_config_diff
 from stemlm.train.data import load_datasets_distributed
 from stemlm.train.dist_checkpoint import ShardedSaver, load_model_pieces, load_optimizers
-from stemlm.train.dist_init import init_plan, init_rank_part, materialise
+from stemlm.train.dist_init import init_plan, init_rank_part, load_rank_part, materialise
 from stemlm.train.logging import RunLogger
 from stemlm.train.table_optim import clip_grad_norm_mixed, make_table_optimizer, use_sparse_table_grads
 from stemlm.train.trainer import FaultInjection, Trainer, default_run_dir
@@ -118,35 +118,38 @@ class DistributedTrainer(Trainer):
 
     # ----- construction: shard the tables, wrap the backbone, then build the optimizers -----
     def _construct_model(self, model_config, resume_from):
-        # A fresh run, or a resume of a sharded checkpoint: the model is built on the meta device, and each rank
-        # materialises only its part once sharded (stemlm.train.dist_init). Starting from a model folder
-        # (--init-from, a 1-process checkpoint) still reads it whole on every rank, then shards it.
-        self._meta_source = None
-        if resume_from is not None and is_sharded(resume_from):
-            config = load_config(resume_from)
-            diff = model_config_diff(config, model_config) if model_config is not None else []
-            if diff:
-                raise StemlmError(f"model config differs from the checkpoint {resume_from}: {'; '.join(diff)}")
-            self._meta_source = resume_from
-        elif resume_from is None and not self.cfg.init_from:
+        # The model is built on the meta device and each rank materialises only its part once sharded
+        # (stemlm.train.dist_init): initialised here for a fresh run, read from the checkpoint's pieces (a sharded
+        # one) or from the rows of a model folder it keeps (--init-from, a 1-process checkpoint).
+        source = resume_from or (Path(self.cfg.init_from) if self.cfg.init_from else None)
+        if source is None:
             config = model_config or get_preset(self.cfg.preset)
             self._meta_source = "init"
-        else:
+        elif _model_type(source) != MODEL_TYPE:
+            self._meta_source = None  # e.g. a Hugging Face Llama folder: read whole, as on one process
             return super()._construct_model(model_config, resume_from)
+        else:
+            config = load_config(source)
+            diff = model_config_diff(config, model_config) if model_config is not None else []
+            if diff:
+                raise StemlmError(f"model config differs from the checkpoint {source}: {'; '.join(diff)}")
+            self._meta_source = ("sharded" if is_sharded(source) else "folder", Path(source))
         model = build_model(config, device="meta").train()
         self._init_plan = init_plan(model)
         return model
 
     def _materialise(self, model) -> None:
-        """Allocate this rank's part of a meta-built model, then initialise it or read it from the checkpoint."""
+        """Allocate this rank's part of the meta-built model, then initialise it or read it from the checkpoint."""
         if self._meta_source is None or getattr(self, "_materialised", False):
             return
         self._materialised = True
         materialise(model, self.tables, self.device)
         if self._meta_source == "init":
             init_rank_part(model, self.tables, self._init_plan, self.cfg.seed)
+        elif self._meta_source[0] == "sharded":
+            load_model_pieces(model, self.tables, self.mesh, self._meta_source[1])
         else:
-            load_model_pieces(model, self.tables, self.mesh, self._meta_source)
+            load_rank_part(model, self.tables, self._init_plan, self._meta_source[1])
 
     def _build_model(self, model_config, resume_from):
         model = super()._build_model(model_config, resume_from)
