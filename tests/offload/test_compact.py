@@ -184,3 +184,10 @@ def test_generate_int8_host_tables_reports_compact_bytes(tmp_path, offload_model
     code, out, _ = run_cli(capsys, "generate", *common, "--table-dtype", "int8")
     report = json.loads(out)["tables"]
     assert code == 0 and report["host_table_bytes"] == 300 * (2 * 96 + 2 * 4)
+
+
+def test_transformers_wrapper_refuses_a_compact_checkpoint(checkpoints):
+    from stemlm.hf.modeling import StemlmForCausalLM
+
+    with pytest.raises(StemlmError, match="stores its tables compactly.*stemlm export"):
+        StemlmForCausalLM.from_pretrained(checkpoints[1])

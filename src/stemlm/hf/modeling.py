@@ -76,6 +76,11 @@ class StemlmForCausalLM(PreTrainedModel, GenerationMixin):
     supports_gradient_checkpointing = False
 
     def __init__(self, config: StemlmConfig) -> None:
+        if getattr(config, "stemlm_table_storage", None):  # transformers would load int8 codes as float weights
+            raise StemlmError(
+                "this checkpoint stores its tables compactly (stemlm convert --table-dtype); transformers cannot "
+                "read that layout: load it with stemlm, or write a plain copy with stemlm export CKPT --out DIR"
+            )
         super().__init__(config)
         stem = StemLM(config.to_model_config())
         # Kept outside the module tree (plain attribute) so its parameters are registered once, under the
