@@ -55,6 +55,7 @@ from stemlm.model import build_model
 from stemlm.presets import get_preset
 from stemlm.runs import _model_type, from_pretrained
 from stemlm.sharded_checkpoint import is_sharded
+from stemlm.table_storage import read_storage
 from stemlm.train.config import TrainConfig, model_config_diff
 from stemlm.train.data import load_datasets_distributed
 from stemlm.train.dist_checkpoint import ShardedSaver, load_model_pieces, load_optimizers
@@ -125,8 +126,9 @@ class DistributedTrainer(Trainer):
         if source is None:
             config = model_config or get_preset(self.cfg.preset)
             self._meta_source = "init"
-        elif _model_type(source) != MODEL_TYPE:
-            self._meta_source = None  # e.g. a Hugging Face Llama folder: read whole, as on one process
+        elif _model_type(source) != MODEL_TYPE or (not is_sharded(source) and read_storage(source) is not None):
+            # A Hugging Face Llama folder, or compact (bf16 / int8) tables to dequantise: read whole, as on one process.
+            self._meta_source = None
             return super()._construct_model(model_config, resume_from)
         else:
             config = load_config(source)
