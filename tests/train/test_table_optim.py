@@ -243,7 +243,8 @@ def test_clip_grad_norm_mixed_matches_torch_on_densified_copies():
     torch.testing.assert_close(a.grad, a2.grad)
 
 
-def test_lazy_adamw_foreach_equals_the_per_table_loop_bitwise():
+@pytest.mark.parametrize("name", ["lazy_adamw", "rowwise_adagrad"])
+def test_row_sparse_foreach_equals_the_per_table_loop_bitwise(name):
     # Three tables of different widths, each touching other rows (duplicates included), weight decay on: the
     # multi-tensor path (CUDA's default) gives bitwise the loop's result on CPU, where torch runs foreach per tensor.
     gen = torch.Generator().manual_seed(5)
@@ -252,16 +253,14 @@ def test_lazy_adamw_foreach_equals_the_per_table_loop_bitwise():
     runs = {}
     for foreach in (False, True):
         params = [nn.Parameter(w.clone()) for w in w0]
-        opt = make_table_optimizer("lazy_adamw", params, lr=1e-2, weight_decay=0.1, foreach=foreach)
+        opt = make_table_optimizer(name, params, lr=1e-2, weight_decay=0.1, foreach=foreach)
         step_gen = torch.Generator().manual_seed(6)
         for step in range(5):
             for p in params:
                 ids = torch.randint(0, p.shape[0], (4 + step,), generator=step_gen).tolist()
                 p.grad = sparse_rows(ids, torch.randn(len(ids), p.shape[1], generator=step_gen), tuple(p.shape))
             opt.step()
-        runs[foreach] = [p.data.clone() for p in params] + [
-            t for p in params for t in (opt.state[p]["exp_avg"], opt.state[p]["exp_avg_sq"], opt.state[p]["step"])
-        ]
+        runs[foreach] = [p.data.clone() for p in params] + [t.clone() for p in params for t in opt.state[p].values()]
     assert all(torch.equal(a, b) for a, b in zip(runs[False], runs[True], strict=True))
     assert not torch.equal(runs[True][0], w0[0])
 

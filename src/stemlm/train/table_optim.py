@@ -30,7 +30,8 @@ so the CPU numbers are unchanged; fused CPU AdamW rounds differently). `DenseAda
 (`foreach=None`: by device, as torch decides) runs each group's elementwise moment and weight updates as
 `torch._foreach_*` calls over all its tables' touched rows (row gathers and scatters stay per table); on CPU
 torch runs those per tensor with the same kernels, so foreach and the per-table loop agree bitwise there.
-`rowwise_adagrad`'s per-row work is on [rows] vectors and stays a loop.
+`RowwiseAdagrad` does the same for its [rows, width] work (the L2 term, the scaled step); its accumulators are
+[rows] vectors, updated one table at a time.
 
 Checkpoint state: `flatten_optimizer_state(opt.state_dict())` gives `(tensors, meta)`: tensors keyed
 `state.<param_index>.<name>` (safetensors-ready) and a JSON-able meta (param_groups and non-tensor state);
@@ -261,9 +262,16 @@ class RowwiseAdagrad(FlatStateMixin, torch.optim.Optimizer):
         eps: float = 1e-8,
         weight_decay: float = 0.0,
         initial_accumulator_value: float = 0.0,
+        foreach: bool | None = None,
     ) -> None:
         _check_hparams(lr, eps, weight_decay)
-        defaults = dict(lr=lr, eps=eps, weight_decay=weight_decay, initial_accumulator_value=initial_accumulator_value)
+        defaults = dict(
+            lr=lr,
+            eps=eps,
+            weight_decay=weight_decay,
+            initial_accumulator_value=initial_accumulator_value,
+            foreach=foreach,
+        )
         super().__init__(params, defaults)
 
     @torch.no_grad()
@@ -274,24 +282,42 @@ class RowwiseAdagrad(FlatStateMixin, torch.optim.Optimizer):
                 loss = closure()
         for group in self.param_groups:
             lr, eps, wd = group["lr"], group["eps"], group["weight_decay"]
+            params, idxs, rows, grads = [], [], [], []
             for p in group["params"]:
                 if p.grad is None:
                     continue
                 idx, g = row_sparse_grad(p, "rowwise_adagrad")
                 if idx.numel() == 0:
                     continue
-                state = self.state[p]
-                if not state:
-                    state["sum"] = torch.full(
+                if not self.state[p]:
+                    self.state[p]["sum"] = torch.full(
                         (p.shape[0],), group["initial_accumulator_value"], dtype=p.dtype, device=p.device
                     )
-                w = p.index_select(0, idx)
-                g = g.to(p.dtype)
-                if wd:
-                    g = g.add(w, alpha=wd)
-                acc = state["sum"].index_select(0, idx).add_(g.square().mean(dim=1))
-                state["sum"].index_copy_(0, idx, acc)
-                w.sub_(g * (lr / (acc.sqrt() + eps))[:, None])
+                params.append(p), idxs.append(idx), rows.append(p.index_select(0, idx)), grads.append(g.to(p.dtype))
+            if not params:
+                continue
+            foreach = group.get("foreach")
+            if foreach is None:
+                foreach = all(p.device.type == "cuda" for p in params)
+            # The [rows, width] work (L2 term, scaled step) as multi-tensor calls over all tables when `foreach`
+            # (bitwise the loop on CPU); the per-row accumulators are [rows] vectors, one table at a time.
+            if wd:
+                grads = (
+                    torch._foreach_add(grads, rows, alpha=wd)
+                    if foreach
+                    else [g.add(w, alpha=wd) for g, w in zip(grads, rows, strict=True)]
+                )
+            scales = []
+            for p, idx, g in zip(params, idxs, grads, strict=True):
+                acc = self.state[p]["sum"].index_select(0, idx).add_(g.square().mean(dim=1))
+                self.state[p]["sum"].index_copy_(0, idx, acc)
+                scales.append((lr / (acc.sqrt() + eps))[:, None])
+            if foreach:
+                torch._foreach_sub_(rows, torch._foreach_mul(grads, scales))
+            else:
+                for w, g, scale in zip(rows, grads, scales, strict=True):
+                    w.sub_(g * scale)
+            for p, idx, w in zip(params, idxs, rows, strict=True):
                 p.index_copy_(0, idx, w)
         return loss
 
@@ -317,8 +343,8 @@ def make_table_optimizer(
 ) -> torch.optim.Optimizer:
     """Build the table optimizer `name` (one of TABLE_OPTIMIZERS); `betas` is ignored by rowwise_adagrad.
 
-    `foreach` None picks the multi-tensor path by device (`fast_optimizer_impl`); False forces the single-tensor
-    loop, True the foreach one (rowwise_adagrad has one path)."""
+    `foreach` None picks the multi-tensor path by device (`fast_optimizer_impl` for adamw; foreach on CUDA for
+    the row-sparse ones); False forces the per-tensor loop, True the foreach one."""
     params = list(params)
     if name == "adamw":
         # fused on CUDA, foreach elsewhere (on CPU bitwise the single-tensor path that LazyAdamW mirrors).
@@ -327,7 +353,7 @@ def make_table_optimizer(
     if name == "lazy_adamw":
         return LazyAdamW(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, foreach=foreach)
     if name == "rowwise_adagrad":
-        return RowwiseAdagrad(params, lr=lr, eps=eps, weight_decay=weight_decay)
+        return RowwiseAdagrad(params, lr=lr, eps=eps, weight_decay=weight_decay, foreach=foreach)
     raise StemlmError(f"unknown table optimizer {name!r}; choose one of {', '.join(TABLE_OPTIMIZERS)}")
 
 
