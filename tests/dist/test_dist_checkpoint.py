@@ -1,9 +1,9 @@
 """Sharded checkpoints and meta-device initialisation on 2 gloo processes (stemlm.train.dist_checkpoint, dist_init).
 
 One fork of 2 ranks runs every scenario: the initial weights each rank materialises (DDP, FSDP2, host tables)
-against the 1-process `build_model`, or against the model folder it starts from (`--init-from`), fits with a sharded checkpoint at step 3 resumed on 2 ranks (DDP, host
-tables), and a run whose last save fails while being written. Run:
-`OMP_NUM_THREADS=1 python -m pytest tests/dist/test_dist_checkpoint.py -q`.
+against the 1-process `build_model`, or against the model folder it starts from (`--init-from`); fits with a
+sharded checkpoint at step 3 resumed on 2 ranks (DDP, host tables); and a run whose last save fails while
+being written. Run: `OMP_NUM_THREADS=1 python -m pytest tests/dist/test_dist_checkpoint.py -q`.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ import shutil
 import pytest
 import torch
 import torch.multiprocessing as mp
+from safetensors import safe_open
 
 from stemlm.checkpoint import read_state, save_pretrained
 from stemlm.cli.main import main
@@ -161,6 +162,13 @@ def test_checkpoint_holds_each_ranks_pieces_and_no_gathered_model(runs):
     names = sorted(p.name for p in (ckpt / "dcp").iterdir())
     assert names == [f"shard-0000{r}-model-0000{f}-of-00002.safetensors" for r in (1, 2) for f in (1, 2)]
     assert verify_folder(ckpt)["ok"] and verify_folder(ckpt)["unrecorded"] == []
+    # The replicated DDP backbone is split between the ranks' files; each table is in both (a row block each).
+    keys = [set(safe_open(str(ckpt / "dcp" / names[2 * r]), "pt").keys()) for r in (0, 1)]
+    tables = {k for k in keys[0] if "stem_embedding" in k}
+    assert tables and tables == {k for k in keys[1] if "stem_embedding" in k}
+    backbone = [k - tables for k in keys]
+    assert all(backbone) and not backbone[0] & backbone[1]
+    assert backbone[0] | backbone[1] == {f"model/{k}" for k in build_model(model_config("stem")).state_dict()} - tables
     state = json.loads((ckpt / "trainer_state.json").read_text())
     assert state["data"]["digest"].startswith("text:")
     assert not list((runs / "ddp" / "checkpoints").glob(".*"))  # no temporary folder left behind

@@ -5,8 +5,8 @@
                                          .safetensors from every rank: f = 1 weights, f = 2 optimizer state
 
 No tensor is gathered: each rank hands torch.distributed.checkpoint (DCP) its own pieces. FSDP2 parameters
-and their moments are DTensor shards already; DDP's replicated backbone is written once (DCP deduplicates
-replicas and spreads them over the ranks); a token table, and its row optimizer state, is moved from
+and their moments are DTensor shards already; DDP's replicated backbone is split by tensor over the ranks
+(each replica is staged and written by one rank); a token table, and its row optimizer state, is moved from
 `ShardedTables`' strided layout (row r on rank r % N) to contiguous row blocks (an all_to_all: each rank ends
 with 1/N of the rows, never the table), a DTensor with a Shard(0) placement, since DCP reshards by chunk
 overlap and a strided layout is no chunk. The files are safetensors (DCP's HuggingFaceStorageWriter): no
@@ -177,6 +177,17 @@ def optimizer_pieces(
     return tensors, metas
 
 
+def _spread_replicas(pieces: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Each replicated tensor (DDP's backbone and its moments) from one rank only, round-robin over sorted keys.
+
+    DCP would write a replica once anyway, but `async_save` first copies every tensor it is given to host memory:
+    handing each rank 1/N of the replicas makes that copy 1/N of the backbone instead of all of it."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    replicas = sorted(key for key, value in pieces.items() if not isinstance(value, DTensor))
+    owner = {key: i % world for i, key in enumerate(replicas)}
+    return {key: value for key, value in pieces.items() if owner.get(key, rank) == rank}
+
+
 # ----- save -----
 class ShardedSaver:
     """Asynchronous sharded checkpoints of one `DistributedTrainer` (see the module docstring)."""
@@ -200,11 +211,13 @@ class ShardedSaver:
         info = {"world_size": dist.get_world_size(), "parallel": trainer.cfg.parallel, "format": SHARDED_FORMAT}
         payload = {**trainer.state(), "format": STATE_FORMAT, "step": trainer.step, "optimizers": metas}
         payload.update(rng=capture_rng(), **{DIST_KEY: info})
+        # Every key of every rank (DCP's coordinator hands its mapping to all): taken before the replicas are spread.
+        mapping = dict.fromkeys(pieces, WEIGHTS_FILE) | dict.fromkeys(optim, OPTIMIZER_FILE)
+        pieces, optim = _spread_replicas(pieces), _spread_replicas(optim)
         folder = AtomicFolder(target, producer=TRAIN_PRODUCER, owned=True) if main else None
         where = [str(folder.__enter__()) if main else None]
         dist.broadcast_object_list(where, src=0)  # the temporary folder every rank writes into
         tmp = Path(where[0])
-        mapping = dict.fromkeys(pieces, WEIGHTS_FILE) | dict.fromkeys(optim, OPTIMIZER_FILE)
         writer = dcp.HuggingFaceStorageWriter(str(tmp / DCP_DIR), fqn_to_index_mapping=mapping, save_distributed=True)
         try:
             # Returns once every piece is copied to host memory; the files are written in the background.
