@@ -12,6 +12,10 @@
 #   4. decode_offload: host tables behind the hot-row cache at the paper-350m shape with vocab 8192.
 #   5. nproc_smoke: 2 bf16 steps of `stemlm train --nproc N` (N = visible GPUs, at most 2: NCCL, FSDP2 with its
 #      bf16 MixedPrecisionPolicy, chunked loss, activation checkpointing) on shards from `stemlm data prepare`.
+#   6. host_shards_smoke: 3 bf16 steps of `--nproc N --tables host --grad-accum 2` (pinned row shards gathered
+#      ahead on a side stream, the host plan, the async row exchange, the table update on the worker thread).
+#   7. exchange (2+ GPUs only): `table_comm.py --exchange --device cuda`, the host-planned, ahead-issued exchange
+#      vs the collective plan on NCCL.
 # Exit status: the number of failed checks. Prepared on a CPU-only machine; see README "GPU check".
 set -u
 PY=${PYTHON:-python}
@@ -66,7 +70,14 @@ run nproc_smoke 240 bash -c "'$PY' -m stemlm.cli.main data prepare '$smoke_dir/c
   --device cuda --dtype bf16 --parallel fsdp --steps 2 --batch-size 2 --seq-len 256 --loss-chunk 256 \
   --activation-checkpointing --sample-tokens 0 --no-progress --out '$smoke_dir/run' --json \
   && echo RESULT nproc_smoke_ok=1 ranks=$gpus"
+run host_shards_smoke 180 bash -c "'$PY' -m stemlm.cli.main train --data '$smoke_dir/shards' --nproc $gpus \
+  --device cuda --dtype bf16 --tables host --table-optim rowwise_adagrad --steps 3 --grad-accum 2 --batch-size 2 \
+  --seq-len 256 --sample-tokens 0 --no-progress --out '$smoke_dir/host_run' --json \
+  && echo RESULT host_shards_smoke_ok=1 ranks=$gpus"
 rm -rf "$smoke_dir"
+if [ "$gpus" -ge 2 ]; then
+  run exchange 300 "$PY" benchmarks/table_comm.py --exchange --device cuda --grad-accum 4 --reps 10
+fi
 run decode_offload 180 "$PY" benchmarks/decode_offload.py --device cuda --preset paper-350m --set vocab_size=8192 \
   --decode 128 --warmup 32 --reps 2 --warm-chars 200000 --ppl-tokens 4000
 echo "gpu_check: $failed failed"

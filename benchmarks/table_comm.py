@@ -19,7 +19,7 @@ per placement (tiny preset, lazy_adamw, the default corpus) run their real `trai
 gloo ranks after warm-up; one extra step of each counts the collectives called from Python and the tensor reads
 (`item` / `tolist`). Last line: `RESULT device_after_over_before=... host_after_over_before=...
 collectives_per_step_before=... collectives_per_step_after=...` (median step-time ratios, < 1 = faster now).
-    OMP_NUM_THREADS=1 python benchmarks/table_comm.py --exchange [--grad-accum 4 --reps 6]
+    OMP_NUM_THREADS=1 python benchmarks/table_comm.py --exchange [--grad-accum 4 --reps 6] [--device cuda]
 """
 
 from __future__ import annotations
@@ -150,7 +150,8 @@ def exchange_worker(rank: int, port: int, tmp: str, args: argparse.Namespace) ->
         table_optim="lazy_adamw",
         eval_every=0,
         save_every=0,
-        device="cpu",
+        device=args.device,
+        dtype="bf16" if args.device == "cuda" else "fp32",
     )
     trainers = {}
     for tables in args.tables.split(","):
@@ -186,8 +187,9 @@ def exchange_main(args: argparse.Namespace) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         mp.spawn(exchange_worker, args=(port, tmp, args), nprocs=WORLD)
         results = [torch.load(f"{tmp}/exchange{r}.pt") for r in range(WORLD)]
+    backend = "NCCL ranks on 2 GPUs, bf16" if args.device == "cuda" else "gloo ranks x 1 thread"
     print(
-        f"{WORLD} gloo ranks x 1 thread, tiny preset, global batch {args.batch}x{args.seq}, grad_accum "
+        f"{WORLD} {backend}, tiny preset, global batch {args.batch}x{args.seq}, grad_accum "
         f"{args.grad_accum}, lazy_adamw; {args.reps} round-robin steps after {args.warmup}; load average "
         f"{os.getloadavg()[0]:.1f} on {os.cpu_count()} cores"
     )
@@ -218,6 +220,7 @@ def main() -> None:
     parser.add_argument("--tables", default="device,host", help="--exchange: placements, comma-separated")
     parser.add_argument("--warmup", type=int, default=2, help="--exchange: untimed steps per trainer first")
     parser.add_argument("--reps", type=int, default=6, help="--exchange: timed steps per trainer")
+    parser.add_argument("--device", default="cpu", help="--exchange: cpu (gloo) or cuda (NCCL, bf16; 2 GPUs)")
     args = parser.parse_args()
     if args.exchange:
         exchange_main(args)

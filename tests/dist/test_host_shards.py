@@ -7,6 +7,7 @@ checkpoint. Run: `OMP_NUM_THREADS=1 python -m pytest tests/dist/test_host_shards
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 
@@ -17,7 +18,7 @@ import torch.multiprocessing as mp
 from stemlm.train.logging import read_metrics
 
 from .conftest import model_config, train_config
-from .test_train_dist import free_port
+from .test_train_dist import _cli_worker, free_port
 
 RUN = dict(table_optim="lazy_adamw", grad_accum=2)
 
@@ -81,3 +82,21 @@ def test_host_shards_train_bitwise_like_device_shards_and_resume(runs):
         assert rows == (167, 166)[rank]
         assert out["host_saved"] == 3 * rows * 128 * 4 + rows * 8
         assert out["device_saved"] is None
+
+
+@pytest.mark.dist
+def test_cli_run_on_the_default_corpus_with_host_shards(dist_assets, dist_cache, tmp_path, capfd):
+    # `stemlm train --nproc 2` as torchrun starts its workers: on the embedded corpus the report scores the
+    # mixed-in facts, which needs the unsharded model back on rank 0 (it used to fail after training).
+    argv = [
+        *("train", "--tables", "host", "--table-optim", "rowwise_adagrad", "--steps", "2", "--grad-accum", "2"),
+        *("--batch-size", "2", "--seq-len", "32", "--tokenizer", str(dist_assets["tokenizer"]), "--fit-vocab"),
+        *("--set", "model.hidden_size=64", "model.intermediate_size=128", "model.num_hidden_layers=2"),
+        *("model.num_attention_heads=4", "model.num_key_value_heads=2", "model.max_position_embeddings=64"),
+        *("--eval-every", "0", "--sample-tokens", "0", "--no-progress", "--json", "--out", str(tmp_path / "run")),
+    ]
+    mp.start_processes(_cli_worker, args=(2, free_port(), argv), nprocs=2, start_method="fork")
+    out = capfd.readouterr().out  # rank 0 prints the report (the forked ranks share this process's stdout)
+    report = json.loads(out[out.index("{") :])
+    assert report["steps"] == 2 and report["tables"] == "host"
+    assert report["facts"]["train_templates"]["prompts"] > 0

@@ -296,8 +296,11 @@ def run(args) -> int:
         torch.set_num_threads(trainer.cfg.threads or default_threads())
         result = trainer.fit()
         if distributed_worker():
-            # Leave the process group; rank 0 reloads the final, unsharded model when a sample is asked for.
-            trainer.finish(result["checkpoint"] if args.sample_tokens > 0 and not result.get("stopped_by") else None)
+            # Leave the process group; rank 0 reloads the final, unsharded model when the report uses it (a sample,
+            # the recall of mixed-in facts): the trained one's tables are sharded over the ranks that just left.
+            sampled = args.sample_tokens > 0 and not result.get("stopped_by")
+            facts = trainer.cfg.data is None and trainer.cfg.fact_fraction > 0
+            trainer.finish(result["checkpoint"] if sampled or facts else None)
             if not trainer.is_main:
                 return 0
         report = final_report(trainer, result, args)
