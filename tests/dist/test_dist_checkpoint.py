@@ -2,8 +2,9 @@
 
 One fork of 2 ranks runs every scenario: the initial weights each rank materialises (DDP, FSDP2, host tables)
 against the 1-process `build_model`, or against the model folder it starts from (`--init-from`); fits with a
-sharded checkpoint at step 3 resumed on 2 ranks (DDP, host tables); and a run whose last save fails while
-being written. Run: `OMP_NUM_THREADS=1 python -m pytest tests/dist/test_dist_checkpoint.py -q`.
+sharded checkpoint at step 3 resumed on 2 ranks (DDP, host tables, FSDP2 with row-wise Adagrad); and a run
+whose last save fails while being written.
+Run: `OMP_NUM_THREADS=1 python -m pytest tests/dist/test_dist_checkpoint.py -q`.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from .test_train_dist import free_port, losses
 FITS = {
     "ddp": dict(parallel="ddp", table_optim="adamw", grad_accum=2),
     "host": dict(parallel="ddp", tables="host", table_optim="lazy_adamw"),
+    "fsdp-adagrad": dict(parallel="fsdp", table_optim="rowwise_adagrad", grad_accum=2),  # one value per row
 }
 INITS = {
     "ddp": dict(parallel="ddp"),
