@@ -14,9 +14,10 @@ Choices documented here rather than in code comments elsewhere:
   x10 5.431 (wd 0) / 5.430 (wd 0.1): the lr matters (-0.20 nats), the table weight decay does not at this
   length (one run each; PAPER.md's prototype also found x10 with wd 0 slightly better).
 - the table optimizer defaults to the row-sparse `rowwise_adagrad` (FBGEMM-style, touched rows only; `adamw`
-  is the official code's dense AdamW over whole tables). Held-out loss against `lazy_adamw` over seeds:
-  `benchmarks/table_optim_seeds.py` (README "Row-sparse tables"); its state is one float per row instead of
-  2 x d_ff, and its step is the cheaper one.
+  is the official code's dense AdamW over whole tables). Held-out loss against `lazy_adamw`, paired by seed at
+  this default run's budget and at the knowledge experiment's: `benchmarks/table_optim_seeds.py --budget
+  main|knowledge` (README "Row-sparse tables"; lower on every seed measured); its state is one float per row
+  instead of 2 x d_ff, and its step is the cheaper one.
 - defaults size `stemlm train` to about 4 minutes on two idle CPU cores: 300 steps x 8 x 256 tokens (614k
   tokens at ~3,200 tokens/s measured on two idle cores: 203 s). 30% of those tokens are the fact world's
   capital statements for 12 well-known European countries (`fact_fraction`, `fact_countries`), so that the
