@@ -135,9 +135,11 @@ class StemlmLM(LM):
             inputs = torch.full((len(batch), width), self.eot_token_id, dtype=torch.long, device=device)
             for row, (_, ids, _, _) in enumerate(batch):
                 inputs[row, : len(ids)] = torch.tensor(ids, device=device)
-            logp = F.log_softmax(self.model(inputs).logits.float(), dim=-1)
+            logits = self.model(inputs).logits
             for row, (i, ids, cont, n) in enumerate(batch):
-                rows = logp[row, len(ids) - n : len(ids)]
+                # Only the continuation's rows: a [batch, window, vocab] float32 log-softmax would cost 3 GB for
+                # 8 x 2048 tokens of a 49k vocabulary.
+                rows = F.log_softmax(logits[row, len(ids) - n : len(ids)].float(), dim=-1)
                 target = torch.tensor(cont, device=device)
                 total = float(rows.gather(-1, target[:, None]).sum())
                 results[i] = (total, bool((rows.argmax(-1) == target).all()))
