@@ -64,12 +64,17 @@ def _synchronous(monkeypatch, rank: int) -> None:
 
 
 def _order(trainer) -> list[str]:
-    """Events of one step: exchanges issued / waited (by window) and forwards (by micro-batch)."""
+    """Events of two steps: steps started, exchanges issued / waited (by window) and forwards (by micro-batch)."""
     from stemlm.dist.sharded_tables import PendingRows
 
     events = []
     patch = pytest.MonkeyPatch()
     start, wait = type(trainer.tables).start_window, PendingRows.wait
+    accumulate = trainer._accumulate_gradients
+
+    def logged_accumulate(step):
+        events.append("step")
+        return accumulate(step)
 
     def logged_start(self, window, dtype=None):
         events.append(f"issue {window % 3}")
@@ -81,9 +86,13 @@ def _order(trainer) -> list[str]:
 
     patch.setattr(type(trainer.tables), "start_window", logged_start)
     patch.setattr(PendingRows, "wait", logged_wait)
+    patch.setattr(trainer, "_accumulate_gradients", logged_accumulate)
     hook = trainer.model.register_forward_pre_hook(lambda *_: events.append("forward"))
+    trainer.cfg = trainer.cfg.replace(steps=trainer.step + 3)  # two more steps, and one that will not run
     try:
         trainer.train_step()
+        trainer.train_step()
+        trainer._drop_ahead()
     finally:
         hook.remove()
         patch.undo()
@@ -174,11 +183,14 @@ def test_a_skipped_step_with_host_shards_ahead(runs):
 @pytest.mark.dist
 @pytest.mark.parametrize("tables", ["device", "host"])
 def test_next_micro_batch_is_exchanged_before_it_is_needed(runs, tables):
+    step = ["issue 1", "forward", "issue 2", "forward", "forward"]  # k+1 issued before k's forward
+    # Device shards: the next step's first exchange is issued by the table update (before the backbone steps) and
+    # waited in that step; not after the run's last step. Host shards issue it when the step starts (their worker
+    # gathered its rows behind the update).
+    after_update = ["issue 0"] if tables == "device" else []
+    expected = ["step", "issue 0", *step, *after_update, "step", *([] if after_update else ["issue 0"]), *step]
+    expected += after_update
     for rank in range(2):
         order = torch.load(runs / f"rank{rank}.pt")[f"{tables}-order"]
-        assert [e for e in order if e != "wait"] == [
-            *("issue 0", "issue 1", "forward", "issue 2", "forward", "forward")
-        ]
-        # The first exchange is waited before its forward; each later one was issued a micro-batch earlier.
-        assert order.index("issue 1") < order.index("forward") < order.index("issue 2")
-        assert order[1] == "wait" and order.count("wait") == 3
+        assert [e for e in order if e != "wait"] == expected
+        assert order[2] == "wait" and order.count("wait") == 6 + len(after_update)  # the last one: _drop_ahead

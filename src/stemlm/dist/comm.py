@@ -102,8 +102,11 @@ def all_to_all_rows_async(
         out, x, output_split_sizes=recv_counts, input_split_sizes=send_counts, group=group, async_op=True
     )
     if counter is not None:
-        row_bytes = x.element_size() * math.prod(x.shape[1:])
-        counter.record(
-            kind, (sum(send_counts) - send_counts[rank]) * row_bytes, (sum(recv_counts) - recv_counts[rank]) * row_bytes
-        )
+        counter.record(kind, *traffic_bytes(x, send_counts, recv_counts, rank))
     return out, work
+
+
+def traffic_bytes(x: torch.Tensor, send_counts: list[int], recv_counts: list[int], rank: int) -> tuple[int, int]:
+    """(bytes sent to, received from other ranks) by an all_to_all of `x`'s rows; the own block is a local copy."""
+    row_bytes = x.element_size() * math.prod(x.shape[1:])
+    return (sum(send_counts) - send_counts[rank]) * row_bytes, (sum(recv_counts) - recv_counts[rank]) * row_bytes

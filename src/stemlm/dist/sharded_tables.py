@@ -12,7 +12,9 @@ local row `r // N` of its owner. One step, per micro-batch:
    returned callable is the model's `table_rows` hook, so the model math is untouched:
    `model(input_ids, labels=..., table_rows=tables.lookup(input_ids, all_ids))`. The trainer splits this into
    `start_window(k)` (plan and issue the exchange async) and `.rows()` (wait at use), so micro-batch k+1's rows
-   travel while k computes (`bind_windows`; the shards do not change within a step).
+   travel while k computes (`bind_windows`; the shards do not change within a step), and a step's first
+   micro-batch's from the previous step's table update on (the trainer's optimizer post-step hook). Traffic
+   is counted when an exchange is used, so one issued ahead counts in the step that uses it.
    Under autocast the rows travel and are returned in the autocast dtype (bf16: half the bytes, and the FFN
    product stays bf16), their gradients travel back in it too; the owners' shards and updates stay fp32.
 2. backward: the model's gradient for each unique row (already summed over its positions) goes back to
@@ -36,7 +38,14 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from stemlm.dist.comm import CommCounter, all_to_all_rows, all_to_all_rows_async, exchange_counts, group_rank_size
+from stemlm.dist.comm import (
+    CommCounter,
+    all_to_all_rows,
+    all_to_all_rows_async,
+    exchange_counts,
+    group_rank_size,
+    traffic_bytes,
+)
 from stemlm.dist.row_plan import plan_arrays
 from stemlm.errors import StemlmError
 from stemlm.model.decoder import check_token_ids
@@ -184,8 +193,11 @@ class ShardedTables(nn.Module):
             # Under autocast the rows cross ranks and enter the FFN product in the autocast dtype (half the
             # bytes); the owners keep their fp32 master rows and receive the gradients back as fp32.
             served = served.to(dtype)
-        got, work = all_to_all_rows_async(served, plan.recv_counts, plan.send_counts, self.group, self.comm, "rows")
-        return PendingRows(self, plan, got, work, served)
+        got, work = all_to_all_rows_async(served, plan.recv_counts, plan.send_counts, self.group)
+        pending = PendingRows(self, plan, got, work, served)
+        if self.world_size > 1:  # counted when used, so an exchange issued ahead counts in the step that uses it
+            pending.traffic = traffic_bytes(served, plan.recv_counts, plan.send_counts, self.rank)
+        return pending
 
     def _to_master(self, grads: torch.Tensor, dtype: torch.dtype, plan: RowPlan) -> tuple[torch.Tensor, torch.Tensor]:
         """(gradient rows received by this owner, in the shards' dtype and place; their local row indices)."""
@@ -317,11 +329,15 @@ class PendingRows:
     def __init__(self, tables: ShardedTables, plan: RowPlan, got: torch.Tensor, work, served: torch.Tensor) -> None:
         self.tables, self.plan, self.got, self.work = tables, plan, got, work
         self.served = served  # the send buffer must outlive the exchange
+        self.traffic: tuple[int, int] | None = None
 
     def wait(self) -> torch.Tensor:
         if self.work is not None:
             self.work.wait()
             self.work, self.served = None, None
+        if self.traffic is not None:
+            self.tables.comm.record("rows", *self.traffic)
+            self.traffic = None
         return self.got
 
     def rows(self) -> TableRowsFromShards:

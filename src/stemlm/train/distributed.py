@@ -12,16 +12,17 @@ The global batch is the 1-process batch: each micro-batch is the same `sample_ba
 takes rows [r * b, (r + 1) * b), b = batch_size / N. With sharded tables every rank reads the whole micro-batch's
 windows (B x (T+1) tokens; it computes on its rows only): every rank's ids plan the table exchange on the host, so
 a micro-batch costs two collectives (rows forward, gradients backward) and no device read, and micro-batch k+1's
-rows are exchanged (async) while k computes. DDP / FSDP2 average the backbone gradients and the tables divide
-theirs by N, so N processes train the same model as one (up to float rounding); the MoE balancing loss is the
-exception (its batch statistics are per rank). Gradients are synchronised on the last micro-batch only (DDP
-`no_sync`, FSDP2 `set_requires_gradient_sync(False)` before it); one clip covers the backbone (replicated or
-sharded) and the table shards. With `--train tables` the backbone is frozen before any wrapping: only adapter gates
-(if any) go through DDP / FSDP2, and a backbone with nothing to learn is not wrapped at all
-(tests/dist/test_train_tables_dist.py). Rank 0 alone writes the run folder, metrics and progress; the table
-traffic, summed over ranks and over the `traffic_every` steps up to the record's (one all_reduce per `traffic_every`
-steps, and at the last step), is logged as `table_bytes_sent` (and `/rows`, `/grads`), with `table_traffic_steps`
-the steps it covers. Checkpoints: `stemlm.train.dist_checkpoint` (they resume on any number of processes).
+rows are exchanged (async) while k computes (the first micro-batch's while the backbone optimizer steps). DDP /
+FSDP2 average the backbone gradients and the tables divide theirs by N, so N processes train the same model as one
+(up to float rounding); the MoE balancing loss is the exception (its batch statistics are per rank). Gradients are
+synchronised on the last micro-batch only (DDP `no_sync`, FSDP2 `set_requires_gradient_sync(False)` before it); one
+clip covers the backbone (replicated or sharded) and the table shards. With `--train tables` the backbone is frozen
+before any wrapping: only adapter gates (if any) go through DDP / FSDP2, and a backbone with nothing to learn is
+not wrapped at all (tests/dist/test_train_tables_dist.py). Rank 0 alone writes the run folder, metrics and
+progress; the table traffic, summed over ranks and over the `traffic_every` steps up to the record's (one
+all_reduce per `traffic_every` steps, and at the last step), is logged as `table_bytes_sent` (and `/rows`,
+`/grads`), with `table_traffic_steps` the steps it covers. Checkpoints: `stemlm.train.dist_checkpoint` (they resume
+on any number of processes).
 
 A failing rank ends the job: torchrun then stops the others, and a rank blocked in a collective gives up
 after `cfg.dist_timeout` seconds. Fault injection for tests: `STEMLM_FAULT_EXIT=RANK:STEP` makes that rank
@@ -159,7 +160,7 @@ class DistributedTrainer(Trainer):
 
         self.mesh = init_device_mesh(self.device.type, (self.dist.world_size,))
         self.saver = ShardedSaver(self.cfg.dist_timeout)
-        self.tables, self._batches = None, {}
+        self.tables, self._batches, self._ahead = None, {}, None
         if model.stem_tables():
             self.tables = HostShardedTables(model, self.device) if self.cfg.tables == "host" else ShardedTables(model)
         if self.cfg.parallel != "fsdp":
@@ -223,6 +224,8 @@ class DistributedTrainer(Trainer):
             for group in table_opt.param_groups:
                 group.update(name="tables", peak_lr=cfg.table_peak_lr)
             self.tables.bind_windows(self._rank_ids, cfg.grad_accum, self.device)
+            if not self._host_shards:  # (host shards gather the next step's rows behind their update instead)
+                table_opt.register_step_post_hook(self._exchange_next_step)
             optimizers.append(self.tables.wrap(table_opt) if self._host_shards else table_opt)
         return optimizers
 
@@ -284,6 +287,20 @@ class DistributedTrainer(Trainer):
         rows = None if self.tables is not None else slice(rank * self.local_batch, (rank + 1) * self.local_batch)
         return self.train_data.sample_batch(cfg.batch_size, cfg.seq_len, seed=cfg.seed, step=window, rows=rows)
 
+    def _exchange_next_step(self, *_) -> None:
+        """Issue the next step's first exchange as soon as the table update has run (the tables step before the
+        backbone): its rows travel while the backbone steps. Not after the last step, nor after a skipped one."""
+        if self.step + 1 < self.cfg.steps:
+            first = (self.step + 1) * self.cfg.grad_accum
+            with self.autocast():
+                self._ahead = (first, self.tables.start_window(first))
+
+    def _drop_ahead(self) -> None:
+        """Wait out an exchange issued for a step that will not run here (the run stopped or ended)."""
+        ahead, self._ahead = self._ahead, None
+        if ahead is not None:
+            ahead[1].wait()
+
     def _accumulate_gradients(self, step: int) -> tuple[list[float], list[float], bool]:
         cfg, n, tables = self.cfg, self.dist.world_size, self.tables
         rows = slice(self.dist.rank * self.local_batch, (self.dist.rank + 1) * self.local_batch)
@@ -291,12 +308,16 @@ class DistributedTrainer(Trainer):
         stats, has_aux, pending = [], False, None
         if tables is not None:
             # The table exchange is planned on the host (no collective, no device read) and issued one micro-batch
-            # ahead: window k+1's rows travel while k computes (the shards do not change within a step). Host
-            # shards also gather two windows ahead on their worker.
+            # ahead: window k+1's rows travel while k computes (the shards do not change within a step), and the
+            # first window's since the previous step's table update. Host shards also gather two windows ahead.
             for window in range(first, first + min(2, cfg.grad_accum)):
                 tables.prefetch(window)
-            with self.autocast():
-                pending = tables.start_window(first)
+            if self._ahead is not None and self._ahead[0] == first:
+                pending, self._ahead = self._ahead[1], None
+            else:
+                self._drop_ahead()
+                with self.autocast():
+                    pending = tables.start_window(first)
         for k in range(cfg.grad_accum):
             window = first + k
             if tables is None:  # this rank's rows only (`_sample`), read ahead by the prefetcher
@@ -414,9 +435,11 @@ class DistributedTrainer(Trainer):
         try:
             result = super().fit()
         except BaseException:
+            self._ahead = None  # not waited: a failed peer would never complete it
             with contextlib.suppress(Exception):
                 self.saver.wait()  # a save in flight still completes (or leaves only its temporary folder)
             raise
+        self._drop_ahead()  # a stop signal ends the run after a step that already issued the next one's exchange
         self.saver.wait()  # the last checkpoint is in place before fit returns
         result.update(world_size=self.dist.world_size, parallel=self.cfg.parallel)
         if self._host_shards:
