@@ -11,7 +11,8 @@
 #      (bitwise is a CPU guarantee; on CUDA the host-side optimizer and the norm run on another device).
 #   4. decode_offload: host tables behind the hot-row cache at the paper-350m shape with vocab 8192.
 #   5. nproc_smoke: 2 bf16 steps of `stemlm train --nproc N` (N = visible GPUs, at most 2: NCCL, FSDP2 with its
-#      bf16 MixedPrecisionPolicy, chunked loss, activation checkpointing) on shards from `stemlm data prepare`.
+#      bf16 MixedPrecisionPolicy, chunked loss, activation checkpointing) on shards from `stemlm data prepare`;
+#      then its sharded checkpoint resumed for a third step and exported (`stemlm export`).
 #   6. host_shards_smoke: 3 bf16 steps of `--nproc N --tables host --grad-accum 2` (pinned row shards gathered
 #      ahead on a side stream, the host plan, the async row exchange, the table update on the worker thread).
 #   7. exchange (2+ GPUs only): `table_comm.py --exchange --device cuda`, the host-planned, ahead-issued exchange
@@ -65,10 +66,12 @@ PYEOF
 smoke_dir=$(mktemp -d)
 "$PY" -c "from stemlm.data import load_embedded_corpus as c; open('$smoke_dir/corpus.txt','w').write(c()[0].text)"
 gpus=$("$PY" -c "import torch; print(min(2, torch.cuda.device_count()))")
-run nproc_smoke 240 bash -c "'$PY' -m stemlm.cli.main data prepare '$smoke_dir/corpus.txt' --out '$smoke_dir/shards' \
+run nproc_smoke 360 bash -c "'$PY' -m stemlm.cli.main data prepare '$smoke_dir/corpus.txt' --out '$smoke_dir/shards' \
   --workers 2 --no-progress && '$PY' -m stemlm.cli.main train --data '$smoke_dir/shards' --nproc $gpus \
   --device cuda --dtype bf16 --parallel fsdp --steps 2 --batch-size 2 --seq-len 256 --loss-chunk 256 \
   --activation-checkpointing --sample-tokens 0 --no-progress --out '$smoke_dir/run' --json \
+  && '$PY' -m stemlm.cli.main train --resume '$smoke_dir/run' --steps 3 --nproc $gpus --sample-tokens 0 \
+  --no-progress --json && '$PY' -m stemlm.cli.main export '$smoke_dir/run' --out '$smoke_dir/exported' \
   && echo RESULT nproc_smoke_ok=1 ranks=$gpus"
 run host_shards_smoke 180 bash -c "'$PY' -m stemlm.cli.main train --data '$smoke_dir/shards' --nproc $gpus \
   --device cuda --dtype bf16 --tables host --table-optim rowwise_adagrad --steps 3 --grad-accum 2 --batch-size 2 \
