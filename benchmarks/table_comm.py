@@ -99,6 +99,8 @@ def as_before(trainer) -> None:
         return pending
 
     tables.start_window, tables.prefetch = start_window, lambda window: None
+    if hasattr(trainer, "_ahead_hook"):  # device shards: no exchange issued after the table update
+        trainer._ahead_hook.remove()
     if hasattr(trainer.optimizers[-1], "inner"):  # host shards: the update on the trainer's thread
         trainer.optimizers[-1] = trainer.optimizers[-1].inner
 

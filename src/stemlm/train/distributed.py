@@ -225,7 +225,7 @@ class DistributedTrainer(Trainer):
                 group.update(name="tables", peak_lr=cfg.table_peak_lr)
             self.tables.bind_windows(self._rank_ids, cfg.grad_accum, self.device)
             if not self._host_shards:  # (host shards gather the next step's rows behind their update instead)
-                table_opt.register_step_post_hook(self._exchange_next_step)
+                self._ahead_hook = table_opt.register_step_post_hook(self._exchange_next_step)
             optimizers.append(self.tables.wrap(table_opt) if self._host_shards else table_opt)
         return optimizers
 
