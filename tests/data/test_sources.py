@@ -18,7 +18,8 @@ def test_files_folders_and_jsonl(tmp_path):
     (tmp_path / "sub" / ".hidden" / "h.txt").write_text("hidden\n")
     docs = read_documents([tmp_path])
     assert [d.text for d in docs] == ["alpha\n", "# beta\n", "gamma", "delta"]
-    assert docs[3].name.endswith("c.jsonl:3")
+    assert [d.name for d in docs] == ["a.txt", "sub/b.md", "sub/c.jsonl:1", "sub/c.jsonl:3"]  # inside the argument
+    assert read_documents([tmp_path / "a.txt"])[0].name == "a.txt"
     assert read_texts([tmp_path / "sub" / "skip.csv"]) == ["x,y\n"]  # explicit files are read whatever the suffix
 
 
@@ -65,3 +66,17 @@ def test_single_document_is_split_by_tail(tmp_path):
     (train,), (heldout,) = load_corpus([tmp_path / "one.txt"], heldout_fraction=0.1)
     assert train + heldout == text and train.endswith("\n")
     assert 0.05 < len(heldout) / len(text) < 0.15
+
+
+def test_the_split_does_not_depend_on_where_the_data_lives(tmp_path):
+    # Document names feed the held-out hash: full paths made the split (and every loss) change when the same
+    # folder was copied elsewhere, e.g. under another pytest temporary directory.
+    texts = [f"document {i}: " + "words " * (i + 3) for i in range(12)]
+    splits = []
+    for where in ("first/place", "second/other/place"):
+        folder = tmp_path / where / "corpus"
+        folder.mkdir(parents=True)
+        for i, text in enumerate(texts):
+            (folder / f"doc{i:02d}.txt").write_text(text)
+        splits.append(load_corpus([folder], heldout_fraction=0.25))
+    assert splits[0] == splits[1] and len(splits[0][1]) == 3

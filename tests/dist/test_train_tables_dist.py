@@ -116,7 +116,10 @@ def test_tables_learn_as_on_one_process(tables_runs, name):
     one, two = tables_runs / "one" / name, tables_runs / "two" / name
     close(losses(two), losses(one))
     close(losses(two, "heldout_loss", "eval"), losses(one, "heldout_loss", "eval"))
-    assert losses(two)[-1] < losses(two)[0]  # training lowers the loss with the backbone frozen
+    # Training lowers the loss with the backbone frozen: compared on the same held-out batches (steps 2 and 4),
+    # since 4 training losses on 4 different batches differ by more than 4 table-only steps can move them.
+    heldout = losses(two, "heldout_loss", "eval")
+    assert heldout[-1] < heldout[0]
     got = read_state(two / "checkpoints" / f"step-{STEPS:06d}")
     want = read_state(one / "checkpoints" / f"step-{STEPS:06d}")
     initial = build_model(model_config(SCENARIOS[name][0]), seed=0).state_dict()

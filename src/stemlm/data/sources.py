@@ -35,7 +35,7 @@ def _read_text(path: Path) -> str:
         raise StemlmError(f"{path} is not valid UTF-8 (byte {exc.start}); convert it to UTF-8 text") from exc
 
 
-def _read_jsonl(path: Path) -> list[Document]:
+def _read_jsonl(path: Path, name: str) -> list[Document]:
     docs = []
     for lineno, line in enumerate(_read_text(path).splitlines(), start=1):
         if not line.strip():
@@ -47,15 +47,15 @@ def _read_jsonl(path: Path) -> list[Document]:
         if not isinstance(record, dict) or not isinstance(record.get("text"), str):
             raise StemlmError(f"{path} line {lineno}: expected a JSON object with a string 'text' field")
         if record["text"].strip():
-            docs.append(Document(f"{path}:{lineno}", USER_SOURCE, record["text"]))
+            docs.append(Document(f"{name}:{lineno}", USER_SOURCE, record["text"]))
     return docs
 
 
-def _read_file(path: Path) -> list[Document]:
+def _read_file(path: Path, name: str) -> list[Document]:
     if path.suffix == ".jsonl":
-        return _read_jsonl(path)
+        return _read_jsonl(path, name)
     text = _read_text(path)
-    return [Document(str(path), USER_SOURCE, text)] if text.strip() else []
+    return [Document(name, USER_SOURCE, text)] if text.strip() else []
 
 
 def _folder_files(folder: Path) -> list[Path]:
@@ -68,7 +68,10 @@ def _folder_files(folder: Path) -> list[Path]:
 
 
 def read_documents(paths: list[str | Path]) -> list[Document]:
-    """Read every file and folder in `paths` into documents named by file path (and line for jsonl)."""
+    """Read every file and folder in `paths` into documents named by where they are *inside* the argument (a
+    folder's files by their relative path, a file by its name; plus the line for jsonl). The held-out split
+    hashes these names, so it must not depend on where the data lives: a copied or moved folder, or the same
+    files under another temporary directory, give the same split and the same run."""
     if not paths:
         raise StemlmError("no data paths given")
     docs: list[Document] = []
@@ -77,11 +80,11 @@ def read_documents(paths: list[str | Path]) -> list[Document]:
             files = _folder_files(arg)
             if not files:
                 raise StemlmError(f"folder {arg} has no {', '.join(FOLDER_SUFFIXES)} files")
-            found = [doc for path in files for doc in _read_file(path)]
+            found = [doc for path in files for doc in _read_file(path, path.relative_to(arg).as_posix())]
             if not found:
                 raise StemlmError(f"folder {arg} contains only empty files")
         elif arg.is_file():
-            found = _read_file(arg)
+            found = _read_file(arg, arg.name)
             if not found:
                 raise StemlmError(f"{arg} is empty")
         elif arg.exists():  # a device or pipe (/dev/zero would be read forever)
