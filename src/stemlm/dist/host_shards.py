@@ -21,17 +21,16 @@ Tests: `OMP_NUM_THREADS=1 python -m pytest tests/dist/test_host_shards.py -q`.
 
 from __future__ import annotations
 
-import time
-from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 
 import torch
 from torch import nn
 
 from stemlm.dist.sharded_tables import PendingRows, RowPlan, ShardedTables
+from stemlm.train.lookahead import LookaheadWorker
 
 
-class HostShardedTables(ShardedTables):
+class HostShardedTables(LookaheadWorker, ShardedTables):
     """This rank's table shards in host memory, exchanged through `device`, gathered ahead on a worker."""
 
     def __init__(self, model: nn.Module, device: torch.device, group=None, reduce: str = "mean") -> None:
@@ -44,11 +43,10 @@ class HostShardedTables(ShardedTables):
                 # A model built on the meta device (stemlm.train.dist_init) gets uninitialised host rows.
                 host = torch.empty_like(shard, device="cpu") if shard.is_meta else shard.to("cpu", copy=True)
                 self.shards[key] = nn.Parameter(host.pin_memory() if self.cuda else host)
-        self.worker = ThreadPoolExecutor(1, thread_name_prefix="stemlm-host-shards")
+        self._start_worker("stemlm-host-shards")
         self.stream = torch.cuda.Stream(device) if self.cuda else None
         self.pending: dict[int, Future] = {}
         self.last_window = -1
-        self.work_s = self.wait_s = 0.0
 
     def host_bytes(self, optimizer: torch.optim.Optimizer | None = None) -> tuple[int, int]:
         """(bytes of this rank's host shards, bytes of their optimizer state)."""
@@ -90,23 +88,6 @@ class HostShardedTables(ShardedTables):
         return torch.device("cpu")
 
     # ----- look-ahead -----
-    def _timed(self, fn: Callable, *args) -> Future:
-        def job():
-            start = time.perf_counter()
-            try:
-                return fn(*args)
-            finally:
-                self.work_s += time.perf_counter() - start
-
-        return self.worker.submit(job)
-
-    def _wait(self, future: Future):
-        start = time.perf_counter()
-        try:
-            return future.result()
-        finally:
-            self.wait_s += time.perf_counter() - start
-
     def _gather(self, all_ids) -> tuple[RowPlan, torch.Tensor, object]:
         plan = self.plan_on_host(all_ids, torch.device("cpu"))  # positions go to the device on the trainer's thread
         rows, event = self._read_rows(plan.local_rows)
@@ -137,13 +118,6 @@ class HostShardedTables(ShardedTables):
 
     def clear_grads(self) -> None:
         """Nothing to clear here: the shards' gradients are cleared by the update job that consumed them."""
-
-    def sync(self) -> None:
-        """Wait until every queued table update and gather has run."""
-        self._wait(self.worker.submit(lambda: None))
-
-    def overlap(self) -> float | None:
-        return None if self.work_s == 0 else max(0.0, 1.0 - self.wait_s / self.work_s)
 
     def close(self) -> None:
         self.sync()

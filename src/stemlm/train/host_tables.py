@@ -26,15 +26,15 @@ optimizer, so a run ends bitwise equal (tests/train/test_host_tables.py). Only r
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 from stemlm.errors import StemlmError
+from stemlm.train.lookahead import LookaheadWorker
 
 ROW_SPARSE = ("lazy_adamw", "rowwise_adagrad")
 
@@ -49,7 +49,7 @@ class Gathered:
     event: object = None  # CUDA event after the copies (None on CPU)
 
 
-class HostTables:
+class HostTables(LookaheadWorker):
     """A model's token tables in host memory with look-ahead gathers and a host-side optimizer step."""
 
     def __init__(
@@ -73,36 +73,18 @@ class HostTables:
                 tables[i].weight = self.params[i] = nn.Parameter(host)  # the model's table *is* the host buffer
                 tables[i].sparse = True
         self.grads: dict[int, torch.Tensor | None] = dict.fromkeys(self.layers)
-        self.worker = ThreadPoolExecutor(1, thread_name_prefix="stemlm-host-tables")
+        self._start_worker("stemlm-host-tables")
         self.stream = torch.cuda.Stream(device) if self.cuda else None
         self.pending: dict[int, Future] = {}
         self._staging = [{"rows": {}, "event": None} for _ in range(2)]
         self._turn = 0
         self.last_window = -1
-        self.work_s = self.wait_s = 0.0
 
     # ----- memory -----
     def table_bytes(self) -> int:
         return sum(p.numel() * p.element_size() for p in self.params.values())
 
     # ----- gathers -----
-    def _timed(self, fn: Callable, *args):
-        def job():
-            start = time.perf_counter()
-            try:
-                return fn(*args)
-            finally:
-                self.work_s += time.perf_counter() - start
-
-        return self.worker.submit(job)
-
-    def _wait(self, future: Future):
-        start = time.perf_counter()
-        try:
-            return future.result()
-        finally:
-            self.wait_s += time.perf_counter() - start
-
     def _gather(self, ids: torch.Tensor) -> Gathered:
         host_ids = ids.reshape(-1).to("cpu")
         uniq, inverse = torch.unique(host_ids, sorted=True, return_inverse=True)
@@ -202,13 +184,6 @@ class HostTables:
             "host_optimizer_bytes": state,
             "host_overlap": self.overlap(),
         }
-
-    def sync(self) -> None:
-        """Wait until every queued optimizer step and gather has run."""
-        self._wait(self.worker.submit(lambda: None))
-
-    def overlap(self) -> float | None:
-        return None if self.work_s == 0 else max(0.0, 1.0 - self.wait_s / self.work_s)
 
     def close(self) -> None:
         self.sync()
