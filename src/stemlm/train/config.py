@@ -46,8 +46,20 @@ if TYPE_CHECKING:  # torch and tokenizers load only when a run is resolved, so t
 
 DTYPES = ("auto", "fp32", "bf16")
 # the default run's fact-world countries: well-known ones whose capitals the README's edit example moves
-FACT_COUNTRIES = ("Spain", "Germany", "France", "Italy", "Portugal", "Greece", "Norway", "Sweden", "Poland",
-                  "Austria", "Ireland", "Netherlands")
+FACT_COUNTRIES = (
+    "Spain",
+    "Germany",
+    "France",
+    "Italy",
+    "Portugal",
+    "Greece",
+    "Norway",
+    "Sweden",
+    "Poland",
+    "Austria",
+    "Ireland",
+    "Netherlands",
+)
 DEVICES = ("auto", "cpu", "cuda")
 PARALLEL = ("ddp", "fsdp")
 TABLE_PLACES = ("device", "host")
@@ -150,7 +162,14 @@ class TrainConfig:
                 raise StemlmError(f"invalid training config: {msg}")
 
         for name in (
-            "steps", "seq_len", "batch_size", "grad_accum", "eval_batches", "keep_last", "spike_window", "traffic_every"
+            "steps",
+            "seq_len",
+            "batch_size",
+            "grad_accum",
+            "eval_batches",
+            "keep_last",
+            "spike_window",
+            "traffic_every",
         ):
             value = getattr(self, name)
             need(_is_int(value) and value > 0, f"{name} must be a positive integer, got {value!r}")
