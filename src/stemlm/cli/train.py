@@ -119,6 +119,18 @@ def register(subparsers) -> None:
         "--compile", action="store_true", default=None, help="torch.compile each decoder block (inductor)"
     )
     parser.add_argument(
+        "--profile",
+        action="store_true",
+        default=None,
+        help="torch.profiler over steps 3-5: traces for TensorBoard / Perfetto and an operator table in RUN/profile",
+    )
+    parser.add_argument(
+        "--memory-snapshot",
+        action="store_true",
+        default=None,
+        help="record the CUDA allocator's history; RUN/profile/memory-rank<r>.pickle for pytorch.org/memory_viz",
+    )
+    parser.add_argument(
         "--nproc",
         type=int,
         default=1,
@@ -202,6 +214,8 @@ def train_overrides(args) -> dict[str, Any]:
         "parallel",
         "activation_checkpointing",
         "compile",
+        "profile",
+        "memory_snapshot",
     ):
         if getattr(args, field) is not None:
             changes[field] = getattr(args, field)

@@ -122,6 +122,8 @@ class TrainConfig:
     loss_chunk: int = 0  # > 0: lm_head + cross-entropy this many tokens at a time, no full [tokens, V] logits kept
     activation_checkpointing: bool = False  # recompute each decoder block's activations in backward
     compile: bool = False  # torch.compile each decoder block (stemlm.train.compile)
+    profile: bool = False  # torch.profiler traces of a few steps in RUN/profile (stemlm.train.profiling)
+    memory_snapshot: bool = False  # CUDA allocator history of the run, dumped to RUN/profile
     # --- evaluation, logging, checkpoints ---
     eval_every: int = 50  # steps between held-out evaluations (and always at the end); 0: only at the end
     eval_batches: int = 8  # held-out batches (of batch_size windows) per evaluation

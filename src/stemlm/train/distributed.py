@@ -101,6 +101,10 @@ class DistributedTrainer(Trainer):
     def is_main(self) -> bool:
         return self.dist.is_main
 
+    @property
+    def rank(self) -> int:
+        return self.dist.rank
+
     distributed = True
 
     def _agree(self, *flags: bool) -> tuple[bool, ...]:

@@ -24,7 +24,7 @@ from stemlm.errors import StemlmError
 from stemlm.runs import CHECKPOINTS_DIR
 
 # What an earlier `stemlm train` may have left in its run folder before its first checkpoint.
-RUN_FOLDER_ENTRIES = {"run_config.json", "metrics.jsonl", "loss.png", "tensorboard", CHECKPOINTS_DIR}
+RUN_FOLDER_ENTRIES = {"run_config.json", "metrics.jsonl", "loss.png", "tensorboard", "profile", CHECKPOINTS_DIR}
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
 

@@ -48,6 +48,7 @@ from stemlm.train.data import load_datasets, resolve_sampling, resolve_tokenizer
 from stemlm.train.guard import DivergenceGuard, StopSignals, check_run_dir
 from stemlm.train.logging import METRICS_NAME, PLOT_NAME, RunLogger, plot_losses
 from stemlm.train.optim import build_optimizers, clip_gradients, freeze_backbone, set_learning_rates
+from stemlm.train.profiling import StepProfiler, check_profiling
 from stemlm.train.state import (
     check_same_data,
     data_digest,
@@ -71,6 +72,7 @@ class Trainer:
     """One training run: model, optimizers, data and run folder; `fit()` trains to `cfg.steps`."""
 
     is_main = True  # this process writes the run folder (rank 0 of a multi-process run: stemlm.train.distributed)
+    rank = 0  # this process's rank (stemlm.train.distributed overrides it)
 
     def __init__(
         self,
@@ -86,6 +88,7 @@ class Trainer:
         if _resume_from is None and cfg.out:
             check_run_dir(cfg.out)  # before anything is built: a refused --out costs nothing
         self.device = resolve_device(cfg.device)
+        check_profiling(cfg.memory_snapshot, self.device)
         self.amp_dtype = resolve_dtype(cfg.dtype, self.device)
         self.tokenizer = tokenizer or resolve_tokenizer(cfg)
         self.model = self._build_model(model_config, _resume_from)
@@ -441,9 +444,18 @@ class Trainer:
         heldout, checkpoint, last, stopped = None, None, None, None
         guard, saved_at = DivergenceGuard(cfg.max_skipped), time.monotonic()
         try:
-            with StopSignals(abort_on_second=not self.distributed) as signals:
+            profiler = StepProfiler(
+                self.run_dir,
+                self.rank,
+                self.device,
+                cfg.steps - self.step,
+                trace=cfg.profile,
+                memory=cfg.memory_snapshot,
+            )
+            with StopSignals(abort_on_second=not self.distributed) as signals, profiler:
                 while self.step < cfg.steps:
                     last = self.train_step()
+                    profiler.step()
                     logger.log(last)
                     logger.advance(last["loss"], last["tokens_per_s"])
                     if last["skipped"]:
