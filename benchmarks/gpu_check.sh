@@ -14,7 +14,8 @@
 #      bf16 MixedPrecisionPolicy, chunked loss, activation checkpointing) on shards from `stemlm data prepare`;
 #      then its sharded checkpoint resumed for a third step and exported (`stemlm export`).
 #   6. host_shards_smoke: 3 bf16 steps of `--nproc N --tables host --grad-accum 2` (pinned row shards gathered
-#      ahead on a side stream, the host plan, the async row exchange, the table update on the worker thread).
+#      ahead on a side stream, the host plan, the async row exchange, the table update on the worker thread),
+#      under `--profile --memory-snapshot` (CUDA profiler activity and the allocator history must be written).
 #   7. exchange (2+ GPUs only): `table_comm.py --exchange --device cuda`, the host-planned, ahead-issued exchange
 #      vs the collective plan on NCCL.
 # Exit status: the number of failed checks. Prepared on a CPU-only machine; see README "GPU check".
@@ -75,7 +76,8 @@ run nproc_smoke 360 bash -c "'$PY' -m stemlm.cli.main data prepare '$smoke_dir/c
   && echo RESULT nproc_smoke_ok=1 ranks=$gpus"
 run host_shards_smoke 180 bash -c "'$PY' -m stemlm.cli.main train --data '$smoke_dir/shards' --nproc $gpus \
   --device cuda --dtype bf16 --tables host --table-optim rowwise_adagrad --steps 3 --grad-accum 2 --batch-size 2 \
-  --seq-len 256 --sample-tokens 0 --no-progress --out '$smoke_dir/host_run' --json \
+  --seq-len 256 --sample-tokens 0 --no-progress --out '$smoke_dir/host_run' --json --profile --memory-snapshot \
+  && test -s '$smoke_dir/host_run/profile/memory-rank0.pickle' && test -s '$smoke_dir/host_run/profile/summary-rank0.txt' \
   && echo RESULT host_shards_smoke_ok=1 ranks=$gpus"
 rm -rf "$smoke_dir"
 if [ "$gpus" -ge 2 ]; then
