@@ -95,7 +95,7 @@ class CompareConfig:
 
 # Controls trained like a kind: name -> (FFN kind, TrainConfig overrides). Add a control here.
 VARIANTS: dict[str, tuple[str, dict]] = {"dense_embed": ("dense", {"embed_like_tables": True})}
-# The reduced budget of `--quick` (2 seeds of dense,stem take ~5 min on 2 idle cores; see the README).
+# The reduced budget of `--quick` (2 seeds of dense,stem: 180 s measured on 2 nearly idle cores; see the README).
 QUICK = dict(
     seeds=2,
     budget="60",

@@ -1,7 +1,7 @@
 """The knowledge experiment: dense vs STEM on the fact world, over seeds, at matched FLOPs and matched tokens.
 
     stemlm experiment knowledge --out runs/knowledge                       # 3 seeds + lr sweep (~1.5 h, 2 cores)
-    stemlm experiment knowledge --quick --seeds 2 --out runs/knowledge-q   # reduced budget, no sweep (~5 min)
+    stemlm experiment knowledge --quick --seeds 2 --out runs/knowledge-q   # reduced budget, no sweep (129 s measured)
     stemlm experiment knowledge --preset tiny --steps 2000 --device auto   # scale-up path (GPU)
 
 1. Data (per seed): the fact world's training statements (`fact_documents`) repeated `fact_repeats` times, then
@@ -90,7 +90,7 @@ class KnowledgeConfig:
     extra: dict = field(default_factory=dict)
 
 
-# The reduced budget of `--quick` (2 seeds of it take ~5 min on 2 idle cores; see the README).
+# The reduced budget of `--quick` (2 seeds of it: 129 s measured on 2 nearly idle cores; see the README).
 QUICK = dict(
     seeds=2,
     dense_steps=160,
