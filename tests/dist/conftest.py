@@ -9,12 +9,14 @@ global batch of 4 windows of 32 tokens, evaluated and checkpointed every 3 steps
 
 from __future__ import annotations
 
+import socket
 from pathlib import Path
 
 import pytest
 
 from stemlm.config import ModelConfig
 from stemlm.train.config import TrainConfig
+from stemlm.train.logging import read_metrics
 from tests.small_corpus import write_small_corpus
 
 VOCAB = 333
@@ -66,3 +68,25 @@ def train_config(assets: dict[str, Path], out: Path, **overrides) -> TrainConfig
         device="cpu",
     )
     return TrainConfig(**{**base, **overrides})
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def fork_ranks(worker, root: Path, assets: dict[str, Path], world: int = 2) -> Path:
+    """Run `worker(rank, world, port, root, assets)` on `world` forked gloo ranks (fork: the ranks inherit the
+    imported modules; a fresh interpreter costs ~10 s on a loaded machine), token shards cached in `assets`."""
+    import torch.multiprocessing as mp
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("STEMLM_CACHE", str(assets["cache"]))
+        mp.start_processes(worker, args=(world, free_port(), root, assets), nprocs=world, start_method="fork")
+    return root
+
+
+def records(run: Path) -> list[tuple]:
+    """(kind, loss, held-out loss) of every metrics record of a run, for exact comparisons."""
+    return [(r["kind"], r.get("loss"), r.get("heldout_loss")) for r in read_metrics(run / "metrics.jsonl")]

@@ -15,7 +15,6 @@ import shutil
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 from safetensors import safe_open
 
 from stemlm.checkpoint import read_state, save_pretrained
@@ -27,8 +26,8 @@ from stemlm.safe_write import verify_folder
 from stemlm.sharded_checkpoint import is_sharded
 from stemlm.train.logging import read_metrics
 
-from .conftest import model_config, train_config
-from .test_train_dist import free_port, losses
+from .conftest import fork_ranks, model_config, train_config
+from .test_train_dist import losses
 
 FITS = {
     "ddp": dict(parallel="ddp", table_optim="adamw", grad_accum=2),
@@ -134,7 +133,7 @@ def runs(dist_assets, tmp_path_factory):
         patch.setenv("STEMLM_CACHE", str(dist_assets["cache"]))
         tokenizer = load_tokenizer(dist_assets["tokenizer"])
         save_pretrained(build_model(model_config("stem"), seed=7), root / "source", tokenizer=tokenizer)
-        mp.start_processes(_worker, args=(2, free_port(), root, dist_assets), nprocs=2, start_method="fork")
+        fork_ranks(_worker, root, dist_assets)
     return root
 
 

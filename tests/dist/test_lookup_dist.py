@@ -15,12 +15,11 @@ import os
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 from stemlm.train.trainer import Trainer
 
-from .conftest import model_config, train_config
-from .test_train_dist import free_port, losses
+from .conftest import fork_ranks, model_config, train_config
+from .test_train_dist import losses
 
 SMALL = dict(memory_keys=16, memory_topk=4, memory_heads=2, memory_key_dim=16, engram_dim=32, engram_heads=2)
 FITS = {
@@ -55,7 +54,7 @@ def runs(dist_assets, tmp_path_factory):
         patch.setenv("STEMLM_CACHE", str(dist_assets["cache"]))
         for kind, overrides in FITS.items():
             Trainer(config(kind), train_config(dist_assets, root / "one" / kind, **overrides), progress=False).fit()
-        mp.start_processes(_worker, args=(2, free_port(), root, dist_assets), nprocs=2, start_method="fork")
+        fork_ranks(_worker, root, dist_assets)
     return root
 
 

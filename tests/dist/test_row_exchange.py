@@ -19,12 +19,8 @@ import os
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
-from stemlm.train.logging import read_metrics
-
-from .conftest import VOCAB, model_config, train_config
-from .test_train_dist import free_port
+from .conftest import VOCAB, fork_ranks, model_config, records, train_config
 
 RUN = dict(grad_accum=3, table_optim="lazy_adamw", eval_every=3, save_every=0)
 
@@ -140,14 +136,8 @@ def _worker(rank: int, world: int, port: int, root, assets) -> None:
 @pytest.fixture(scope="module")
 def runs(dist_assets, tmp_path_factory):
     root = tmp_path_factory.mktemp("row_exchange")
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setenv("STEMLM_CACHE", str(dist_assets["cache"]))
-        mp.start_processes(_worker, args=(2, free_port(), root, dist_assets), nprocs=2, start_method="fork")
+    fork_ranks(_worker, root, dist_assets)
     return root
-
-
-def records(run) -> list[tuple]:
-    return [(r["kind"], r.get("loss"), r.get("heldout_loss")) for r in read_metrics(run / "metrics.jsonl")]
 
 
 @pytest.mark.dist

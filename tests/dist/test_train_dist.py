@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 
@@ -34,7 +33,7 @@ from stemlm.train.logging import read_metrics
 from stemlm.train.table_optim import flatten_optimizer_state
 from stemlm.train.trainer import Trainer
 
-from .conftest import VOCAB, model_config, train_config
+from .conftest import VOCAB, fork_ranks, free_port, model_config, train_config
 
 TOL = 1e-5
 # name -> (ffn, training overrides); grad_accum 2 exercises no_sync / set_requires_gradient_sync(False).
@@ -73,12 +72,6 @@ def losses(run, key="loss", kind="train") -> torch.Tensor:
 
 def close(a, b, **kw) -> None:
     torch.testing.assert_close(a, b, rtol=0, atol=TOL, **kw)
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _layout_check(rank: int) -> dict:
@@ -190,7 +183,7 @@ def runs(dist_assets, tmp_path_factory):
         for name, (ffn, _) in {**FITS, **BF16_FITS}.items():
             Trainer(model_config(ffn), fit_config(dist_assets, root, "one", name), progress=False).fit()
         # fork: the ranks inherit the imported modules (a fresh interpreter costs ~10 s on a loaded machine).
-        mp.start_processes(_worker, args=(2, free_port(), root, dist_assets), nprocs=2, start_method="fork")
+        fork_ranks(_worker, root, dist_assets)
     return root
 
 

@@ -20,8 +20,8 @@ from stemlm.checkpoint import read_state
 from stemlm.model import build_model
 from stemlm.train.trainer import Trainer
 
-from .conftest import model_config, train_config
-from .test_train_dist import TOL, close, free_port, losses
+from .conftest import fork_ranks, model_config, train_config
+from .test_train_dist import TOL, close, losses
 
 # name -> (ffn, overrides). Plain tables: nothing in the backbone learns (no DDP / FSDP2 wrapping at all);
 # adapter: the gate logits learn, so DDP / FSDP2 wrap a module whose other parameters are frozen.
@@ -81,14 +81,13 @@ def _worker(rank: int, world: int, port: int, root, assets) -> None:
 
 @pytest.fixture(scope="module")
 def tables_runs(dist_assets, tmp_path_factory):
-    import torch.multiprocessing as mp
 
     root = tmp_path_factory.mktemp("dist_tables_runs")
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("STEMLM_CACHE", str(dist_assets["cache"]))
         for name, (ffn, _) in SCENARIOS.items():
             Trainer(model_config(ffn), scenario_config(dist_assets, root, "one", name), progress=False).fit()
-        mp.start_processes(_worker, args=(2, free_port(), root, dist_assets), nprocs=2, start_method="fork")
+        fork_ranks(_worker, root, dist_assets)
     return root
 
 
