@@ -188,10 +188,15 @@ def main(argv: list[str] | None = None) -> None:
                 path = keep / f"{args.budget}-{name}-seed{seed}.json" if keep else None
                 if path and path.is_file():
                     rec = json.loads(path.read_text())
-                    if args.steps is None or rec["steps"] == args.steps:
-                        records[(name, seed)] = rec
-                        print(f"seed {seed} {name:<16} reused {path}", file=log, flush=True)
-                        continue
+                    if args.steps is not None and rec["steps"] != args.steps:  # never overwrite another budget's run
+                        print(
+                            f"{path} holds a {rec['steps']}-step run, not {args.steps}; choose another --out",
+                            file=sys.stderr,
+                        )
+                        raise SystemExit(2)
+                    records[(name, seed)] = rec
+                    print(f"seed {seed} {name:<16} reused {path}", file=log, flush=True)
+                    continue
                 if args.budget == "knowledge" and seed not in knowledge:
                     knowledge[seed] = knowledge_job(seed, args.steps, Path(tmp))
                 jobs.append((args.budget, name, seed, args.steps, knowledge.get(seed), f"{tmp}/{name}-{seed}"))

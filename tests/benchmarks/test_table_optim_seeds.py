@@ -57,3 +57,14 @@ def test_bad_arguments_exit_2(argv, capsys):
         bench.parse_args(argv)
     assert err.value.code == 2
     assert "error:" in capsys.readouterr().err.strip().splitlines()[-1]  # one line naming the problem
+
+
+def test_a_kept_run_of_another_budget_is_never_overwritten(tmp_path, capsys):
+    kept = tmp_path / "main-rowwise_adagrad-seed0.json"
+    kept.write_text('{"optim": "rowwise_adagrad", "seed": 0, "steps": 300}')
+    with pytest.raises(SystemExit) as info:  # refused before any training starts
+        bench.main(
+            ["--budget", "main", "--optims", "rowwise_adagrad", "--seeds", "0", "--steps", "40", "--out", str(tmp_path)]
+        )
+    assert info.value.code == 2 and "300-step run" in capsys.readouterr().err
+    assert kept.read_text() == '{"optim": "rowwise_adagrad", "seed": 0, "steps": 300}'
