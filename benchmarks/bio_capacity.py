@@ -1,6 +1,6 @@
 """Knowledge capacity in bits per parameter (Physics of Language Models part 3.3) for dense and STEM at two sizes.
 
-Each model trains on biographies only (no QA) of `--people` synthetic people (`stemlm.bio`) at a matched
+Each model trains on biographies only (no QA) of `--people` synthetic people (`stemlm.data.worlds.bio`) at a matched
 training-FLOP budget per size (dense `--steps` steps; STEM the FLOP-matched count). Knowledge bits: per
 attribute max(0, N·log2 K − the model's summed loss in bits on the values after the first biography
 template), summed over the five attributes (`stemlm.experiments.bio.knowledge_bits`); divided by total
@@ -20,8 +20,8 @@ import json
 from dataclasses import replace
 from pathlib import Path
 
-from stemlm.accounting import active_parameters, total_parameters
 from stemlm.experiments.bio import BioConfig, build_data, knowledge_bits, matched_steps, model_configs, train_models
+from stemlm.model.accounting import active_parameters, total_parameters
 
 SIZES = {"small": dict(hidden_size=64, intermediate_size=192), "base": dict(hidden_size=128, intermediate_size=384)}
 
@@ -34,7 +34,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=300, help="dense training steps per size (default 300)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the people and the models (default 0)")
     args = parser.parse_args()
-    from stemlm.runs import load_checkpoint
+    from stemlm.checkpoint.runs import load_checkpoint
 
     out = Path(args.out)
     if out.exists():

@@ -24,12 +24,12 @@ from pathlib import Path
 
 import torch
 
-from stemlm.checkpoint import save_pretrained
+from stemlm.checkpoint.folder import save_pretrained
 from stemlm.data.corpus import embedded_texts
 from stemlm.data.tokenizer import default_tokenizer
+from stemlm.inference.offloaded import OffloadedLM, decode_step, prefill
 from stemlm.model import build_model
-from stemlm.offload import OffloadedLM, decode_step, prefill
-from stemlm.presets import get_preset
+from stemlm.model.presets import get_preset
 
 KINDS = ("stem_ngram", "engram", "memory")
 

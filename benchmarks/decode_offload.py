@@ -13,11 +13,11 @@ its ratio to resident and the hit rate over the timed repetitions (prefills incl
 must be equal across configurations.
 
 Then, for each table dtype (`--table-dtypes`, default fp32,bf16,int8; `stemlm.offload.compact`), through the
-same loader the CLI uses (`stemlm.inference`, host tables, 20% cache): the held-out perplexity
+same loader the CLI uses (`stemlm.inference.load`, host tables, 20% cache): the held-out perplexity
 (`stemlm.evaluation.perplexity`, windows of `--ppl-window`, `--ppl-tokens` tokens of the held-out split) and
 its change against fp32 rows; the bytes of table rows read from the host store per decoded token (misses
 x stored row bytes, measured over the timed decode stream with warm caches); a token's stored row bytes;
-and the bytes a whole decode step reads (`stemlm.accounting`, fp32 weights, the rows at their stored size).
+and the bytes a whole decode step reads (`stemlm.model.accounting`, fp32 weights, the rows at their stored size).
 With `--ckpt` (a trained checkpoint or run folder) the model is that checkpoint; without it the preset's
 random weights, whose perplexity change means nothing.
 
@@ -41,16 +41,16 @@ from collections import Counter
 
 import torch
 
-from stemlm.accounting import decode_bytes_per_token
-from stemlm.checkpoint import load_config, save_pretrained
+from stemlm.checkpoint.folder import load_config, save_pretrained
+from stemlm.checkpoint.runs import resolve_checkpoint
 from stemlm.data.corpus import embedded_texts
 from stemlm.data.tokenizer import default_tokenizer
 from stemlm.evaluation.perplexity import evaluate_perplexity, load_eval
-from stemlm.inference import InferenceOptions
+from stemlm.inference.load import InferenceOptions
+from stemlm.inference.offloaded import OffloadedLM, decode_step, forced_decode, prefill
 from stemlm.model import build_model
-from stemlm.offload import OffloadedLM, decode_step, forced_decode, prefill
-from stemlm.presets import get_preset
-from stemlm.runs import resolve_checkpoint
+from stemlm.model.accounting import decode_bytes_per_token
+from stemlm.model.presets import get_preset
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 

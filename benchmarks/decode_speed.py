@@ -1,12 +1,12 @@
 """Decode tokens/s at the tiny shape: our `generate` against `transformers`' `generate()`, with the memory bound.
 
 Three models with random weights (seed 0): our tiny STEM model and our tiny-dense model decode with
-`stemlm.generate.generate`; the same tiny-dense weights loaded into `transformers.LlamaForCausalLM` (a dense
+`stemlm.inference.generate.generate`; the same tiny-dense weights loaded into `transformers.LlamaForCausalLM` (a dense
 stemlm folder is a Llama folder) decode with HF `generate()` (greedy, eos disabled, dynamic cache). Each
 repetition runs every model once, in a rotating order, so machine load hits all alike; a run is a `--prompt`
 token prefill plus `--new` greedy tokens, and tokens/s counts the new tokens (median over repetitions).
 Beside them: the bytes one decode step reads (weights touched + KV cache at the mean context, fp32, from
-`stemlm.accounting.decode_bytes_per_token`) and the tokens/s that bound allows at the memory read bandwidth
+`stemlm.model.accounting.decode_bytes_per_token`) and the tokens/s that bound allows at the memory read bandwidth
 measured in this process (a streaming sum over a 256 MiB tensor on the same threads).
 
     python benchmarks/decode_speed.py                      # single thread (the default), CPU
@@ -25,11 +25,11 @@ import time
 
 import torch
 
-from stemlm.accounting import decode_bytes_per_token
-from stemlm.checkpoint import save_pretrained
-from stemlm.generate import generate
+from stemlm.checkpoint.folder import save_pretrained
+from stemlm.inference.generate import generate
 from stemlm.model import build_model
-from stemlm.presets import get_preset
+from stemlm.model.accounting import decode_bytes_per_token
+from stemlm.model.presets import get_preset
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

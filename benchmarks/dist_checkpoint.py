@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 import torch.multiprocessing as mp
 
-from stemlm.config import ModelConfig
+from stemlm.model.config import ModelConfig
 from stemlm.train.config import TrainConfig
 
 WORLD = 2
@@ -49,8 +49,8 @@ def _worker(rank: int, port: int, root: Path, saves: int) -> None:
     os.environ.update(
         RANK=str(rank), WORLD_SIZE=str(WORLD), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)
     )
-    from stemlm.dist.launch import destroy_distributed
     from stemlm.train.distributed import DistributedTrainer
+    from stemlm.train.parallel.launch import destroy_distributed
 
     cfg = TrainConfig(
         steps=saves + 1,

@@ -47,7 +47,7 @@ run host_train 120 "$PY" benchmarks/host_train.py --device cuda --dtype bf16 --r
 run host_equal 120 "$PY" - <<'PYEOF'
 import tempfile
 from stemlm.train import Trainer, TrainConfig
-from stemlm.presets import get_preset
+from stemlm.model.presets import get_preset
 losses = {}
 with tempfile.TemporaryDirectory() as tmp:
     for tables in ("device", "host"):

@@ -22,9 +22,9 @@ import time
 
 import torch
 
-from stemlm.presets import get_preset
+from stemlm.model.presets import get_preset
 from stemlm.train.config import TrainConfig
-from stemlm.train.host_tables import ROW_SPARSE
+from stemlm.train.tables.host import ROW_SPARSE
 from stemlm.train.trainer import Trainer
 
 

@@ -3,7 +3,7 @@ FFN input h_l is to "the token" RMSNorm_l(E[t]) (cosine), before and after the u
 
 The dense checkpoint reads `--tokens` tokens of the embedded corpus' held-out split (one window); for each
 layer it reports the mean over positions of cos(h_l, RMSNorm_l(E[t])) and cos(W_up h_l, W_up RMSNorm_l(E[t]))
-(`stemlm.retrofit.ffn_input_alignment`). A retrofitted table row is a function of t alone, so it can only
+(`stemlm.convert.retrofit.ffn_input_alignment`). A retrofitted table row is a function of t alone, so it can only
 stand in for W_up h_l where h_l is mostly determined by t.
 
     python benchmarks/retrofit_alignment.py ckpt/smollm2 --tokens 2048
@@ -18,9 +18,9 @@ import json
 
 import torch
 
+from stemlm.checkpoint.runs import load_checkpoint
+from stemlm.convert.retrofit import ffn_input_alignment
 from stemlm.data.corpus import embedded_texts
-from stemlm.retrofit import ffn_input_alignment
-from stemlm.runs import load_checkpoint
 
 
 def main() -> None:

@@ -21,10 +21,10 @@ import argparse
 
 import torch
 
-from stemlm.convert import retrofit_from_dense
+from stemlm.checkpoint.runs import load_checkpoint
+from stemlm.convert.retrofit import retrofit_from_dense
+from stemlm.data.worlds.facts import country
 from stemlm.edit.positional import edit_hooks, edited_forward, greedy_generate, make_edit
-from stemlm.facts import country
-from stemlm.runs import load_checkpoint
 
 COUNTRIES = "France Spain Germany Italy Japan China Russia Egypt Greece Norway Canada Portugal Poland India".split()
 PHRASINGS = ["The capital of {s} is", "{s}'s capital city is", "The capital city of {s} is"]

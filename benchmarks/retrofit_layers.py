@@ -1,7 +1,7 @@
 """Which layers of a pretrained dense model can be retrofitted without training: fact recall and held-out
 perplexity of the dense model and of `E·W_upᵀ` retrofits at several layer sets, side by side.
 
-For each layer set the retrofit is built in memory (`stemlm.convert.retrofit_from_dense`); every model answers
+For each layer set the retrofit is built in memory (`stemlm.convert.retrofit.retrofit_from_dense`); every model answers
 "The capital of {country} is" greedily for the first `--countries` countries of the fact world (correct when
 the greedy continuation starts with the capital), and scores `--tokens` tokens of the embedded corpus' held-out
 split (`stemlm.evaluation.perplexity`, windows of 512). The dense row is the reference the retrofits lose from.
@@ -17,11 +17,11 @@ import argparse
 
 import torch
 
-from stemlm.convert import retrofit_from_dense
+from stemlm.checkpoint.runs import load_checkpoint
+from stemlm.convert.retrofit import retrofit_from_dense
 from stemlm.data.corpus import embedded_texts
+from stemlm.data.worlds.facts import load_countries
 from stemlm.evaluation.perplexity import evaluate_perplexity
-from stemlm.facts import load_countries
-from stemlm.runs import load_checkpoint
 
 
 @torch.no_grad()

@@ -36,10 +36,10 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from table_optim import zipf_ids
 
-from stemlm.dist.sharded_tables import ShardedTables
 from stemlm.model import build_model
-from stemlm.presets import get_preset
-from stemlm.train.table_optim import make_table_optimizer
+from stemlm.model.presets import get_preset
+from stemlm.train.parallel.sharded_tables import ShardedTables
+from stemlm.train.tables.optim import make_table_optimizer
 
 WORLD = 2
 

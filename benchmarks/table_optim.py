@@ -20,7 +20,7 @@ import time
 import torch
 from torch import nn
 
-from stemlm.train.table_optim import make_table_optimizer
+from stemlm.train.tables.optim import make_table_optimizer
 
 
 def zipf_ids(shape: tuple[int, ...], vocab: int, exponent: float, generator: torch.Generator) -> torch.Tensor:

@@ -54,7 +54,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--out", default=None, help="folder keeping each finished run's record (reused on rerun)")
     p.add_argument("--json", action="store_true", help="print the summary as one JSON object")
     args = p.parse_args(argv)
-    from stemlm.train.table_optim import TABLE_OPTIMIZERS
+    from stemlm.train.tables.optim import TABLE_OPTIMIZERS
 
     args.optims = [o for o in args.optims.split(",") if o]
     bad = [o for o in args.optims if o not in TABLE_OPTIMIZERS]
@@ -115,8 +115,8 @@ def train_one(budget: str, optim: str, seed: int, steps: int | None, job: dict |
     else:
         from tokenizers import Tokenizer
 
-        from stemlm.config import ModelConfig
         from stemlm.experiments.knowledge import fact_recall
+        from stemlm.model.config import ModelConfig
 
         tokenizer = Tokenizer.from_str(job["tokenizer"])
         trainer = Trainer(

@@ -7,7 +7,7 @@ AdamW with its decay / no-decay groups; for STEM the table optimizer `--table-op
 `TrainConfig`'s default). The HF Llama step mirrors it with the same pieces (same groups, `clip_grad_norm_mixed`,
 AdamW). All three are built in one process and timed round-robin (each repetition runs every model once, in a
 rotating order, after warm-up steps) so that load from other processes hits them alike; medians are reported.
-The predicted STEM/dense ratio is the ratio of training FLOPs per token from `stemlm.accounting` (matmuls
+The predicted STEM/dense ratio is the ratio of training FLOPs per token from `stemlm.model.accounting` (matmuls
 only, causal attention): it ignores the lookups, the table optimizer and the embedding/norm work.
 
     python benchmarks/train_step.py                                        # tiny shape, fp32, CPU
@@ -29,11 +29,11 @@ import time
 
 import torch
 
-from stemlm.accounting import total_parameters, training_flops_per_token
-from stemlm.config import ModelConfig
+from stemlm.model.accounting import total_parameters, training_flops_per_token
+from stemlm.model.config import ModelConfig
 from stemlm.train.config import TrainConfig
 from stemlm.train.optim import set_learning_rates
-from stemlm.train.table_optim import TABLE_OPTIMIZERS, clip_grad_norm_mixed
+from stemlm.train.tables.optim import TABLE_OPTIMIZERS, clip_grad_norm_mixed
 from stemlm.train.trainer import Trainer
 
 

@@ -13,8 +13,8 @@ import random
 import pytest
 import torch
 
-from stemlm.config import ModelConfig
 from stemlm.model import StemLM, build_model
+from stemlm.model.config import ModelConfig
 
 # One thread: the machine is shared, and single-threaded kernels make float results reproducible run to run.
 torch.set_num_threads(1)

@@ -1,6 +1,6 @@
 """A sharded checkpoint written in one process, for the tests of its readers (`stemlm export`, `read_state`).
 
-`write_sharded(model, folder, tokenizer)` writes the layout of `stemlm.sharded_checkpoint` with DCP's safetensors
+`write_sharded(model, folder, tokenizer)` writes the layout of `stemlm.checkpoint.sharded` with DCP's safetensors
 writer and no process group: config.json, tokenizer.json, and the weights split over two "ranks"' files
 (dcp/shard-00001-... holds the embedding, the rest goes to file 2), recorded in the folder's manifest.
 """
@@ -12,9 +12,9 @@ from pathlib import Path
 
 import torch.distributed.checkpoint as dcp
 
-from stemlm.checkpoint import model_state_for_saving, write_model_config
-from stemlm.safe_write import AtomicFolder
-from stemlm.sharded_checkpoint import DCP_DIR, MODEL_PREFIX
+from stemlm.checkpoint.folder import model_state_for_saving, write_model_config
+from stemlm.checkpoint.safe_write import AtomicFolder
+from stemlm.checkpoint.sharded import DCP_DIR, MODEL_PREFIX
 
 
 def write_sharded(model, folder: Path, tokenizer=None) -> Path:

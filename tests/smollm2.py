@@ -34,6 +34,6 @@ def require_smollm2() -> Path:
 
 @pytest.fixture(scope="session")
 def smollm2_folder(tmp_path_factory) -> Path:
-    from stemlm.gguf_import import convert_gguf
+    from stemlm.convert.gguf import convert_gguf
 
     return convert_gguf(require_smollm2(), tmp_path_factory.mktemp("smollm2") / "ckpt")

@@ -12,12 +12,12 @@ from stemlm.hf.autoregister import install as _install_hf_autoregister
 __version__ = "0.1.0"
 
 _EXPORTS = {
-    "ModelConfig": "stemlm.config",
+    "ModelConfig": "stemlm.model.config",
     "StemlmError": "stemlm.errors",
     "build_model": "stemlm.model.decoder",
     "StemLM": "stemlm.model.decoder",
-    "from_pretrained": "stemlm.runs",
-    "save_pretrained": "stemlm.checkpoint",
+    "from_pretrained": "stemlm.checkpoint.runs",
+    "save_pretrained": "stemlm.checkpoint.folder",
 }
 
 __getattr__, __all__ = lazy_exports(__name__, _EXPORTS)

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from stemlm.checkpoint import save_pretrained
+from stemlm.checkpoint.folder import save_pretrained
 from stemlm.cli.main import main
 
 from .conftest import TEXT

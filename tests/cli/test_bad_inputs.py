@@ -19,12 +19,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from stemlm.checkpoint import save_pretrained
+from stemlm.checkpoint.folder import save_pretrained
 from stemlm.cli.main import main
-from stemlm.config import ModelConfig
 from stemlm.data.tokenizer import default_tokenizer, save_tokenizer, train_bpe
 from stemlm.errors import StemlmError
 from stemlm.model import build_model
+from stemlm.model.config import ModelConfig
 from tests.sharded import write_sharded
 
 P = "Country: Spain. Capital:"
@@ -355,9 +355,9 @@ def test_a_missing_extra_is_one_line_naming_it(ws, capsys, monkeypatch):
 
 # ----- the same problems through the Python API: StemlmError, never a bare exception -----
 def _api_cases(ws: Path):
-    from stemlm.convert import convert_checkpoint
-    from stemlm.generate import generate
-    from stemlm.runs import load_checkpoint
+    from stemlm.checkpoint.runs import load_checkpoint
+    from stemlm.convert.driver import convert_checkpoint
+    from stemlm.inference.generate import generate
     from stemlm.train.config import TrainConfig
 
     model = build_model(tiny())

@@ -1,6 +1,6 @@
 """`stemlm export`: a sharded checkpoint (written here in one process, tests.sharded) becomes a plain model folder.
 
-The 2-rank case (a real `--nproc 2` run) is in tests/dist/test_dist_checkpoint.py; bad inputs are in
+The 2-rank case (a real `--nproc 2` run) is in tests/train/parallel/test_dist_checkpoint.py; bad inputs are in
 tests/cli/test_bad_inputs.py.
 """
 
@@ -12,14 +12,14 @@ import pickle
 import pytest
 import torch
 
-from stemlm.checkpoint import read_state
+from stemlm.checkpoint.folder import read_state
+from stemlm.checkpoint.runs import from_pretrained
+from stemlm.checkpoint.sharded import is_sharded
 from stemlm.cli.main import main
-from stemlm.config import ModelConfig
 from stemlm.data.tokenizer import default_tokenizer
 from stemlm.errors import StemlmError
 from stemlm.model import build_model
-from stemlm.runs import from_pretrained
-from stemlm.sharded_checkpoint import is_sharded
+from stemlm.model.config import ModelConfig
 from tests.sharded import write_sharded
 
 
@@ -82,13 +82,13 @@ def test_export_refuses_an_existing_target_unless_it_is_its_own_output(sharded, 
     assert "already exists" in capsys.readouterr().err
     assert main(["export", str(ckpt), "--out", str(out), "--force"]) == 0  # its own earlier output
     with pytest.raises(StemlmError, match="was not written by stemlm export"):
-        from stemlm.safe_write import check_target
+        from stemlm.checkpoint.safe_write import check_target
 
         check_target(ckpt, producer="stemlm export", force=True)
 
 
 def test_offload_readers_name_export_for_a_sharded_checkpoint(sharded):
-    from stemlm.checkpoint import weight_files
+    from stemlm.checkpoint.folder import weight_files
 
     _, ckpt = sharded
     with pytest.raises(StemlmError, match="stemlm export"):

@@ -7,12 +7,12 @@ import json
 
 import pytest
 
-from stemlm.checkpoint import save_pretrained
+from stemlm.checkpoint.folder import save_pretrained
 from stemlm.cli.main import main
-from stemlm.config import ModelConfig
 from stemlm.data.tokenizer import default_tokenizer
-from stemlm.generate import IncrementalDecoder, generate
+from stemlm.inference.generate import IncrementalDecoder, generate
 from stemlm.model import build_model
+from stemlm.model.config import ModelConfig
 
 
 @pytest.fixture(scope="module")

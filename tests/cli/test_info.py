@@ -13,10 +13,10 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from stemlm import accounting as acc
 from stemlm.cli.main import main
+from stemlm.model import accounting as acc
 from stemlm.model import build_model
-from stemlm.presets import get_preset, list_presets
+from stemlm.model.presets import get_preset, list_presets
 
 
 def run_json(capsys, *argv: str) -> dict:

@@ -7,8 +7,8 @@ import pytest
 
 from stemlm.data import TokenDataset, get_tokenizer
 from stemlm.data.fact_mix import fact_repeats, fact_texts
+from stemlm.data.worlds.facts import fact_prompts
 from stemlm.errors import StemlmError
-from stemlm.facts import fact_prompts
 from stemlm.train import data as data_mod
 from stemlm.train.config import FACT_COUNTRIES, TrainConfig
 

@@ -7,9 +7,9 @@ import json
 import pytest
 import torch
 
-from stemlm.checkpoint import save_pretrained
+from stemlm.checkpoint.folder import save_pretrained
+from stemlm.checkpoint.runs import from_pretrained
 from stemlm.cli.main import main
-from stemlm.runs import from_pretrained
 
 PROMPT = "Country: Spain. Capital:"
 

@@ -11,12 +11,12 @@ import torch
 import torch.nn.functional as F
 from tokenizers import Tokenizer
 
+from stemlm.data.worlds.facts import EditRecord, FactPrompt, PortabilityPrompt
 from stemlm.edit.evaluate import evaluate_edits, ngram_entropy, score_continuations
 from stemlm.edit.positional import edit_hooks, edited_forward, make_edit
 from stemlm.edit.report import LEGEND, format_edit_table
 from stemlm.edit.spans import entity_ids
 from stemlm.errors import StemlmError
-from stemlm.facts import EditRecord, FactPrompt, PortabilityPrompt
 
 KNOWN = {"Spain": "Madrid", "Germany": "Berlin", "France": "Paris"}
 

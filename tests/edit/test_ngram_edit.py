@@ -7,7 +7,7 @@ import json
 
 import torch
 
-from stemlm.checkpoint import save_pretrained
+from stemlm.checkpoint.folder import save_pretrained
 from stemlm.cli.main import main
 from stemlm.edit.positional import NGRAM_EDIT_NOTE, edited_forward, make_edit
 

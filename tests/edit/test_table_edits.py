@@ -7,11 +7,11 @@ import json
 import pytest
 import torch
 
+from stemlm.checkpoint.runs import from_pretrained
 from stemlm.edit.positional import edited_forward, make_edit
 from stemlm.edit.spans import align
 from stemlm.edit.table_edits import EDITS_NAME, TableEditor, apply_global_edit, global_edit_hooks, undo
 from stemlm.errors import StemlmError
-from stemlm.runs import from_pretrained
 
 
 def _snapshot(model):

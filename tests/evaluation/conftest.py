@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from stemlm.checkpoint import save_pretrained
-from stemlm.config import ModelConfig
+from stemlm.checkpoint.folder import save_pretrained
 from stemlm.data.tokenizer import default_tokenizer
 from stemlm.model import build_model
+from stemlm.model.config import ModelConfig
 
 
 def small_model(ffn: str = "stem", max_len: int = 96, seed: int = 0):

@@ -1,4 +1,4 @@
-"""`stemlm eval lm|niah` take the table flags of every checkpoint command (`stemlm.inference`): host / mmap
+"""`stemlm eval lm|niah` take the table flags of every checkpoint command (`stemlm.inference.load`): host / mmap
 tables and compact rows give the results of resident tables holding the same (rounded) rows."""
 
 from __future__ import annotations

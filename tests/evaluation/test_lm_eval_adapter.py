@@ -15,7 +15,7 @@ from stemlm.errors import StemlmError
 from stemlm.evaluation.lm_eval_adapter import StemlmLM, run_lm_eval, summarize_results
 from stemlm.evaluation.perplexity import evaluate_perplexity
 from stemlm.evaluation.tasks import SHIPPED_TASKS
-from stemlm.generate import generate
+from stemlm.inference.generate import generate
 
 PAIRS = [
     ("The capital of France is", " Paris"),

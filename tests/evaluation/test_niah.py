@@ -89,7 +89,7 @@ def test_oracle_scores_100_percent_and_a_guesser_0():
 
 def test_model_answerer_matches_generate(lm_and_tok):
     from stemlm.evaluation.niah import model_answerer
-    from stemlm.generate import generate
+    from stemlm.inference.generate import generate
 
     model, tok = lm_and_tok
     sample = make_niah_sample(tok, 96, 0.5, digits=3, rng=random.Random(0))

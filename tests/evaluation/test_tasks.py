@@ -10,6 +10,7 @@ import pytest
 import yaml
 
 from stemlm.data import embedded_texts
+from stemlm.data.worlds.facts import country
 from stemlm.errors import StemlmError
 from stemlm.evaluation.tasks import (
     SHIPPED_TASKS,
@@ -18,7 +19,6 @@ from stemlm.evaluation.tasks import (
     fact_choice_docs,
     shipped_task_dir,
 )
-from stemlm.facts import country
 
 
 @pytest.fixture(scope="module")

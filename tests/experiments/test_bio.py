@@ -8,9 +8,9 @@ import math
 import pytest
 import torch
 
-from stemlm import bio
 from stemlm.cli.main import main
 from stemlm.data import train_bpe
+from stemlm.data.worlds import bio
 from stemlm.edit.positional import greedy_generate
 from stemlm.experiments.bio import exact_match, knowledge_bits
 from stemlm.model import build_model

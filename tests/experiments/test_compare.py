@@ -7,11 +7,11 @@ import json
 
 import pytest
 
-from stemlm.accounting import prefill_flops
 from stemlm.data.tokenizer import default_tokenizer
 from stemlm.errors import StemlmError
 from stemlm.experiments.compare import CompareConfig, model_configs, parse_budget, plan_steps, seed_entry
 from stemlm.experiments.compare_report import ACC_TASKS, summarize_kind
+from stemlm.model.accounting import prefill_flops
 
 TOK = default_tokenizer()
 SMALL = dict(

@@ -7,10 +7,10 @@ import json
 
 import pytest
 
-from stemlm.accounting import training_flops_per_token
 from stemlm.cli.main import main
 from stemlm.data import load_corpus
 from stemlm.data.tokenizer import train_bpe
+from stemlm.data.worlds.facts import fact_prompts, load_countries
 from stemlm.errors import StemlmError
 from stemlm.experiments.knowledge import (
     KnowledgeConfig,
@@ -23,9 +23,9 @@ from stemlm.experiments.knowledge import (
     model_configs,
 )
 from stemlm.experiments.knowledge_report import markdown_table
-from stemlm.facts import fact_prompts, load_countries
-from stemlm.generate import generate
+from stemlm.inference.generate import generate
 from stemlm.model import build_model
+from stemlm.model.accounting import training_flops_per_token
 
 
 def test_matched_steps_equalise_training_flops():

@@ -10,9 +10,9 @@ import math
 import pytest
 import torch
 
-from stemlm.config import FFN_KINDS
 from stemlm.errors import StemlmError
 from stemlm.model.attention import Attention, RMSNorm, RotaryEmbedding, apply_rope, build_attention_mask
+from stemlm.model.config import FFN_KINDS
 
 
 def test_rmsnorm_matches_formula():
@@ -148,9 +148,9 @@ def test_attention_mask_must_cover_cached_positions(tiny_model):
 def test_sdpa_gqa_equals_repeated_keys(monkeypatch):
     """`enable_gqa` (no repeated k/v copies) gives the logits of repeating k/v bitwise on CPU, and the gradients
     to 1e-6 (the k/v gradient is summed over the query heads in another order)."""
-    from stemlm.config import ModelConfig
     from stemlm.model import attention as attention_mod
     from stemlm.model import build_model
+    from stemlm.model.config import ModelConfig
 
     if not attention_mod.SDPA_GQA:
         pytest.skip("torch < 2.5 has no enable_gqa")

@@ -8,9 +8,9 @@ import math
 import pytest
 import torch
 
-from stemlm.config import FFN_KINDS, TABLE_KINDS
 from stemlm.errors import StemlmError
 from stemlm.model import build_model
+from stemlm.model.config import FFN_KINDS, TABLE_KINDS
 
 
 @pytest.mark.parametrize("bad", [-1, 256, 1000])

@@ -14,11 +14,11 @@ import torch
 import torch.nn.functional as F
 from transformers import AutoModelForCausalLM
 
-from stemlm.checkpoint import save_pretrained
+from stemlm.checkpoint.folder import save_pretrained
+from stemlm.checkpoint.runs import from_pretrained
 from stemlm.model import TokenContext, build_model
 from stemlm.model.ngram import INT64_MAX
-from stemlm.ngram_layout import is_prime, ngram_layout
-from stemlm.runs import from_pretrained
+from stemlm.model.ngram_layout import is_prime, ngram_layout
 
 KINDS = ["stem_ngram", "engram", "memory"]
 SMALL = dict(memory_keys=16, memory_topk=4, memory_heads=2, memory_key_dim=16, engram_dim=32, engram_heads=2)

@@ -9,8 +9,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from stemlm.config import ModelConfig
 from stemlm.model import build_model
+from stemlm.model.config import ModelConfig
 
 VOCAB = 300
 

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import pytest
 
-from stemlm.checkpoint import save_pretrained
-from stemlm.config import ModelConfig
+from stemlm.checkpoint.folder import save_pretrained
 from stemlm.model import build_model
+from stemlm.model.config import ModelConfig
 
 # initializer_range 0.1 makes logits peaked enough that greedy choices are far from ties.
 CONFIG = dict(

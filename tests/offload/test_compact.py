@@ -13,10 +13,11 @@ import pytest
 import torch
 from safetensors import safe_open
 
+from stemlm.checkpoint.folder import save_pretrained
+from stemlm.checkpoint.runs import from_pretrained
 from stemlm.errors import StemlmError
 from stemlm.offload.compact import CompactProvider, dequantize_rows, quantize_rows
 from stemlm.offload.providers import HostProvider
-from stemlm.runs import from_pretrained
 from tests.offload.test_offload_cli import _ckpt, run_cli
 
 TABLES = ("model.layers.1.mlp.stem_embedding.weight", "model.layers.2.mlp.stem_embedding.weight")
@@ -105,7 +106,7 @@ def checkpoints(tmp_path_factory):
 
     tok = train_bpe([TEXT * 3], vocab_size=300, min_frequency=1)
     fp32 = tmp / "fp32"
-    model.save_pretrained(fp32, tokenizer=tok)
+    save_pretrained(model, fp32, tokenizer=tok)
     from stemlm.cli.main import main
 
     for dtype in ("int8", "bf16"):

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import torch
 
-from stemlm.config import ModelConfig
 from stemlm.model import build_model
+from stemlm.model.config import ModelConfig
 from stemlm.offload.ngram_sim import ngram_id_stream, simulate_ngram
 from tests.model.test_lookup_kinds import reference_ngram_ids
 

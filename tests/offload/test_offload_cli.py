@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from stemlm.checkpoint.folder import save_pretrained
 from stemlm.cli.main import main
 from stemlm.data.tokenizer import train_bpe
 
@@ -23,7 +24,7 @@ def _ckpt(tmp_path, offload_model):
     tok = train_bpe([TEXT * 3], vocab_size=300, min_frequency=1)
     model = offload_model("stem", seed=4, vocab_size=300)
     folder = tmp_path / "ckpt"
-    model.save_pretrained(folder, tokenizer=tok)
+    save_pretrained(model, folder, tokenizer=tok)
     return folder, tok, model
 
 

@@ -6,8 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from stemlm.generate import generate
-from stemlm.offload import OffloadedLM, RowCache, RowPipeline, device_parameter_bytes, forced_decode, stream_generate
+from stemlm.checkpoint.folder import save_pretrained
+from stemlm.inference.generate import generate
+from stemlm.inference.offloaded import OffloadedLM, forced_decode, stream_generate
+from stemlm.offload import RowCache, RowPipeline, device_parameter_bytes
 from stemlm.offload.providers import HostProvider
 
 
@@ -66,7 +68,7 @@ def test_offloaded_greedy_equals_resident(stem_checkpoint, resident, tables, cap
 def test_sampling_and_other_table_kinds_match(tmp_path, offload_model):
     for ffn in ("stem_gate", "ple"):
         model = offload_model(ffn, seed=1)
-        model.save_pretrained(tmp_path / ffn)
+        save_pretrained(model, tmp_path / ffn)
         with OffloadedLM.load(tmp_path / ffn, "host", cache_rows=5, prefill_chunk=8) as lm:
             sampled = lm.generate(PROMPT[:20], 15, temperature=0.9, top_p=0.9, seed=5)
         assert sampled == generate(model, PROMPT[:20], 15, temperature=0.9, top_p=0.9, seed=5)
@@ -133,7 +135,7 @@ def test_layouts_and_dtypes(stem_checkpoint, tmp_path, offload_model):
     expected = torch.cat([model.stem_tables()[i].weight[ids] for i in (1, 2)], dim=1)
     assert all(torch.equal(r, expected) for r in rows.values())
     bf16 = offload_model("stem", seed=3).to(torch.bfloat16)
-    bf16.save_pretrained(tmp_path / "bf16")
+    save_pretrained(bf16, tmp_path / "bf16")
     reference = generate(bf16, PROMPT[:30], 10, greedy=True)
     for tables in ("host", "mmap"):
         with OffloadedLM.load(tmp_path / "bf16", tables, cache_rows=4, prefill_chunk=64) as lm:
@@ -143,7 +145,7 @@ def test_layouts_and_dtypes(stem_checkpoint, tmp_path, offload_model):
 
 def test_sharded_checkpoint(tmp_path, offload_model):
     model = offload_model("stem", seed=2)
-    model.save_pretrained(tmp_path / "sharded", max_shard_bytes=40_000)
+    save_pretrained(model, tmp_path / "sharded", max_shard_bytes=40_000)
     assert len(list((tmp_path / "sharded").glob("model-*.safetensors"))) > 2
     with OffloadedLM.load(tmp_path / "sharded", "mmap", cache_rows=3, prefill_chunk=CHUNK) as lm:
         assert lm.generate(PROMPT, 8, greedy=True) == generate(model, PROMPT, 8, greedy=True)

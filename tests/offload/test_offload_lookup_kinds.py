@@ -12,14 +12,14 @@ import json
 import pytest
 import torch
 
-from stemlm.checkpoint import save_pretrained
+from stemlm.checkpoint.folder import save_pretrained
+from stemlm.checkpoint.runs import from_pretrained
 from stemlm.cli.main import main
-from stemlm.config import ModelConfig
 from stemlm.data.tokenizer import default_tokenizer
+from stemlm.inference.offloaded import OffloadedLM, forced_decode
 from stemlm.model import build_model
-from stemlm.offload import OffloadedLM, forced_decode
+from stemlm.model.config import ModelConfig
 from stemlm.offload.families import table_families
-from stemlm.runs import from_pretrained
 
 SMALL = dict(memory_keys=16, memory_topk=4, memory_heads=2, memory_key_dim=16, engram_dim=32, engram_heads=2)
 PROMPT = torch.randint(0, 256, (30,), generator=torch.Generator().manual_seed(0)).tolist()

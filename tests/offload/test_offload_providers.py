@@ -11,8 +11,10 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load, save_file
 
+from stemlm.checkpoint.folder import save_pretrained
 from stemlm.errors import StemlmError
-from stemlm.offload import OffloadedLM, load_model
+from stemlm.inference.offloaded import OffloadedLM
+from stemlm.offload.families import load_offloaded_model
 from stemlm.offload.providers import HostProvider, MmapProvider, memmap_entry, read_safetensors_header
 
 
@@ -92,12 +94,12 @@ def test_shape_mismatch_and_bad_arguments(broken, tmp_path, offload_model):
     config = json.loads((broken / "config.json").read_text())
     (broken / "config.json").write_text(json.dumps({**config, "intermediate_size": 80}))
     with pytest.raises(StemlmError, match="stem_embedding.weight has shape"):
-        load_model(broken, "host")
-    offload_model("dense").save_pretrained(tmp_path / "dense")
-    with pytest.raises(StemlmError, match="no token tables"):
-        load_model(tmp_path / "dense", "mmap")
+        load_offloaded_model(broken, "host")
+    save_pretrained(offload_model("dense"), tmp_path / "dense")
+    with pytest.raises(StemlmError, match="no lookup tables"):
+        load_offloaded_model(tmp_path / "dense", "mmap")
     with pytest.raises(StemlmError, match="unknown table placement"):
-        load_model(tmp_path / "dense", "gpu")
+        load_offloaded_model(tmp_path / "dense", "gpu")
 
 
 def test_cache_larger_than_vocab_is_clamped_with_warning(stem_checkpoint):

@@ -16,10 +16,10 @@ from contextlib import contextmanager
 import pytest
 from werkzeug.serving import make_server
 
-from stemlm.checkpoint import save_pretrained
-from stemlm.config import ModelConfig
+from stemlm.checkpoint.folder import save_pretrained
 from stemlm.data.tokenizer import default_tokenizer
 from stemlm.model import build_model
+from stemlm.model.config import ModelConfig
 from stemlm.serve import Playground, create_app
 
 PROMPT = "The capital of France is"

@@ -50,7 +50,7 @@ def test_port_out_of_range_is_an_argparse_error(capsys, stem_ckpt, port):
 
 def test_contribution_ignores_another_threads_forward(stem_ckpt):
     """Another request's decode step runs on the shared model in the middle of the attribution's forward."""
-    from stemlm.runs import load_checkpoint
+    from stemlm.checkpoint.runs import load_checkpoint
 
     model, tok = load_checkpoint(stem_ckpt)
     ids = tok.encode(PROMPT).ids

@@ -73,7 +73,7 @@ def test_concurrent_host_generations_take_turns(client_for, stem_ckpt):
 def test_host_tables_save_the_same_checkpoint(client_for, stem_ckpt, tmp_path):
     import torch
 
-    from stemlm.checkpoint import read_state
+    from stemlm.checkpoint.folder import read_state
 
     body = dict(prompt=PROMPT, source=SOURCE, target=TARGET, strategy="average")
     for tables in ("host", "resident"):

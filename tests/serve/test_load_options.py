@@ -1,4 +1,4 @@
-"""`stemlm serve` load options shared with generate / eval (`stemlm.inference`): `--dtype` autocast on the
+"""`stemlm serve` load options shared with generate / eval (`stemlm.inference.load`): `--dtype` autocast on the
 request threads, mmap tables, and compact (`--table-dtype`) rows."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ import threading
 import pytest
 import torch
 
+from stemlm.checkpoint.runs import from_pretrained
 from stemlm.cli.main import main
-from stemlm.runs import from_pretrained
 from stemlm.serve import Playground
 from tests.serve.conftest import PROMPT
 

@@ -7,9 +7,9 @@ import json
 import pytest
 import torch
 
+from stemlm.checkpoint.runs import from_pretrained
 from stemlm.data.tokenizer import default_tokenizer
 from stemlm.errors import StemlmError
-from stemlm.runs import from_pretrained
 from stemlm.serve import Playground
 
 from .conftest import PROMPT, SOURCE, TARGET

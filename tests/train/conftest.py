@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from stemlm.config import ModelConfig
+from stemlm.model.config import ModelConfig
 from stemlm.train.config import TrainConfig
 from tests.small_corpus import TOKENIZER_VOCAB as VOCAB
 from tests.small_corpus import write_small_corpus

@@ -15,10 +15,10 @@ import sys
 import pytest
 import torch
 
+from stemlm.checkpoint.runs import load_checkpoint
 from stemlm.cli.main import build_parser, main
-from stemlm.config import ModelConfig
 from stemlm.model import build_model
-from stemlm.runs import load_checkpoint
+from stemlm.model.config import ModelConfig
 from stemlm.train import state as state_mod
 
 MODEL = [

@@ -10,8 +10,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from stemlm.config import ModelConfig
 from stemlm.model import build_model
+from stemlm.model.config import ModelConfig
 from stemlm.train import compile as compile_mod
 from stemlm.train.trainer import Trainer
 from tests.train.test_trainer import train_records

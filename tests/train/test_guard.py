@@ -12,7 +12,7 @@ import signal
 import pytest
 import torch
 
-from stemlm.checkpoint import save_pretrained
+from stemlm.checkpoint.folder import save_pretrained
 from stemlm.cli.train import requested_model
 from stemlm.errors import StemlmError
 from stemlm.model import build_model

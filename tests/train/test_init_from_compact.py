@@ -6,11 +6,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from stemlm.checkpoint import save_pretrained
+from stemlm.checkpoint.folder import save_pretrained
+from stemlm.convert.table_dtype import convert_tables
 from stemlm.data.tokenizer import load_tokenizer
 from stemlm.errors import StemlmError
 from stemlm.model import build_model
-from stemlm.table_convert import convert_tables
 from stemlm.train.state import read_trainer_state
 from stemlm.train.trainer import Trainer
 

@@ -32,7 +32,7 @@ def test_activation_checkpointing_is_bitwise_and_keeps_names(tmp_path, make_trai
 def test_chunked_loss_run_matches(tmp_path, make_train_config, make_model_config):
     # Adam moves a weight by lr * g / (sqrt(v) + eps): a gradient entry that is summation noise (~1e-11, its sign
     # set by the summation order the chunks change) would move by up to lr with eps 1e-8; eps 1e-6 bounds that
-    # below the 1e-6 compared here (as in tests/dist/conftest.py).
+    # below the 1e-6 compared here (as in tests/train/parallel/conftest.py).
     kw = dict(steps=3, eval_every=0, eps=1e-6)
     plain = Trainer(make_model_config("stem"), make_train_config(tmp_path / "a", **kw), progress=False)
     plain.fit()

@@ -13,11 +13,11 @@ import numpy as np
 import pytest
 import torch
 
-from stemlm.checkpoint import save_pretrained
+from stemlm.checkpoint.folder import save_pretrained
+from stemlm.checkpoint.runs import from_pretrained, resolve_checkpoint
 from stemlm.data import load_tokenizer
 from stemlm.errors import StemlmError
 from stemlm.model import build_model
-from stemlm.runs import from_pretrained, resolve_checkpoint
 from stemlm.train import state as state_mod
 from stemlm.train.config import TrainConfig
 from stemlm.train.optim import build_optimizers

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from stemlm.accounting import training_flops_per_token
+from stemlm.model.accounting import training_flops_per_token
 from stemlm.train.trainer import Trainer
 from tests.train.test_trainer import train_records
 

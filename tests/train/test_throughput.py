@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from stemlm.presets import get_preset
+from stemlm.model.presets import get_preset
 from stemlm.train.throughput import matmul_peak, matmul_shapes, training_throughput
 
 

@@ -14,12 +14,13 @@ import pytest
 import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from stemlm.checkpoint import save_pretrained
+from stemlm.checkpoint.folder import save_pretrained
+from stemlm.checkpoint.runs import from_pretrained
 from stemlm.data import load_tokenizer
+from stemlm.data.tokenizer import tokenizer_digest
 from stemlm.errors import StemlmError
 from stemlm.model import build_model
-from stemlm.runs import from_pretrained
-from stemlm.train.config import fit_vocab, tokenizer_digest
+from stemlm.train.config import fit_vocab
 from stemlm.train.logging import read_metrics
 from stemlm.train.trainer import Trainer
 

@@ -14,7 +14,7 @@ import pytest
 from stemlm.data import TokenDataset, train_bpe
 from stemlm.data.tokenizer import separator_id
 from stemlm.errors import StemlmError
-from stemlm.presets import get_preset
+from stemlm.model.presets import get_preset
 from stemlm.train.config import check_vocab
 from tests.train.test_cli import MODEL, one_line_error, run_cli
 

@@ -1,7 +1,7 @@
 """Activated STEM parameters vs context length on real text: the paper's "test-time capacity scaling".
 
 A sequence reads one row per STEM layer for each distinct token it contains, so the table parameters it
-activates are `|S| * d_ff * L_uniq` (`stemlm.accounting.activated_table_parameters`), growing with context as
+activates are `|S| * d_ff * L_uniq` (`stemlm.model.accounting.activated_table_parameters`), growing with context as
 new tokens appear while the backbone's active parameters stay fixed. Here L_uniq is measured on windows of
 real token ids at several context lengths (mean over windows) and reported beside the backbone's active
 parameters; `plot_activated` draws both against context length.
@@ -12,9 +12,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from pathlib import Path
 
-from stemlm.accounting import activated_table_parameters, active_parameters
-from stemlm.config import ModelConfig
 from stemlm.errors import StemlmError
+from stemlm.model.accounting import activated_table_parameters, active_parameters
+from stemlm.model.config import ModelConfig
 
 
 def context_lengths(max_len: int, start: int = 16) -> list[int]:

@@ -63,8 +63,8 @@ def _chosen(args, model) -> list[str]:
 
 
 def run(args) -> int:
-    from stemlm.runs import load_checkpoint, output_dir
-    from stemlm.safe_write import AtomicFolder, check_target
+    from stemlm.checkpoint.runs import load_checkpoint, output_dir
+    from stemlm.checkpoint.safe_write import AtomicFolder, check_target
 
     if args.max_tokens is not None and args.max_tokens < 1:
         raise StemlmError(f"--max-tokens must be >= 1, got {args.max_tokens}")
@@ -91,7 +91,7 @@ def run(args) -> int:
 def _analyze(args, model, tokenizer, names, prompt_ids, out: Path, final: Path) -> dict:
     """Every chosen analysis, its PNG written into `out` (the temporary folder of the atomic write to `final`)."""
     from stemlm.analysis import activated, attribution, nearest, spread
-    from stemlm.runs import load_checkpoint
+    from stemlm.checkpoint.runs import load_checkpoint
 
     report: dict = {"checkpoint": args.ckpt, "prompt": args.prompt, "out": str(final), "pngs": {}}
     if "spread" in names or "activated" in names:

@@ -93,9 +93,9 @@ def _policies(text: str) -> list[str]:
 
 
 def _tokenizer_and_vocab(args):
-    from stemlm.checkpoint import TOKENIZER_NAME, load_config
+    from stemlm.checkpoint.folder import TOKENIZER_NAME, load_config
+    from stemlm.checkpoint.runs import resolve_checkpoint
     from stemlm.data.tokenizer import get_tokenizer
-    from stemlm.runs import resolve_checkpoint
 
     if args.ckpt is None:
         tok = get_tokenizer(args.tokenizer or "default")
@@ -172,13 +172,13 @@ def plot(report: dict, path: Path) -> None:
 
 
 def run(args) -> int:
+    from stemlm.checkpoint.safe_write import AtomicFolder, check_target
     from stemlm.data.corpus import embedded_texts
     from stemlm.data.sources import read_texts
-    from stemlm.safe_write import AtomicFolder, check_target
 
     out = Path(args.out) if args.out else None
     if out is None and args.ckpt is not None:
-        from stemlm.runs import output_dir
+        from stemlm.checkpoint.runs import output_dir
 
         out = output_dir(args.ckpt, "cache-sim")
     guard = {"producer": "stemlm cache-sim", "force": args.force, "sources": [args.ckpt] if args.ckpt else []}
@@ -206,16 +206,16 @@ def run(args) -> int:
         **simulate(stream, vocab, fractions, policies, warm),
     }
     if args.ckpt is not None:  # n-gram kinds: the n-gram row cache too (fractions of its rows, no warm start)
-        from stemlm.checkpoint import load_config
+        from stemlm.checkpoint.folder import load_config
+        from stemlm.checkpoint.runs import resolve_checkpoint
         from stemlm.offload.ngram_sim import simulate_ngram
-        from stemlm.runs import resolve_checkpoint
 
         ngram = simulate_ngram(load_config(resolve_checkpoint(args.ckpt)), stream, fractions, policies)
         if ngram is not None:
             report["ngram"] = ngram
     report["seconds"] = time.perf_counter() - start
     if out is not None:
-        from stemlm.checkpoint import write_json
+        from stemlm.checkpoint.folder import write_json
 
         report["out"] = str(out)
         with AtomicFolder(out, **guard) as tmp:

@@ -1,7 +1,7 @@
 """Command-line pieces shared by subcommands: JSON output, the table placement flags, command groups.
 
 CLI modules import only this module from `stemlm.cli` (the dispatcher `main` imports them all); anything
-else they share (loading checkpoints, decoding text) lives in the library, e.g. `stemlm.runs`.
+else they share (loading checkpoints, decoding text) lives in the library, e.g. `stemlm.checkpoint.runs`.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ def add_json_flag(parser) -> None:
 
 def add_table_flags(p) -> None:
     """The table placement, cache and table dtype flags of every command that runs a checkpoint
-    (`stemlm.inference.InferenceOptions`)."""
+    (`stemlm.inference.load.InferenceOptions`)."""
     p.add_argument(
         "--tables",
         choices=("resident", "host", "mmap"),
@@ -60,7 +60,7 @@ def add_table_flags(p) -> None:
 
 
 def add_inference_flags(p, table_choices=("resident", "host", "mmap")) -> None:
-    """--device, --dtype and the table flags: the options of `stemlm.inference.load_inference`."""
+    """--device, --dtype and the table flags: the options of `stemlm.inference.load.load_inference`."""
     p.add_argument("--device", default="cpu", help="torch device to run on, e.g. cpu or cuda (default cpu)")
     p.add_argument(
         "--dtype",

@@ -8,12 +8,12 @@
     stemlm convert runs/tiny --table-dtype int8 --out ckpt/tiny-int8     # lookup tables as row-wise int8
 
 `--from-gguf` writes a Hugging Face Llama folder (dequantised fp32 weights, tokenizer, chat template; see
-`stemlm.gguf_import`). `--from-dense` takes a stemlm dense checkpoint, a run folder (its newest checkpoint) or
+`stemlm.convert.gguf`). `--from-dense` takes a stemlm dense checkpoint, a run folder (its newest checkpoint) or
 a local Hugging Face Llama folder; each selected layer's up-projection becomes the table E · W_upᵀ (see
-`stemlm.convert`); the tokenizer is copied. `--to-llama` writes a dense checkpoint with model_type "llama"
-(`stemlm.hf.llama.save_as_llama`): a stemlm dense folder already loads into LlamaForCausalLM, but with a
+`stemlm.convert.driver`); the tokenizer is copied. `--to-llama` writes a dense checkpoint with model_type "llama"
+(`stemlm.convert.llama.save_as_llama`): a stemlm dense folder already loads into LlamaForCausalLM, but with a
 model-type warning; this one loads silently. `CKPT --table-dtype bf16|int8` stores the lookup tables
-compactly (`stemlm.table_convert`). `--json` prints the output path and the new config.
+compactly (`stemlm.convert.table_dtype`). `--json` prints the output path and the new config.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from stemlm.errors import StemlmError
 
 
 def _convert_tables(args) -> int:
-    from stemlm.table_convert import convert_tables
+    from stemlm.convert.table_dtype import convert_tables
 
     if args.stem_layers is not None:
         raise StemlmError("--stem-layers applies to --from-dense; CKPT --table-dtype keeps the model's layers")
@@ -45,9 +45,9 @@ def run(args) -> int:
     if args.table_dtype is not None:
         raise StemlmError("--table-dtype applies to a CKPT argument: stemlm convert CKPT --table-dtype int8 --out DIR")
     if args.to_llama is not None:
-        from stemlm.hf.llama import LLAMA_PRODUCER, save_as_llama
-        from stemlm.runs import load_checkpoint, resolve_checkpoint
-        from stemlm.safe_write import check_target
+        from stemlm.checkpoint.runs import load_checkpoint, resolve_checkpoint
+        from stemlm.checkpoint.safe_write import check_target
+        from stemlm.convert.llama import LLAMA_PRODUCER, save_as_llama
 
         if args.stem_layers is not None:
             raise StemlmError("--stem-layers applies to --from-dense; --to-llama exports a dense model as it is")
@@ -61,7 +61,7 @@ def run(args) -> int:
             print(f"wrote Hugging Face Llama folder {out} (model_type llama)", file=sys.stderr)
         return 0
     if args.from_gguf is not None:
-        from stemlm.gguf_import import convert_gguf, summary
+        from stemlm.convert.gguf import convert_gguf, summary
 
         if args.stem_layers is not None:
             raise StemlmError("--stem-layers applies to --from-dense; import the GGUF first, then retrofit it")
@@ -71,8 +71,8 @@ def run(args) -> int:
         else:
             print(f"wrote Hugging Face Llama folder {out}", file=sys.stderr)
         return 0
-    from stemlm.checkpoint import load_config
-    from stemlm.convert import convert_checkpoint
+    from stemlm.checkpoint.folder import load_config
+    from stemlm.convert.driver import convert_checkpoint
 
     if args.stem_layers is None:
         raise StemlmError("--from-dense needs --stem-layers (e.g. 0, odd, 1,3,5)")
@@ -137,7 +137,8 @@ def register(subparsers) -> None:
         choices=("embed", "normed", "calib"),
         default="embed",
         help="(--from-dense) table start: embed = E·W_upᵀ (default), normed = W_up·RMSNorm_l(E[t]), calib = mean "
-        "W_up·h_l over each token's occurrences in calibration text (normed for unseen tokens); see stemlm.retrofit",
+        "W_up·h_l over each token's occurrences in calibration text (normed for unseen tokens); "
+        "see stemlm.convert.retrofit",
     )
     p.add_argument(
         "--calibration",

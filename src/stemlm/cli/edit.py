@@ -26,7 +26,7 @@ SHOWN_WORDS = 12  # words sharing a changed token, shown per token in text outpu
 
 
 def load_for_edit(ckpt: str):
-    from stemlm.runs import load_checkpoint
+    from stemlm.checkpoint.runs import load_checkpoint
 
     return load_checkpoint(ckpt, need_tokenizer="editing (finding entity names)")
 
@@ -35,9 +35,9 @@ def _save_sources(args) -> tuple:
     """The folders --save must never replace (the CKPT argument and what it resolves to); checked before loading."""
     if args.save is None:
         return ()
+    from stemlm.checkpoint.runs import resolve_checkpoint
+    from stemlm.checkpoint.safe_write import check_target
     from stemlm.edit.table_edits import EDIT_PRODUCER
-    from stemlm.runs import resolve_checkpoint
-    from stemlm.safe_write import check_target
 
     sources = (args.ckpt, resolve_checkpoint(args.ckpt))
     check_target(args.save, producer=EDIT_PRODUCER, force=args.force, sources=sources, flag="--save")
@@ -45,7 +45,7 @@ def _save_sources(args) -> tuple:
 
 
 def parse_layers(spec: str | None, model) -> list[int] | None:
-    from stemlm.config import resolve_layer_spec
+    from stemlm.model.config import resolve_layer_spec
 
     if spec is None or spec.strip().lower() == "all":
         return None
@@ -254,10 +254,10 @@ def _variants(spec: str, model) -> list[str]:
 def run_eval(args) -> int:
     import json
 
+    from stemlm.checkpoint.safe_write import check_file_target, write_output_file
+    from stemlm.data.worlds.facts import RELATIONS, edit_records
     from stemlm.edit.evaluate import evaluate_edits
     from stemlm.edit.report import format_edit_table
-    from stemlm.facts import RELATIONS, edit_records
-    from stemlm.safe_write import check_file_target, write_output_file
 
     if args.relation not in RELATIONS:
         raise StemlmError(f"unknown relation {args.relation!r}; choose one of {', '.join(RELATIONS)}")

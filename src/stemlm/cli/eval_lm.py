@@ -63,15 +63,15 @@ def register_eval(subparsers) -> None:
 
 
 def run(args) -> int:
+    from stemlm.checkpoint.safe_write import check_file_target, write_output_file
     from stemlm.evaluation.lm_eval_adapter import StemlmLM, run_lm_eval, summarize_results, task_report
-    from stemlm.safe_write import check_file_target, write_output_file
 
     if args.out:
         check_file_target(args.out, force=args.force)  # before the (long) evaluation
     tasks = [t.strip() for t in args.tasks.split(",") if t.strip()] if args.tasks else None
     if args.tasks is not None and not tasks:
         raise StemlmError("--tasks is empty: name at least one task")
-    from stemlm.inference import InferenceOptions
+    from stemlm.inference.load import InferenceOptions
 
     lm = StemlmLM.from_checkpoint(
         args.checkpoint,

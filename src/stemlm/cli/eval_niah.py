@@ -100,11 +100,11 @@ def register_eval_data(subparsers) -> None:
 
 
 def run(args) -> int:
+    from stemlm.checkpoint.runs import output_dir
+    from stemlm.checkpoint.safe_write import AtomicFolder, check_target
     from stemlm.evaluation.niah import model_answerer, plot_niah_heatmap, run_niah
     from stemlm.evaluation.perplexity import load_eval
-    from stemlm.inference import InferenceOptions
-    from stemlm.runs import output_dir
-    from stemlm.safe_write import AtomicFolder, check_target
+    from stemlm.inference.load import InferenceOptions
 
     out = Path(args.out) if args.out else output_dir(args.checkpoint, "eval-niah")
     guard = {"producer": "stemlm eval niah", "force": args.force, "sources": [args.checkpoint]}

@@ -49,7 +49,7 @@ def register_eval(subparsers) -> None:
 
 def run(args) -> int:
     from stemlm.evaluation.perplexity import load_eval
-    from stemlm.inference import InferenceOptions
+    from stemlm.inference.load import InferenceOptions
 
     if args.seq_len is not None and args.seq_len < 1:
         raise StemlmError(f"--seq-len must be a positive number of tokens, got {args.seq_len}")
@@ -58,8 +58,8 @@ def run(args) -> int:
 
 
 def _score(args, loaded) -> int:
+    from stemlm.checkpoint.runs import training_window
     from stemlm.evaluation.perplexity import evaluate_perplexity
-    from stemlm.runs import training_window
 
     model, tokenizer = loaded.model, loaded.tokenizer
     window = args.seq_len or training_window(args.checkpoint)

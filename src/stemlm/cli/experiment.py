@@ -49,7 +49,7 @@ def run_knowledge(args) -> int:
     if args.serial:
         values["parallel"] = False
     if args.preset:
-        from stemlm.presets import get_preset
+        from stemlm.model.presets import get_preset
 
         get_preset(args.preset)  # an unknown name fails here, before any data is written
     results = run_knowledge(KnowledgeConfig(**values), log=lambda m: print(m, file=sys.stderr))

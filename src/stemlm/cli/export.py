@@ -4,7 +4,7 @@
     stemlm export runs/big --out ckpt/big                          # config.json + model.safetensors + tokenizer
     stemlm export runs/big/checkpoints/step-002000 --out ckpt/big-2000 --json
 
-A sharded checkpoint (stemlm.sharded_checkpoint) is first checked against its manifest, every file re-hashed,
+A sharded checkpoint (stemlm.checkpoint.sharded) is first checked against its manifest, every file re-hashed,
 then its pieces are assembled into full tensors on the CPU (no process group, no GPU, nothing unpickled) and
 written as the model folder every CKPT command reads (the same format as a 1-process run's checkpoint, without
 optimizer or trainer state). A plain checkpoint is verified the same way and re-written without its trainer
@@ -38,10 +38,10 @@ def register(subparsers) -> None:
 
 
 def run(args) -> int:
-    from stemlm.checkpoint import save_pretrained
-    from stemlm.runs import load_checkpoint, resolve_checkpoint
-    from stemlm.safe_write import check_target, verify_folder
-    from stemlm.sharded_checkpoint import is_sharded, sharded_metadata
+    from stemlm.checkpoint.folder import save_pretrained
+    from stemlm.checkpoint.runs import load_checkpoint, resolve_checkpoint
+    from stemlm.checkpoint.safe_write import check_target, verify_folder
+    from stemlm.checkpoint.sharded import is_sharded, sharded_metadata
 
     ckpt = resolve_checkpoint(args.ckpt)
     sources = (args.ckpt, ckpt)

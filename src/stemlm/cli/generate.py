@@ -52,18 +52,18 @@ def _prompt_ids(args, model, tokenizer) -> list[int]:
 
 
 def run(args) -> int:
-    from stemlm.generate import IncrementalDecoder, stream_tokens
-    from stemlm.inference import InferenceOptions, load_inference
+    from stemlm.inference.generate import IncrementalDecoder, stream_tokens
+    from stemlm.inference.load import InferenceOptions, load_inference
 
     if args.prompt == "-":
         args.prompt = sys.stdin.read().removesuffix("\n")  # `echo text |` adds a line break that is not prompt
-    # Every forward of the loaded model runs under the --dtype autocast (stemlm.inference.bind_forward).
+    # Every forward of the loaded model runs under the --dtype autocast (stemlm.inference.load.bind_forward).
     loaded = load_inference(args.ckpt, InferenceOptions.from_args(args))
     model, tokenizer, offloaded, amp = loaded.model, loaded.tokenizer, loaded.offloaded, loaded.autocast_dtype
     eos_token = EOT_TOKEN
     if args.chat:
-        from stemlm.chat import require_chat
-        from stemlm.runs import resolve_checkpoint
+        from stemlm.checkpoint.runs import resolve_checkpoint
+        from stemlm.inference.chat import require_chat
 
         chat = require_chat(resolve_checkpoint(args.ckpt))
         if args.prompt is None:

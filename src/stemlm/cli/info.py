@@ -5,7 +5,7 @@
     stemlm info --config runs/x/checkpoint       # a checkpoint folder or a config.json file
     stemlm info --list-presets
 
-Every figure comes from `stemlm.accounting` (arithmetic on the config; see its docstring for the counting
+Every figure comes from `stemlm.model.accounting` (arithmetic on the config; see its docstring for the counting
 conventions). `--verify` also builds the model on the meta device (no memory) and checks the parameter count.
 """
 
@@ -15,11 +15,11 @@ import json
 from pathlib import Path
 from typing import Any
 
-from stemlm.accounting import ATTENTION_MODES, DTYPE_BYTES, active_parameters, summarize, total_parameters
 from stemlm.cli.common import add_json_flag, print_json
-from stemlm.config import FFN_KINDS, ModelConfig
 from stemlm.errors import StemlmError
-from stemlm.presets import get_preset, list_presets
+from stemlm.model.accounting import ATTENTION_MODES, DTYPE_BYTES, active_parameters, summarize, total_parameters
+from stemlm.model.config import FFN_KINDS, ModelConfig
+from stemlm.model.presets import get_preset, list_presets
 
 DEFAULT_SEQ_LEN = 2048
 
@@ -92,7 +92,7 @@ def load_config_file(path: str) -> ModelConfig:
     if p.is_dir() and (p / "run_config.json").is_file() and not (p / "config.json").is_file():
         p = p / "run_config.json"  # a training run folder: its resolved config (model section nested)
     elif p.is_dir():
-        from stemlm.runs import resolve_checkpoint
+        from stemlm.checkpoint.runs import resolve_checkpoint
 
         p = resolve_checkpoint(p) / "config.json"
     if not p.is_file():

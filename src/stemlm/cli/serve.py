@@ -59,7 +59,7 @@ def run(args) -> int:
     except ImportError as exc:
         raise StemlmError(f"stemlm serve needs Flask ({exc.name} is missing): pip install 'flask>=3.0'") from None
 
-    from stemlm.inference import InferenceOptions
+    from stemlm.inference.load import InferenceOptions
 
     pg = Playground.load(args.ckpt, InferenceOptions.from_args(args), save_dir=args.save_dir, chat=args.chat)
     try:

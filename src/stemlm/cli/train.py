@@ -21,8 +21,8 @@ import os
 from typing import Any
 
 from stemlm.cli.common import add_json_flag, print_json
-from stemlm.config import FFN_KINDS, ModelConfig
 from stemlm.errors import StemlmError
+from stemlm.model.config import FFN_KINDS, ModelConfig
 from stemlm.train.config import TrainConfig
 
 DEFAULT_SAMPLE_PROMPT = "The king"
@@ -94,14 +94,14 @@ def register(subparsers) -> None:
     parser.add_argument(
         "--table-optim",
         help="optimizer of the STEM tables: rowwise_adagrad (default) or lazy_adamw (row-sparse: touched rows "
-        "only), or adamw (dense over whole tables, as the official code); see stemlm.train.table_optim",
+        "only), or adamw (dense over whole tables, as the official code); see stemlm.train.tables.optim",
     )
     parser.add_argument(
         "--tables",
         choices=("device", "host"),
         help="where the STEM tables and their optimizer state live while training: device (default) or host "
         "(rows gathered to the device ahead of each step, row-sparse update on the host; see "
-        "stemlm.train.host_tables)",
+        "stemlm.train.tables.host)",
     )
     parser.add_argument(
         "--dtype",
@@ -235,7 +235,7 @@ def _parse_table_lr(text: str) -> dict[str, Any]:
 
 def requested_model(args, base: ModelConfig | None) -> tuple[ModelConfig | None, bool]:
     """The model config the flags ask for (None if no model flag was given) and whether vocab_size was set."""
-    from stemlm.presets import get_preset
+    from stemlm.model.presets import get_preset
 
     model_sets, _ = split_overrides(args.overrides)
     if not (args.preset or args.ffn or args.stem_layers or model_sets):
@@ -248,10 +248,10 @@ def requested_model(args, base: ModelConfig | None) -> tuple[ModelConfig | None,
 
 def build_trainer(args):
     """A fresh, resumed or initialised `Trainer` from the parsed arguments."""
-    from stemlm.checkpoint import load_config
+    from stemlm.checkpoint.folder import load_config
+    from stemlm.checkpoint.runs import resolve_checkpoint
     from stemlm.cli.train_launch import trainer_class
     from stemlm.data import get_tokenizer
-    from stemlm.runs import resolve_checkpoint
     from stemlm.train.config import check_vocab
     from stemlm.train.data import resolve_tokenizer
 
@@ -278,7 +278,7 @@ def build_trainer(args):
     cfg = TrainConfig().with_overrides(changes)
     model, vocab_set = requested_model(args, None)
     if model is None:
-        from stemlm.presets import get_preset
+        from stemlm.model.presets import get_preset
 
         model = get_preset(cfg.preset)
     tokenizer = tokenizer or resolve_tokenizer(cfg)  # default, or a prepared --data folder's own
@@ -298,7 +298,7 @@ def run(args) -> int:
         raise StemlmError(f"--nproc must be at least 1, got {args.nproc}")
     if (args.nproc > 1 or args.nnodes > 1) and "RANK" not in os.environ:
         if not args.resume:  # fail here, before starting processes, when the batch cannot be split
-            from stemlm.dist.launch import local_batch_size
+            from stemlm.train.parallel.launch import local_batch_size
 
             local_batch_size(TrainConfig().with_overrides(train_overrides(args)).batch_size, args.nproc * args.nnodes)
         return launch_workers(args)
@@ -333,7 +333,7 @@ def run(args) -> int:
 
 def final_report(trainer, result: dict[str, Any], args) -> dict[str, Any]:
     """The final metrics plus accounting figures and a greedy sample continuation."""
-    from stemlm.runs import folder_bytes
+    from stemlm.checkpoint.runs import folder_bytes
 
     report = dict(result)
     report["run_dir_bytes"] = folder_bytes(result["run_dir"])
@@ -346,7 +346,7 @@ def final_report(trainer, result: dict[str, Any], args) -> dict[str, Any]:
         else 0,
     }
     try:
-        from stemlm.accounting import TABLE_COMPONENTS, summarize
+        from stemlm.model.accounting import TABLE_COMPONENTS, summarize
 
         summary = summarize(trainer.config, trainer.cfg.seq_len)
         report["accounting"] = {
@@ -381,8 +381,8 @@ def final_report(trainer, result: dict[str, Any], args) -> dict[str, Any]:
 
 def fact_recall(trainer) -> dict[str, Any]:
     """Exact greedy recall of the mixed-in facts, on the trained templates and on held-out phrasings."""
+    from stemlm.data.worlds.facts import fact_prompts
     from stemlm.experiments.knowledge import greedy_matches
-    from stemlm.facts import fact_prompts
 
     cfg, tok = trainer.cfg, trainer.tokenizer
     trainer.model.eval()
@@ -399,7 +399,7 @@ def fact_recall(trainer) -> dict[str, Any]:
 
 
 def sample(trainer, args) -> str:
-    from stemlm.generate import generate
+    from stemlm.inference.generate import generate
 
     ids = trainer.tokenizer.encode(args.sample_prompt).ids
     if not ids:

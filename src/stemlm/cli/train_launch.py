@@ -5,7 +5,7 @@ The parent process rebuilds the command line from the parsed flags (all of them 
 workers' output through as it comes, and turns a failed job into one error line naming the rank that failed
 first, its exit code and the command that continues from the last checkpoint. Inside the workers
 `trainer_class()` picks `stemlm.train.distributed.DistributedTrainer` and `default_threads()` shares the CPU
-cores among the local ranks. Tests: `OMP_NUM_THREADS=1 python -m pytest tests/dist/test_train_dist.py -q`.
+cores among the local ranks. Tests: `OMP_NUM_THREADS=1 python -m pytest tests/train/parallel/test_train_dist.py -q`.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ STOPPED_MARK = "continue with: stemlm train --resume"  # rank 0's line after a s
 
 def distributed_worker() -> bool:
     """Whether this process is one of several ranks that torchrun (or SLURM's srun) started."""
-    from stemlm.dist.launch import adopt_slurm_env
+    from stemlm.train.parallel.launch import adopt_slurm_env
 
     adopt_slurm_env()
     return "RANK" in os.environ and int(os.environ.get("WORLD_SIZE", "1")) > 1
@@ -71,7 +71,7 @@ def worker_argv(args) -> list[str]:
 
 def launch_workers(args) -> int:
     """Run `stemlm train` in `args.nproc` processes under torchrun; 0 on success, else StemlmError."""
-    from stemlm.dist.launch import torchrun_command
+    from stemlm.train.parallel.launch import torchrun_command
 
     cmd = torchrun_command(args.nproc, worker_argv(args), nnodes=args.nnodes, rdzv_endpoint=args.rdzv_endpoint)
     print(f"stemlm train: starting {args.nproc} processes: {shlex.join(cmd)}", file=sys.stderr, flush=True)

@@ -3,7 +3,7 @@
     stemlm verify runs/tiny                        # a run folder: its newest checkpoint
     stemlm verify runs/tiny/checkpoints/step-000150 --json
 
-Every folder stemlm writes atomically carries `stemlm-manifest.json` (see `stemlm.safe_write`). Loading does
+Every folder stemlm writes atomically carries `stemlm-manifest.json` (see `stemlm.checkpoint.safe_write`). Loading does
 not hash (it stays fast), so damage inside tensor data, which loads as silent garbage, is found only here.
 Exit 0 when every recorded file matches; otherwise one error line naming the damaged or missing files (exit 2).
 """
@@ -28,8 +28,8 @@ def register(subparsers) -> None:
 
 
 def run(args) -> int:
-    from stemlm.runs import resolve_checkpoint
-    from stemlm.safe_write import verify_folder
+    from stemlm.checkpoint.runs import resolve_checkpoint
+    from stemlm.checkpoint.safe_write import verify_folder
 
     path = Path(args.ckpt)
     folder = path if path.is_dir() and not (path / "checkpoints").is_dir() else resolve_checkpoint(path)

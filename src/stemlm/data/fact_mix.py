@@ -1,4 +1,4 @@
-"""Mixing the country fact world (`stemlm.facts`) into the training text of the embedded corpus.
+"""Mixing the country fact world (`stemlm.data.worlds.facts`) into the training text of the embedded corpus.
 
 `stemlm train` on the embedded corpus adds templated fact statements ("The capital of Spain is Madrid.") so
 that the model it trains can learn some facts, which is what `stemlm edit` needs to show anything: a row swap
@@ -37,7 +37,7 @@ def fact_texts(
     seed: int,
 ) -> list[str]:
     """Fact documents sized so that, beside `corpus_tokens` tokens of corpus, they are `fraction` of the tokens."""
-    from stemlm.facts import fact_documents
+    from stemlm.data.worlds.facts import fact_documents
 
     try:
         one = fact_documents(repeats=1, seed=seed, relations=tuple(relations), region=region)

@@ -305,7 +305,7 @@ def _merge_parts(
 def _assemble(
     tmp: Path, results: list[dict], tokenizer: Tokenizer, separator: str, dtype: np.dtype, shard_tokens: int
 ) -> dict:
-    from stemlm.train.config import tokenizer_digest
+    from stemlm.data.tokenizer import tokenizer_digest
 
     shards: dict[str, list[dict]] = {}
     for split in SPLITS:

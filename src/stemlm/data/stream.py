@@ -191,7 +191,7 @@ class StreamDataset:
 
 def open_prepared(folder: str | Path, tokenizer: Tokenizer | None = None) -> tuple[StreamDataset, StreamDataset | None]:
     """(train, heldout or None) of a prepared folder; checks sizes and that `tokenizer` made the shards."""
-    from stemlm.train.config import tokenizer_digest
+    from stemlm.data.tokenizer import tokenizer_digest
 
     folder = Path(folder)
     manifest = read_manifest(folder)

@@ -11,6 +11,7 @@ tokenized (`<|endoftext|>` unless a run or `stemlm data prepare` names another s
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 import json
 from functools import lru_cache
@@ -73,7 +74,7 @@ def save_tokenizer(tok: Tokenizer, directory: str | Path, *, force: bool = False
     An existing tokenizer.json is replaced only with `force`, and never one of a model checkpoint folder (its
     tokenizer must keep matching its weights).
     """
-    from stemlm.safe_write import atomic_write_text
+    from stemlm.checkpoint.safe_write import atomic_write_text
 
     check_tokenizer_target(directory, force=force)
     directory = Path(directory)
@@ -161,3 +162,8 @@ def separator_id(tok: Tokenizer, token: str = EOT_TOKEN) -> int:
             f"--separator TOKEN{hint}"
         )
     return token_id
+
+
+def tokenizer_digest(tok: Tokenizer) -> str:
+    """A short content hash of a tokenizer: checkpoints and prepared shards record it to catch a mismatch."""
+    return hashlib.sha256(tok.to_str().encode()).hexdigest()[:16]

@@ -1,6 +1,6 @@
 """Edit metrics on CounterFact-style records, each beside its unedited value and its chance level.
 
-For each `stemlm.facts.EditRecord` the subject's rows are replaced by the target subject's rows, and every
+For each `stemlm.data.worlds.facts.EditRecord` the subject's rows are replaced by the target subject's rows, and every
 probe below is scored twice on the same text, edited and unedited:
 
 - prompt sets `train` (the edit prompt and the other training templates) and `heldout` (held-out phrasings
@@ -40,11 +40,11 @@ from dataclasses import dataclass
 import torch
 from tokenizers import Tokenizer
 
+from stemlm.data.worlds.facts import EditRecord
 from stemlm.edit.positional import Hooks, PositionalEdit, batch_hooks, edit_hooks, greedy_generate, make_edit
 from stemlm.edit.spans import DEFAULT_PAD, GLOBAL_DEFAULT_PAD, align, entity_ids, locate, tokenizer_eot
 from stemlm.edit.table_edits import global_edit_hooks
 from stemlm.errors import StemlmError
-from stemlm.facts import EditRecord
 from stemlm.model.decoder import StemLM
 
 MODES = ("positional", "global")

@@ -33,7 +33,7 @@ def changed_token_ids(source_ids: Sequence[int], plan: RowPlan) -> list[int]:
 def reference_words() -> tuple[str, ...]:
     """Distinct words of the embedded corpus and every name of the fact world, sorted."""
     from stemlm.data import load_embedded_corpus
-    from stemlm.facts import load_countries
+    from stemlm.data.worlds.facts import load_countries
 
     words: set[str] = set()
     for doc in load_embedded_corpus():

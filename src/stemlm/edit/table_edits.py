@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 from tokenizers import AddedToken, Tokenizer
 
-from stemlm.checkpoint import AtomicFolder, write_json, write_model_files
+from stemlm.checkpoint.folder import AtomicFolder, write_json, write_model_files
 from stemlm.edit.positional import replacement_rows, rows_to_parts, table_layers
 from stemlm.edit.shared_tokens import changed_token_ids, describe_shared
 from stemlm.edit.spans import GLOBAL_DEFAULT_PAD, RowPlan, align, entity_ids, tokenizer_eot
@@ -217,7 +217,7 @@ class TableEditor:
         """Write the edited model, its tokenizer and `edits.json` (the applied edits, oldest first) atomically.
 
         An existing non-empty `directory` is refused unless `force` and it holds an earlier edit save;
-        `sources` (the edited checkpoint) are never replaced (`stemlm.safe_write.check_target`).
+        `sources` (the edited checkpoint) are never replaced (`stemlm.checkpoint.safe_write.check_target`).
         """
         with AtomicFolder(directory, producer=EDIT_PRODUCER, force=force, sources=sources, flag="--save") as tmp:
             write_model_files(self.model, tmp, self.tokenizer)

@@ -75,9 +75,9 @@ class StemlmLM(LM):
         cls, pretrained: str | Path, *, device: str | None = None, options=None, **kwargs: Any
     ) -> StemlmLM:
         """Load CKPT (a checkpoint or run folder); its tokenizer, or the default one when it has none.
-        `options` (`stemlm.inference.InferenceOptions`: tables, table dtype, compute dtype) replaces `device`;
+        `options` (`stemlm.inference.load.InferenceOptions`: tables, table dtype, compute dtype) replaces `device`;
         the loaded checkpoint is kept as `.loaded` (close it when done)."""
-        from stemlm.inference import InferenceOptions
+        from stemlm.inference.load import InferenceOptions
 
         loaded = load_eval(str(pretrained), options or InferenceOptions(device=device or "cpu", dtype="fp32"))
         lm = cls(loaded.model, loaded.tokenizer, **kwargs)
@@ -157,7 +157,7 @@ class StemlmLM(LM):
     def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
         """Generate from each context until one of its `until` strings (cut off), `<|endoftext|>` or
         `max_gen_toks` tokens; greedy unless the task asks for `do_sample` with a temperature > 0."""
-        from stemlm.generate import stream_tokens
+        from stemlm.inference.generate import stream_tokens
 
         out = []
         for req in requests:

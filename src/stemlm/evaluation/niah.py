@@ -128,7 +128,7 @@ def score(sample: NiahSample, generated: str) -> bool:
 def model_answerer(model: Any, tokenizer: Tokenizer) -> AnswerFn:
     """Greedy KV-cache decoding of `max_new_tokens` after `<|endoftext|>` + the prompt, decoded to text."""
     from stemlm.data.tokenizer import eot_id
-    from stemlm.generate import generate
+    from stemlm.inference.generate import generate
 
     eot = eot_id(tokenizer)
 
@@ -258,6 +258,6 @@ def passkey_documents(
 
 def write_jsonl(texts: Sequence[str], path: str | Path, *, force: bool = False) -> Path:
     """Write texts as `{"text": ...}` lines (the jsonl form `--data` reads); an existing file only with `force`."""
-    from stemlm.safe_write import write_output_file
+    from stemlm.checkpoint.safe_write import write_output_file
 
     return write_output_file(path, "".join(json.dumps({"text": t}) + "\n" for t in texts), force=force)

@@ -98,10 +98,10 @@ def token_logprobs(
 
 
 def load_eval(path: str, options=None):
-    """A CKPT argument loaded for evaluation (`stemlm.inference.load_inference` with `options`: tables, table
+    """A CKPT argument loaded for evaluation (`stemlm.inference.load.load_inference` with `options`: tables, table
     dtype, compute dtype), as a `Loaded` whose tokenizer is the default one when the checkpoint has none."""
     from stemlm.data.tokenizer import default_tokenizer
-    from stemlm.inference import load_inference
+    from stemlm.inference.load import load_inference
 
     loaded = load_inference(path, options)
     if loaded.tokenizer is None:
@@ -118,7 +118,7 @@ def load_eval(path: str, options=None):
 
 def load_eval_checkpoint(path: str, device: str = "cpu") -> tuple[StemLM, Tokenizer]:
     """Model and tokenizer of a CKPT argument (resident tables, fp32); see `load_eval` for the other options."""
-    from stemlm.inference import InferenceOptions
+    from stemlm.inference.load import InferenceOptions
 
     loaded = load_eval(path, InferenceOptions(device=device, dtype="fp32"))
     return loaded.model, loaded.tokenizer

@@ -58,7 +58,7 @@ def shipped_task_dir() -> Path:
 # ---------------------------------------------------------------------------------------------------------
 def fact_choice_docs(relation: str, seed: int = 0) -> list[dict[str, Any]]:
     """One multiple-choice record per country that has `relation`: query, four choices, gold index."""
-    from stemlm.facts import TEMPLATES, load_countries
+    from stemlm.data.worlds.facts import TEMPLATES, load_countries
 
     rng = random.Random(f"{seed}:{relation}")
     countries = [c for c in load_countries() if c.fact(relation) is not None]

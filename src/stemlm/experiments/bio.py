@@ -5,8 +5,9 @@
 
 Per seed (the seed draws the people, the documents, the tokenizer's data and the initialisation):
 
-1. Data (`stemlm.bio`): `people` synthetic people; `bios_per_person` biographies each (random templates, random
-   sentence order); QA documents (`qa_repeats` each) for the first half of the people only. A slice of the
+1. Data (`stemlm.data.worlds.bio`): `people` synthetic people; `bios_per_person` biographies each (random
+   templates, random sentence order); QA documents (`qa_repeats` each) for the first half of the people only.
+   A slice of the
    embedded corpus closes the file, so the trainer's held-out tail (the last 10%) is natural text and every
    biography and QA line is trained on.
 2. Training: dense and its STEM twin (STEM in the odd layers, tables at the trainer's default lr x10) at
@@ -38,15 +39,15 @@ from pathlib import Path
 
 from tokenizers import Tokenizer
 
-from stemlm import bio
-from stemlm.accounting import active_parameters, total_parameters, training_flops_per_token
-from stemlm.config import ModelConfig
 from stemlm.data import EOT_TOKEN, embedded_texts, train_bpe
+from stemlm.data.worlds import bio
 from stemlm.edit.evaluate import score_items
 from stemlm.errors import StemlmError
 from stemlm.experiments.folders import claim_out, start_unit
 from stemlm.experiments.knowledge import train_in_worker
 from stemlm.experiments.stats import summarize_seeds
+from stemlm.model.accounting import active_parameters, total_parameters, training_flops_per_token
+from stemlm.model.config import ModelConfig
 
 
 @dataclass
@@ -181,7 +182,7 @@ def evaluate(model, tokenizer: Tokenizer, people: list[bio.Person]) -> dict:
 
 
 def run_seed(cfg: BioConfig, seed: int, folder: Path, log) -> dict:
-    from stemlm.runs import load_checkpoint
+    from stemlm.checkpoint.runs import load_checkpoint
 
     people, tokenizer, data = build_data(cfg, seed, folder / "data")
     qa_people, held = bio.split_people(people)

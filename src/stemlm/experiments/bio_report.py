@@ -6,7 +6,7 @@ Path("results.md").write_text(markdown(results))      # results: stemlm.experime
 
 from __future__ import annotations
 
-from stemlm.bio import ATTRIBUTES
+from stemlm.data.worlds.bio import ATTRIBUTES
 from stemlm.experiments.stats import format_ci, format_seeds
 
 KINDS = ("dense", "stem")

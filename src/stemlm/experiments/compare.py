@@ -8,10 +8,10 @@
    train split, the fact world's statements and passkey-retrieval documents; the shipped tokenizer.
 2. Budget, reported both ways (`--match both`, the default): `--budget 300` is 300 steps of the reference kind
    (dense when listed, else the first), `5e12` (>= 1e9 or a `flops` suffix) is training FLOPs. Matched FLOPs:
-   every kind gets the steps that spend the reference's FLOPs (`stemlm.accounting.training_flops_per_token`);
+   every kind gets the steps that spend the reference's FLOPs (`stemlm.model.accounting.training_flops_per_token`);
    matched tokens: every kind trains the reference's steps (same tokens per step). A kind whose step count is
    the same under both is trained once.
-3. Kinds: every FFN kind of `stemlm.config.FFN_KINDS`, plus the controls in `VARIANTS` (`dense_embed`: dense
+3. Kinds: every FFN kind of `stemlm.model.config.FFN_KINDS`, plus the controls in `VARIANTS` (`dense_embed`: dense
    with its token embedding at the STEM tables' lr multiplier and weight decay).
 4. Tuning: each kind gets the same lr sweep (`lr_sweep`, 3 values) at the FLOP-matched budget on `sweep_seed`
    (never a final seed), scored by the trainer's held-out loss (10% of the mixture's documents: the
@@ -40,10 +40,10 @@ from multiprocessing import get_context
 from pathlib import Path
 from typing import Any
 
-from stemlm.config import FFN_KINDS, ModelConfig
 from stemlm.errors import StemlmError
 from stemlm.experiments.compare_report import summarize_kind, write_report
 from stemlm.experiments.folders import claim_out, start_unit
+from stemlm.model.config import FFN_KINDS, ModelConfig
 
 
 @dataclass
@@ -54,7 +54,7 @@ class CompareConfig:
     match: str = "both"  # flops | tokens (alias: active) | both
     seeds: int = 3
     # --- the shared backbone (every kind: this config with ffn=<kind>) ---
-    preset: str | None = None  # a model preset's shape (stemlm.presets) instead of the size fields below
+    preset: str | None = None  # a model preset's shape (stemlm.model.presets) instead of the size fields below
     hidden_size: int = 128
     intermediate_size: int = 384
     num_hidden_layers: int = 4
@@ -138,7 +138,7 @@ def model_configs(cfg: CompareConfig, tokenizer) -> dict[str, ModelConfig]:
         raise StemlmError(f"--kinds lists a kind twice: {','.join(cfg.kinds)}")
     shape = {}
     if cfg.preset:
-        from stemlm.presets import get_preset
+        from stemlm.model.presets import get_preset
 
         keep = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads")
         shape = {k: getattr(get_preset(cfg.preset), k) for k in keep}
@@ -169,7 +169,7 @@ def matches(cfg: CompareConfig) -> list[str]:
 def plan_steps(cfg: CompareConfig, configs: dict[str, ModelConfig], match: str | None = None) -> dict[str, int]:
     """Training steps per kind for the budget, FLOP- or token-matched (`match`, default the first of
     `matches(cfg)`); every kind trains the same tokens per step."""
-    from stemlm.accounting import training_flops_per_token
+    from stemlm.model.accounting import training_flops_per_token
 
     match = match or matches(cfg)[0]
     tokens = cfg.seq_len * cfg.batch_size
@@ -185,8 +185,8 @@ def plan_steps(cfg: CompareConfig, configs: dict[str, ModelConfig], match: str |
 def build_mixture(cfg: CompareConfig, folder: Path, tokenizer) -> dict[str, Any]:
     """Write OUT/data/train.jsonl (corpus slice + fact statements + passkey documents); returns token counts."""
     from stemlm.data import embedded_texts
+    from stemlm.data.worlds.facts import fact_documents
     from stemlm.evaluation.niah import passkey_documents
-    from stemlm.facts import fact_documents
 
     texts = embedded_texts("train")
     random.Random(cfg.seed).shuffle(texts)
@@ -263,8 +263,8 @@ def run_kind(job: dict[str, Any], threads: int | None) -> dict[str, Any]:
     unless `job["evaluate"]` is false (runs in a worker process when `threads` is given)."""
     import torch
 
-    from stemlm.accounting import active_parameters, total_parameters, training_flops_per_token
     from stemlm.data import default_tokenizer
+    from stemlm.model.accounting import active_parameters, total_parameters, training_flops_per_token
     from stemlm.train import TrainConfig, Trainer
 
     if threads:
@@ -380,7 +380,7 @@ def lr_sweep(cfg: CompareConfig, configs, steps: dict[str, int], out: Path, toke
 def planned_flops(cfg: CompareConfig, configs: dict[str, ModelConfig], plans: dict[str, dict[str, int]]) -> float:
     """Training FLOPs of the whole experiment: every distinct run of every seed, plus the lr sweep (the cost
     estimate printed before training; evaluation is extra and small at these budgets)."""
-    from stemlm.accounting import training_flops_per_token
+    from stemlm.model.accounting import training_flops_per_token
 
     tokens = cfg.seq_len * cfg.batch_size
     per_run = {
@@ -549,7 +549,7 @@ def config_from_args(args: argparse.Namespace) -> CompareConfig:
     values = dict(QUICK) if getattr(args, "quick", False) else {}
     values.update({k: v for k, v in vars(args).items() if k in names and v is not None and v != []})
     if values.get("preset"):
-        from stemlm.presets import get_preset
+        from stemlm.model.presets import get_preset
 
         get_preset(values["preset"])  # an unknown name fails here, before any data is written
     return CompareConfig(**values)

@@ -36,13 +36,13 @@ from pathlib import Path
 import torch
 from tokenizers import Tokenizer
 
-from stemlm.accounting import active_parameters, total_parameters, training_flops_per_token
-from stemlm.config import ModelConfig
 from stemlm.data import EOT_TOKEN, embedded_texts, train_bpe
+from stemlm.data.worlds.facts import fact_documents, fact_prompts
 from stemlm.errors import StemlmError
 from stemlm.experiments.folders import claim_out, start_unit
 from stemlm.experiments.stats import summarize_seeds
-from stemlm.facts import fact_documents, fact_prompts
+from stemlm.model.accounting import active_parameters, total_parameters, training_flops_per_token
+from stemlm.model.config import ModelConfig
 
 # arm -> (FFN kind, budget matched to the dense reference, TrainConfig overrides, lr family). Add an arm here.
 ARMS: dict[str, tuple[str, str, dict, str]] = {
@@ -69,7 +69,7 @@ class KnowledgeConfig:
     fact_repeats: int = 30  # each training statement this many times (4 templates -> 120 exposures per fact)
     corpus_chars: int = 300_000  # characters of the embedded corpus mixed in (about 30% of the tokens)
     vocab_size: int = 3072
-    preset: str | None = None  # a model preset's shape (stemlm.presets) instead of the four fields below
+    preset: str | None = None  # a model preset's shape (stemlm.model.presets) instead of the four fields below
     hidden_size: int = 128
     intermediate_size: int = 384
     num_hidden_layers: int = 4
@@ -131,7 +131,7 @@ def build_data(cfg: KnowledgeConfig, folder: Path) -> tuple[Tokenizer, Path]:
 def model_configs(cfg: KnowledgeConfig) -> dict[str, ModelConfig]:
     """{"dense", "stem"}: the configured shape (or the preset's), STEM in `stem_layers`, the tokenizer's vocab."""
     if cfg.preset:
-        from stemlm.presets import get_preset
+        from stemlm.model.presets import get_preset
 
         shape = get_preset(cfg.preset)
         base = shape.replace(
@@ -290,7 +290,7 @@ def _arm_row(p: dict, fit: dict, lr: float, table_lr_scale: float) -> dict:
 
 def run_seed(cfg: KnowledgeConfig, seed: int, lrs: dict[str, float], folder: Path, log, edits: bool = True) -> dict:
     """Train every arm at `seed`, measure recall (and edits); one `per_seed` entry (also OUT/seed<s>/seed.json)."""
-    from stemlm.runs import load_checkpoint
+    from stemlm.checkpoint.runs import load_checkpoint
     from stemlm.train import TrainConfig
 
     scfg = dataclasses.replace(cfg, seed=seed)

@@ -12,9 +12,9 @@ from __future__ import annotations
 import torch
 from tokenizers import Tokenizer
 
+from stemlm.data.worlds.facts import edit_records
 from stemlm.edit.evaluate import evaluate_edits, summarize
 from stemlm.edit.spans import entity_ids
-from stemlm.facts import edit_records
 
 
 def _length_groups(tokenizer: Tokenizer, records, vocab: int) -> dict[str, list]:

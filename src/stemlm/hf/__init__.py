@@ -1,13 +1,13 @@
 """Hugging Face integration, kept out of the core: nothing in `stemlm` outside this package imports transformers.
 
-    from stemlm.hf import StemlmConfig, StemlmForCausalLM, load_hf_llama, register
+    from stemlm.hf import StemlmConfig, StemlmForCausalLM, register
 
 - `StemlmConfig` / `StemlmForCausalLM` (model_type "stemlm"): every FFN kind through `AutoConfig` /
   `AutoModelForCausalLM` and `generate()`. `import stemlm` registers them with the Auto classes as soon as
   transformers' auto modules are imported (see `stemlm.hf.autoregister`); `register()` does it explicitly.
 - A dense stemlm folder is also a Llama folder: `LlamaForCausalLM.from_pretrained(folder)` loads it unchanged
   (transformers logs that the model types differ, then loads every weight).
-- `load_hf_llama(folder)` reads a local HF Llama folder (safetensors only, never pickle) into a dense `StemLM`.
+- A local HF Llama folder loads as a dense `StemLM` through `stemlm.from_pretrained` (safetensors only).
 
 The submodules load lazily, so `import stemlm.hf` itself costs nothing until one of these names is used.
 """
@@ -18,8 +18,6 @@ _EXPORTS = {
     "StemlmConfig": "stemlm.hf.configuration",
     "StemlmForCausalLM": "stemlm.hf.modeling",
     "StemlmCausalLMOutput": "stemlm.hf.modeling",
-    "load_hf_llama": "stemlm.hf.llama",
-    "llama_config_to_model_config": "stemlm.hf.llama",
     "register": "stemlm.hf.autoregister",
 }
 

@@ -25,8 +25,8 @@ _state = {"config_created": False, "model_registered": False}
 
 
 def register_config(configuration_auto) -> None:
-    from stemlm.config import MODEL_TYPE
     from stemlm.hf.configuration import StemlmConfig
+    from stemlm.model.config import MODEL_TYPE
 
     configuration_auto.AutoConfig.register(MODEL_TYPE, StemlmConfig, exist_ok=True)
 
@@ -57,7 +57,15 @@ def config_created() -> None:
         _run(register_model, sys.modules[MODEL_AUTO])
 
 
-ACTIONS = {CONFIG_AUTO: register_config, MODEL_AUTO: _model_auto_loaded}
+def _configuration_loaded(configuration) -> None:
+    configuration.CREATED_HOOKS.append(config_created)  # stemlm.hf.configuration calls back; it imports nothing here
+
+
+ACTIONS = {
+    CONFIG_AUTO: register_config,
+    MODEL_AUTO: _model_auto_loaded,
+    "stemlm.hf.configuration": _configuration_loaded,
+}
 
 
 def _run(action, module) -> None:

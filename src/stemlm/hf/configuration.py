@@ -1,4 +1,4 @@
-"""`StemlmConfig`: the Hugging Face `PreTrainedConfig` twin of `stemlm.config.ModelConfig` (model_type "stemlm").
+"""`StemlmConfig`: the Hugging Face `PreTrainedConfig` twin of `stemlm.model.config.ModelConfig` (model_type "stemlm").
 
 It lets `AutoConfig.from_pretrained(folder)` read a stemlm checkpoint's config.json. The fields are the
 `ModelConfig` fields with the same defaults (a test keeps the two in step), plus `router_aux_loss_coef`, which
@@ -11,11 +11,14 @@ instance registers the model class with `AutoModelForCausalLM` (see `stemlm.hf.a
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 
 from transformers.configuration_utils import PreTrainedConfig
 
-from stemlm.config import MODEL_TYPE, ModelConfig
-from stemlm.hf.autoregister import config_created
+from stemlm.model.config import MODEL_TYPE, ModelConfig
+
+# Called with no arguments by every new StemlmConfig; `stemlm.hf.autoregister` adds its hook when this loads.
+CREATED_HOOKS: list[Callable[[], None]] = []
 
 
 class StemlmConfig(PreTrainedConfig):
@@ -68,7 +71,8 @@ class StemlmConfig(PreTrainedConfig):
     def __post_init__(self, **kwargs) -> None:
         super().__post_init__(**kwargs)
         self.to_model_config()  # validates: raises StemlmError (a ValueError) with ModelConfig's message
-        config_created()  # the first config registers StemlmForCausalLM with AutoModelForCausalLM
+        for hook in CREATED_HOOKS:  # stemlm.hf.autoregister's: the first config registers StemlmForCausalLM
+            hook()
 
     def to_model_config(self) -> ModelConfig:
         """The stemlm `ModelConfig` this HF config describes."""

@@ -1,6 +1,20 @@
-"""The model: shared decoder parts (`attention`), token-aware FFNs (`ffn`, `moe`) and the decoder (`decoder`)."""
+"""The model layer: `config` (ModelConfig) and `presets`, the shared decoder parts (`attention`, `loss`,
+`rope_scaling`), the per-layer kinds (`ffn`, `moe`, `ngram`, `engram`, `memory_layer`, `adapter`), the decoder
+(`decoder`) and exact parameter/FLOP/byte counting (`accounting`). Names load lazily:
 
-from stemlm.model.decoder import ModelOutput, StemLM, build_model, check_token_ids
-from stemlm.model.ffn import TokenContext
+    from stemlm.model import ModelConfig, build_model
+"""
 
-__all__ = ["ModelOutput", "StemLM", "TokenContext", "build_model", "check_token_ids"]
+from stemlm._lazy import lazy_exports
+
+_EXPORTS = {
+    "ModelConfig": "stemlm.model.config",
+    "get_preset": "stemlm.model.presets",
+    "ModelOutput": "stemlm.model.decoder",
+    "StemLM": "stemlm.model.decoder",
+    "build_model": "stemlm.model.decoder",
+    "check_token_ids": "stemlm.model.decoder",
+    "TokenContext": "stemlm.model.ffn",
+}
+
+__getattr__, __all__ = lazy_exports(__name__, _EXPORTS)

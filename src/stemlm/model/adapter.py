@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from stemlm.config import ModelConfig
+from stemlm.model.config import ModelConfig
 from stemlm.model.ffn import TokenContext, lookup, token_table
 
 GATE_BIAS = -4.0  # sigmoid(-4) = 0.018: the blend starts 98% dense

@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from stemlm.config import ModelConfig
+from stemlm.model.config import ModelConfig
 
 
 class RMSNorm(nn.Module):

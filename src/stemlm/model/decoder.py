@@ -15,11 +15,10 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from stemlm.checkpoint import save_pretrained
-from stemlm.config import ModelConfig
 from stemlm.errors import StemlmError
 from stemlm.model.adapter import StemAdapterFFN
 from stemlm.model.attention import Attention, KVCache, RMSNorm, RotaryEmbedding, build_attention_mask
+from stemlm.model.config import ModelConfig
 from stemlm.model.decoding_state import fill_lookup_context
 from stemlm.model.engram import EngramFFN
 from stemlm.model.ffn import (
@@ -180,7 +179,7 @@ class StemLM(nn.Module):
     def init_specs(self) -> list[tuple[str, torch.nn.Parameter, float | None]]:
         """(name, parameter, std) in the order `init_weights` draws them from its generator; std None: ones.
 
-        stemlm.train.dist_init replays this order to initialise only one rank's shards to the same values."""
+        stemlm.train.parallel.meta_init replays this order to initialise only one rank's shards to the same values."""
         std = self.config.initializer_range
         tables = {id(t.weight) for t in self.stem_tables().values()}
         own = self.init_stds()
@@ -223,9 +222,6 @@ class StemLM(nn.Module):
 
     def num_parameters(self) -> int:
         return sum(p.numel() for p in self.parameters())  # parameters() yields a tied weight once
-
-    def save_pretrained(self, directory, tokenizer=None, **kwargs) -> None:
-        save_pretrained(self, directory, tokenizer=tokenizer, **kwargs)
 
 
 def _normal_(param: torch.Tensor, std: float, generator: torch.Generator) -> None:

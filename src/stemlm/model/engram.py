@@ -27,8 +27,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from stemlm.config import ModelConfig
 from stemlm.model.attention import RMSNorm
+from stemlm.model.config import ModelConfig
 from stemlm.model.ffn import TokenContext, token_table
 from stemlm.model.ngram import ngram_hasher, ngram_lookup
 

@@ -21,8 +21,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from stemlm.config import ModelConfig
 from stemlm.errors import StemlmError
+from stemlm.model.config import ModelConfig
 
 TableRows = Callable[[int, torch.Tensor], torch.Tensor]
 # (layer_idx, value ids [N, k]) -> (rows [U, width], positions [N, k] into rows): the rows fetched on demand

@@ -22,8 +22,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from stemlm.config import ModelConfig
 from stemlm.errors import StemlmError
+from stemlm.model.config import ModelConfig
 from stemlm.model.ffn import TokenContext
 
 

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from stemlm.config import ModelConfig
+from stemlm.model.config import ModelConfig
 from stemlm.model.ffn import DenseFFN, TokenContext
 
 

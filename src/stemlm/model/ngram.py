@@ -25,10 +25,10 @@ import random
 import torch
 from torch import nn
 
-from stemlm.config import ModelConfig
 from stemlm.errors import StemlmError
+from stemlm.model.config import ModelConfig
 from stemlm.model.ffn import TokenContext, lookup, token_table
-from stemlm.ngram_layout import NgramLayout, ngram_layout
+from stemlm.model.ngram_layout import NgramLayout, ngram_layout
 
 INT64_MAX = 2**63 - 1
 

@@ -1,49 +1,29 @@
-"""Inference with STEM tables outside accelerator memory: providers, a hot-row device cache and prefetch.
+"""Tables outside accelerator memory: where rows live, a hot-row device cache, and prefetch.
 
-providers  where the tables live: resident, host (pinned, token- or layer-major), mmap (safetensors)
-cache      LFU / LRU policy over token ids and the device storage of hot token-major rows
-prefetch   the `table_rows` hook that fetches each step's rows on a background worker
-engine     checkpoint loading without device tables, chunked prefill, decoding, `OffloadedLM`
+Modules: `providers` (resident, host (pinned, token- or layer-major), mmap (safetensors)), `compact` (int8/bf16
+row storage), `cache` (LFU / LRU over token ids), `prefetch` (the row hook that fetches each step's rows on a
+background worker), `families` (every lookup table of a checkpoint, opened without device tables),
+`lookup_rows` (the rows mapping the model's forward takes). Decoding with them is `stemlm.inference.offloaded`.
+Names load lazily:
+
+    from stemlm.offload import HostProvider, RowCache, RowPipeline
 """
 
-from stemlm.offload.cache import POLICIES, CachePolicy, CacheStats, RowCache, resolve_capacity
-from stemlm.offload.engine import (
-    OffloadedLM,
-    decode_step,
-    forced_decode,
-    open_checkpoint,
-    prefill,
-    stream_generate,
-)
-from stemlm.offload.prefetch import RowPipeline
-from stemlm.offload.providers import (
-    TABLE_MODES,
-    HostProvider,
-    MmapProvider,
-    ResidentProvider,
-    TableProvider,
-    device_parameter_bytes,
-    load_model,
-)
+from stemlm._lazy import lazy_exports
 
-__all__ = [
-    "POLICIES",
-    "TABLE_MODES",
-    "CachePolicy",
-    "CacheStats",
-    "HostProvider",
-    "MmapProvider",
-    "OffloadedLM",
-    "ResidentProvider",
-    "RowCache",
-    "RowPipeline",
-    "TableProvider",
-    "decode_step",
-    "device_parameter_bytes",
-    "forced_decode",
-    "load_model",
-    "open_checkpoint",
-    "prefill",
-    "resolve_capacity",
-    "stream_generate",
-]
+_EXPORTS = {
+    "POLICIES": "stemlm.offload.cache",
+    "CachePolicy": "stemlm.offload.cache",
+    "CacheStats": "stemlm.offload.cache",
+    "RowCache": "stemlm.offload.cache",
+    "resolve_capacity": "stemlm.offload.cache",
+    "RowPipeline": "stemlm.offload.prefetch",
+    "TABLE_MODES": "stemlm.offload.providers",
+    "HostProvider": "stemlm.offload.providers",
+    "MmapProvider": "stemlm.offload.providers",
+    "ResidentProvider": "stemlm.offload.providers",
+    "TableProvider": "stemlm.offload.providers",
+    "device_parameter_bytes": "stemlm.offload.providers",
+}
+
+__getattr__, __all__ = lazy_exports(__name__, _EXPORTS)

@@ -4,7 +4,7 @@
     provider = CompactProvider(sources, "int8")      # from checkpoint entries (fp32, bf16 or int8 + scales)
     provider = CompactMmapProvider(sources)          # int8 / bf16 rows read straight from the mapped file
 
-The row formats are `stemlm.table_storage`'s (int8: one scale per row and table layer, so one layer's large
+The row formats are `stemlm.checkpoint.table_storage`'s (int8: one scale per row and table layer, so one layer's large
 entries do not coarsen another's). A *source* (`RowSource`) is one table layer's rows: a tensor, a safetensors
 entry (F32 / BF16 / F16), or an int8 entry with its scale entry (a checkpoint written by `stemlm convert
 --table-dtype int8`). `CompactProvider` holds the rows in host memory in its `table_dtype`, filling itself
@@ -21,15 +21,15 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from stemlm.errors import StemlmError
-from stemlm.offload.providers import ROW_BLOCK, TableProvider, TensorEntry, _as_torch, memmap_entry
-from stemlm.table_storage import (
+from stemlm.checkpoint.table_storage import (
     TABLE_DTYPES,
     TORCH_DTYPES,
     check_table_dtype,
     dequantize_rows,
     quantize_rows,
 )
+from stemlm.errors import StemlmError
+from stemlm.offload.providers import ROW_BLOCK, TableProvider, TensorEntry, _as_torch, memmap_entry
 
 __all__ = ["TABLE_DTYPES", "CompactMmapProvider", "CompactProvider", "RowSource", "dequantize_rows", "quantize_rows"]
 

@@ -20,7 +20,9 @@ from pathlib import Path
 
 import torch
 
-from stemlm.checkpoint import load_config, weight_files
+from stemlm.checkpoint.folder import load_config, weight_files
+from stemlm.checkpoint.runs import from_pretrained
+from stemlm.checkpoint.table_storage import SCALE_SUFFIX, check_table_dtype, read_storage
 from stemlm.errors import StemlmError
 from stemlm.model.decoder import StemLM
 from stemlm.offload.compact import CompactMmapProvider, CompactProvider, RowSource
@@ -34,8 +36,6 @@ from stemlm.offload.providers import (
     checked_tables,
     checkpoint_entries,
 )
-from stemlm.runs import from_pretrained
-from stemlm.table_storage import SCALE_SUFFIX, check_table_dtype, read_storage
 
 
 @dataclass
@@ -95,7 +95,7 @@ def load_offloaded_model(
             f"--tables mmap reads the rows in the format the checkpoint stores ({stored}); to map {want} rows, "
             f"store them so first: stemlm convert CKPT --table-dtype {want} --out DIR (or use --tables host)"
         )
-    from stemlm.sharded_checkpoint import is_sharded
+    from stemlm.checkpoint.sharded import is_sharded
 
     if is_sharded(directory):
         raise StemlmError(
@@ -145,7 +145,7 @@ def load_offloaded_model(
 def round_tables(model: StemLM, table_dtype: str) -> None:
     """Replace every lookup table's rows by what they read back as after storing them as `table_dtype`
     (resident tables with `--table-dtype`: the effect on the model's outputs, at the model's own dtype)."""
-    from stemlm.table_storage import round_rows
+    from stemlm.checkpoint.table_storage import round_rows
 
     for tables in (model.stem_tables(), model.ngram_tables(), model.memory_tables()):
         for table in tables.values():

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from stemlm.config import ModelConfig
+from stemlm.model.config import ModelConfig
 from stemlm.model.ngram import ngram_hasher
 from stemlm.offload.cache import replay, resolve_capacity
 

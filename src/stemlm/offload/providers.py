@@ -1,5 +1,4 @@
-"""Table providers: where the token tables live, behind one narrow interface that reads token-major rows,
-and `load_model`, which loads a checkpoint with its tables placed by a provider instead of on the device.
+"""Table providers: where the token tables live, behind one narrow interface that reads token-major rows.
 
 A provider knows the table layers (ascending), their widths and dtype, and answers one question:
 `gather(ids) -> [N, row_width]`, the rows of `ids` (an int64 CPU tensor) in every table layer, concatenated
@@ -16,9 +15,10 @@ cache and the engine use, so another backend (e.g. FBGEMM's table-batched embedd
 - `MmapProvider`: tables memory-mapped straight from the safetensors files (larger than RAM is fine); the
   header is parsed here (8-byte little-endian length, JSON with dtype / shape / data_offsets), no pickle.
 
-`load_model(dir, "host" | "mmap")` builds the model on the meta device, checks every weights file's header
-(a truncated or missing file is named before any weight is read), loads everything but the tables onto the
-device and leaves each table parameter a meta placeholder, so the tables never occupy device memory.
+`stemlm.offload.families.load_offloaded_model(dir, "host" | "mmap")` builds the model on the meta device,
+checks every weights file's header (a truncated or missing file is named before any weight is read), loads
+everything but the tables onto the device and leaves each table parameter a meta placeholder, so the tables
+never occupy device memory.
 """
 
 from __future__ import annotations
@@ -32,10 +32,9 @@ import numpy as np
 import torch
 from safetensors import SafetensorError, safe_open
 
-from stemlm.checkpoint import load_config
+from stemlm.checkpoint.runs import fill_model
 from stemlm.errors import StemlmError
 from stemlm.model.decoder import StemLM
-from stemlm.runs import from_pretrained
 
 # safetensors dtype -> (numpy storage dtype, torch dtype); bf16 is stored as uint16 and reinterpreted.
 SAFETENSORS_DTYPES = {
@@ -43,7 +42,7 @@ SAFETENSORS_DTYPES = {
     "F32": (np.float32, torch.float32),
     "F16": (np.float16, torch.float16),
     "BF16": (np.uint16, torch.bfloat16),
-    "I8": (np.int8, torch.int8),  # the codes of int8 tables (stemlm.table_storage), read with their scales
+    "I8": (np.int8, torch.int8),  # the codes of int8 tables (stemlm.checkpoint.table_storage), read with their scales
 }
 ROW_BLOCK = 4096  # rows copied per block when loading tables into RAM (bounds the temporary memory)
 
@@ -271,33 +270,6 @@ def checked_tables(directory: Path, entries: dict, model, names: dict[int, str])
     return placed
 
 
-def load_model(
-    directory: str | Path,
-    tables: str = "resident",
-    *,
-    device: str | torch.device = "cpu",
-    dtype: torch.dtype | None = None,
-    layout: str = "token",
-) -> tuple[StemLM, TableProvider]:
-    """A checkpoint's model plus the provider of its tables ("resident", "host" or "mmap")."""
-    if tables not in TABLE_MODES:
-        raise StemlmError(f"unknown table placement {tables!r}; choose one of {', '.join(TABLE_MODES)}")
-    device = torch.device(device)
-    if tables == "resident":
-        model = from_pretrained(directory, device=device, dtype=dtype)
-        return model, ResidentProvider(model)
-    config = load_config(directory)
-    with torch.device("meta"):
-        model = StemLM(config)
-    names = table_parameter_names(model)
-    if not names:
-        raise StemlmError(f"checkpoint {directory} has no token tables to offload; load it with tables='resident'")
-    from stemlm.offload.families import load_offloaded_model  # one loader for every family and table format
-
-    model, providers = load_offloaded_model(directory, tables, device=device, dtype=dtype, layout=layout)
-    return model, providers.token
-
-
 def _load_backbone(model: StemLM, directory, files, skip: set[str], device: torch.device, dtype) -> None:
     # `skip`: the offloaded tables (and the scales of int8 ones), which stay meta placeholders
     state = {}
@@ -309,23 +281,4 @@ def _load_backbone(model: StemLM, directory, files, skip: set[str], device: torc
                         state[name] = reader.get_tensor(name)
         except (SafetensorError, OSError, ValueError) as exc:
             raise StemlmError(f"weights file {f} is corrupt or truncated ({exc})") from None
-    expected = {k: v for k, v in model.state_dict().items() if k not in skip}
-    if model.config.tie_word_embeddings:
-        state.pop("lm_head.weight", None)
-        expected.pop("lm_head.weight", None)
-    problems = [f"missing {k}" for k in expected if k not in state]
-    problems += [f"unexpected {k}" for k in state if k not in expected]
-    problems += [
-        f"{k} has shape {list(v.shape)}, expected {list(expected[k].shape)}"
-        for k, v in state.items()
-        if k in expected and v.shape != expected[k].shape
-    ]
-    if problems:
-        raise StemlmError(
-            f"checkpoint {directory} does not match its config.json: {problems[0]} ({len(problems)} problem(s))"
-        )
-    if dtype is not None:
-        state = {k: v.to(dtype) for k, v in state.items()}
-    model.load_state_dict(state, strict=False, assign=True)
-    model.tie_weights()
-    model.reset_buffers(device)
+    fill_model(model, state, directory, skip=skip, device=device, dtype=dtype)

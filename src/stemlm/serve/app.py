@@ -36,7 +36,7 @@ from werkzeug.exceptions import HTTPException
 from stemlm.edit import PAD_ROWS, STRATEGIES
 from stemlm.edit.positional import ROW_KINDS
 from stemlm.errors import StemlmError
-from stemlm.generate import IncrementalDecoder  # text pieces that never split a multi-byte character
+from stemlm.inference.generate import IncrementalDecoder  # text pieces that never split a multi-byte character
 from stemlm.serve.editing import EditSpec
 from stemlm.serve.params import Body, sampling
 from stemlm.serve.playground import Conflict, Playground

@@ -24,7 +24,7 @@ from stemlm.edit import DEFAULT_PAD, PositionalEdit, TableEditor, align, entity_
 from stemlm.edit.positional import edit_hooks, rows_to_parts, table_layers
 from stemlm.edit.spans import GLOBAL_DEFAULT_PAD, tokenizer_eot
 from stemlm.errors import StemlmError
-from stemlm.generate import stream_tokens
+from stemlm.inference.generate import stream_tokens
 from stemlm.model.decoder import StemLM
 from stemlm.serve.views import editable_copy
 

@@ -88,7 +88,8 @@ class Body:
 
 
 def sampling(body: Body) -> dict:
-    """The generation controls: max_new_tokens plus the keyword arguments of `stemlm.generate.stream_tokens`."""
+    """The generation controls: max_new_tokens plus the keyword arguments of
+    `stemlm.inference.generate.stream_tokens`."""
     return {
         "max_new_tokens": body.integer("max_new_tokens", 32, 1, MAX_NEW_TOKENS),
         "greedy": body.boolean("greedy", False),

@@ -29,13 +29,13 @@ from tokenizers import Tokenizer
 
 from stemlm.analysis.attribution import attribute
 from stemlm.analysis.nearest import neighbours
+from stemlm.data.worlds.facts import load_countries
 from stemlm.edit import PAD_ROWS, STRATEGIES
 from stemlm.edit.spans import DEFAULT_PAD, GLOBAL_DEFAULT_PAD
 from stemlm.errors import StemlmError
-from stemlm.facts import load_countries
-from stemlm.generate import check_sampling, stream_tokens
+from stemlm.inference.generate import check_sampling, stream_tokens
+from stemlm.inference.offloaded import OffloadedLM
 from stemlm.model.decoder import StemLM
-from stemlm.offload.engine import OffloadedLM
 from stemlm.serve.editing import EditSpec, build_edit, compare, save_global_edit, source_text
 from stemlm.serve.views import resident_view
 
@@ -67,7 +67,7 @@ class Playground:
             raise StemlmError("--save-dir is the served checkpoint itself; pick a folder for the edited checkpoints")
         self.chat = None
         if chat:  # prompts become user turns of the checkpoint's chat template; generation stops at its end of turn
-            from stemlm.chat import require_chat
+            from stemlm.inference.chat import require_chat
 
             self.chat = require_chat(self.checkpoint)
         eos = self.chat.eos_token if self.chat and self.chat.eos_token else EOT_TOKEN
@@ -87,11 +87,11 @@ class Playground:
     def load(
         cls, ckpt: str | Path, options=None, *, save_dir: str | Path | None = None, chat: bool = False, **fields
     ) -> Playground:
-        """Load a checkpoint (or a run's newest) with `options` (`stemlm.inference.InferenceOptions`: tables
+        """Load a checkpoint (or a run's newest) with `options` (`stemlm.inference.load.InferenceOptions`: tables
         resident / host / mmap, table dtype, compute dtype; or its fields as keywords, e.g. tables="host",
         cache_rows=16); every forward runs under its autocast."""
-        from stemlm.inference import InferenceOptions, load_inference
-        from stemlm.runs import resolve_checkpoint
+        from stemlm.checkpoint.runs import resolve_checkpoint
+        from stemlm.inference.load import InferenceOptions, load_inference
 
         folder = resolve_checkpoint(ckpt)
         if options is None:
@@ -113,7 +113,7 @@ class Playground:
             raise
         pg.autocast_dtype = loaded.autocast_dtype
         if pg._view is not None and pg._view is not pg.model:  # the editing view of host tables: same autocast
-            from stemlm.inference import bind_forward
+            from stemlm.inference.load import bind_forward
 
             bind_forward(pg._view, None, loaded.autocast_dtype)
         return pg

@@ -19,8 +19,8 @@ import torch
 
 from stemlm.edit.positional import rows_to_parts, table_layers
 from stemlm.errors import StemlmError
+from stemlm.inference.offloaded import OffloadedLM
 from stemlm.model.decoder import StemLM
-from stemlm.offload.engine import OffloadedLM
 from stemlm.offload.families import table_families
 from stemlm.offload.providers import HostProvider, table_parameter_names
 

@@ -32,16 +32,14 @@ Choices documented here rather than in code comments elsewhere:
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from stemlm.config import ModelConfig
 from stemlm.errors import StemlmError
+from stemlm.model.config import ModelConfig
 
 if TYPE_CHECKING:  # torch and tokenizers load only when a run is resolved, so the CLI parser stays light
-    import torch
     from tokenizers import Tokenizer
 
 DTYPES = ("auto", "fp32", "bf16")
@@ -116,7 +114,7 @@ class TrainConfig:
     table_lr_scale: float = 10.0
     table_wd: float = 0.0
     embed_like_tables: bool = False  # token embedding at the tables' peak lr and wd (the fair dense control)
-    tables: str = "device"  # where the tables and their optimizer live: device, or host (stemlm.train.host_tables)
+    tables: str = "device"  # where the tables and their optimizer live: device, or host (stemlm.train.tables.host)
     trainable: str = "all"  # all, or tables: only the token tables learn (backbone frozen, e.g. after a retrofit)
     # --- memory levers (stemlm.train.memory; the math is unchanged) ---
     loss_chunk: int = 0  # > 0: lm_head + cross-entropy this many tokens at a time, no full [tokens, V] logits kept
@@ -225,7 +223,7 @@ class TrainConfig:
         )
         need(self.sampling in SAMPLING, f"sampling must be one of {', '.join(SAMPLING)}, got {self.sampling!r}")
         need(self.parallel in PARALLEL, f"parallel must be one of {', '.join(PARALLEL)}, got {self.parallel!r}")
-        from stemlm.train.table_optim import TABLE_OPTIMIZERS
+        from stemlm.train.tables.optim import TABLE_OPTIMIZERS
 
         need(
             self.table_optim in TABLE_OPTIMIZERS,
@@ -300,31 +298,7 @@ def _finite(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
-# ----- resolving a run: device, dtype, vocabulary, comparisons on resume -----
-def resolve_device(name: str) -> torch.device:
-    import torch
-
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name == "cuda" and not torch.cuda.is_available():
-        raise StemlmError("device cuda requested but torch sees no CUDA device; use --device cpu")
-    return torch.device(name)
-
-
-def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
-    # On the project's AVX2 CPU (no native bf16 matmul) a tiny-preset step under bf16 autocast measured ~13x
-    # slower than fp32 (28.5 vs 2.2 CPU-seconds), so auto picks bf16 only on a CUDA device that supports it.
-    import torch
-
-    if name == "auto":
-        return torch.bfloat16 if device.type == "cuda" and torch.cuda.is_bf16_supported() else torch.float32
-    return torch.bfloat16 if name == "bf16" else torch.float32
-
-
-def tokenizer_digest(tok: Tokenizer) -> str:
-    return hashlib.sha256(tok.to_str().encode()).hexdigest()[:16]
-
-
+# ----- resolving a run: vocabulary, comparisons on resume -----
 def fitted_vocab_size(tok: Tokenizer) -> int:
     """The tokenizer's size rounded up to a multiple of 64 (tensor-core friendly table and head shapes)."""
     return -(-tok.get_vocab_size() // 64) * 64

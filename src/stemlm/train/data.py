@@ -20,7 +20,7 @@ from typing import Any
 
 from tokenizers import Tokenizer
 
-from stemlm.checkpoint import TOKENIZER_NAME
+from stemlm.checkpoint.folder import TOKENIZER_NAME
 from stemlm.errors import StemlmError
 from stemlm.train.config import TrainConfig
 

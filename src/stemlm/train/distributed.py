@@ -4,7 +4,7 @@
     torchrun --nproc-per-node 2 -m stemlm.cli.main train ...   # the same, by hand
 
 Every rank builds the same model from the same seed (or reads the same checkpoint), then
-- the STEM/PLE tables are row-sharded over the ranks (`stemlm.dist.ShardedTables`, built before any
+- the STEM/PLE tables are row-sharded over the ranks (`stemlm.train.parallel.ShardedTables`, built before any
   optimizer so the backbone optimizer never sees them) and stepped by the table optimizer on the shards;
 - the backbone is replicated with DDP (`parallel="ddp"`) or sharded with FSDP2 (`"fsdp"`: `fully_shard` per
   decoder layer, then the root).
@@ -18,10 +18,10 @@ FSDP2 average the backbone gradients and the tables divide theirs by N, so N pro
 synchronised on the last micro-batch only (DDP `no_sync`, FSDP2 `set_requires_gradient_sync(False)` before it); one
 clip covers the backbone (replicated or sharded) and the table shards. With `--train tables` the backbone is frozen
 before any wrapping: only adapter gates (if any) go through DDP / FSDP2, and a backbone with nothing to learn is
-not wrapped at all (tests/dist/test_train_tables_dist.py). Rank 0 alone writes the run folder, metrics and
+not wrapped at all (tests/train/parallel/test_train_tables_dist.py). Rank 0 alone writes the run folder, metrics and
 progress; the table traffic, summed over ranks and over the `traffic_every` steps up to the record's (one
 all_reduce per `traffic_every` steps, and at the last step), is logged as `table_bytes_sent` (and `/rows`,
-`/grads`), with `table_traffic_steps` the steps it covers. Checkpoints: `stemlm.train.dist_checkpoint` (they resume
+`/grads`), with `table_traffic_steps` the steps it covers. Checkpoints: `stemlm.train.parallel.checkpoint` (they resume
 on any number of processes).
 
 A failing rank ends the job: torchrun then stops the others, and a rank blocked in a collective gives up
@@ -29,7 +29,7 @@ after `cfg.dist_timeout` seconds. Fault injection for tests: `STEMLM_FAULT_EXIT=
 exit with status 1 just before it computes that (1-based) step, once its part of any checkpoint being written
 in the background is on disk (so the test knows which checkpoint survives; a real crash can lose the one in
 flight, never an earlier one).
-Tests: `OMP_NUM_THREADS=1 python -m pytest tests/dist/test_train_dist.py -q`.
+Tests: `OMP_NUM_THREADS=1 python -m pytest tests/train/parallel/test_train_dist.py -q`.
 """
 
 from __future__ import annotations
@@ -46,23 +46,23 @@ import torch
 import torch.distributed as dist
 from tokenizers import Tokenizer
 
-from stemlm.checkpoint import load_config
-from stemlm.config import MODEL_TYPE, ModelConfig
-from stemlm.dist.host_shards import HostShardedTables
-from stemlm.dist.launch import destroy_distributed, init_distributed, local_batch_size
-from stemlm.dist.sharded_tables import ShardedTables
+from stemlm.checkpoint.folder import load_config
+from stemlm.checkpoint.runs import _model_type, from_pretrained
+from stemlm.checkpoint.sharded import is_sharded
+from stemlm.checkpoint.table_storage import read_storage
 from stemlm.errors import StemlmError
 from stemlm.model import build_model
-from stemlm.presets import get_preset
-from stemlm.runs import _model_type, from_pretrained
-from stemlm.sharded_checkpoint import is_sharded
-from stemlm.table_storage import read_storage
+from stemlm.model.config import MODEL_TYPE, ModelConfig
+from stemlm.model.presets import get_preset
 from stemlm.train.config import TrainConfig, model_config_diff
 from stemlm.train.data import load_datasets_distributed
-from stemlm.train.dist_checkpoint import ShardedSaver, load_model_pieces, load_optimizers
-from stemlm.train.dist_init import init_plan, init_rank_part, load_rank_part, materialise
 from stemlm.train.logging import RunLogger
-from stemlm.train.table_optim import clip_grad_norm_mixed, make_table_optimizer, use_sparse_table_grads
+from stemlm.train.parallel.checkpoint import ShardedSaver, load_model_pieces, load_optimizers
+from stemlm.train.parallel.host_shards import HostShardedTables
+from stemlm.train.parallel.launch import destroy_distributed, init_distributed, local_batch_size
+from stemlm.train.parallel.meta_init import init_plan, init_rank_part, load_rank_part, materialise
+from stemlm.train.parallel.sharded_tables import ShardedTables
+from stemlm.train.tables.optim import clip_grad_norm_mixed, make_table_optimizer, use_sparse_table_grads
 from stemlm.train.trainer import FaultInjection, Trainer, default_run_dir
 
 FAULT_ENV = "STEMLM_FAULT_EXIT"
@@ -125,8 +125,8 @@ class DistributedTrainer(Trainer):
     # ----- construction: shard the tables, wrap the backbone, then build the optimizers -----
     def _construct_model(self, model_config, resume_from):
         # The model is built on the meta device and each rank materialises only its part once sharded
-        # (stemlm.train.dist_init): initialised here for a fresh run, read from the checkpoint's pieces (a sharded
-        # one) or from the rows of a model folder it keeps (--init-from, a 1-process checkpoint).
+        # (stemlm.train.parallel.meta_init): initialised here for a fresh run, read from the checkpoint's pieces
+        # (a sharded one) or from the rows of a model folder it keeps (--init-from, a 1-process checkpoint).
         source = resume_from or (Path(self.cfg.init_from) if self.cfg.init_from else None)
         if source is None:
             config = model_config or get_preset(self.cfg.preset)
@@ -265,7 +265,7 @@ class DistributedTrainer(Trainer):
     # ----- one step -----
     def _global_batch(self, window: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Micro-batch `window` of the global batch (CPU), read once: every rank's input ids plan the table
-        exchange on the host (stemlm.dist.row_plan), this rank's rows are its inputs and targets."""
+        exchange on the host (stemlm.train.parallel.row_plan), this rank's rows are its inputs and targets."""
         if window not in self._batches:
             for old in [w for w in self._batches if w < window - self.cfg.grad_accum]:
                 del self._batches[old]  # windows of a step cut short, or long gone
@@ -427,7 +427,7 @@ class DistributedTrainer(Trainer):
 
     # ----- checkpoints -----
     def save(self) -> Path:
-        """Start an asynchronous sharded checkpoint of this step (stemlm.train.dist_checkpoint); fit waits for it."""
+        """Start an asynchronous sharded checkpoint of this step (`stemlm.train.parallel.checkpoint`); fit waits."""
         if self._host_shards:
             self.tables.sync()  # the queued table update lands before the shards are read
         return self.saver.save(self)

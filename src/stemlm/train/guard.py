@@ -19,9 +19,9 @@ import threading
 from pathlib import Path
 from typing import Any
 
-from stemlm.checkpoint import CONFIG_NAME
+from stemlm.checkpoint.folder import CONFIG_NAME
+from stemlm.checkpoint.runs import CHECKPOINTS_DIR
 from stemlm.errors import StemlmError
-from stemlm.runs import CHECKPOINTS_DIR
 
 # What an earlier `stemlm train` may have left in its run folder before its first checkpoint.
 RUN_FOLDER_ENTRIES = {"run_config.json", "metrics.jsonl", "loss.png", "tensorboard", "profile", CHECKPOINTS_DIR}

@@ -7,8 +7,8 @@ counted from its tensors as `stemlm train --nproc N` lays them out, on the most 
 - backbone (everything but the STEM/PLE token tables): replicated under DDP (fp32 weights, fp32 gradients as
   the bucket views, AdamW's two fp32 moments), or under FSDP2 each tensor split along dim 0 into N equal
   chunks of ceil(rows / N) rows (padded), weights, gradients and moments alike;
-- token tables: row-sharded by `stemlm.dist.ShardedTables` (rank r owns rows r, r + N, ...: ceil(V / N) rows
-  on rank 0), fp32; their optimizer state as `stemlm.train.table_optim` allocates it (adamw / lazy_adamw: two
+- token tables: row-sharded by `stemlm.train.parallel.ShardedTables` (rank r owns rows r, r + N, ...: ceil(V / N) rows
+  on rank 0), fp32; their optimizer state as `stemlm.train.tables.optim` allocates it (adamw / lazy_adamw: two
   fp32 moments per entry, lazy_adamw also an int64 step per row; rowwise_adagrad: one fp32 sum per row);
   their gradient is sparse, at most min(shard rows, global micro-batch tokens) rows;
 - activations: elements autograd saves per token for backward, counted for dense and STEM layers from the
@@ -30,9 +30,9 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from stemlm.config import ModelConfig
 from stemlm.errors import StemlmError
 from stemlm.model.attention import SDPA_GQA
+from stemlm.model.config import ModelConfig
 
 FP32, INT64 = 4, 8
 MODELLED_KINDS = ("dense", "stem")
@@ -89,7 +89,7 @@ def memory_plan(
 ) -> dict[str, Any]:
     """Bytes per rank (the most loaded one) of weights, gradients, optimizer state and activations."""
     from stemlm.model import build_model
-    from stemlm.train.table_optim import TABLE_OPTIMIZERS
+    from stemlm.train.tables.optim import TABLE_OPTIMIZERS
 
     if nproc < 1 or micro_batch < 1 or seq_len < 1 or loss_chunk < 0:
         raise StemlmError("nproc, micro_batch and seq_len must be positive and loss_chunk non-negative")

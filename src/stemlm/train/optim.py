@@ -7,7 +7,7 @@
   and any bias, i.e. one-dimensional parameters);
 - the table optimizer (only when the model has token tables): every tensor of `model.stem_tables()` (and the
   hashed n-gram tables and memory values of the `stem_ngram` / `engram` / `memory` kinds) in one
-  group with its own peak lr and weight decay, built by `stemlm.train.table_optim.make_table_optimizer`
+  group with its own peak lr and weight decay, built by `stemlm.train.tables.optim.make_table_optimizer`
   under the name `cfg.table_optim` (`adamw`: dense, the official behaviour; the row-sparse ones switch the
   tables to sparse gradients here);
 - with `cfg.embed_like_tables`, the token embedding leaves `decay` for its own backbone group `embed` at the
@@ -32,7 +32,7 @@ from torch import nn
 from stemlm.errors import StemlmError
 from stemlm.model.decoder import StemLM
 from stemlm.train.config import TrainConfig
-from stemlm.train.table_optim import (
+from stemlm.train.tables.optim import (
     clip_grad_norm_mixed,
     fast_optimizer_impl,
     make_table_optimizer,

@@ -1,7 +1,7 @@
 """Trainer checkpoints: model files plus optimizer state and counters, written atomically, read without pickle.
 
     RUN/checkpoints/step-000123/
-        config.json, model.safetensors, tokenizer.json   the model-core format (stemlm.checkpoint)
+        config.json, model.safetensors, tokenizer.json   the model-core format (stemlm.checkpoint.folder)
         optimizer.safetensors                            every optimizer state tensor, keyed
                                                          opt<k>.state.<param_index>.<name> (k: 0 backbone, 1 tables)
         trainer_state.json                               step, counters, spike window, RNG states (torch as
@@ -16,7 +16,7 @@ intact; only then is `latest.json` replaced and older checkpoints beyond `keep_l
 just written, never a later step's folder). Only the newest checkpoint keeps
 `optimizer.safetensors` (twice the model's size in fp32 moments, needed only to resume): older ones drop it
 (and its manifest entry) once a newer save succeeded, unless `keep_optimizer_state="all"`. Any model-only
-reader (`stemlm generate`, `stemlm.runs.load_checkpoint`) can open these folders because the model files are
+reader (`stemlm generate`, `stemlm.checkpoint.runs.load_checkpoint`) can open these folders because the model files are
 the plain model-core format.
 """
 
@@ -34,11 +34,11 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-from stemlm.checkpoint import AtomicFolder, write_json, write_model_files
+from stemlm.checkpoint.folder import AtomicFolder, write_json, write_model_files
+from stemlm.checkpoint.runs import CHECKPOINTS_DIR, LATEST_NAME, STEP_DIR
+from stemlm.checkpoint.safe_write import MANIFEST_NAME, atomic_write_text, read_manifest, remove_leftovers
 from stemlm.errors import StemlmError
-from stemlm.runs import CHECKPOINTS_DIR, LATEST_NAME, STEP_DIR
-from stemlm.safe_write import MANIFEST_NAME, atomic_write_text, read_manifest, remove_leftovers
-from stemlm.train.table_optim import flatten_optimizer_state, unflatten_optimizer_state
+from stemlm.train.tables.optim import flatten_optimizer_state, unflatten_optimizer_state
 
 STATE_NAME = "trainer_state.json"
 OPTIMIZER_NAME = "optimizer.safetensors"
@@ -136,7 +136,7 @@ def load_optimizer_state(
 
 
 def _class_name(opt) -> str:
-    # A host-table optimizer (stemlm.train.host_tables) wraps the table optimizer; checkpoints name the inner
+    # A host-table optimizer (stemlm.train.tables.host) wraps the table optimizer; checkpoints name the inner
     # one, so a run can resume with its tables on the device or on the host.
     return type(getattr(opt, "inner", opt)).__name__
 
@@ -175,7 +175,7 @@ def drop_optimizer_state(run_dir: Path, keep: Path) -> None:
     The folder's manifest loses the entry first, so `stemlm verify` still passes (a kill in between leaves
     the file merely unrecorded, never a recorded file missing)."""
     folder = run_dir / CHECKPOINTS_DIR
-    # A sharded checkpoint's optimizer state is each rank's second DCP file (stemlm.train.dist_checkpoint).
+    # A sharded checkpoint's optimizer state is each rank's second DCP file (stemlm.train.parallel.checkpoint).
     paths = [*folder.glob(f"step-*/{OPTIMIZER_NAME}"), *folder.glob(f"step-*/{SHARDED_OPTIMIZER_FILES}")]
     for path in paths:
         ckpt = path.parent if path.name == OPTIMIZER_NAME else path.parent.parent

@@ -1,7 +1,7 @@
 """How close a training run came to the machine: achieved model FLOP/s against a matmul peak measured here.
 
 `training_throughput(config, seq_len, tokens_per_s, tokens, device, dtype)` returns the achieved model FLOP/s
-(training FLOPs per token from `stemlm.accounting`, i.e. 3 x the forward matmuls with causal attention, times
+(training FLOPs per token from `stemlm.model.accounting`, i.e. 3 x the forward matmuls with causal attention, times
 the run's tokens/s) and a peak measured in the same process: the best FLOP/s of plain matmuls at the model's
 own shapes ([tokens of a micro-batch, in] x [in, out] for every distinct projection, the LM head included),
 on the same device, dtype and threads. Their ratio is a model-FLOPs utilisation against what this machine's
@@ -16,8 +16,8 @@ import time
 
 import torch
 
-from stemlm.accounting import training_flops_per_token
-from stemlm.config import ModelConfig
+from stemlm.model.accounting import training_flops_per_token
+from stemlm.model.config import ModelConfig
 
 
 def matmul_shapes(config: ModelConfig, tokens: int) -> list[tuple[int, int, int]]:

@@ -37,13 +37,15 @@ import numpy as np
 import torch
 from tokenizers import Tokenizer
 
-from stemlm.checkpoint import TOKENIZER_NAME, load_config, write_json
-from stemlm.config import ModelConfig
+from stemlm.checkpoint.folder import TOKENIZER_NAME, load_config, write_json
+from stemlm.checkpoint.runs import CHECKPOINTS_DIR, STEP_DIR, from_pretrained, resolve_checkpoint
+from stemlm.data.tokenizer import tokenizer_digest
 from stemlm.errors import StemlmError
 from stemlm.model import build_model
-from stemlm.presets import get_preset
-from stemlm.runs import CHECKPOINTS_DIR, STEP_DIR, from_pretrained, resolve_checkpoint
-from stemlm.train.config import TrainConfig, model_config_diff, resolve_device, resolve_dtype, tokenizer_digest
+from stemlm.model.config import ModelConfig
+from stemlm.model.presets import get_preset
+from stemlm.runtime import resolve_device, resolve_dtype
+from stemlm.train.config import TrainConfig, model_config_diff
 from stemlm.train.data import load_datasets, resolve_sampling, resolve_tokenizer
 from stemlm.train.guard import DivergenceGuard, StopSignals, check_run_dir
 from stemlm.train.logging import METRICS_NAME, PLOT_NAME, RunLogger, plot_losses
@@ -158,10 +160,10 @@ class Trainer:
         return optimizers
 
     def _make_host_tables(self):
-        """`--tables host`: the tables and their optimizer leave the device (stemlm.train.host_tables)."""
+        """`--tables host`: the tables and their optimizer leave the device (stemlm.train.tables.host)."""
         if self.cfg.tables != "host":
             return None
-        from stemlm.train.host_tables import HostTables
+        from stemlm.train.tables.host import HostTables
 
         cfg = self.cfg
 
@@ -176,7 +178,7 @@ class Trainer:
 
     @functools.cached_property
     def flops_per_token(self) -> float:
-        from stemlm.accounting import training_flops_per_token
+        from stemlm.model.accounting import training_flops_per_token
 
         return training_flops_per_token(self.config, self.cfg.seq_len)
 
@@ -291,7 +293,7 @@ class Trainer:
 
     def _load_optimizer_state(self, ckpt: Path, state: dict[str, Any]) -> None:
         if "distributed" in state:  # written by several processes: sharded, in torch.distributed.checkpoint form
-            from stemlm.train.dist_checkpoint import load_optimizers
+            from stemlm.train.parallel.checkpoint import load_optimizers
 
             load_optimizers(self.optimizers, ckpt, state)
         else:
@@ -363,7 +365,7 @@ class Trainer:
             "lr": cfg.lr * mult,
             "grad_norm": norm,
             "tokens_per_s": cfg.tokens_per_step / elapsed,
-            # Model FLOP/s (stemlm.accounting's training FLOPs per token x tokens/s); the summary adds the MFU.
+            # Model FLOP/s (stemlm.model.accounting's training FLOPs per token x tokens/s); the summary adds the MFU.
             "model_gflops_per_s": self.flops_per_token * cfg.tokens_per_step / elapsed / 1e9,
             "skipped": not applied,
             "spike": spike,

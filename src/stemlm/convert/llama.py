@@ -1,0 +1,63 @@
+"""Writing a dense model as a Hugging Face Llama folder (`stemlm convert --to-llama`).
+
+The tensors keep their names (ours are HF Llama's); only config.json changes, to model_type "llama", so
+`LlamaForCausalLM.from_pretrained` loads the folder without a warning and with the same logits. Anything but a
+dense model is refused.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from stemlm.checkpoint.folder import CONFIG_NAME, TOKENIZER_NAME, WEIGHTS_NAME, model_state_for_saving, write_json
+from stemlm.checkpoint.safe_write import AtomicFolder
+from stemlm.errors import StemlmError
+from stemlm.model.config import ModelConfig
+from stemlm.model.decoder import StemLM
+
+
+def model_config_to_llama_config(config: ModelConfig) -> dict[str, Any]:
+    """The HF `LlamaConfig` dict of a dense model (every layer dense SwiGLU); anything else is refused."""
+    if config.special_layers:
+        raise StemlmError(
+            f"only a dense model exports as Llama; this one has ffn {config.ffn!r} in layers {config.special_layers}"
+        )
+    return {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "vocab_size": config.vocab_size,
+        "hidden_size": config.hidden_size,
+        "intermediate_size": config.intermediate_size,
+        "num_hidden_layers": config.num_hidden_layers,
+        "num_attention_heads": config.num_attention_heads,
+        "num_key_value_heads": config.kv_heads,
+        "head_dim": config.head_size,
+        "max_position_embeddings": config.max_position_embeddings,
+        "rope_theta": config.rope_theta,
+        "rms_norm_eps": config.rms_norm_eps,
+        "tie_word_embeddings": config.tie_word_embeddings,
+        "initializer_range": config.initializer_range,
+        "hidden_act": "silu",
+        "attention_bias": False,
+        "mlp_bias": False,
+        "torch_dtype": "float32",
+    }
+
+
+LLAMA_PRODUCER = "stemlm convert --to-llama"
+
+
+def save_as_llama(model: StemLM, directory: str | Path, tokenizer=None, *, force: bool = False, sources=()) -> Path:
+    """Write a dense model as a Hugging Face Llama folder (config.json with model_type "llama", the same tensors
+    under the same names, the tokenizer), atomically; `LlamaForCausalLM.from_pretrained` then loads it without
+    a warning and with the same logits."""
+    from safetensors.torch import save_file
+
+    config = model_config_to_llama_config(model.config)
+    with AtomicFolder(directory, producer=LLAMA_PRODUCER, force=force, sources=sources) as tmp:
+        write_json(tmp / CONFIG_NAME, config)
+        save_file(model_state_for_saving(model), str(tmp / WEIGHTS_NAME), metadata={"format": "pt"})
+        if tokenizer is not None:
+            tokenizer.save(str(tmp / TOKENIZER_NAME))
+    return Path(directory)

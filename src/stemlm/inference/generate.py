@@ -1,0 +1,209 @@
+"""Autoregressive generation with the KV cache: one prefill, then one token per forward, streamed as sampled.
+
+The pieces are separate so other code can reuse them: `top_k_filter` / `top_p_filter` / `sample_token` turn
+one row of logits into a token id with torch ops and a seeded `torch.Generator`; `stream_tokens` is the
+generator that yields each new token id the moment it is sampled (before the next forward runs), and
+`generate` collects them into a list, calling an optional `on_token(token_id)` hook on the way.
+
+    from stemlm.inference.generate import generate
+    new_ids = generate(model, [1, 2, 3], max_new_tokens=20, temperature=0.8, top_p=0.9, seed=0)
+
+Table rows from outside the model (editing, offload) go in as `table_rows` (used by every forward: the
+prefill sees the prompt ids [1, P], each decoding step the one new id [1, 1]); `prefill_table_rows`, when
+given, replaces it for the prefill only, e.g. an edit that swaps rows at chosen prompt positions.
+`embed_rows` / `prefill_embed_rows` do the same for the input embeddings (`StemLM.forward(embed_rows=)`).
+Generation stops at `eos_id` (which is included in the output), after `max_new_tokens`, or when prompt plus
+output reach the model's `max_position_embeddings`.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import torch
+
+from stemlm.errors import StemlmError
+from stemlm.model.attention import KVCache
+from stemlm.model.decoder import StemLM
+from stemlm.model.ffn import TableRows
+
+EmbedRows = Callable[[torch.Tensor], torch.Tensor]  # input_ids [B, T] -> embeddings [B, T, d], as in StemLM.forward
+
+__all__ = ["IncrementalDecoder", "generate", "sample_token", "stream_tokens", "top_k_filter", "top_p_filter"]
+
+
+def top_k_filter(logits: torch.Tensor, k: int) -> torch.Tensor:
+    """Set every logit below the k-th largest (per row, last dim) to -inf; ties with the k-th are kept."""
+    if k <= 0 or k >= logits.shape[-1]:
+        return logits
+    kth = torch.topk(logits, k, dim=-1).values[..., -1:]
+    return logits.masked_fill(logits < kth, float("-inf"))
+
+
+def top_p_filter(logits: torch.Tensor, p: float) -> torch.Tensor:
+    """Nucleus filter: keep the smallest set of most likely tokens whose total probability is >= p.
+
+    A token is dropped when the probability of the tokens ranked above it already reaches p, so the top
+    token always survives. p >= 1 keeps everything (without rounding in the cumulative sum dropping a tail).
+    """
+    if p >= 1.0:
+        return logits
+    sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
+    probs = sorted_logits.float().softmax(dim=-1)
+    mass_above = probs.cumsum(dim=-1) - probs
+    drop_sorted = mass_above >= p
+    drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+    return logits.masked_fill(drop, float("-inf"))
+
+
+def check_sampling(temperature: float, top_k: int | None, top_p: float) -> None:
+    if not math.isfinite(temperature) or temperature < 0:
+        raise StemlmError(f"temperature must be a finite number >= 0 (0 means greedy), got {temperature}")
+    if top_k is not None and top_k < 0:
+        raise StemlmError(f"top_k must be >= 0 (0 disables it), got {top_k}")
+    if not 0.0 < top_p <= 1.0:
+        raise StemlmError(f"top_p must be in (0, 1], got {top_p}")
+
+
+def sample_token(
+    logits: torch.Tensor,
+    *,
+    greedy: bool = False,
+    temperature: float = 1.0,
+    top_k: int | None = None,
+    top_p: float = 1.0,
+    generator: torch.Generator | None = None,
+) -> int:
+    """One token id from a [V] (or [1, V]) row of logits: argmax when greedy or temperature == 0, otherwise
+    temperature, then top-k, then top-p, then a draw from the renormalised distribution with `generator`."""
+    logits = logits.reshape(-1).float()
+    if greedy or temperature == 0:
+        return int(torch.argmax(logits))
+    logits = top_p_filter(top_k_filter(logits / temperature, top_k or 0), top_p)
+    probs = logits.softmax(dim=-1)
+    return int(torch.multinomial(probs, 1, generator=generator))
+
+
+def _as_prompt(model: StemLM, input_ids: Sequence[int] | torch.Tensor) -> torch.Tensor:
+    device = next(model.parameters()).device
+    ids = torch.as_tensor(input_ids, dtype=torch.long, device=device)
+    if ids.dim() == 2 and ids.shape[0] == 1:
+        ids = ids[0]
+    if ids.dim() != 1:
+        raise StemlmError(f"generate takes one prompt (a list of ids, [T] or [1, T]), got shape {list(ids.shape)}")
+    if ids.numel() == 0:
+        raise StemlmError("the prompt is empty: generation needs at least one token to start from")
+    limit = model.config.max_position_embeddings
+    if ids.numel() >= limit:
+        raise StemlmError(
+            f"the prompt has {ids.numel()} tokens, which leaves no room to generate within the model's "
+            f"max_position_embeddings={limit}; shorten it"
+        )
+    return ids[None]
+
+
+@torch.no_grad()
+def _forward(model: StemLM, ids: torch.Tensor, cache, table_rows: TableRows | None, embed_rows: EmbedRows | None):
+    # no_grad per call rather than around the generator: a context held across `yield` would leak into the caller.
+    extra = {} if embed_rows is None else {"embed_rows": embed_rows}
+    out = model(ids, past_key_values=cache, use_cache=True, table_rows=table_rows, **extra)
+    return out.logits[0, -1], out.past_key_values
+
+
+def stream_tokens(
+    model: StemLM,
+    input_ids: Sequence[int] | torch.Tensor,
+    max_new_tokens: int,
+    *,
+    greedy: bool = False,
+    temperature: float = 1.0,
+    top_k: int | None = None,
+    top_p: float = 1.0,
+    seed: int = 0,
+    eos_id: int | None = None,
+    table_rows: TableRows | None = None,
+    prefill_table_rows: TableRows | None = None,
+    embed_rows: EmbedRows | None = None,
+    prefill_embed_rows: EmbedRows | None = None,
+) -> Iterator[int]:
+    """An iterator of new token ids; each is yielded before the forward that consumes it runs.
+
+    Arguments are checked here, at the call, so a bad prompt fails before iteration starts.
+    """
+    check_sampling(temperature, top_k, top_p)
+    if max_new_tokens < 0:
+        raise StemlmError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
+    prompt = _as_prompt(model, input_ids)
+    budget = min(max_new_tokens, model.config.max_position_embeddings - prompt.shape[1])
+    generator = torch.Generator(device=prompt.device)
+    generator.manual_seed(seed)
+    sample = dict(greedy=greedy, temperature=temperature, top_k=top_k, top_p=top_p, generator=generator)
+    first = (
+        prefill_table_rows if prefill_table_rows is not None else table_rows,
+        prefill_embed_rows if prefill_embed_rows is not None else embed_rows,
+    )
+    return _decode(model, prompt, budget, sample, eos_id, first, (table_rows, embed_rows))
+
+
+def _decode(model, prompt, budget, sample, eos_id, prefill_rows, decode_rows) -> Iterator[int]:
+    if budget == 0:
+        return
+    cache = KVCache(model.config.num_hidden_layers, capacity=prompt.shape[1] + budget)  # no regrowth while decoding
+    logits, cache = _forward(model, prompt, cache, *prefill_rows)
+    for step in range(budget):
+        token = sample_token(logits, **sample)
+        yield token
+        if token == eos_id or step == budget - 1:
+            return
+        logits, cache = _forward(model, torch.tensor([[token]], device=prompt.device), cache, *decode_rows)
+
+
+def generate(
+    model: StemLM,
+    input_ids: Sequence[int] | torch.Tensor,
+    max_new_tokens: int,
+    *,
+    on_token: Callable[[int], None] | None = None,
+    **options: Any,
+) -> list[int]:
+    """The new token ids (eos included when hit); `on_token` is called with each one as soon as it is sampled.
+
+    `options` are the keyword arguments of `stream_tokens` (sampling, seed, eos_id, table/embedding rows).
+    """
+    tokens = []
+    for token in stream_tokens(model, input_ids, max_new_tokens, **options):
+        tokens.append(token)
+        if on_token is not None:
+            on_token(token)
+    return tokens
+
+
+class IncrementalDecoder:
+    """Turns a growing list of ids into printable text pieces that concatenate to the full decode.
+
+    The whole list is decoded each time and only the new suffix is returned; a suffix ending in U+FFFD (a
+    multi-byte character whose remaining bytes are still to come) is held back until it is complete.
+    """
+
+    def __init__(self, tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self.ids: list[int] = []
+        self.printed = ""
+
+    def push(self, token_id: int) -> str:
+        self.ids.append(token_id)
+        text = self.tokenizer.decode(self.ids)
+        if text.endswith("\ufffd") or not text.startswith(self.printed):
+            return ""
+        return self._advance(text)
+
+    def flush(self) -> str:
+        """Everything not yet returned (held-back bytes print as U+FFFD if they never completed)."""
+        text = self.tokenizer.decode(self.ids)
+        return self._advance(text) if text.startswith(self.printed) else ""
+
+    def _advance(self, text: str) -> str:
+        piece, self.printed = text[len(self.printed) :], text
+        return piece

@@ -1,0 +1,158 @@
+"""Loading a checkpoint for inference, the same way for every command: tables, table dtype, compute dtype.
+
+    from stemlm.inference.load import InferenceOptions, load_inference
+    with load_inference("runs/tiny", InferenceOptions(tables="mmap", table_dtype="int8", dtype="bf16")) as lm:
+        logits = lm.model(ids).logits       # any forward: rows from the offloaded tables, under autocast
+        new = generate(lm.model, ids, 20)   # plain generation works on it too
+
+`stemlm generate`, `serve` and `eval ppl|lm|niah` all load through `load_inference` and take the same flags
+(`stemlm.cli.common.add_inference_flags`):
+
+- `tables`: resident (on the device), host (host memory) or mmap (read from the checkpoint file); host and
+  mmap serve rows through the device row cache (`stemlm.offload`);
+- `table_dtype`: fp32, bf16 or int8 rows (`stemlm.offload.compact`; None = as the checkpoint stores them);
+- `dtype`: the compute dtype, as autocast (auto: bf16 on a CUDA device that supports it, else fp32); the
+  weights stay as loaded.
+
+The loaded model's `forward` is bound once (`bind_forward`) so that every call, from any thread and from
+code that knows nothing of offloading (the perplexity scorer, lm-eval, the needle test), runs under the
+chosen autocast and, with host / mmap tables, gets the offloaded rows: a forward whose rows were not
+prefetched fetches them on first use. Callers that pass their own row hooks (the offload engine) keep them.
+"""
+
+from __future__ import annotations
+
+import types
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from stemlm.errors import StemlmError
+
+COMPUTE_DTYPES = ("auto", "fp32", "bf16")
+
+
+@dataclass
+class InferenceOptions:
+    tables: str = "resident"
+    table_dtype: str | None = None
+    cache_rows: int | None = None
+    cache_fraction: float | None = None
+    cache_policy: str = "lfu"
+    device: str = "cpu"
+    dtype: str = "auto"
+
+    @classmethod
+    def from_args(cls, args) -> InferenceOptions:
+        """The options of a command line parsed with `add_inference_flags` (and a --device flag)."""
+        return cls(
+            tables=args.tables,
+            table_dtype=args.table_dtype,
+            cache_rows=args.cache_rows,
+            cache_fraction=args.cache_fraction,
+            cache_policy=args.cache_policy,
+            device=args.device,
+            dtype=args.dtype,
+        )
+
+
+@dataclass
+class Loaded:
+    model: Any  # a StemLM whose forward is bound (see the module docstring)
+    tokenizer: Any
+    offloaded: Any  # the OffloadedLM with host / mmap tables, else None
+    autocast_dtype: torch.dtype
+
+    def close(self) -> None:
+        if self.offloaded is not None:
+            self.offloaded.close()
+
+    def __enter__(self) -> Loaded:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def autocast_dtype(name: str, device: torch.device) -> torch.dtype:
+    from stemlm.runtime import resolve_dtype
+
+    if name not in COMPUTE_DTYPES:
+        raise StemlmError(f"unknown compute dtype {name!r}; choose one of {', '.join(COMPUTE_DTYPES)}")
+    return resolve_dtype(name, device)
+
+
+def bind_forward(model, rows=None, amp: torch.dtype = torch.float32) -> None:
+    """Make every `model(...)` call run under autocast `amp` and, when `rows` (the offload engine's
+    `RowPipeline` or `LookupRows`) is given, receive its row hooks unless the caller passes its own."""
+    from stemlm.offload.lookup_rows import LookupRows
+
+    device_type = next(p for p in model.parameters() if not p.is_meta).device.type
+    hooks = {} if rows is None else rows.hooks() if isinstance(rows, LookupRows) else {"table_rows": rows}
+    hooks = {k: v for k, v in hooks.items() if v is not None}
+
+    def forward(self, *args, **kwargs):
+        for name, hook in hooks.items():
+            if kwargs.get(name) is None:
+                kwargs[name] = hook
+        with torch.autocast(device_type, dtype=torch.bfloat16, enabled=amp == torch.bfloat16):
+            return type(self).forward(self, *args, **kwargs)
+
+    # An instance attribute, which nn.Module.__call__ finds before the class method; a bound method (not a
+    # closure over `model`), so a copy.deepcopy of the model rebinds it to the copy.
+    model.forward = types.MethodType(forward, model)
+
+
+def load_inference(path: str | Path, options: InferenceOptions | None = None, *, need_tokenizer: str | None = None):
+    """A CKPT argument loaded for inference with `options` (see the module docstring) as a `Loaded`."""
+    from stemlm.checkpoint.runs import load_checkpoint, resolve_checkpoint
+    from stemlm.runtime import check_device
+
+    opts = options or InferenceOptions()
+    device = check_device(opts.device)
+    amp = autocast_dtype(opts.dtype, device)
+    if opts.tables not in ("resident", "host", "mmap"):
+        raise StemlmError(f"unknown table placement {opts.tables!r}; choose resident, host or mmap")
+    if opts.tables == "resident":
+        if opts.cache_rows is not None or opts.cache_fraction is not None:
+            raise StemlmError("--cache-rows / --cache-fraction need --tables host or --tables mmap")
+        model, tokenizer = load_checkpoint(path, device=device, need_tokenizer=need_tokenizer)
+        if opts.table_dtype is not None:
+            _round_resident(model, resolve_checkpoint(path), opts.table_dtype)
+        bind_forward(model, None, amp)
+        return Loaded(model, tokenizer, None, amp)
+    from stemlm.inference.offloaded import open_checkpoint
+
+    offloaded, tokenizer = open_checkpoint(
+        path,
+        opts.tables,
+        cache_rows=opts.cache_rows,
+        cache_fraction=opts.cache_fraction,
+        policy=opts.cache_policy,
+        device=device,
+        table_dtype=opts.table_dtype,
+    )
+    if need_tokenizer and tokenizer is None:
+        offloaded.close()
+        raise StemlmError(
+            f"{path} has no tokenizer.json; {need_tokenizer} needs the tokenizer the model was trained with"
+        )
+    offloaded.model.eval()
+    bind_forward(offloaded.model, offloaded.rows, amp)
+    return Loaded(offloaded.model, tokenizer, offloaded, amp)
+
+
+def _round_resident(model, folder: Path, table_dtype: str) -> None:
+    from stemlm.checkpoint.table_storage import check_table_dtype, read_storage
+    from stemlm.offload.families import round_tables
+
+    check_table_dtype(table_dtype)
+    if not hasattr(model, "stem_tables") or not (model.stem_tables() or model.ngram_tables() or model.memory_tables()):
+        if table_dtype != "fp32":
+            raise StemlmError(f"--table-dtype {table_dtype}: checkpoint {folder} has no lookup tables to store so")
+        return
+    storage = read_storage(folder)
+    if table_dtype != (storage["dtype"] if storage else "fp32"):
+        round_tables(model, table_dtype)

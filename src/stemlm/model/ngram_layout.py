@@ -1,0 +1,76 @@
+"""The shape of the hashed n-gram tables of a config (orders, heads, prime table sizes), without torch.
+
+Shared by the model (`stemlm.model.ngram`, which hashes ids into these tables) and `stemlm.model.accounting`
+(which counts them from the config alone and must not import torch).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from stemlm.errors import StemlmError
+from stemlm.model.config import ModelConfig
+
+
+def is_prime(n: int) -> bool:
+    if n < 2:
+        return False
+    if n % 2 == 0:
+        return n == 2
+    f = 3
+    while f * f <= n:
+        if n % f == 0:
+            return False
+        f += 2
+    return True
+
+
+def head_primes(rows: int, count: int) -> list[int]:
+    """`count` distinct primes, the first >= `rows`, each the next prime after the previous one."""
+    primes, candidate = [], max(2, rows)
+    while len(primes) < count:
+        if is_prime(candidate):
+            primes.append(candidate)
+        candidate += 1
+    return primes
+
+
+def parse_orders(text: str | list[int] | tuple[int, ...]) -> tuple[int, ...]:
+    if isinstance(text, (list, tuple)):
+        orders = tuple(int(n) for n in text)
+    else:
+        try:
+            orders = tuple(int(part) for part in str(text).replace(" ", "").split(",") if part)
+        except ValueError:
+            raise StemlmError(f"bad n-gram orders {text!r}: use a comma list such as 2 or 2,3") from None
+    if not orders or any(n < 2 for n in orders) or len(set(orders)) != len(orders):
+        raise StemlmError(f"n-gram orders must be distinct integers >= 2, got {list(orders)}")
+    return tuple(sorted(orders))
+
+
+@dataclass(frozen=True)
+class NgramLayout:
+    orders: tuple[int, ...]
+    heads: int  # hash heads per order
+    sizes: tuple[int, ...]  # one prime table size per (order, head), orders outer
+
+    @property
+    def num_keys(self) -> int:
+        return len(self.sizes)
+
+    @property
+    def num_rows(self) -> int:
+        return sum(self.sizes)
+
+
+def ngram_layout(config: ModelConfig) -> NgramLayout | None:
+    """The n-gram tables of a stem_ngram / engram config (every such layer has the same), else None."""
+    if config.ffn == "stem_ngram" and config.special_layers:
+        orders, heads, rows = config.stem_ngram_orders, config.stem_ngram_heads, config.stem_ngram_rows
+    elif config.ffn == "engram" and config.special_layers:
+        orders, heads, rows = config.engram_orders, config.engram_heads, config.engram_rows
+    else:
+        return None
+    orders = parse_orders(orders)
+    primes = head_primes(rows or config.vocab_size, heads)
+    return NgramLayout(orders, heads, tuple(p for _ in orders for p in primes))

@@ -1,0 +1,74 @@
+"""Tests for the torchrun helpers and the byte counter (single process; the 2-process path of
+`init_distributed` runs in test_sharded_tables.py). Run: `python -m pytest tests/train/parallel/test_launch.py -q`.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+import torch
+
+from stemlm.errors import StemlmError
+from stemlm.train.parallel.comm import CommCounter, all_to_all_rows, exchange_counts
+from stemlm.train.parallel.launch import init_distributed, local_batch_size, torchrun_command
+
+
+def test_local_batch_size_keeps_the_global_batch():
+    assert local_batch_size(32, 4) == 8
+    with pytest.raises(StemlmError, match="divisible by 3"):
+        local_batch_size(32, 3)
+
+
+def test_torchrun_command_reexecutes_this_interpreter():
+    cmd = torchrun_command(2, ["train", "--preset", "tiny"])
+    assert cmd[:3] == [sys.executable, "-m", "torch.distributed.run"]
+    assert cmd[3:] == ["--standalone", "--nproc-per-node=2", "-m", "stemlm.cli.main", "train", "--preset", "tiny"]
+    with pytest.raises(StemlmError, match="at least 1"):
+        torchrun_command(0, [])
+
+
+def test_plain_process_is_a_world_of_one(monkeypatch):
+    monkeypatch.delenv("RANK", raising=False)
+    info = init_distributed(device="cpu")
+    assert (info.rank, info.world_size, info.backend, info.is_main) == (0, 1, None, True)
+
+
+def test_counter_and_single_process_exchange():
+    counter = CommCounter()
+    x = torch.randn(5, 3)
+    assert torch.equal(all_to_all_rows(x, [5], [5], counter=counter), x)
+    assert exchange_counts(torch.tensor([5]), counter=counter).tolist() == [5]
+    counter.record("rows", 40, 12)
+    assert counter.pop_step() == {"table_bytes_sent": 40, "table_bytes_recv": 12, "table_bytes_sent/rows": 40}
+    assert counter.pop_step() == {"table_bytes_sent": 0, "table_bytes_recv": 0}
+    assert (counter.total_sent, counter.total_recv) == (40, 12)
+
+
+def test_multi_node_command_uses_a_rendezvous():
+    cmd = torchrun_command(8, ["train"], nnodes=4, rdzv_endpoint="node0:29500")
+    assert "--standalone" not in cmd
+    assert cmd[3:8] == ["--nnodes=4", "--rdzv-backend=c10d", "--rdzv-endpoint=node0:29500", "--rdzv-id=stemlm",
+                        "--nproc-per-node=8"]  # fmt: skip
+    with pytest.raises(StemlmError, match="needs --rdzv-endpoint"):
+        torchrun_command(8, ["train"], nnodes=2)
+
+
+def test_slurm_tasks_become_ranks(monkeypatch):
+    from stemlm.cli.train_launch import distributed_worker
+    from stemlm.train.parallel.launch import adopt_slurm_env
+
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.setenv(name, "")  # recorded, so the variables adopt_slurm_env sets are removed afterwards
+        monkeypatch.delenv(name)
+    monkeypatch.setenv("SLURM_NTASKS", "16")
+    monkeypatch.setenv("SLURM_PROCID", "9")
+    monkeypatch.setenv("SLURM_LOCALID", "1")
+    monkeypatch.setenv("SLURM_NTASKS_PER_NODE", "8(x2)")
+    with pytest.raises(StemlmError, match="no MASTER_ADDR / MASTER_PORT"):
+        adopt_slurm_env()
+    monkeypatch.setenv("MASTER_ADDR", "node0")
+    monkeypatch.setenv("MASTER_PORT", "29500")
+    assert distributed_worker()
+    assert [os.environ[k] for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")] == ["9", "16", "1", "8"]
