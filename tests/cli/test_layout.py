@@ -9,6 +9,7 @@ other."""
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import stemlm
@@ -166,3 +167,10 @@ def test_package_inits_import_only_their_own_package():
             if not (module.startswith(package + ".") or module == "stemlm._lazy"):
                 offenders.append(f"{package} imports {module}")
     assert not offenders, offenders
+
+
+def test_architecture_doc_shows_the_declared_layers():
+    doc = (PACKAGE.parents[1] / "docs" / "architecture.md").read_text()
+    rows = re.findall(r"^\| (\d+) \| ([^|]+) \|", doc, re.M)
+    shown = [tuple(re.findall(r"`([\w.]+)`", packages)) for _, packages in rows]
+    assert shown == LAYERS, shown
