@@ -18,7 +18,7 @@
 #      under `--profile --memory-snapshot` (CUDA profiler activity and the allocator history must be written).
 #   7. exchange (2+ GPUs only): `table_comm.py --exchange --device cuda`, the host-planned, ahead-issued exchange
 #      vs the collective plan on NCCL.
-# Exit status: the number of failed checks. Prepared on a CPU-only machine; see README "GPU check".
+# Exit status: the number of failed checks. Prepared on a CPU-only machine; see docs/results.md ("GPU check").
 set -u
 PY=${PYTHON:-python}
 export PYTHONPATH=${PYTHONPATH:-$PWD/src}
