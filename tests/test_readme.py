@@ -8,10 +8,12 @@ new page is checked without editing this file.
 - Every inline `stemlm ...` span (the command table's cells included) names real subcommands, every
   alternative of `a|b`, and only flags those subcommands take.
 - Relative links and images resolve to files that exist, and a `#anchor` to a heading of the page it names.
+- Every `stemlm.a.b` name is a module or an attribute of one.
 """
 
 from __future__ import annotations
 
+import importlib
 import re
 import shlex
 from pathlib import Path
@@ -190,3 +192,27 @@ def test_relative_links_resolve(page):
         elif anchor and path.suffix == ".md" and anchor not in anchors(path):
             broken.append(f"{target}: no heading #{anchor} in {name}")
     assert not broken, f"{page_id(page)}: " + "; ".join(broken)
+
+
+def resolves(name: str) -> bool:
+    """`stemlm.a.b.c` is a module, or an attribute chain of the longest module prefix."""
+    parts = name.split(".")
+    for k in range(len(parts), 0, -1):
+        try:
+            obj = importlib.import_module(".".join(parts[:k]))
+        except ModuleNotFoundError:
+            continue
+        for attr in parts[k:]:
+            if not hasattr(obj, attr):
+                return False
+            obj = getattr(obj, attr)
+        return True
+    return False
+
+
+@pytest.mark.parametrize("page", PAGES, ids=page_id)
+def test_module_names_exist(page):
+    """Every `stemlm.a.b` a page names still exists (the package was reorganised into layers once already)."""
+    names = sorted(set(re.findall(r"\bstemlm(?:\.\w+)+", page.read_text())))
+    missing = [name for name in names if not resolves(name)]
+    assert not missing, f"{page_id(page)} names {missing}, which do not exist"
