@@ -216,3 +216,14 @@ def test_module_names_exist(page):
     names = sorted(set(re.findall(r"\bstemlm(?:\.\w+)+", page.read_text())))
     missing = [name for name in names if not resolves(name)]
     assert not missing, f"{page_id(page)} names {missing}, which do not exist"
+
+
+def test_the_readme_tree_names_every_top_level_package():
+    """The README's annotated tree lists every package and public module of src/stemlm, so a new one is described."""
+    tree = (ROOT / "README.md").read_text().split("## The package at a glance", 1)[1]
+    listed = set(re.findall(r"^  (\w+)(?:/|\.py) ", tree, re.M))
+    package = ROOT / "src" / "stemlm"
+    present = {
+        p.stem for p in package.iterdir() if not p.name.startswith(("_", ".")) and (p.is_dir() or p.suffix == ".py")
+    }
+    assert present <= listed, f"README's tree lacks {sorted(present - listed)}"
