@@ -227,3 +227,10 @@ def test_the_readme_tree_names_every_top_level_package():
         p.stem for p in package.iterdir() if not p.name.startswith(("_", ".")) and (p.is_dir() or p.suffix == ".py")
     }
     assert present <= listed, f"README's tree lacks {sorted(present - listed)}"
+
+
+def test_ci_runs_the_quick_start_commands():
+    """`.ci/run` is the quick start: the README's first block's two commands, as written (CI may add flags)."""
+    setup, tests = (line.split("#")[0].strip() for line in blocks(ROOT / "README.md", "bash")[0].splitlines())
+    ci = (ROOT / ".ci" / "run").read_text()
+    assert setup in ci and tests in ci.splitlines(), (setup, tests)
