@@ -194,6 +194,18 @@ def test_resume_with_other_model_or_tokenizer(tmp_path, small, capsys):
     one_line_error(*run_cli([*small, "--out", str(tmp_path / "run")], capsys), "already has checkpoints")
 
 
+def test_rerun_over_a_finished_run_with_its_reports_points_to_resume(tmp_path, small, capsys):
+    run = tmp_path / "run"
+    assert run_cli([*small, "--out", str(run), "--sample-tokens", "0"], capsys)[0] == 0
+    assert run_cli(["analyze", str(run), "--only", "nearest"], capsys)[0] == 0  # writes RUN/analysis
+    assert run_cli(["cache-sim", str(run), "--max-tokens", "200", "--fractions", "0.1"], capsys)[0] == 0
+    before = {p.relative_to(run): p.read_bytes() for p in run.rglob("*") if p.is_file()}
+    assert {"analysis", "cache-sim"} <= {p.name for p in run.iterdir()}
+    code, out, err = run_cli([*small, "--out", str(run)], capsys)
+    one_line_error(code, out, err, f"already has checkpoints; continue it with --resume {run} (newest: step 4")
+    assert {p.relative_to(run): p.read_bytes() for p in run.rglob("*") if p.is_file()} == before
+
+
 def test_every_flag_has_help():
     parser = build_parser()
     sub = next(a for a in parser._actions if a.dest == "command").choices["train"]

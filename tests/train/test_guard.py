@@ -7,16 +7,19 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import signal
 
 import pytest
 import torch
 
 from stemlm.checkpoint.folder import save_pretrained
+from stemlm.checkpoint.safe_write import AtomicFolder
 from stemlm.cli.train import requested_model
 from stemlm.errors import StemlmError
 from stemlm.model import build_model
 from stemlm.train import Trainer
+from stemlm.train.guard import check_run_dir
 from stemlm.train.state import read_resumable_state
 from tests.train.test_trainer import train_records
 
@@ -76,6 +79,23 @@ def test_out_must_not_be_a_checkpoint_or_a_foreign_folder(tmp_path, make_train_c
     with pytest.raises(StemlmError, match="not a stemlm run .*thesis.tex"):
         Trainer(make_model_config("stem"), make_train_config(tmp_path, out=str(mine)))
     assert (mine / "metrics.jsonl").read_text() == "mine\n" and not (mine / "run_config.json").exists()
+
+
+def test_stemlm_outputs_in_a_run_folder_are_the_runs_own(tmp_path):
+    run = tmp_path / "run"
+    (run / "checkpoints" / "step-000007").mkdir(parents=True)
+    with AtomicFolder(run / "analysis", producer="stemlm analyze") as tmp:
+        (tmp / "analysis.json").write_text("{}")
+    with pytest.raises(StemlmError, match=r"already has checkpoints; continue it with --resume .*newest: step 7"):
+        check_run_dir(run)
+    (run / "notes").mkdir()
+    (run / "notes" / "stemlm-manifest.json").write_text("not a manifest")
+    with pytest.raises(StemlmError, match="not a stemlm run .*notes"):
+        check_run_dir(run)  # only a folder whose manifest names a stemlm producer counts as stemlm's
+    shutil.rmtree(run / "notes")
+    shutil.rmtree(run / "checkpoints")
+    with pytest.raises(StemlmError, match=r"holds stemlm outputs \(analysis\) but no checkpoint"):
+        check_run_dir(run)
 
 
 def test_prune_keeps_the_checkpoint_just_written(tmp_path, make_train_config, make_model_config):

@@ -42,7 +42,8 @@ def test_profiled_run_writes_traces_and_changes_nothing(tmp_path, make_train_con
     assert steps == {"ProfilerStep#2", "ProfilerStep#3", "ProfilerStep#4"}  # skip 1, warm up 1, record 3
     table = (folder / "summary-rank0.txt").read_text()
     assert "aten::mm" in table and "Self CPU" in table
-    check_run_dir(folder.parent)  # RUN/profile belongs to a run folder (not a foreign file)
+    with pytest.raises(StemlmError, match="already has checkpoints"):  # not "not a stemlm run": RUN/profile is its own
+        check_run_dir(folder.parent)
     assert not (tmp_path / "plain" / "run" / PROFILE_DIR).exists()
 
 

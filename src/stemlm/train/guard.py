@@ -2,7 +2,9 @@
 
 - `check_run_dir(path)`: `--out` must be new, empty, or an earlier run folder of `stemlm train` without
   checkpoints; a model checkpoint folder (it holds config.json) or a folder with other files is refused, so a
-  run never writes metrics.jsonl / loss.png over someone else's files.
+  run never writes metrics.jsonl / loss.png over someone else's files. Folders that stemlm's own commands
+  wrote there (`analyze`, `cache-sim`, `eval niah`: their manifest names a stemlm producer) belong to the
+  run, so a finished run with reports is told to `--resume`, not called foreign (`check_no_checkpoints`).
 - `StopSignals`: while `fit()` runs, SIGINT (Ctrl-C) and SIGTERM only raise a flag; the trainer finishes the
   current step, saves a checkpoint of it, writes loss.png and metrics, and prints the `--resume` command. A
   second signal in a single process aborts at once (KeyboardInterrupt); in a torchrun worker it does not,
@@ -20,7 +22,8 @@ from pathlib import Path
 from typing import Any
 
 from stemlm.checkpoint.folder import CONFIG_NAME
-from stemlm.checkpoint.runs import CHECKPOINTS_DIR
+from stemlm.checkpoint.runs import CHECKPOINTS_DIR, STEP_DIR
+from stemlm.checkpoint.safe_write import read_manifest
 from stemlm.errors import StemlmError
 
 # What an earlier `stemlm train` may have left in its run folder before its first checkpoint.
@@ -39,10 +42,34 @@ def check_run_dir(path: str | Path) -> None:
         raise StemlmError(
             f"--out {path} is a model checkpoint folder; train into a new folder (start from it with --init-from)"
         )
-    foreign = sorted(p.name for p in path.iterdir() if p.name not in RUN_FOLDER_ENTRIES)
+    others = [p for p in sorted(path.iterdir()) if p.name not in RUN_FOLDER_ENTRIES]
+    foreign = [p.name for p in others if not _written_by_stemlm(p)]
     if foreign:
         raise StemlmError(
             f"--out {path} already holds files that are not a stemlm run (e.g. {foreign[0]}); choose another --out"
+        )
+    check_no_checkpoints(path)
+    if others:  # reports of a run whose checkpoints are gone: a new run beside them would be mistaken for theirs
+        raise StemlmError(
+            f"--out {path} holds stemlm outputs ({', '.join(p.name for p in others)}) but no checkpoint; "
+            "remove them or choose another --out"
+        )
+
+
+def _written_by_stemlm(path: Path) -> bool:
+    manifest = read_manifest(path) if path.is_dir() else None
+    return manifest is not None and str(manifest.get("producer", "")).startswith("stemlm")
+
+
+def check_no_checkpoints(run_dir: Path) -> None:
+    """Refuse to start a new run in a run folder that has checkpoints: that run is continued with --resume."""
+    folder = run_dir / CHECKPOINTS_DIR
+    names = [p.name for p in folder.iterdir()] if folder.is_dir() else []
+    steps = sorted(int(m.group(1)) for name in names if (m := STEP_DIR.match(name)))
+    if steps:
+        raise StemlmError(
+            f"run folder {run_dir} already has checkpoints; continue it with --resume {run_dir} (newest: step "
+            f"{steps[-1]}; a finished run needs a larger --steps) or choose another --out"
         )
 
 

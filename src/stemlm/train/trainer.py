@@ -38,7 +38,7 @@ import torch
 from tokenizers import Tokenizer
 
 from stemlm.checkpoint.folder import TOKENIZER_NAME, load_config, write_json
-from stemlm.checkpoint.runs import CHECKPOINTS_DIR, STEP_DIR, from_pretrained, resolve_checkpoint
+from stemlm.checkpoint.runs import CHECKPOINTS_DIR, from_pretrained, resolve_checkpoint
 from stemlm.data.tokenizer import tokenizer_digest
 from stemlm.errors import StemlmError
 from stemlm.model import build_model
@@ -47,7 +47,7 @@ from stemlm.model.presets import get_preset
 from stemlm.runtime import resolve_device, resolve_dtype
 from stemlm.train.config import TrainConfig, model_config_diff
 from stemlm.train.data import load_datasets, resolve_sampling, resolve_tokenizer
-from stemlm.train.guard import DivergenceGuard, StopSignals, check_run_dir
+from stemlm.train.guard import DivergenceGuard, StopSignals, check_no_checkpoints, check_run_dir
 from stemlm.train.logging import METRICS_NAME, PLOT_NAME, RunLogger, plot_losses
 from stemlm.train.optim import build_optimizers, clip_gradients, freeze_backbone, set_learning_rates
 from stemlm.train.profiling import StepProfiler, check_profiling
@@ -186,12 +186,7 @@ class Trainer:
         return load_datasets(self.cfg, self.tokenizer)
 
     def _start_run_dir(self) -> None:
-        ckpts = self.run_dir / CHECKPOINTS_DIR
-        if ckpts.is_dir() and any(STEP_DIR.match(p.name) for p in ckpts.iterdir()):
-            raise StemlmError(
-                f"run folder {self.run_dir} already has checkpoints; continue it with --resume {self.run_dir} "
-                "or choose another --out"
-            )
+        check_no_checkpoints(self.run_dir)
         try:
             self.run_dir.mkdir(parents=True, exist_ok=True)
             for stale in (METRICS_NAME, PLOT_NAME):
