@@ -2,8 +2,17 @@
 
 from __future__ import annotations
 
+import pytest
+
 from stemlm.data import get_tokenizer
-from stemlm.edit.shared_tokens import changed_token_ids, describe_shared, reference_words, shared_words
+from stemlm.edit.shared_tokens import (
+    SharedSubwords,
+    changed_token_ids,
+    check_shared,
+    describe_shared,
+    reference_words,
+    shared_words,
+)
 
 
 def test_changed_tokens_skip_kept_rows():
@@ -26,3 +35,17 @@ def test_reference_words_cover_the_corpus_and_the_fact_world():
     assert {"Britain", "Madrid", "Port of Spain", "Elizabeth"} <= words
     entry = describe_shared(get_tokenizer("default"), [get_tokenizer("default").token_to_id("ain")], "Spain")[0]
     assert entry["token"] == "ain" and "Britain" in entry["shared_with"] and "Spain" not in entry["shared_with"]
+
+
+def test_check_shared_refuses_shared_tokens_unless_allowed():
+    changed = [
+        {"id": 1, "token": "ĠSp", "shared_with": ["Space", "Spake", "Spakest", "Spaniard", "Spanish"]},
+        {"id": 2, "token": "x", "shared_with": []},
+    ]
+    with pytest.raises(
+        SharedSubwords, match=r"'ĠSp' also in 5 words \(Space, Spake, Spakest, Spaniard, \.\.\.\); ask"
+    ) as e:
+        check_shared(changed, False, "ask")
+    assert e.value.changed_tokens == changed and "'x'" not in str(e.value)
+    check_shared(changed, True, "ask")
+    check_shared(changed[1:], False, "ask")  # nothing shared: nothing to ask

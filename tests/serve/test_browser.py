@@ -134,6 +134,44 @@ def test_edit_toggle_changes_the_output_not_the_prompt(browser, stem_site):
     assert by_id(browser, "before-text").text != by_id(browser, "after-text").text
 
 
+def test_a_running_request_shows_what_runs(browser, stem_site):
+    url, _ = stem_site
+    open_page(browser, url)
+    by_id(browser, "tab-edit").click()
+    set_value(browser, "edit-source", SOURCE)
+    set_value(browser, "edit-target", TARGET)
+    browser.execute_script(  # record every text the indicator shows while it is visible
+        "window.busySeen = []; const b = document.getElementById('busy');"
+        "new MutationObserver(() => { if (!b.hidden) window.busySeen.push(b.textContent); })"
+        ".observe(b, {attributes: true, childList: true, characterData: true, subtree: true});"
+    )
+    apply_edit(browser)
+    assert browser.execute_script("return window.busySeen")[0] == "Apply edit: working… 0 s"
+    assert not by_id(browser, "busy").is_displayed()
+
+
+def test_save_of_shared_subwords_asks_first(browser, stem_site):
+    url, pg = stem_site
+    open_page(browser, url)
+    by_id(browser, "tab-edit").click()
+    set_value(browser, "edit-source", SOURCE)
+    set_value(browser, "edit-target", TARGET)
+    set_value(browser, "save-name", "asked")
+    token_id = pg.tokenizer.encode(" " + SOURCE, add_special_tokens=False).ids[0]
+    for answer in ("save-cancel-btn", "save-confirm-btn"):
+        by_id(browser, "save-btn").click()
+        wait(browser, lambda d: by_id(d, "save-confirm").is_displayed())
+        assert by_id(browser, "save-tokens").text == f"'ĠFrance' (id {token_id}): also in 1 word: France's"
+        assert not by_id(browser, "error").is_displayed()
+        assert not (pg.save_dir / "asked").exists()  # asked, not saved
+        by_id(browser, answer).click()
+        wait(browser, lambda d: not by_id(d, "save-confirm").is_displayed())
+    wait(browser, lambda d: by_id(d, "save-status").text.startswith("saved "))
+    assert by_id(browser, "save-status").text == f"saved {pg.save_dir / 'asked'}"
+    assert (pg.save_dir / "asked" / "edits.json").is_file()
+    assert "France's" in by_id(browser, "save-tokens").text  # what changed stays listed after the save
+
+
 def test_clicking_tokens_picks_the_source_span(browser, stem_site):
     url, _ = stem_site
     open_page(browser, url)

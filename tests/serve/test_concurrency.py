@@ -89,7 +89,8 @@ def test_saves_during_edits_leave_the_served_tables_alone(live_server, stem_ckpt
         before = {i: t.weight.detach().clone() for i, t in pg.model.stem_tables().items()}
         alone = call(url, "/api/edit", {**EDITS[1], **common})
         jobs = [lambda: call(url, "/api/edit", {**EDITS[1], **common}) for _ in range(2)]
-        jobs += [lambda n=n: call(url, "/api/save", {**EDITS[0], "name": n}) for n in ("a", "a", "b")]
+        save = {**EDITS[0], "allow_shared_subwords": True}  # " France" is shared by "France's"
+        jobs += [lambda n=n: call(url, "/api/save", {**save, "name": n}) for n in ("a", "a", "b")]
         results = run_together(jobs)
         for i, table in pg.model.stem_tables().items():
             assert torch.equal(table.weight, before[i])

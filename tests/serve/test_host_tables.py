@@ -75,7 +75,7 @@ def test_host_tables_save_the_same_checkpoint(client_for, stem_ckpt, tmp_path):
 
     from stemlm.checkpoint.folder import read_state
 
-    body = dict(prompt=PROMPT, source=SOURCE, target=TARGET, strategy="average")
+    body = dict(prompt=PROMPT, source=SOURCE, target=TARGET, strategy="average", allow_shared_subwords=True)
     for tables in ("host", "resident"):
         client, _ = client_for(stem_ckpt, tables=tables, save_dir=tmp_path)
         assert client.post("/api/save", json={**body, "name": tables}).status_code == 200

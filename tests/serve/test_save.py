@@ -1,4 +1,8 @@
-"""Saving a global edit from the playground: a new checkpoint under --save-dir, the served model untouched."""
+"""Saving a global edit from the playground: a new checkpoint under --save-dir, the served model untouched, and
+the CLI's rule (`edit --save`): an edit whose changed tokens other words share needs `allow_shared_subwords`.
+
+" France" is one token that "France's" shares (so saving it needs the opt-in); " Ireland" is shared by no
+reference word (so it saves without)."""
 
 from __future__ import annotations
 
@@ -24,7 +28,15 @@ def ids_of(text: str) -> list[int]:
 def test_save_writes_the_global_edit_and_leaves_the_served_model(client_for, stem_ckpt, tmp_path):
     client, pg = client_for(stem_ckpt, save_dir=tmp_path / "saved")
     served = {i: t.weight.detach().clone() for i, t in pg.model.stem_tables().items()}
-    body = dict(prompt=PROMPT, source=SOURCE, target=TARGET, strategy="average", layers=[2], name="fr-de")
+    body = dict(
+        prompt=PROMPT,
+        source=SOURCE,
+        target=TARGET,
+        strategy="average",
+        layers=[2],
+        name="fr-de",
+        allow_shared_subwords=True,
+    )
     response = client.post("/api/save", json=body)
     assert response.status_code == 200, response.get_json()
     body = response.get_json()
@@ -51,8 +63,56 @@ def test_save_writes_the_global_edit_and_leaves_the_served_model(client_for, ste
 def test_save_from_a_picked_span(client_for, stem_ckpt, tmp_path):
     client, _ = client_for(stem_ckpt, save_dir=tmp_path)
     pos = ids_of(PROMPT).index(ids_of(" " + SOURCE)[0])
-    response = client.post("/api/save", json=dict(prompt=PROMPT, span=[pos, pos + 1], target=TARGET, name="span"))
+    body = dict(prompt=PROMPT, span=[pos, pos + 1], target=TARGET, name="span", allow_shared_subwords=True)
+    response = client.post("/api/save", json=body)
     assert response.status_code == 200 and response.get_json()["edit"]["source"] == SOURCE
+
+
+def test_save_of_shared_subwords_is_refused_until_allowed(client_for, stem_ckpt, tmp_path):
+    client, _ = client_for(stem_ckpt, save_dir=tmp_path)
+    body = dict(prompt=PROMPT, source=SOURCE, target=TARGET, name="fr-de")
+    for refused in (body, {**body, "allow_shared_subwords": False}):
+        response = client.post("/api/save", json=refused)
+        assert response.status_code == 409
+        answer = response.get_json()
+        (changed,) = answer["changed_tokens"]
+        assert changed == {"id": ids_of(" " + SOURCE)[0], "token": "ĠFrance", "shared_with": ["France's"]}
+        assert "'ĠFrance' also in 1 words (France's)" in answer["error"] and "allow_shared_subwords" in answer["error"]
+        assert list(tmp_path.iterdir()) == []  # nothing written
+    response = client.post("/api/save", json={**body, "allow_shared_subwords": True})
+    assert response.status_code == 200
+    assert response.get_json()["edit"]["changed_tokens"] == [changed]
+    assert (tmp_path / "fr-de" / "edits.json").is_file()
+
+
+def test_cli_and_api_refuse_the_same_tokens(client_for, stem_ckpt, tmp_path, capsys):
+    from stemlm.cli.main import main
+
+    client, _ = client_for(stem_ckpt, save_dir=tmp_path)
+    prompt = "The capital of Spain is"
+    api = client.post("/api/save", json=dict(prompt=prompt, source="Spain", target=TARGET, name="es")).get_json()
+    code = main(["edit", str(stem_ckpt), "--source", "Spain", "--target", TARGET, "--save", str(tmp_path / "cli")])
+    cli = capsys.readouterr().err
+    assert code == 2 and not (tmp_path / "cli").exists() and list(tmp_path.iterdir()) == []
+    listed = "a saved (global) edit rewrites these tokens' rows in every text: "
+    assert cli.split(listed)[1].split("; pass --allow")[0] == api["error"].split(listed)[1].split("; confirm")[0]
+    assert [t["token"] for t in api["changed_tokens"]] == ["ĠSp", "ain"]
+
+
+def test_save_of_unshared_tokens_needs_no_opt_in(client_for, stem_ckpt, tmp_path):
+    client, _ = client_for(stem_ckpt, save_dir=tmp_path)
+    body = dict(prompt="The capital of Ireland is", source="Ireland", target=TARGET, name="ie")
+    response = client.post("/api/save", json=body)
+    assert response.status_code == 200, response.get_json()
+    assert [t["shared_with"] for t in response.get_json()["edit"]["changed_tokens"]] == [[]]
+
+
+def test_allow_shared_subwords_must_be_a_boolean(client_for, stem_ckpt, tmp_path):
+    client, _ = client_for(stem_ckpt, save_dir=tmp_path)
+    body = dict(prompt=PROMPT, source=SOURCE, target=TARGET, name="x", allow_shared_subwords="yes")
+    response = client.post("/api/save", json=body)
+    assert response.status_code == 400 and "allow_shared_subwords must be true or false" in response.get_json()["error"]
+    assert list(tmp_path.iterdir()) == []
 
 
 @pytest.mark.parametrize(

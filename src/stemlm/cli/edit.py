@@ -23,6 +23,9 @@ from stemlm.errors import StemlmError
 
 EOT_TOKEN = "<|endoftext|>"
 SHOWN_WORDS = 12  # words sharing a changed token, shown per token in text output
+ALLOW_SHARED_HINT = (
+    "pass --allow-shared-subwords to save anyway (--json lists every word), or edit positionally (no --save)"
+)
 
 
 def load_for_edit(ckpt: str):
@@ -75,6 +78,7 @@ def _view(model, tokenizer, prompt_ids, hooks, max_new_tokens: int, top_k: int) 
 
 def run(args) -> int:
     from stemlm.edit.positional import NGRAM_EDIT_NOTE, edit_hooks, make_edit
+    from stemlm.edit.shared_tokens import check_shared
     from stemlm.edit.spans import DEFAULT_PAD, GLOBAL_DEFAULT_PAD, check_distinct
     from stemlm.edit.table_edits import TableEditor
 
@@ -132,7 +136,7 @@ def run(args) -> int:
         report["edit"] = record.description
         after = _maybe_view(model, tokenizer, prompt_ids, args)
         if args.save is not None:
-            _check_shared(record.description, args.allow_shared_subwords)
+            check_shared(record.description["changed_tokens"], args.allow_shared_subwords, ALLOW_SHARED_HINT)
             report["saved"] = str(editor.save(args.save, force=args.force, sources=sources))
     report.update(prompt=args.prompt, before=before, after=after)
     if model.ngram_tables() and model.stem_tables():
@@ -142,22 +146,6 @@ def run(args) -> int:
     else:
         _print(report)
     return 0
-
-
-def _check_shared(description: dict, allowed: bool) -> None:
-    """Refuse to save a global edit that also rewrites other words' sub-word tokens unless allowed."""
-    shared = [t for t in description["changed_tokens"] if t["shared_with"]]
-    if shared and not allowed:
-        what = "; ".join(
-            f"{t['token']!r} also in {len(t['shared_with'])} words ({', '.join(t['shared_with'][:4])}"
-            + (", ..." if len(t["shared_with"]) > 4 else "")
-            + ")"
-            for t in shared
-        )
-        raise StemlmError(
-            f"a saved (global) edit rewrites these tokens' rows in every text: {what}; pass "
-            "--allow-shared-subwords to save anyway (--json lists every word), or edit positionally (no --save)"
-        )
 
 
 def _maybe_view(model, tokenizer, prompt_ids, args) -> dict | None:

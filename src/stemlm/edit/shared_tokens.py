@@ -9,6 +9,10 @@ fact world (countries, capitals, languages, currencies), each tokenized the way 
 
     changed = changed_token_ids(source_ids, plan)            # ids whose rows the plan rewrites
     words = shared_words(tokenizer, changed, exclude="Spain")  # {id: ["Britain", ...]}
+
+`check_shared` is the one saving policy of `stemlm edit --save` and the playground's save: an edit whose
+changed tokens other words share is refused (`SharedSubwords`, carrying the tokens and words) unless the
+caller opted in (`--allow-shared-subwords`, the API's `allow_shared_subwords`).
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ from functools import lru_cache
 from tokenizers import Tokenizer
 
 from stemlm.edit.spans import RowPlan
+from stemlm.errors import StemlmError
 
 WORD = re.compile(r"[^\W\d_]+(?:['’-][^\W\d_]+)*")  # letters, with inner apostrophes / hyphens ("o'clock")
 
@@ -61,3 +66,30 @@ def describe_shared(tokenizer: Tokenizer, token_ids: Sequence[int], exclude: str
     """[{"id", "token", "shared_with": [words]}] for each changed token (JSON-able, stored in edits.json)."""
     words = shared_words(tokenizer, token_ids, exclude)
     return [{"id": tid, "token": tokenizer.id_to_token(tid), "shared_with": words[tid]} for tid in token_ids]
+
+
+class SharedSubwords(StemlmError):
+    """A global edit refused because other words share its changed tokens; `changed_tokens` lists them all."""
+
+    def __init__(self, message: str, changed_tokens: list[dict]) -> None:
+        super().__init__(message)
+        self.changed_tokens = changed_tokens
+
+
+def check_shared(changed_tokens: list[dict], allowed: bool, how_to_allow: str) -> None:
+    """Refuse to save a global edit that also rewrites other words' sub-word tokens unless `allowed`.
+
+    `changed_tokens` is an edit description's list (`describe_shared`); `how_to_allow` ends the one-line
+    message with the caller's opt-in (a flag for the CLI, a request field for the playground).
+    """
+    shared = [t for t in changed_tokens if t["shared_with"]]
+    if shared and not allowed:
+        what = "; ".join(
+            f"{t['token']!r} also in {len(t['shared_with'])} words ({', '.join(t['shared_with'][:4])}"
+            + (", ..." if len(t["shared_with"]) > 4 else "")
+            + ")"
+            for t in shared
+        )
+        raise SharedSubwords(
+            f"a saved (global) edit rewrites these tokens' rows in every text: {what}; {how_to_allow}", changed_tokens
+        )

@@ -17,7 +17,10 @@ header outside `trusted_hosts` gets 400):
     POST /api/nearest       {token_id, k} -> nearest tokens by row cosine per STEM layer and embedding
     POST /api/edit          {prompt, target, source | span, strategy, pad, layers, rows, show_top, sampling...}
                             -> before/after top `show_top` next-token probabilities and continuations
-    POST /api/save          the same edit fields + {name} -> a global edit saved under --save-dir/name
+    POST /api/save          the same edit fields + {name, allow_shared_subwords} -> a global edit saved under
+                            --save-dir/name with its `edit` description (`changed_tokens`: each {id, token,
+                            shared_with}); when other words share a changed token and allow_shared_subwords is
+                            not true, 409 with {error, changed_tokens} and nothing saved (the CLI's rule)
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ from werkzeug.exceptions import HTTPException
 
 from stemlm.edit import PAD_ROWS, STRATEGIES
 from stemlm.edit.positional import ROW_KINDS
+from stemlm.edit.shared_tokens import SharedSubwords
 from stemlm.errors import StemlmError
 from stemlm.inference.generate import IncrementalDecoder  # text pieces that never split a multi-byte character
 from stemlm.serve.editing import EditSpec
@@ -119,6 +123,8 @@ def create_app(pg: Playground, hosts: Sequence[str] | None = None) -> Flask:
 
     @app.errorhandler(StemlmError)
     def user_error(exc: StemlmError):
+        if isinstance(exc, SharedSubwords):  # a question for the user: the page lists the words and asks
+            return jsonify(error=str(exc), changed_tokens=exc.changed_tokens), 409
         return jsonify(error=str(exc)), 409 if isinstance(exc, Conflict) else 400
 
     @app.errorhandler(HTTPException)
@@ -181,6 +187,7 @@ def create_app(pg: Playground, hosts: Sequence[str] | None = None) -> Flask:
     def save():
         b = body()
         ids = pg.encode(b.text("prompt"))
-        return jsonify(pg.save(ids, edit_spec(b), b.text("name").strip()))
+        allow = b.boolean("allow_shared_subwords", False)
+        return jsonify(pg.save(ids, edit_spec(b), b.text("name").strip(), allow_shared=allow))
 
     return app

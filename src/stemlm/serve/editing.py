@@ -8,7 +8,9 @@ and a continuation of each sampled with the same settings and seed, so the only 
 Edits act through the model's row hooks, per call: the served model is never written to.
 
 `save_global_edit` writes the edit as a global one into `views.editable_copy` of the model (copy-on-save:
-only the edited tables are cloned) and saves that as a new checkpoint with `TableEditor.save`.
+only the edited tables are cloned) and saves that as a new checkpoint with `TableEditor.save`, under the
+CLI's policy (`stemlm.edit.shared_tokens.check_shared`): an edit whose changed tokens other words share is
+refused, before anything is written, unless the request sets `allow_shared_subwords`.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from tokenizers import Tokenizer
 
 from stemlm.edit import DEFAULT_PAD, PositionalEdit, TableEditor, align, entity_ids, make_edit
 from stemlm.edit.positional import edit_hooks, rows_to_parts, table_layers
+from stemlm.edit.shared_tokens import check_shared
 from stemlm.edit.spans import GLOBAL_DEFAULT_PAD, tokenizer_eot
 from stemlm.errors import StemlmError
 from stemlm.inference.generate import stream_tokens
@@ -140,13 +143,20 @@ def source_text(tokenizer: Tokenizer, ids: Sequence[int], spec: EditSpec) -> str
     return spec.source
 
 
-def save_global_edit(model: StemLM, tokenizer: Tokenizer, source: str, spec: EditSpec, directory: Path) -> dict:
-    """Write ` source` -> ` target` as a global edit into a private copy of the model; save it to `directory`."""
+ALLOW_SHARED_HINT = "confirm to save anyway (allow_shared_subwords: true), or keep the edit positional (Apply edit)"
+
+
+def save_global_edit(
+    model: StemLM, tokenizer: Tokenizer, source: str, spec: EditSpec, directory: Path, *, allow_shared: bool = False
+) -> dict:
+    """Write ` source` -> ` target` as a global edit into a private copy of the model; save it to `directory`
+    unless other words share its changed tokens and `allow_shared` is off (`SharedSubwords`, nothing written)."""
     if spec.layers is not None and not spec.layers and spec.rows != "embed":
         raise StemlmError("no STEM layer chosen: tick at least one layer (or swap embedding rows only)")
     copy = editable_copy(model, spec.layers, spec.rows)
     editor = TableEditor(copy, tokenizer)
     pad = spec.pad or GLOBAL_DEFAULT_PAD
     record = editor.edit(source, spec.target, strategy=spec.strategy, pad=pad, layers=spec.layers, rows=spec.rows)
+    check_shared(record.description["changed_tokens"], allow_shared, ALLOW_SHARED_HINT)
     editor.save(directory)
     return record.description

@@ -228,8 +228,9 @@ class Playground:
         result = compare(model, self.tokenizer, ids, edit, top_k=top_k, sampling=sampling, eos_id=self.eos_id)
         return {"tokens": self.tokens(ids), **result, "seconds": time.perf_counter() - start}
 
-    def save(self, ids: list[int], spec: EditSpec, name: str) -> dict:
-        """Save the edit as a global one: a new checkpoint `save_dir/name`, never over an existing folder."""
+    def save(self, ids: list[int], spec: EditSpec, name: str, *, allow_shared: bool = False) -> dict:
+        """Save the edit as a global one: a new checkpoint `save_dir/name`, never over an existing folder, and
+        only with `allow_shared` when other words share its changed tokens (`SharedSubwords` otherwise)."""
         if self.save_dir is None:
             raise StemlmError("saving is off: start the server with --save-dir DIR to save edited checkpoints")
         if not SAVE_NAME.match(name):
@@ -240,7 +241,9 @@ class Playground:
             if target.exists() or target == self.checkpoint:
                 raise Conflict(f"{target} already exists; pick another name (saves never overwrite a folder)")
             with torch.no_grad():
-                description = save_global_edit(self.view(), self.tokenizer, source, spec, target)
+                description = save_global_edit(
+                    self.view(), self.tokenizer, source, spec, target, allow_shared=allow_shared
+                )
         return {"path": str(target), "edit": description}
 
     def close(self) -> None:

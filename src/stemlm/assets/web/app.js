@@ -4,7 +4,10 @@
 "use strict";
 
 const $ = (id) => document.getElementById(id);
-const state = { info: null, tokens: [], span: null, edit: null, nearest: new Map(), contribution: null };
+const state = {
+  info: null, tokens: [], span: null, edit: null, nearest: new Map(), contribution: null, pendingSave: null,
+};
+const SHOWN_WORDS = 12; // words sharing a changed token listed inline; the rest behind "more"
 
 function showError(message) {
   $("error-text").textContent = message;
@@ -18,7 +21,11 @@ async function api(path, body) {
   });
   let data = null;
   try { data = await response.json(); } catch (_) { /* a non-JSON answer: reported below */ }
-  if (!response.ok) throw new Error((data && data.error) || `${path}: HTTP ${response.status}`);
+  if (!response.ok) {
+    const err = new Error((data && data.error) || `${path}: HTTP ${response.status}`);
+    err.data = data; // the whole answer: a refused save carries the tokens it would change
+    throw err;
+  }
   return data;
 }
 
@@ -39,10 +46,22 @@ function sampling() {
   };
 }
 
+// While a request runs its button is disabled and the status line says what runs and for how long, since an
+// edit or a heat map of a large model takes many seconds.
 async function withBusy(button, work) {
   clearError();
   button.disabled = true;
-  try { await work(); } catch (err) { showError(err.message); } finally { button.disabled = false; }
+  const started = Date.now();
+  const label = button.textContent.trim();
+  const tick = () => { $("busy").textContent = `${label}: working… ${Math.floor((Date.now() - started) / 1000)} s`; };
+  tick();
+  $("busy").hidden = false;
+  const timer = setInterval(tick, 500);
+  try { await work(); } catch (err) { showError(err.message); } finally {
+    clearInterval(timer);
+    $("busy").hidden = true;
+    button.disabled = false;
+  }
 }
 
 // ----- model info and tabs -----
@@ -305,11 +324,54 @@ $("edit-btn").addEventListener("click", () => withBusy($("edit-btn"), async () =
 }));
 $("edit-toggle").addEventListener("change", drawEdit);
 
+// ----- save: the CLI's rule (edit --save): tokens other words share are saved only once the user confirms -----
+function drawChangedTokens(changed) {
+  const items = changed.map((t) => {
+    const item = el("li", "", `'${t.token}' (id ${t.id}): `);
+    const words = t.shared_with;
+    if (!words.length) { item.append("no other word"); return item; }
+    item.append(el("span", "shared", `also in ${words.length} word${words.length > 1 ? "s" : ""}: ${words.slice(0, SHOWN_WORDS).join(", ")}`));
+    if (words.length > SHOWN_WORDS) {
+      const more = el("details", "more");
+      more.append(el("summary", "", `${words.length - SHOWN_WORDS} more`), el("div", "", words.slice(SHOWN_WORDS).join(", ")));
+      item.append(more);
+    }
+    return item;
+  });
+  $("save-tokens").replaceChildren(...items);
+  $("save-tokens").hidden = false;
+}
+
+async function save(request) {
+  $("save-confirm").hidden = true;
+  state.pendingSave = null;
+  $("save-status").textContent = "";
+  $("save-tokens").hidden = true;
+  let result;
+  try {
+    result = await api("/api/save", request);
+  } catch (err) {
+    if (!err.data || !err.data.changed_tokens) throw err;
+    drawChangedTokens(err.data.changed_tokens); // refused: show what would change and ask
+    state.pendingSave = { ...request, allow_shared_subwords: true };
+    $("save-status").textContent = "not saved yet: other words share tokens this edit rewrites everywhere";
+    $("save-confirm").hidden = false;
+    return;
+  }
+  drawChangedTokens(result.edit.changed_tokens);
+  $("save-status").textContent = `saved ${result.path}`;
+}
+
 $("save-btn").addEventListener("click", () => withBusy($("save-btn"), async () => {
   const name = $("save-name").value.trim() || `${$("edit-source").value}-to-${$("edit-target").value}`.replace(/[^A-Za-z0-9._-]+/g, "-");
-  const result = await api("/api/save", { ...editRequest(), name });
-  $("save-status").textContent = `saved ${result.path}`;
+  await save({ ...editRequest(), name, allow_shared_subwords: false });
 }));
+$("save-confirm-btn").addEventListener("click", () => withBusy($("save-confirm-btn"), () => save(state.pendingSave)));
+$("save-cancel-btn").addEventListener("click", () => {
+  state.pendingSave = null;
+  $("save-confirm").hidden = true;
+  $("save-status").textContent = "not saved";
+});
 
 $("error-close").addEventListener("click", clearError);
 loadInfo().catch((err) => showError(err.message));
