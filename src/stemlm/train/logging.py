@@ -6,6 +6,10 @@ progress bar and the one-line evaluation summaries go to stderr. On resume from 
 (written by the interrupted run past its last checkpoint) are dropped from metrics.jsonl and purged from
 TensorBoard, so both read as one uninterrupted run. `plot_losses` draws RUN/loss.png from metrics.jsonl.
 Non-finite numbers are written as null: metrics.jsonl stays strict JSON.
+
+The bar reads `40%|████      | 80/200 steps [01:02, ETA 01:33, loss 5.1234, 3,150 tok/s]`: the ETA is
+tqdm's (wall time per step, evaluations and saves included), the throughput that of the last `SPEED_STEPS`
+steps (one step's figure jumps with the machine's load; metrics.jsonl keeps every step's).
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ from __future__ import annotations
 import json
 import math
 import sys
+from collections import deque
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +28,8 @@ from stemlm.errors import StemlmError
 METRICS_NAME = "metrics.jsonl"
 TENSORBOARD_DIR = "tensorboard"
 PLOT_NAME = "loss.png"
+SPEED_STEPS = 20  # trailing steps whose tokens/s the progress bar shows
+BAR_FORMAT = "{l_bar}{bar}| {n_fmt}/{total_fmt} steps [{elapsed}, ETA {remaining}{postfix}]"
 
 
 def _clean(value: Any) -> Any:
@@ -67,7 +74,9 @@ class RunLogger:
             disable=not progress,
             dynamic_ncols=True,
             unit="step",
+            bar_format=BAR_FORMAT,
         )
+        self.rates: deque[float] = deque(maxlen=SPEED_STEPS)
 
     def log(self, record: dict[str, Any]) -> None:
         clean = {k: _clean(v) for k, v in record.items()}
@@ -82,7 +91,10 @@ class RunLogger:
                 self.tb.add_scalar(f"{kind}/{key}", value, step)
 
     def advance(self, loss: float, tokens_per_s: float) -> None:
-        self.bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{tokens_per_s:,.0f}", refresh=False)
+        self.rates.append(tokens_per_s)
+        # Every step trains the same number of tokens, so the window's tokens / seconds is the harmonic mean.
+        window = len(self.rates) / sum(1 / r for r in self.rates)
+        self.bar.set_postfix_str(f"loss {loss:.4f}, {window:,.0f} tok/s", refresh=False)
         self.bar.update(1)
 
     def message(self, text: str) -> None:
