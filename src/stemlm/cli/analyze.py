@@ -89,35 +89,48 @@ def run(args) -> int:
 
 
 def _analyze(args, model, tokenizer, names, prompt_ids, out: Path, final: Path) -> dict:
-    """Every chosen analysis, its PNG written into `out` (the temporary folder of the atomic write to `final`)."""
+    """Every chosen analysis, its PNG written into `out` (the temporary folder of the atomic write to `final`).
+    Inputs are read first, so a bad --text or --dense fails before the progress bar (one bar step per analysis)."""
+    from tqdm import tqdm
+
     from stemlm.analysis import activated, attribution, nearest, spread
     from stemlm.checkpoint.runs import load_checkpoint
 
     report: dict = {"checkpoint": args.ckpt, "prompt": args.prompt, "out": str(final), "pngs": {}}
     if "spread" in names or "activated" in names:
         text_ids = _text_ids(args, tokenizer)
-    if "spread" in names:
-        dense = load_checkpoint(args.dense)[0] if args.dense else None
-        result, samples = spread.angular_spread(model, text_ids, dense=dense, max_tokens=args.max_tokens)
-        report["spread"] = result
-        name = "dense W_up x" if dense is not None else "own gate_proj(x)"
-        report["pngs"]["spread"] = str(spread.plot_spread(samples, name, out / "spread.png"))
-    if "attribution" in names:
-        target = None
-        if args.predict is not None:
-            target = nearest.query_token(tokenizer, args.predict, model.config.vocab_size)
-        result = attribution.attribute(model, prompt_ids, target)
-        report["attribution"] = {**result, "prompt": args.prompt, "token": tokenizer.decode([result["token_id"]])}
-        labels = [tokenizer.decode([i]) for i in prompt_ids]
-        png = attribution.plot_attribution(result, labels, report["attribution"]["token"], out / "attribution.png")
-        report["pngs"]["attribution"] = str(png)
-    if "nearest" in names:
-        token = args.token or _default_token(tokenizer, prompt_ids)
-        report["nearest"] = nearest.nearest_tokens(model, tokenizer, token, args.top_k)
-        report["pngs"]["nearest"] = str(nearest.plot_nearest(report["nearest"], out / "nearest.png"))
-    if "activated" in names:
-        report["activated"] = activated.activated_vs_context(model.config, text_ids)
-        report["pngs"]["activated"] = str(activated.plot_activated(report["activated"], out / "activated.png"))
+    dense = load_checkpoint(args.dense)[0] if args.dense and "spread" in names else None
+    bar = tqdm(total=len(names), desc="analyze", unit="analysis", file=sys.stderr, disable=args.no_progress)
+    with bar:
+        if "spread" in names:
+            bar.set_postfix_str("spread")
+            result, samples = spread.angular_spread(model, text_ids, dense=dense, max_tokens=args.max_tokens)
+            report["spread"] = result
+            name = "dense W_up x" if dense is not None else "own gate_proj(x)"
+            report["pngs"]["spread"] = str(spread.plot_spread(samples, name, out / "spread.png"))
+            bar.update()
+        if "attribution" in names:
+            bar.set_postfix_str("attribution")
+            target = None
+            if args.predict is not None:
+                target = nearest.query_token(tokenizer, args.predict, model.config.vocab_size)
+            result = attribution.attribute(model, prompt_ids, target)
+            report["attribution"] = {**result, "prompt": args.prompt, "token": tokenizer.decode([result["token_id"]])}
+            labels = [tokenizer.decode([i]) for i in prompt_ids]
+            png = attribution.plot_attribution(result, labels, report["attribution"]["token"], out / "attribution.png")
+            report["pngs"]["attribution"] = str(png)
+            bar.update()
+        if "nearest" in names:
+            bar.set_postfix_str("nearest")
+            token = args.token or _default_token(tokenizer, prompt_ids)
+            report["nearest"] = nearest.nearest_tokens(model, tokenizer, token, args.top_k)
+            report["pngs"]["nearest"] = str(nearest.plot_nearest(report["nearest"], out / "nearest.png"))
+            bar.update()
+        if "activated" in names:
+            bar.set_postfix_str("activated")
+            report["activated"] = activated.activated_vs_context(model.config, text_ids)
+            report["pngs"]["activated"] = str(activated.plot_activated(report["activated"], out / "activated.png"))
+            bar.update()
     pngs = {name: str(final / Path(png).name) for name, png in report["pngs"].items()}
     (out / "analysis.json").write_text(json.dumps({**report, "pngs": pngs}, indent=2) + "\n")
     return report
@@ -175,5 +188,6 @@ def register(subparsers) -> None:
     p.add_argument("--only", default="all", help=f"comma list of analyses: {', '.join(ANALYSES)} (default all)")
     p.add_argument("--out", help="folder for analysis.json and the PNGs (default: RUN/analysis, beside the checkpoint)")
     p.add_argument("--force", action="store_true", help="replace --out if it holds an earlier analyze output")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     add_json_flag(p)
     p.set_defaults(func=run)

@@ -42,6 +42,7 @@ def register_eval(subparsers) -> None:
     parser.add_argument("--stride", type=int, metavar="S", help="tokens the window advances by, 1..L (default: L)")
     parser.add_argument("--max-tokens", type=int, metavar="N", help="score only about N tokens, spread over documents")
     parser.add_argument("--batch-size", type=int, default=8, help="windows per forward (default: 8)")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     add_inference_flags(parser)
     add_json_flag(parser)
     parser.set_defaults(func=run)
@@ -80,6 +81,7 @@ def _score(args, loaded) -> int:
         stride=args.stride,
         max_tokens=args.max_tokens,
         batch_size=args.batch_size,
+        progress=not args.no_progress,
     )
     if args.json:
         tables = {"tables": loaded.offloaded.report()} if loaded.offloaded else {}

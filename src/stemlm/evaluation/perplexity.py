@@ -13,14 +13,18 @@ tokenizer-independent number to compare models with different vocabularies.
     result = evaluate_perplexity(model, tokenizer, texts, window=512, stride=256)
     print(result.perplexity, result.bits_per_byte)
 
-CLI: `stemlm eval ppl CKPT [--data PATH ...] [--seq-len L] [--stride S] [--max-tokens N] [--json]`.
+`progress=True` draws a tqdm bar over the tokens to score on stderr (tokens/s and an ETA), advanced per
+batch of windows; every text is tokenized and checked first, so a bad input fails before the bar appears.
+
+CLI: `stemlm eval ppl CKPT [--data PATH ...] [--seq-len L] [--stride S] [--max-tokens N] [--no-progress] [--json]`.
 """
 
 from __future__ import annotations
 
 import math
+import sys
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 
 import torch
@@ -66,20 +70,30 @@ def model_device(model: torch.nn.Module) -> torch.device:
     return next(model.parameters()).device
 
 
-@torch.no_grad()
-def token_logprobs(
-    model: StemLM, sequence: Sequence[int], window: int, stride: int | None = None, batch_size: int = 8
-) -> torch.Tensor:
-    """Log-probability (float32, nats) of each of `sequence[1:]` given its left context within the window.
-
-    `sequence[0]` is the conditioning prefix (normally `<|endoftext|>`). Windows of equal length are run
-    as one batch, so a long document costs `ceil(n / stride)` window forwards in few model calls.
-    """
+def check_window(model: StemLM, window: int) -> None:
     if window > model.config.max_position_embeddings:
         raise StemlmError(
             f"window of {window} tokens exceeds the model's max_position_embeddings="
             f"{model.config.max_position_embeddings}; pass a smaller --seq-len"
         )
+
+
+@torch.no_grad()
+def token_logprobs(
+    model: StemLM,
+    sequence: Sequence[int],
+    window: int,
+    stride: int | None = None,
+    batch_size: int = 8,
+    on_scored: Callable[[int], object] | None = None,
+) -> torch.Tensor:
+    """Log-probability (float32, nats) of each of `sequence[1:]` given its left context within the window.
+
+    `sequence[0]` is the conditioning prefix (normally `<|endoftext|>`). Windows of equal length are run
+    as one batch, so a long document costs `ceil(n / stride)` window forwards in few model calls.
+    `on_scored(n)` is called after each batch with the number of tokens it scored (a progress bar's update).
+    """
+    check_window(model, window)
     seq = torch.as_tensor(list(sequence), dtype=torch.long, device=model_device(model))
     out = torch.full((max(len(seq) - 1, 0),), float("nan"), dtype=torch.float32, device=seq.device)
     by_length: dict[int, list[Window]] = defaultdict(list)
@@ -94,6 +108,8 @@ def token_logprobs(
             picked = logp.gather(-1, targets[..., None])[..., 0]
             for row, w in enumerate(chunk):
                 out[w.start + w.skip : w.end] = picked[row, w.skip : length]
+            if on_scored is not None:
+                on_scored(sum(w.end - w.start - w.skip for w in chunk))
     return out
 
 
@@ -160,13 +176,17 @@ def evaluate_perplexity(
     prefix_id: int | None = None,
     max_tokens: int | None = None,
     batch_size: int = 8,
+    progress: bool = False,
 ) -> PerplexityResult:
     """Score every text (documents separately) and aggregate nats, tokens and bytes over all of them.
 
     `window` defaults to the model's max_position_embeddings and `stride` to the window. `max_tokens`
     scores only the first ceil(max_tokens / len(texts)) tokens of each document (a quick estimate that
-    still covers every document). `prefix_id` defaults to the tokenizer's `<|endoftext|>`.
+    still covers every document). `prefix_id` defaults to the tokenizer's `<|endoftext|>`. `progress`:
+    a bar over the tokens on stderr.
     """
+    from tqdm import tqdm
+
     from stemlm.data.tokenizer import eot_id
 
     # None means "default"; 0 is not a silent default but a mistake.
@@ -183,24 +203,39 @@ def evaluate_perplexity(
         raise StemlmError(f"max_tokens must be positive, got {max_tokens}")
     prefix = eot_id(tokenizer) if prefix_id is None else prefix_id
     cap = None if max_tokens is None else -(-max_tokens // len(texts))
+    check_window(model, window)
+    documents = []
+    for text, enc in zip(texts, tokenizer.encode_batch(texts, add_special_tokens=False), strict=True):
+        ids = enc.ids
+        if cap is not None:
+            text, ids = _truncate(text, ids, enc.offsets, cap)
+        if max(ids, default=0) >= model.config.vocab_size:
+            raise StemlmError(
+                f"the tokenizer produced id {max(ids)} but the model's vocab_size is {model.config.vocab_size}; "
+                "use the checkpoint's own tokenizer"
+            )
+        documents.append((text, ids))
     was_training = model.training
     model.eval()
     nats, tokens, nbytes = 0.0, 0, 0
+    total = sum(len(ids) for _, ids in documents)
+    bar = tqdm(
+        total=total,
+        desc="scoring",
+        unit="tok",
+        unit_scale=True,
+        file=sys.stderr,
+        disable=not progress,
+        dynamic_ncols=True,
+    )
     try:
-        for text, enc in zip(texts, tokenizer.encode_batch(texts, add_special_tokens=False), strict=True):
-            ids = enc.ids
-            if cap is not None:
-                text, ids = _truncate(text, ids, enc.offsets, cap)
-            if max(ids, default=0) >= model.config.vocab_size:
-                raise StemlmError(
-                    f"the tokenizer produced id {max(ids)} but the model's vocab_size is {model.config.vocab_size}; "
-                    "use the checkpoint's own tokenizer"
-                )
-            logp = token_logprobs(model, [prefix, *ids], window, stride, batch_size)
+        for text, ids in documents:
+            logp = token_logprobs(model, [prefix, *ids], window, stride, batch_size, on_scored=bar.update)
             nats -= float(logp.double().sum())
             tokens += len(ids)
             nbytes += len(text.encode("utf-8"))
     finally:
+        bar.close()
         model.train(was_training)
     loss = nats / tokens
     return PerplexityResult(
