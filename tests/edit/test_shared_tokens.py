@@ -8,7 +8,7 @@ from stemlm.data import get_tokenizer
 from stemlm.edit.shared_tokens import (
     SharedSubwords,
     changed_token_ids,
-    check_shared,
+    check_shared_subwords,
     describe_shared,
     reference_words,
     shared_words,
@@ -37,7 +37,7 @@ def test_reference_words_cover_the_corpus_and_the_fact_world():
     assert entry["token"] == "ain" and "Britain" in entry["shared_with"] and "Spain" not in entry["shared_with"]
 
 
-def test_check_shared_refuses_shared_tokens_unless_allowed():
+def test_check_shared_subwords_refuses_shared_tokens_unless_allowed():
     changed = [
         {"id": 1, "token": "ĠSp", "shared_with": ["Space", "Spake", "Spakest", "Spaniard", "Spanish"]},
         {"id": 2, "token": "x", "shared_with": []},
@@ -45,7 +45,7 @@ def test_check_shared_refuses_shared_tokens_unless_allowed():
     with pytest.raises(
         SharedSubwords, match=r"'ĠSp' also in 5 words \(Space, Spake, Spakest, Spaniard, \.\.\.\); ask"
     ) as e:
-        check_shared(changed, False, "ask")
+        check_shared_subwords({"changed_tokens": changed}, False, "ask")
     assert e.value.changed_tokens == changed and "'x'" not in str(e.value)
-    check_shared(changed, True, "ask")
-    check_shared(changed[1:], False, "ask")  # nothing shared: nothing to ask
+    check_shared_subwords({"changed_tokens": changed}, True, "ask")
+    check_shared_subwords({"changed_tokens": changed[1:]}, False, "ask")  # nothing shared: nothing to ask

@@ -23,9 +23,6 @@ from stemlm.errors import StemlmError
 
 EOT_TOKEN = "<|endoftext|>"
 SHOWN_WORDS = 12  # words sharing a changed token, shown per token in text output
-ALLOW_SHARED_HINT = (
-    "pass --allow-shared-subwords to save anyway (--json lists every word), or edit positionally (no --save)"
-)
 
 
 def load_for_edit(ckpt: str):
@@ -78,7 +75,7 @@ def _view(model, tokenizer, prompt_ids, hooks, max_new_tokens: int, top_k: int) 
 
 def run(args) -> int:
     from stemlm.edit.positional import NGRAM_EDIT_NOTE, edit_hooks, make_edit
-    from stemlm.edit.shared_tokens import check_shared
+    from stemlm.edit.shared_tokens import check_shared_subwords
     from stemlm.edit.spans import DEFAULT_PAD, GLOBAL_DEFAULT_PAD, check_distinct
     from stemlm.edit.table_edits import TableEditor
 
@@ -136,7 +133,7 @@ def run(args) -> int:
         report["edit"] = record.description
         after = _maybe_view(model, tokenizer, prompt_ids, args)
         if args.save is not None:
-            check_shared(record.description["changed_tokens"], args.allow_shared_subwords, ALLOW_SHARED_HINT)
+            check_shared_subwords(record.description, args.allow_shared_subwords)
             report["saved"] = str(editor.save(args.save, force=args.force, sources=sources))
     report.update(prompt=args.prompt, before=before, after=after)
     if model.ngram_tables() and model.stem_tables():

@@ -10,9 +10,9 @@ fact world (countries, capitals, languages, currencies), each tokenized the way 
     changed = changed_token_ids(source_ids, plan)            # ids whose rows the plan rewrites
     words = shared_words(tokenizer, changed, exclude="Spain")  # {id: ["Britain", ...]}
 
-`check_shared` is the one saving policy of `stemlm edit --save` and the playground's save: an edit whose
-changed tokens other words share is refused (`SharedSubwords`, carrying the tokens and words) unless the
-caller opted in (`--allow-shared-subwords`, the API's `allow_shared_subwords`).
+`check_shared_subwords` is the one saving policy of `stemlm edit --save` and the playground's save: an edit
+whose changed tokens other words share is refused (`SharedSubwords`, carrying the tokens and words) unless
+the caller opted in (`--allow-shared-subwords`, the API's `allow_shared_subwords`).
 """
 
 from __future__ import annotations
@@ -26,6 +26,8 @@ from tokenizers import Tokenizer
 from stemlm.edit.spans import RowPlan
 from stemlm.errors import StemlmError
 
+# How the CLI's user opts in: the end of the refusal message unless the caller names its own.
+CLI_OPT_IN = "pass --allow-shared-subwords to save anyway (--json lists every word), or edit positionally (no --save)"
 WORD = re.compile(r"[^\W\d_]+(?:['’-][^\W\d_]+)*")  # letters, with inner apostrophes / hyphens ("o'clock")
 
 
@@ -76,13 +78,14 @@ class SharedSubwords(StemlmError):
         self.changed_tokens = changed_tokens
 
 
-def check_shared(changed_tokens: list[dict], allowed: bool, how_to_allow: str) -> None:
+def check_shared_subwords(description: dict, allowed: bool, how_to_allow: str = CLI_OPT_IN) -> None:
     """Refuse to save a global edit that also rewrites other words' sub-word tokens unless `allowed`.
 
-    `changed_tokens` is an edit description's list (`describe_shared`); `how_to_allow` ends the one-line
-    message with the caller's opt-in (a flag for the CLI, a request field for the playground).
+    `description` is the edit's (`TableEditor` records: its `changed_tokens` come from `describe_shared`);
+    `how_to_allow` ends the one-line message with the caller's opt-in (the CLI flag by default).
     """
-    shared = [t for t in changed_tokens if t["shared_with"]]
+    changed = description["changed_tokens"]
+    shared = [t for t in changed if t["shared_with"]]
     if shared and not allowed:
         what = "; ".join(
             f"{t['token']!r} also in {len(t['shared_with'])} words ({', '.join(t['shared_with'][:4])}"
@@ -91,5 +94,5 @@ def check_shared(changed_tokens: list[dict], allowed: bool, how_to_allow: str) -
             for t in shared
         )
         raise SharedSubwords(
-            f"a saved (global) edit rewrites these tokens' rows in every text: {what}; {how_to_allow}", changed_tokens
+            f"a saved (global) edit rewrites these tokens' rows in every text: {what}; {how_to_allow}", changed
         )

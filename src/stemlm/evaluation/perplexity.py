@@ -71,6 +71,7 @@ def model_device(model: torch.nn.Module) -> torch.device:
 
 
 def check_window(model: StemLM, window: int) -> None:
+    """Refuse a window longer than the model's positions (checked before any scoring starts)."""
     if window > model.config.max_position_embeddings:
         raise StemlmError(
             f"window of {window} tokens exceeds the model's max_position_embeddings="

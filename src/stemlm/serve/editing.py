@@ -9,8 +9,8 @@ Edits act through the model's row hooks, per call: the served model is never wri
 
 `save_global_edit` writes the edit as a global one into `views.editable_copy` of the model (copy-on-save:
 only the edited tables are cloned) and saves that as a new checkpoint with `TableEditor.save`, under the
-CLI's policy (`stemlm.edit.shared_tokens.check_shared`): an edit whose changed tokens other words share is
-refused, before anything is written, unless the request sets `allow_shared_subwords`.
+CLI's policy (`stemlm.edit.shared_tokens.check_shared_subwords`): an edit whose changed tokens other words
+share is refused, before anything is written, unless the request sets `allow_shared_subwords`.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from tokenizers import Tokenizer
 
 from stemlm.edit import DEFAULT_PAD, PositionalEdit, TableEditor, align, entity_ids, make_edit
 from stemlm.edit.positional import edit_hooks, rows_to_parts, table_layers
-from stemlm.edit.shared_tokens import check_shared
+from stemlm.edit.shared_tokens import check_shared_subwords
 from stemlm.edit.spans import GLOBAL_DEFAULT_PAD, tokenizer_eot
 from stemlm.errors import StemlmError
 from stemlm.inference.generate import stream_tokens
@@ -157,6 +157,6 @@ def save_global_edit(
     editor = TableEditor(copy, tokenizer)
     pad = spec.pad or GLOBAL_DEFAULT_PAD
     record = editor.edit(source, spec.target, strategy=spec.strategy, pad=pad, layers=spec.layers, rows=spec.rows)
-    check_shared(record.description["changed_tokens"], allow_shared, ALLOW_SHARED_HINT)
+    check_shared_subwords(record.description, allow_shared, ALLOW_SHARED_HINT)
     editor.save(directory)
     return record.description
