@@ -71,6 +71,7 @@ def register_eval(subparsers) -> None:
         help="folder for niah.json and niah_heatmap.png (default: RUN/eval-niah, beside the checkpoint)",
     )
     parser.add_argument("--force", action="store_true", help="replace --out if it holds an earlier niah output")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     add_json_flag(parser)
     parser.set_defaults(func=run)
 
@@ -122,6 +123,7 @@ def run(args) -> int:
             seed=args.seed,
             max_context=model.config.max_position_embeddings,
             keep_outputs=True,
+            progress=not args.no_progress,
         )
     with AtomicFolder(out, **guard) as tmp:
         (tmp / "niah.json").write_text(json.dumps(result, indent=2), encoding="utf-8")

@@ -8,7 +8,9 @@ the `<|endoftext|>` prefix, the prompt and the tokens left for the answer, so a 
 first filler sentence, 1 after the last, d in between after round(d · n) of the n sentences; the other
 needles (multi-key) go to random sentence boundaries. Scoring is exact match of the first number in the
 generated text. `run_niah` runs a grid of lengths × depths with any `answer(prompt, max_new_tokens) -> text`
-function (`model_answerer` wraps a model with greedy KV-cache decoding), `plot_niah_heatmap` draws it.
+function (`model_answerer` wraps a model with greedy KV-cache decoding), `plot_niah_heatmap` draws it;
+every sample is built before the first answer, so a length too short for the task fails before any decoding
+(and before the progress bar, `progress=True`: one step per sample on stderr).
 
 Small models only retrieve after seeing the task in training: `passkey_documents` produces such documents
 (prompt + answer) to mix into the training data, e.g. as a jsonl file for `--data`:
@@ -22,6 +24,7 @@ from __future__ import annotations
 import json
 import random
 import re
+import sys
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -152,11 +155,14 @@ def run_niah(
     seed: int = 0,
     max_context: int | None = None,
     keep_outputs: bool = False,
+    progress: bool = False,
 ) -> dict[str, Any]:
     """Accuracy on every (length, depth) cell over `samples` samples each, by length, and overall.
 
     `max_context` (the model's max_position_embeddings) is checked before anything runs.
     """
+    from tqdm import tqdm
+
     lengths, depths = [int(n) for n in lengths], [float(d) for d in depths]
     if not lengths or not depths:
         raise StemlmError("give at least one context length and one depth")
@@ -168,20 +174,28 @@ def run_niah(
             f"context length {max(too_long)} exceeds the model's max_position_embeddings="
             f"{max_context}; use lengths up to {max_context}"
         )
-    grid: dict[str, dict[str, float]] = {}
-    outputs = []
+    planned = []
     for length in lengths:
-        grid[str(length)] = {}
         for depth in depths:
             rng = random.Random(f"{seed}:{length}:{depth}")
+            drawn = [
+                make_niah_sample(tokenizer, length, depth, needles=needles, digits=digits, rng=rng)
+                for _ in range(samples)
+            ]
+            planned.append((length, depth, drawn))
+    grid: dict[str, dict[str, float]] = {}
+    outputs = []
+    bar = tqdm(total=len(planned) * samples, desc="niah", unit="sample", file=sys.stderr, disable=not progress)
+    with bar:
+        for length, depth, drawn in planned:
             hits = 0
-            for _ in range(samples):
-                sample = make_niah_sample(tokenizer, length, depth, needles=needles, digits=digits, rng=rng)
+            for sample in drawn:
                 generated = answer(sample.prompt, sample.max_new_tokens)
                 hits += score(sample, generated)
                 if keep_outputs:
                     outputs.append({**asdict(sample), "generated": generated, "correct": score(sample, generated)})
-            grid[str(length)][str(depth)] = hits / samples
+                bar.update()
+            grid.setdefault(str(length), {})[str(depth)] = hits / samples
     by_length = {n: sum(cells.values()) / len(cells) for n, cells in grid.items()}
     result = {
         "variant": "niah_single" if needles == 1 else f"niah_multikey_{needles}",
