@@ -202,7 +202,7 @@ def test_rerun_over_a_finished_run_with_its_reports_points_to_resume(tmp_path, s
     before = {p.relative_to(run): p.read_bytes() for p in run.rglob("*") if p.is_file()}
     assert {"analysis", "cache-sim"} <= {p.name for p in run.iterdir()}
     code, out, err = run_cli([*small, "--out", str(run)], capsys)
-    one_line_error(code, out, err, f"already has checkpoints; continue it with --resume {run} (newest: step 4")
+    one_line_error(code, out, err, f"continue it with --resume {run} --steps N (it finished its 4 steps; N > 4")
     assert {p.relative_to(run): p.read_bytes() for p in run.rglob("*") if p.is_file()} == before
 
 

@@ -87,6 +87,10 @@ def test_stemlm_outputs_in_a_run_folder_are_the_runs_own(tmp_path):
     with AtomicFolder(run / "analysis", producer="stemlm analyze") as tmp:
         (tmp / "analysis.json").write_text("{}")
     with pytest.raises(StemlmError, match=r"already has checkpoints; continue it with --resume .*newest: step 7"):
+        check_run_dir(run)  # no readable trainer state: the step alone
+    state = {"step": 7, "config": {"train": {"steps": 10}}}
+    (run / "checkpoints" / "step-000007" / "trainer_state.json").write_text(json.dumps(state))
+    with pytest.raises(StemlmError, match=r"--resume \S+ \(it stopped at step 7 of 10\) or choose another --out"):
         check_run_dir(run)
     (run / "notes").mkdir()
     (run / "notes" / "stemlm-manifest.json").write_text("not a manifest")

@@ -15,6 +15,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 import signal
 import threading
@@ -25,6 +26,7 @@ from stemlm.checkpoint.folder import CONFIG_NAME
 from stemlm.checkpoint.runs import CHECKPOINTS_DIR, STEP_DIR
 from stemlm.checkpoint.safe_write import read_manifest
 from stemlm.errors import StemlmError
+from stemlm.train.state import STATE_NAME
 
 # What an earlier `stemlm train` may have left in its run folder before its first checkpoint.
 RUN_FOLDER_ENTRIES = {"run_config.json", "metrics.jsonl", "loss.png", "tensorboard", "profile", CHECKPOINTS_DIR}
@@ -62,15 +64,31 @@ def _written_by_stemlm(path: Path) -> bool:
 
 
 def check_no_checkpoints(run_dir: Path) -> None:
-    """Refuse to start a new run in a run folder that has checkpoints: that run is continued with --resume."""
+    """Refuse to start a new run in a run folder that has checkpoints: that run is continued with --resume
+    (a finished one with a larger --steps, which the message says when the newest checkpoint records it)."""
     folder = run_dir / CHECKPOINTS_DIR
     names = [p.name for p in folder.iterdir()] if folder.is_dir() else []
-    steps = sorted(int(m.group(1)) for name in names if (m := STEP_DIR.match(name)))
-    if steps:
-        raise StemlmError(
-            f"run folder {run_dir} already has checkpoints; continue it with --resume {run_dir} (newest: step "
-            f"{steps[-1]}; a finished run needs a larger --steps) or choose another --out"
-        )
+    found = sorted((int(m.group(1)), name) for name in names if (m := STEP_DIR.match(name)))
+    if not found:
+        return
+    step, newest = found[-1]
+    planned = _planned_steps(folder / newest)
+    if planned is None:
+        how = f"--resume {run_dir} (newest: step {step})"
+    elif step >= planned:
+        how = f"--resume {run_dir} --steps N (it finished its {planned} steps; N > {planned} trains further)"
+    else:
+        how = f"--resume {run_dir} (it stopped at step {step} of {planned})"
+    raise StemlmError(f"run folder {run_dir} already has checkpoints; continue it with {how} or choose another --out")
+
+
+def _planned_steps(checkpoint: Path) -> int | None:
+    """The step count the run of `checkpoint` was training toward (its trainer state), None if unreadable."""
+    try:
+        steps = json.loads((checkpoint / STATE_NAME).read_text())["config"]["train"]["steps"]
+    except (OSError, json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError):
+        return None
+    return steps if isinstance(steps, int) else None
 
 
 class StopSignals:
