@@ -108,6 +108,24 @@ def test_generate_until_stops_at_the_stop_string(lm_and_tok):
     assert got == [full[: full.find(stop)], full]
 
 
+@pytest.mark.parametrize(
+    "kind, args",
+    [
+        ("loglikelihood", PAIRS),
+        ("loglikelihood_rolling", [(c + t,) for c, t in PAIRS[:2]]),
+        ("generate_until", [("Once upon a time", {"until": ["."], "max_gen_toks": 4})] * 3),
+    ],
+)
+def test_each_request_type_shows_a_bar_unless_disabled(lm_and_tok, capsys, kind, args):
+    model, tok = lm_and_tok
+    method = getattr(StemlmLM(model, tok, batch_size=3), kind)
+    quiet = method(_requests(kind, args), disable_tqdm=True)
+    assert capsys.readouterr().err == ""
+    assert method(_requests(kind, args)) == quiet
+    last = capsys.readouterr().err.strip().split("\r")[-1]
+    assert last.startswith(f"{kind}: 100%") and f"| {len(args)}/{len(args)} [" in last, last
+
+
 @pytest.fixture(scope="module")
 def shipped_results(lm_and_tok):
     model, tok = lm_and_tok

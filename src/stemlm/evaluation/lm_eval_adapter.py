@@ -8,6 +8,9 @@ Every request is conditioned on `<|endoftext|>` first, the separator the trainer
 document, so a context starts the way training documents do (an empty context is just that token).
 Contexts longer than the model's window keep their rightmost tokens.
 
+Each request type draws a tqdm bar over its requests on stderr, as lm-eval's own models do, unless lm-eval
+passes `disable_tqdm`.
+
 The adapter is registered with lm-eval under the name `stemlm` (`model_args="pretrained=CKPT"`).
 Importing this module switches `datasets` and the Hub to offline mode: tasks must come from local files.
 
@@ -25,6 +28,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import logging  # noqa: E402
 import math  # noqa: E402
+import sys  # noqa: E402
 from pathlib import Path  # noqa: E402
 from typing import Any  # noqa: E402
 
@@ -33,6 +37,7 @@ import torch.nn.functional as F  # noqa: E402
 from lm_eval.api.model import LM  # noqa: E402
 from lm_eval.api.registry import register_model  # noqa: E402
 from tokenizers import Tokenizer  # noqa: E402
+from tqdm import tqdm  # noqa: E402
 
 from stemlm.errors import StemlmError  # noqa: E402
 from stemlm.evaluation.perplexity import load_eval, model_device, token_logprobs  # noqa: E402
@@ -125,73 +130,88 @@ class StemlmLM(LM):
             items.append((i, inputs, cont, n))
         results: list[tuple[float, bool]] = [(0.0, True)] * len(items)
         items.sort(key=lambda item: -len(item[1]))  # similar lengths share a batch: little padding
-        device = model_device(self.model)
-        for start in range(0, len(items), self.batch_size):
-            batch = [item for item in items[start : start + self.batch_size] if item[3] > 0]
-            if not batch:
-                continue
-            width = len(batch[0][1])
-            # Right padding needs no attention mask: causal attention never lets a real token see a pad.
-            inputs = torch.full((len(batch), width), self.eot_token_id, dtype=torch.long, device=device)
-            for row, (_, ids, _, _) in enumerate(batch):
-                inputs[row, : len(ids)] = torch.tensor(ids, device=device)
-            logits = self.model(inputs).logits
-            for row, (i, ids, cont, n) in enumerate(batch):
-                # Only the continuation's rows: a [batch, window, vocab] float32 log-softmax would cost 3 GB for
-                # 8 x 2048 tokens of a 49k vocabulary.
-                rows = F.log_softmax(logits[row, len(ids) - n : len(ids)].float(), dim=-1)
-                target = torch.tensor(cont, device=device)
-                total = float(rows.gather(-1, target[:, None]).sum())
-                results[i] = (total, bool((rows.argmax(-1) == target).all()))
+        with _bar(len(items), "loglikelihood", disable_tqdm) as bar:
+            for start in range(0, len(items), self.batch_size):
+                chunk = items[start : start + self.batch_size]
+                self._score_batch([item for item in chunk if item[3] > 0], results)
+                bar.update(len(chunk))
         return results
+
+    def _score_batch(self, batch: list, results: list[tuple[float, bool]]) -> None:
+        """One forward over `batch` (items of equal or falling length); fills their entries of `results`."""
+        if not batch:
+            return
+        device = model_device(self.model)
+        width = len(batch[0][1])
+        # Right padding needs no attention mask: causal attention never lets a real token see a pad.
+        inputs = torch.full((len(batch), width), self.eot_token_id, dtype=torch.long, device=device)
+        for row, (_, ids, _, _) in enumerate(batch):
+            inputs[row, : len(ids)] = torch.tensor(ids, device=device)
+        logits = self.model(inputs).logits
+        for row, (i, ids, cont, n) in enumerate(batch):
+            # Only the continuation's rows: a [batch, window, vocab] float32 log-softmax would cost 3 GB for
+            # 8 x 2048 tokens of a 49k vocabulary.
+            rows = F.log_softmax(logits[row, len(ids) - n : len(ids)].float(), dim=-1)
+            target = torch.tensor(cont, device=device)
+            total = float(rows.gather(-1, target[:, None]).sum())
+            results[i] = (total, bool((rows.argmax(-1) == target).all()))
 
     def loglikelihood_rolling(self, requests, disable_tqdm: bool = False) -> list[float]:
         """Log-likelihood of each whole text: `token_logprobs` windows of `max_length`, stride = window."""
         out = []
-        for req in requests:
-            ids = self.encode(req.args[0])
-            logp = token_logprobs(self.model, [self.eot_token_id, *ids], self.max_length, None, self.batch_size)
-            out.append(float(logp.double().sum()))
+        with _bar(len(requests), "loglikelihood_rolling", disable_tqdm) as bar:
+            for req in requests:
+                ids = self.encode(req.args[0])
+                logp = token_logprobs(self.model, [self.eot_token_id, *ids], self.max_length, None, self.batch_size)
+                out.append(float(logp.double().sum()))
+                bar.update()
         return out
 
     def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
         """Generate from each context until one of its `until` strings (cut off), `<|endoftext|>` or
         `max_gen_toks` tokens; greedy unless the task asks for `do_sample` with a temperature > 0."""
+        out = []
+        with _bar(len(requests), "generate_until", disable_tqdm) as bar:
+            for req in requests:
+                out.append(self._generate(req.args[0], dict(req.args[1] or {})))
+                bar.update()
+        return out
+
+    def _generate(self, context: str, kwargs: dict) -> str:
         from stemlm.inference.generate import stream_tokens
 
-        out = []
-        for req in requests:
-            context, kwargs = req.args[0], dict(req.args[1] or {})
-            until = kwargs.get("until") or []
-            until = [until] if isinstance(until, str) else list(until)
-            max_new = int(kwargs.get("max_gen_toks", self.max_gen_toks))
-            if max_new >= self.max_length:
-                raise StemlmError(
-                    f"max_gen_toks {max_new} leaves no room for a context in the window {self.max_length}"
-                )
-            prompt = [self.eot_token_id, *self.encode(context)][-(self.max_length - max_new) :]
-            temperature = float(kwargs.get("temperature", 0.0) or 0.0)
-            greedy = not kwargs.get("do_sample", False) or temperature <= 0
-            ids: list[int] = []
-            text = ""
-            for token in stream_tokens(
-                self.model,
-                prompt,
-                max_new,
-                greedy=greedy,
-                temperature=temperature or 1.0,
-                seed=int(kwargs.get("seed", 0)),
-                eos_id=self.eot_token_id,
-            ):
-                if token == self.eot_token_id:
-                    break
-                ids.append(token)
-                text = self.tok.decode(ids)
-                if any(stop in text for stop in until):
-                    break
-            cut = min([text.find(s) for s in until if s in text], default=len(text))
-            out.append(text[:cut])
-        return out
+        until = kwargs.get("until") or []
+        until = [until] if isinstance(until, str) else list(until)
+        max_new = int(kwargs.get("max_gen_toks", self.max_gen_toks))
+        if max_new >= self.max_length:
+            raise StemlmError(f"max_gen_toks {max_new} leaves no room for a context in the window {self.max_length}")
+        prompt = [self.eot_token_id, *self.encode(context)][-(self.max_length - max_new) :]
+        temperature = float(kwargs.get("temperature", 0.0) or 0.0)
+        greedy = not kwargs.get("do_sample", False) or temperature <= 0
+        ids: list[int] = []
+        text = ""
+        for token in stream_tokens(
+            self.model,
+            prompt,
+            max_new,
+            greedy=greedy,
+            temperature=temperature or 1.0,
+            seed=int(kwargs.get("seed", 0)),
+            eos_id=self.eot_token_id,
+        ):
+            if token == self.eot_token_id:
+                break
+            ids.append(token)
+            text = self.tok.decode(ids)
+            if any(stop in text for stop in until):
+                break
+        cut = min([text.find(s) for s in until if s in text], default=len(text))
+        return text[:cut]
+
+
+def _bar(total: int, desc: str, disable: bool) -> tqdm:
+    """The progress bar of one request type (lm-eval's `disable_tqdm` turns it off)."""
+    return tqdm(total=total, desc=desc, unit="request", file=sys.stderr, disable=disable)
 
 
 def run_lm_eval(
