@@ -100,8 +100,7 @@ def _analyze(args, model, tokenizer, names, prompt_ids, out: Path, final: Path) 
     if "spread" in names or "activated" in names:
         text_ids = _text_ids(args, tokenizer)
     dense = load_checkpoint(args.dense)[0] if args.dense and "spread" in names else None
-    bar = tqdm(total=len(names), desc="analyze", unit="analysis", file=sys.stderr, disable=args.no_progress)
-    with bar:
+    with tqdm(total=len(names), desc="analyze", unit="analysis", file=sys.stderr, disable=args.no_progress) as bar:
         if "spread" in names:
             bar.set_postfix_str("spread")
             result, samples = spread.angular_spread(model, text_ids, dense=dense, max_tokens=args.max_tokens)

@@ -185,8 +185,7 @@ def run_niah(
             planned.append((length, depth, drawn))
     grid: dict[str, dict[str, float]] = {}
     outputs = []
-    bar = tqdm(total=len(planned) * samples, desc="niah", unit="sample", file=sys.stderr, disable=not progress)
-    with bar:
+    with tqdm(total=len(planned) * samples, desc="niah", unit="sample", file=sys.stderr, disable=not progress) as bar:
         for length, depth, drawn in planned:
             hits = 0
             for sample in drawn:
