@@ -2,9 +2,10 @@
 
 `stemlm.convert.retrofit.retrofit_from_dense(dense, spec)` builds a STEM model whose table at layer l is
 `U_l = E · W_up_lᵀ` (the token embedding matrix [V, d] times that layer's up-projection transposed,
-[V, d_ff]), as later official STEM commits do, drops those up-projections and copies every other weight. Row t
-of U_l is exactly `up_proj_l(embed(t))`: the up-projection of the RAW embedding of t, not of the normalised hidden state the
-dense layer saw, so the retrofit is a starting point for training (`stemlm train --init-from`), not a model
+[V, d_ff]), as later official STEM commits do, drops those up-projections and copies every other weight.
+Row t of U_l is exactly `up_proj_l(embed(t))`: the up-projection of the RAW embedding of t, not of the
+normalised hidden state the dense layer saw, so the retrofit is a starting point for training
+(`stemlm train --init-from`), not a model
 with the dense logits. `convert_checkpoint` does this for a stemlm dense checkpoint (or run folder) or a local
 Hugging Face Llama folder and writes a checkpoint with the tokenizer copied; the CLI is `stemlm convert`.
 """
