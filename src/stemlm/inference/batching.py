@@ -1,0 +1,313 @@
+"""Continuous batching: one decode loop runs every active request of a model in one forward per step.
+
+    from stemlm.inference.batching import BatchEngine
+    from stemlm.inference.requests import Request, SamplingParams
+    engine = BatchEngine(model, slots=16, tokenizer=tok)
+    a = engine.submit(Request(ids_a, SamplingParams(max_tokens=20, temperature=0)))
+    engine.step(); engine.step()                  # a decodes alone
+    b = engine.submit(Request(ids_b, SamplingParams(max_tokens=20, seed=3)))
+    engine.run_until_idle()                       # b is prefilled, joins a's batch; each leaves when done
+    a.output_ids, b.output_ids                    # exactly what stemlm.inference.generate gives each alone
+
+Layout. The batch shares one time axis of length L in a preallocated KV pool, per layer
+[slots, kv_heads, capacity, head_dim]; the active requests are the pool's first rows (a request that leaves
+is replaced by the last active row, so the forward reads a prefix view and nothing is gathered). Each row
+holds its request's positions right-aligned to L: row b's n_b cached positions are L - n_b .. L - 1. Every
+step passes the model `attention_mask` (a row's valid positions) and `position_ids` (n_b), which is how
+left padding works in the model already, so no model code knows about batching.
+
+Joining. A new request is prefilled alone with the model's own forward (the same call as single-stream
+generation, so its prompt keys, values and first token are the single-stream ones), then its cache is written
+into a free row right-aligned to L; a prompt longer than L first grows the axis on the left (every row moves
+right), and an axis longer than its longest row is trimmed back. The n-gram and Engram kinds keep decoding
+state per position beside the cache (`stemlm.model.decoding_state`): a joining row's padding gets ids -1 and
+conv inputs 0, what a sequence start gives, so their keys and conv see exactly the single-stream context.
+
+Rows from outside. With offloaded tables (`rows`: the `RowPipeline` or `LookupRows` of an `OffloadedLM`)
+one row cache serves the whole batch: each step requests the rows of every active request's next token at
+once (the cache de-duplicates them into one gather) and n-gram rows from each row's own previous ids, before
+the forward, as single-stream decode prefetches. A request's `prefill_hooks` (a positional edit) apply to its
+prefill only; the edited keys and values then sit in its row and no other request sees them.
+
+Greedy outputs equal single-stream ones (tests/inference/test_batching.py checks every kind): the masked
+positions get exactly zero attention weight; a batched matmul may still round differently from a [1, d] one
+in the last bit, which can only matter at an exact tie. `EngineLoop` runs `step` on a thread for a server.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import deque
+
+import torch
+
+from stemlm.errors import StemlmError
+from stemlm.inference.requests import Request
+from stemlm.model.attention import KVCache
+from stemlm.model.decoder import StemLM
+from stemlm.model.decoding_state import STATE_ATTR
+from stemlm.offload.lookup_rows import LookupRows
+from stemlm.offload.prefetch import RowPipeline
+
+CONV_PREFIX = "engram_conv."  # decoding-state keys of Engram conv inputs ([B, L, d]); "ids" is [B, L]
+
+
+class BatchEngine:
+    """The batch of active requests over a KV pool of `slots` rows of `capacity` positions each."""
+
+    def __init__(
+        self,
+        model: StemLM,
+        *,
+        slots: int = 16,
+        capacity: int | None = None,
+        tokenizer=None,
+        rows: RowPipeline | LookupRows | None = None,
+        max_waiting: int | None = None,
+    ) -> None:
+        if slots < 1:
+            raise StemlmError(f"slots must be >= 1, got {slots}")
+        limit = model.config.max_position_embeddings
+        self.capacity = limit if capacity is None else capacity
+        if not 2 <= self.capacity <= limit:
+            raise StemlmError(f"capacity must be in 2..{limit} (max_position_embeddings), got {self.capacity}")
+        self.model, self.slots, self.tokenizer, self.rows = model, slots, tokenizer, rows
+        self.max_waiting = max_waiting
+        self.device = next(p.device for p in model.parameters() if not p.is_meta)
+        self.keys: list[torch.Tensor] = []  # the pool, allocated at the first join (its dtype is the cache's)
+        self.values: list[torch.Tensor] = []
+        self.state: dict[str, torch.Tensor] = {}  # decoding state of the active rows, [n, L, ...]
+        self.active: list[Request] = []  # row b of the pool is active[b]
+        self.counts: list[int] = []  # cached positions per active row
+        self.length = 0  # L, the shared time axis
+        self.waiting: deque[Request] = deque()
+        self.lock = threading.Lock()  # guards `waiting` and cancellation against the loop thread
+        self.steps = 0
+        self.tokens = 0
+
+    # ----- the queue -----
+    def submit(self, request: Request) -> Request:
+        """Queue a request (it joins at the next step); raises when the waiting queue is full."""
+        with self.lock:
+            if self.max_waiting is not None and len(self.waiting) >= self.max_waiting:
+                raise QueueFull(f"the queue is full ({self.max_waiting} requests waiting); retry later")
+            self.waiting.append(request)
+        return request
+
+    def cancel(self, request: Request) -> None:
+        """Stop a request at the next step (its slot is freed there); a finished request is left as it is."""
+        request.cancelled = True
+
+    @property
+    def busy(self) -> bool:
+        return bool(self.active or self.waiting)
+
+    # ----- one step -----
+    @torch.no_grad()
+    def step(self) -> bool:
+        """Admit the waiting requests that fit, then decode one token for every active request.
+        Returns False when there was nothing to do."""
+        self._drop_cancelled()
+        while len(self.active) < self.slots:
+            with self.lock:
+                if not self.waiting:
+                    break
+                request = self.waiting.popleft()
+            if not request.cancelled:
+                self._admit(request)
+        if not self.active:
+            return False
+        try:
+            logits = self._decode()
+        except Exception as exc:  # a failed forward fails the batch it ran, never the loop
+            self._fail_all(f"{type(exc).__name__}: {exc}")
+            return True
+        finished = [b for b, request in enumerate(self.active) if request.sample(logits[b])]
+        self.tokens += len(self.active)
+        for b in reversed(finished):
+            self._leave(b)
+        return True
+
+    def run_until_idle(self) -> None:
+        while self.step():
+            pass
+
+    def _drop_cancelled(self) -> None:
+        for b in reversed(range(len(self.active))):
+            if self.active[b].cancelled:
+                self.active[b].finish("cancelled")
+                self._leave(b)
+        with self.lock:
+            for request in [r for r in self.waiting if r.cancelled]:
+                self.waiting.remove(request)
+                request.finish("cancelled")
+
+    def _fail_all(self, message: str) -> None:
+        if self.rows is not None:
+            self.rows.drain()  # a prefetched step the failed forward never consumed must not meet the next one
+        for b in reversed(range(len(self.active))):
+            self.active[b].finish("error", message)
+            self._leave(b)
+
+    # ----- joining and leaving -----
+    def _admit(self, request: Request) -> None:
+        try:
+            request.start(self.device, self.tokenizer, self.capacity)
+            prompt = torch.tensor([request.prompt_ids], device=self.device)
+            if self.rows is not None and not request.prefill_hooks:
+                self._request_rows(prompt, [request.prompt_ids], fresh=True)
+            out = self.model(prompt, use_cache=True, **request.prefill_hooks)
+        except Exception as exc:
+            if self.rows is not None:
+                self.rows.drain()
+            request.finish("error", str(exc) if isinstance(exc, StemlmError) else f"{type(exc).__name__}: {exc}")
+            return
+        if request.sample(out.logits[0, -1]):
+            return  # finished on its first token: it never joins the batch
+        self._join(request, out.past_key_values)
+
+    def _join(self, request: Request, cache: KVCache) -> None:
+        P = len(request.prompt_ids)
+        state = getattr(cache, STATE_ATTR, {})
+        if not self.keys:
+            shape = lambda t: (self.slots, t.shape[1], self.capacity, t.shape[3])  # noqa: E731
+            self.keys = [torch.zeros(shape(k), dtype=k.dtype, device=k.device) for k in cache.keys]
+            self.values = [torch.zeros(shape(v), dtype=v.dtype, device=v.device) for v in cache.values]
+        self._realign(max([P, *self.counts]))
+        b, L = len(self.active), self.length
+        for pool, new in zip(self.keys + self.values, cache.keys + cache.values, strict=True):
+            pool[b, :, L - P : L] = new[0, :, :P]
+        for name, value in state.items():
+            pad = value.new_full((1, L - P, *value.shape[2:]), -1 if name == "ids" else 0)
+            row = torch.cat([pad, value[:, :P]], dim=1)
+            self.state[name] = row if name not in self.state else torch.cat([self.state[name], row])
+        self.active.append(request)
+        self.counts.append(P)
+
+    def _leave(self, b: int) -> None:
+        last = len(self.active) - 1
+        if b != last:  # the last active row takes the freed one, so the active rows stay a prefix of the pool
+            for pool in self.keys + self.values:
+                pool[b, :, : self.length] = pool[last, :, : self.length]
+            for value in self.state.values():
+                value[b] = value[last]
+            self.active[b], self.counts[b] = self.active[last], self.counts[last]
+        self.active.pop()
+        self.counts.pop()
+        self.state = {name: value[:last] for name, value in self.state.items()}
+        if not self.active:
+            self.length = 0
+
+    def _realign(self, length: int) -> None:
+        """Move every active row so that it ends at `length` (>= its count): grow or trim the axis on the left."""
+        shift, n, L = length - self.length, len(self.active), self.length
+        if shift == 0:
+            return
+        for pool in self.keys + self.values:
+            if shift > 0:
+                pool[:n, :, shift : shift + L] = pool[:n, :, :L].clone()
+            else:
+                pool[:n, :, :length] = pool[:n, :, -shift:L].clone()
+        for name, value in self.state.items():
+            if shift > 0:
+                pad = value.new_full((n, shift, *value.shape[2:]), -1 if name == "ids" else 0)
+                self.state[name] = torch.cat([pad, value], dim=1)
+            else:
+                self.state[name] = value[:, -shift:]
+        self.length = length
+
+    # ----- the batched forward -----
+    def _decode(self) -> torch.Tensor:
+        """One forward of every active request's last token; returns the [n, V] next-token logits."""
+        n = len(self.active)
+        if self.length + 1 > self.capacity:
+            self._realign(max(self.counts))  # room for one more position: the trimmed axis always has it
+        L = self.length
+        tokens = [[r.output_ids[-1]] for r in self.active]
+        ids_cpu = torch.tensor(tokens)
+        ids = ids_cpu.to(self.device)
+        counts = torch.tensor(self.counts, device=self.device)
+        mask = torch.arange(L + 1, device=self.device)[None, :] >= (L - counts)[:, None]
+        if self.rows is not None:
+            self._request_rows(ids, [r.prompt_ids + r.output_ids for r in self.active], host=ids_cpu)
+        cache = KVCache(len(self.keys), capacity=self.capacity)
+        cache.keys, cache.values = [k[:n] for k in self.keys], [v[:n] for v in self.values]
+        cache.lengths = [L] * len(self.keys)
+        setattr(cache, STATE_ATTR, self.state)  # the model reads and extends it in place of a fresh dict
+        out = self.model(ids, attention_mask=mask, position_ids=counts[:, None], past_key_values=cache, use_cache=True)
+        self.length += 1
+        self.counts = [c + 1 for c in self.counts]
+        self.steps += 1
+        return out.logits[:, -1]
+
+    def _request_rows(self, ids: torch.Tensor, histories: list[list[int]], host=None, fresh=False) -> None:
+        """Announce the next forward's rows: token rows for all of `ids` in one request (de-duplicated by the
+        cache), n-gram rows keyed by each row's own previous ids (`histories`: the ids up to and including
+        the new ones; `fresh`: a prefill, whose first position has no earlier ids)."""
+        host = ids.cpu() if host is None else host
+        token = self.rows.token if isinstance(self.rows, LookupRows) else self.rows
+        if token is not None:
+            token.request(ids, host)
+        ngram = self.rows.ngram if isinstance(self.rows, LookupRows) else None
+        if ngram is not None:
+            hasher = self.rows.hasher
+            prev = host.new_full((host.shape[0], hasher.context), -1)
+            if not fresh:
+                for b, history in enumerate(histories):
+                    before = history[: len(history) - host.shape[1]][-hasher.context :]
+                    if before:
+                        prev[b, hasher.context - len(before) :] = torch.tensor(before)
+            keys = hasher.ids(host, prev)
+            ngram.request(keys.to(ids.device), keys)
+
+
+class QueueFull(StemlmError):
+    """The engine's waiting queue is at its bound (a server answers 429)."""
+
+
+class EngineLoop:
+    """`BatchEngine.step` on a background thread: it sleeps while idle and wakes on `submit`."""
+
+    def __init__(self, engine: BatchEngine) -> None:
+        self.engine = engine
+        self.wake = threading.Condition()
+        self.stopping = False
+        self.thread = threading.Thread(target=self._run, name="stemlm-batch", daemon=True)
+        self.thread.start()
+
+    def submit(self, request: Request) -> Request:
+        if self.stopping:
+            raise StemlmError("the server is shutting down")
+        self.engine.submit(request)
+        with self.wake:
+            self.wake.notify()
+        return request
+
+    def cancel(self, request: Request) -> None:
+        self.engine.cancel(request)
+        with self.wake:
+            self.wake.notify()
+
+    def _run(self) -> None:
+        while True:
+            with self.wake:
+                while not self.engine.busy and not self.stopping:
+                    self.wake.wait()
+                if self.stopping and not self.engine.busy:
+                    return
+            try:
+                self.engine.step()
+            except Exception as exc:  # e.g. a client callback that raised: fail what ran, keep serving
+                self.engine._fail_all(f"{type(exc).__name__}: {exc}")
+
+    def stop(self, cancel: bool = False, timeout: float | None = None) -> None:
+        """Refuse new requests, finish (or with `cancel`, cancel) the ones in flight, and join the thread."""
+        self.stopping = True
+        if cancel:
+            with self.engine.lock:
+                pending = list(self.engine.waiting)
+            for request in self.engine.active + pending:
+                self.engine.cancel(request)
+        with self.wake:
+            self.wake.notify()
+        self.thread.join(timeout)
