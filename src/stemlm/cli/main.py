@@ -26,6 +26,7 @@ SUBCOMMANDS = [
     "analyze",
     "experiment",
     "serve",
+    "server",
     "verify",
     "export",
 ]

@@ -37,6 +37,7 @@ in the last bit, which can only matter at an exact tie. `EngineLoop` runs `step`
 from __future__ import annotations
 
 import threading
+import time
 from collections import deque
 
 import torch
@@ -82,8 +83,9 @@ class BatchEngine:
         self.length = 0  # L, the shared time axis
         self.waiting: deque[Request] = deque()
         self.lock = threading.Lock()  # guards `waiting` and cancellation against the loop thread
-        self.steps = 0
-        self.tokens = 0
+        self.steps = 0  # batched decode forwards
+        self.tokens = 0  # tokens sampled (first tokens of prefills included)
+        self.busy_seconds = 0.0  # time spent in `step`
 
     # ----- the queue -----
     def submit(self, request: Request) -> Request:
@@ -107,6 +109,13 @@ class BatchEngine:
     def step(self) -> bool:
         """Admit the waiting requests that fit, then decode one token for every active request.
         Returns False when there was nothing to do."""
+        start = time.perf_counter()
+        try:
+            return self._step()
+        finally:
+            self.busy_seconds += time.perf_counter() - start
+
+    def _step(self) -> bool:
         self._drop_cancelled()
         while len(self.active) < self.slots:
             with self.lock:
@@ -162,6 +171,7 @@ class BatchEngine:
                 self.rows.drain()
             request.finish("error", str(exc) if isinstance(exc, StemlmError) else f"{type(exc).__name__}: {exc}")
             return
+        self.tokens += 1
         if request.sample(out.logits[0, -1]):
             return  # finished on its first token: it never joins the batch
         self._join(request, out.past_key_values)
@@ -170,7 +180,7 @@ class BatchEngine:
         P = len(request.prompt_ids)
         state = getattr(cache, STATE_ATTR, {})
         if not self.keys:
-            shape = lambda t: (self.slots, t.shape[1], self.capacity, t.shape[3])  # noqa: E731
+            shape = lambda t: (self.slots, t.shape[1], self.capacity, t.shape[3])
             self.keys = [torch.zeros(shape(k), dtype=k.dtype, device=k.device) for k in cache.keys]
             self.values = [torch.zeros(shape(v), dtype=v.dtype, device=v.device) for v in cache.values]
         self._realign(max([P, *self.counts]))
@@ -265,6 +275,10 @@ class QueueFull(StemlmError):
     """The engine's waiting queue is at its bound (a server answers 429)."""
 
 
+class ShuttingDown(StemlmError):
+    """The engine loop is stopping and takes no new request (a server answers 503)."""
+
+
 class EngineLoop:
     """`BatchEngine.step` on a background thread: it sleeps while idle and wakes on `submit`."""
 
@@ -277,7 +291,7 @@ class EngineLoop:
 
     def submit(self, request: Request) -> Request:
         if self.stopping:
-            raise StemlmError("the server is shutting down")
+            raise ShuttingDown("the server is shutting down")
         self.engine.submit(request)
         with self.wake:
             self.wake.notify()

@@ -29,6 +29,14 @@ class ChatTemplate:
 
     def render(self, user_text: str, system: str | None = None) -> str:
         """The prompt for one user turn, ending with the assistant's header (add_generation_prompt=True)."""
+        messages = ([{"role": "system", "content": system}] if system else []) + [
+            {"role": "user", "content": user_text}
+        ]
+        return self.render_messages(messages)
+
+    def render_messages(self, messages: list[dict[str, str]]) -> str:
+        """The prompt for a conversation (`{"role", "content"}` dicts, as OpenAI's chat API sends them), ending
+        with the assistant's header (add_generation_prompt=True)."""
         from jinja2.exceptions import TemplateError
         from jinja2.sandbox import ImmutableSandboxedEnvironment
 
@@ -37,9 +45,6 @@ class ChatTemplate:
 
         env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
         env.globals["raise_exception"] = raise_exception
-        messages = ([{"role": "system", "content": system}] if system else []) + [
-            {"role": "user", "content": user_text}
-        ]
         try:
             return env.from_string(self.template).render(
                 messages=messages,

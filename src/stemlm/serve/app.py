@@ -42,6 +42,7 @@ from stemlm.edit.shared_tokens import SharedSubwords
 from stemlm.errors import StemlmError
 from stemlm.inference.generate import IncrementalDecoder  # text pieces that never split a multi-byte character
 from stemlm.serve.editing import EditSpec
+from stemlm.serve.hosts import trusted_hosts
 from stemlm.serve.params import Body, sampling
 from stemlm.serve.playground import Conflict, Playground
 
@@ -97,21 +98,6 @@ def _token_events(pg: Playground, tokens, start: float):
     except Exception as exc:
         log.error("generation failed:\n%s", traceback.format_exc())
         yield sse("error", {"error": f"internal error ({type(exc).__name__}); see the server log"})
-
-
-LOOPBACK_NAMES = ("localhost", "127.0.0.1", "[::1]")
-
-
-def trusted_hosts(host: str = "127.0.0.1", extra: Sequence[str] = ()) -> list[str]:
-    """Host header names the server answers: loopback, the address it is bound to, and `extra` (--allow-host).
-
-    Anything else is refused (400), so a page on another site cannot reach this server through a DNS name it
-    re-points at 127.0.0.1 (DNS rebinding). A wildcard bind (0.0.0.0, ::) adds no name: pass --allow-host.
-    """
-    names = list(LOOPBACK_NAMES)
-    if host not in ("0.0.0.0", "::", ""):
-        names.append(f"[{host}]" if ":" in host else host)
-    return names + [name for name in extra if name not in names]
 
 
 def create_app(pg: Playground, hosts: Sequence[str] | None = None) -> Flask:

@@ -1,0 +1,267 @@
+"""The OpenAI-compatible HTTP API (FastAPI) over an `ApiService`; `stemlm server` runs it under uvicorn.
+
+    from stemlm.serve.openai_app import create_api
+    app = create_api(ApiService.load("runs/tiny"))        # an ASGI app
+
+Routes: `GET /v1/models`, `POST /v1/completions`, `POST /v1/chat/completions` (streamed as server-sent events
+with `"stream": true`, ending in `data: [DONE]`), `GET /metrics` (Prometheus text), `GET /health`.
+Errors come in OpenAI's shape `{"error": {"message", "type", "param", "code"}}` with one line of message:
+400 for a bad body (`stemlm.serve.openai_params`), 404 for another model name, 413 for a body over 1 MiB,
+429 when the engine's queue is full, 503 while shutting down, 504 when a request runs past the server's
+timeout (it is cancelled). A Host header outside `hosts` gets 400 (DNS rebinding, as in the playground). A
+client that disconnects cancels its request: its slot is freed at the next decode step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST
+
+from stemlm.errors import StemlmError
+from stemlm.inference.batching import QueueFull, ShuttingDown
+from stemlm.serve.hosts import host_name, trusted_hosts
+from stemlm.serve.metrics import Metrics
+from stemlm.serve.openai_params import parse_chat, parse_completion
+from stemlm.serve.openai_service import ApiService
+
+MAX_BODY = 1 << 20
+POLL_SECONDS = 0.25  # how often a waiting non-streamed request checks for a disconnected client
+
+
+class ClientGone(Exception):
+    """The client disconnected while its request ran."""
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, message: str, kind: str = "invalid_request_error") -> None:
+        super().__init__(message)
+        self.status, self.message, self.kind = status, message, kind
+
+
+def error_body(message: str, kind: str = "invalid_request_error") -> dict:
+    return {"error": {"message": message, "type": kind, "param": None, "code": None}}
+
+
+def create_api(service: ApiService, hosts=None) -> FastAPI:
+    """The ASGI app; `hosts`: the accepted Host header names (default `trusted_hosts()`: loopback only)."""
+    allowed = set(hosts if hosts is not None else trusted_hosts())
+    metrics = Metrics(service)
+    app = FastAPI(title="stemlm", docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.service, app.state.metrics = service, metrics
+
+    @app.middleware("http")
+    async def check_host(request: Request, call_next):
+        if host_name(request.headers.get("host", "")) not in allowed:
+            return JSONResponse(error_body("this server does not answer that Host header"), status_code=400)
+        return await call_next(request)
+
+    @app.exception_handler(ApiError)
+    async def api_error(request: Request, exc: ApiError):
+        return JSONResponse(error_body(exc.message, exc.kind), status_code=exc.status)
+
+    @app.get("/health")
+    async def health():
+        return {"status": "ok"}
+
+    @app.get("/v1/models")
+    async def models():
+        card = {"id": service.name, "object": "model", "created": service.created, "owned_by": "stemlm"}
+        return {"object": "list", "data": [card]}
+
+    @app.get("/metrics")
+    async def prometheus():
+        return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        return await _generate(service, metrics, request, chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        return await _generate(service, metrics, request, chat=True)
+
+    return app
+
+
+async def _body(request: Request):
+    raw = await request.body()
+    if len(raw) > MAX_BODY:
+        raise ApiError(413, f"the request body is {len(raw)} bytes; this server takes at most {MAX_BODY}")
+    try:
+        return json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ApiError(400, f"the request body is not valid JSON ({exc})") from None
+
+
+async def _generate(service: ApiService, metrics: Metrics, http: Request, chat: bool):
+    endpoint = "chat" if chat else "completions"
+    loop = asyncio.get_running_loop()
+    events: asyncio.Queue = asyncio.Queue()
+    try:
+        body = await _body(http)
+        parse = parse_chat if chat else parse_completion
+        parsed = parse(body, service.context, service.chat_stop_ids if chat else service.stop_ids)
+        if isinstance(body, dict) and body.get("model") not in (None, service.name):
+            raise ApiError(404, f"model {body['model']!r} does not exist; this server serves {service.name!r}")
+        request = service.request(parsed, lambda r, e: loop.call_soon_threadsafe(events.put_nowait, e))
+        service.loop.submit(request)
+    except (ApiError, StemlmError) as exc:
+        status, kind = 400, "invalid_request_error"
+        if isinstance(exc, QueueFull):
+            status, kind = 429, "rate_limit_error"
+        elif isinstance(exc, ShuttingDown):
+            status, kind = 503, "server_error"
+        elif isinstance(exc, ApiError):
+            status, kind = exc.status, exc.kind
+        metrics.requests.labels(endpoint, "rejected").inc()
+        raise ApiError(status, str(exc).splitlines()[0] if str(exc) else type(exc).__name__, kind) from None
+    metrics.prompt_tokens.inc(len(request.prompt_ids))
+    run = _Run(service, metrics, http, request, events, endpoint)
+    if parsed.stream:
+        return StreamingResponse(run.stream(chat, parsed.include_usage), media_type="text/event-stream")
+    return await run.complete(chat)
+
+
+class _Run:
+    """One admitted request: its engine events read on the event loop, with timeout and disconnect checks."""
+
+    def __init__(self, service, metrics, http, request, events, endpoint) -> None:
+        self.service, self.metrics, self.http, self.request, self.events = service, metrics, http, request, events
+        self.endpoint = endpoint
+        self.id = ("chatcmpl-" if endpoint == "chat" else "cmpl-") + uuid.uuid4().hex[:24]
+        self.start = self.last = time.perf_counter()
+        self.deadline = self.start + service.request_timeout
+        self.tokens = 0
+
+    async def next_event(self):
+        """The next engine event (None: finished); raises TimeoutError past the deadline (request cancelled)."""
+        while True:
+            left = self.deadline - time.perf_counter()
+            if left <= 0:
+                self.service.loop.cancel(self.request)
+                raise TimeoutError
+            try:
+                event = await asyncio.wait_for(self.events.get(), min(POLL_SECONDS, left))
+            except TimeoutError:
+                if await self.http.is_disconnected():
+                    raise ClientGone from None
+                continue
+            if event is not None and event.token_id >= 0:
+                now = time.perf_counter()
+                (self.metrics.first_token if self.tokens == 0 else self.metrics.inter_token).observe(now - self.last)
+                self.last, self.tokens = now, self.tokens + 1
+            return event
+
+    def finished(self) -> None:
+        self.metrics.requests.labels(self.endpoint, self.request.finish_reason or "cancelled").inc()
+        self.metrics.generated_tokens.inc(len(self.request.output_ids))
+        self.metrics.latency.observe(time.perf_counter() - self.start)
+
+    def usage(self) -> dict:
+        prompt, done = len(self.request.prompt_ids), len(self.request.output_ids)
+        return {"prompt_tokens": prompt, "completion_tokens": done, "total_tokens": prompt + done}
+
+    def head(self, chat: bool, chunk: bool) -> dict:
+        kind = ("chat.completion" if chat else "text_completion") + (".chunk" if chat and chunk else "")
+        return {"id": self.id, "object": kind, "created": int(time.time()), "model": self.service.name}
+
+    def finish_reason(self) -> str:
+        if self.request.finish_reason == "error":
+            raise ApiError(500, f"generation failed: {self.request.error}", "server_error")
+        return self.request.finish_reason
+
+    async def complete(self, chat: bool):
+        collected = []
+        try:
+            while (event := await self.next_event()) is not None:
+                collected.append(event)
+        except TimeoutError:
+            message = f"the request ran past the server's {self.service.request_timeout:g} s timeout"
+            raise ApiError(504, message, "timeout") from None
+        except ClientGone:
+            return Response(status_code=499)  # nobody reads it; nginx's code for a closed client connection
+        finally:
+            if not self.request.done.is_set():
+                self.service.loop.cancel(self.request)  # a disconnected client (or a timeout) frees its slot
+            else:
+                self.finished()
+        reason = self.finish_reason()
+        logprobs = _logprobs(self.service.tokenizer, collected, chat, self.request.params.logprobs)
+        text = self.request.text
+        if chat:
+            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": logprobs}
+        else:
+            choice = {"index": 0, "text": text, "logprobs": logprobs}
+        choice["finish_reason"] = reason
+        return {**self.head(chat, False), "choices": [choice], "usage": self.usage()}
+
+    async def stream(self, chat: bool, include_usage: bool):
+        tokenizer, want = self.service.tokenizer, self.request.params.logprobs
+        try:
+            if chat:
+                yield _sse({**self.head(chat, True), "choices": [_delta({"role": "assistant", "content": ""})]})
+            while (event := await self.next_event()) is not None:
+                logprobs = _logprobs(tokenizer, [event], chat, want) if event.token_id >= 0 else None
+                part = _delta({"content": event.text}, logprobs) if chat else _text_choice(event.text, logprobs)
+                yield _sse({**self.head(chat, True), "choices": [part]})
+            self.finished()
+            try:
+                reason = self.finish_reason()
+            except ApiError as exc:
+                yield _sse(error_body(exc.message, exc.kind))
+                return
+            last = _delta({}, None, reason) if chat else _text_choice("", None, reason)
+            yield _sse({**self.head(chat, True), "choices": [last]})
+            if include_usage:
+                yield _sse({**self.head(chat, True), "choices": [], "usage": self.usage()})
+            yield "data: [DONE]\n\n"
+        except TimeoutError:
+            message = f"the request ran past the server's {self.service.request_timeout:g} s timeout"
+            yield _sse(error_body(message, "timeout"))
+        except ClientGone:
+            return
+        finally:
+            if not self.request.done.is_set():
+                self.service.loop.cancel(self.request)  # the client went away mid-stream: free the slot
+
+
+def _sse(data: dict) -> str:
+    return f"data: {json.dumps(data)}\n\n"
+
+
+def _delta(delta: dict, logprobs=None, finish_reason=None) -> dict:
+    return {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
+
+
+def _text_choice(text: str, logprobs=None, finish_reason=None) -> dict:
+    return {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
+
+
+def _logprobs(tokenizer, events, chat: bool, wanted):
+    """OpenAI's logprobs object for these token events (None when the request asked for none)."""
+    events = [e for e in events if e.token_id >= 0]
+    if wanted is None:
+        return None
+    piece = lambda i: tokenizer.decode([i])
+    if chat:
+
+        def entry(i, lp):
+            token = piece(i)
+            return {"token": token, "logprob": lp, "bytes": list(token.encode())}
+
+        content = [
+            {**entry(e.token_id, e.logprob), "top_logprobs": [entry(i, lp) for i, lp in e.top_logprobs or []]}
+            for e in events
+        ]
+        return {"content": content}
+    tokens = [piece(e.token_id) for e in events]
+    offsets = [sum(len(t) for t in tokens[:k]) for k in range(len(tokens))]
+    top = [{piece(i): lp for i, lp in e.top_logprobs or []} for e in events]
+    logprobs = [e.logprob for e in events]
+    return {"tokens": tokens, "token_logprobs": logprobs, "top_logprobs": top, "text_offset": offsets}

@@ -1,0 +1,135 @@
+"""The model behind `stemlm server`: one loaded checkpoint, its batch engine on a thread, prompts and edits.
+
+`ApiService` turns a parsed OpenAI request (`stemlm.serve.openai_params`) into an engine `Request`: the prompt
+text (or a chat rendered with the checkpoint's template) encoded, end-of-text (and the template's end of
+turn) as stop ids, and a `stem_edit` turned into that request's prefill row hooks (`edit_prefill_hooks`, the
+one place this server touches the model's row hooks). With `--tables host` the edit reads its rows from the
+host tables through `views.resident_view`, as the playground does; the batch keeps the shared row cache.
+
+    service = ApiService.load("runs/tiny", InferenceOptions(tables="host"), slots=16, max_queue=64)
+    request = service.submit(parse_completion(body, service.context), on_event=print)
+    request.done.wait(); service.close()
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from stemlm.errors import StemlmError
+from stemlm.inference.batching import BatchEngine, EngineLoop
+from stemlm.inference.requests import Request
+from stemlm.serve.editing import EditSpec, build_edit
+from stemlm.serve.openai_params import ParsedRequest
+from stemlm.serve.views import resident_view
+
+EOT_TOKEN = "<|endoftext|>"
+
+
+def edit_prefill_hooks(view, tokenizer, ids: list[int], spec: EditSpec) -> dict:
+    """The forward keyword arguments that apply `spec` as a positional edit to a prefill of `ids`; `view` is
+    a model whose tables can be read (the served model, or the resident view of host tables)."""
+    from stemlm.edit.positional import edit_hooks
+
+    edit = build_edit(view, tokenizer, ids, spec)
+    table_rows, embed_rows = edit_hooks(view, edit)
+    return {name: hook for name, hook in (("table_rows", table_rows), ("embed_rows", embed_rows)) if hook}
+
+
+class ApiService:
+    def __init__(
+        self,
+        loaded,
+        checkpoint: str | Path,
+        *,
+        name: str | None = None,
+        slots: int = 16,
+        max_queue: int = 64,
+        request_timeout: float = 600.0,
+    ) -> None:
+        from stemlm.inference.chat import load_chat
+
+        if loaded.tokenizer is None:
+            raise StemlmError(f"checkpoint {checkpoint} has no tokenizer.json; the API server needs one to read text")
+        self.loaded, self.model, self.tokenizer = loaded, loaded.model, loaded.tokenizer
+        self.checkpoint = Path(checkpoint).resolve()
+        self.name = name or self.checkpoint.name
+        self.created = int(time.time())
+        self.context = self.model.config.max_position_embeddings
+        self.request_timeout = request_timeout
+        self.chat = load_chat(self.checkpoint)
+        eot = self.tokenizer.token_to_id(EOT_TOKEN)
+        self.stop_ids = () if eot is None else (eot,)
+        turn = self.tokenizer.token_to_id(self.chat.eos_token) if self.chat and self.chat.eos_token else None
+        self.chat_stop_ids = tuple(dict.fromkeys(self.stop_ids + (() if turn is None else (turn,))))
+        offloaded = loaded.offloaded
+        self._view, self._view_error = self.model, None
+        if offloaded is not None:
+            try:
+                self._view = resident_view(offloaded)
+            except StemlmError as exc:
+                self._view, self._view_error = None, str(exc)
+        rows = offloaded.rows if offloaded is not None else None
+        self.engine = BatchEngine(self.model, slots=slots, tokenizer=self.tokenizer, rows=rows, max_waiting=max_queue)
+        self.loop = EngineLoop(self.engine)
+
+    @classmethod
+    def load(cls, ckpt: str | Path, options=None, **settings) -> ApiService:
+        """Load a checkpoint (or a run's newest) with `InferenceOptions`; `settings`: the constructor's keywords."""
+        from stemlm.checkpoint.runs import resolve_checkpoint
+        from stemlm.inference.load import load_inference
+
+        folder = resolve_checkpoint(ckpt)
+        loaded = load_inference(folder, options)
+        try:
+            return cls(loaded, folder, **settings)
+        except StemlmError:
+            loaded.close()
+            raise
+
+    def prompt_ids(self, parsed: ParsedRequest) -> list[int]:
+        if parsed.messages is not None:
+            if self.chat is None:
+                raise StemlmError(
+                    f"checkpoint {self.checkpoint.name} has no chat template (tokenizer_config.json chat_template); "
+                    "use /v1/completions"
+                )
+            text = self.chat.render_messages(parsed.messages)
+        elif isinstance(parsed.prompt, list):
+            vocab = self.model.config.vocab_size
+            bad = [i for i in parsed.prompt if not 0 <= i < vocab]
+            if bad:
+                raise StemlmError(f"prompt token id {bad[0]} is out of range for vocab_size {vocab}")
+            return parsed.prompt
+        else:
+            text = parsed.prompt
+        ids = self.tokenizer.encode(text, add_special_tokens=False).ids
+        if not ids:
+            raise StemlmError("the prompt is empty")
+        if len(ids) >= self.context:
+            raise StemlmError(f"the prompt has {len(ids)} tokens; this model reads at most {self.context - 1}")
+        return ids
+
+    def request(self, parsed: ParsedRequest, on_event: Callable | None = None) -> Request:
+        """The engine request of a parsed body (not yet submitted); raises `StemlmError` for a bad one."""
+        ids = self.prompt_ids(parsed)
+        hooks = {}
+        if parsed.edit is not None:
+            if self._view is None:
+                raise StemlmError(self._view_error)
+            hooks = edit_prefill_hooks(self._view, self.tokenizer, ids, parsed.edit)
+        return Request(ids, parsed.params, on_event=on_event, prefill_hooks=hooks)
+
+    def submit(self, parsed: ParsedRequest, on_event: Callable | None = None) -> Request:
+        return self.loop.submit(self.request(parsed, on_event))
+
+    def cache_report(self) -> dict | None:
+        """Row-cache statistics and memory figures with host / mmap tables (None when resident)."""
+        offloaded = self.loaded.offloaded
+        return None if offloaded is None else offloaded.report()
+
+    def close(self, cancel: bool = True) -> None:
+        """Stop the engine (cancelling what is still in flight unless `cancel` is False), then the loader."""
+        self.loop.stop(cancel=cancel)
+        self.loaded.close()
