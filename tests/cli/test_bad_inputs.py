@@ -284,6 +284,12 @@ CASES = [
     (["serve", "{ck}", "--save-dir", "{ck}"], "served checkpoint"),
     (["serve", "{ck}", "--device", "bogus"], "unknown device 'bogus'"),
     (["serve", "{ck}", "--tables", "host", "--device", "cuda"], "no CUDA device"),
+    (["server", "{nope}"], "does not exist"),
+    (["server", "{ck}", "--port", "70000"], "--port 70000"),
+    (["server", "{ck}", "--slots", "0"], "--slots must be >= 1"),
+    (["server", "{ck}", "--request-timeout", "0"], "--request-timeout"),
+    (["server", "{ck}", "--cache-rows", "5"], "host"),
+    (["server", "{ck}", "--device", "bogus"], "unknown device 'bogus'"),
     # --- experiment and data ---
     (["experiment", "knowledge", "--set", "bogus=1"], "bogus"),
     (["experiment", "knowledge", "--steps", "0", "--out", "{outdir}"], "steps"),

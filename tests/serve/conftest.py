@@ -5,7 +5,9 @@ enough (initializer_range 0.3, table rows N(0, 1)) that the next-token distribut
 swap visibly moves it: with seed 0, editing " France" -> " Germany" (3 tokens) in PROMPT with the `average`
 strategy changes the greedy first token.
 `dense_ckpt` is its dense twin (no tables: editing must refuse). `live_server(ckpt, **load)` starts the
-real threaded WSGI server on a free loopback port and yields its base URL.
+real threaded WSGI server on a free loopback port and yields its base URL. `chat_ckpt` (with a chat template)
+and `reference` (its single-stream greedy text) serve the OpenAI-compatible server's tests
+(`tests/serve/openai_helpers.py`).
 """
 
 from __future__ import annotations
@@ -100,3 +102,19 @@ def live_server():
             pg.close()
 
     return start
+
+
+@pytest.fixture(scope="module")
+def chat_ckpt(tmp_path_factory):
+    """A `stem_ckpt` twin with a chat template, for the OpenAI-compatible server."""
+    from tests.serve.openai_helpers import write_chat_checkpoint
+
+    return write_chat_checkpoint(tmp_path_factory.mktemp("openai") / "stem")
+
+
+@pytest.fixture(scope="module")
+def reference(chat_ckpt):
+    """Single-stream greedy text of `chat_ckpt`: `reference(prompt, max_tokens, edit=None)`."""
+    from tests.serve.openai_helpers import single_stream
+
+    return single_stream(chat_ckpt)

@@ -5,72 +5,21 @@ checkpoint loaded separately."""
 
 from __future__ import annotations
 
-import http.client
-import json
 import threading
-from contextlib import contextmanager
-from urllib.parse import urlsplit
 
 import pytest
 
-from stemlm.checkpoint.runs import load_checkpoint
-from stemlm.inference.generate import generate
 from stemlm.inference.load import InferenceOptions
 from stemlm.serve.editing import EditSpec
-from stemlm.serve.openai_run import ApiServer
-from stemlm.serve.openai_service import EOT_TOKEN, ApiService, edit_prefill_hooks
-from tests.serve.conftest import PROMPT, SOURCE, TARGET, write_checkpoint
+from tests.serve.conftest import PROMPT, SOURCE, TARGET
+from tests.serve.openai_helpers import MODEL, http_request, serving
 
 openai = pytest.importorskip("openai")
 
-TEMPLATE = (
-    "{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>\n'}}"
-    "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
-)
-MODEL = "tiny-stem"
-
 
 @pytest.fixture(scope="module")
-def ckpt(tmp_path_factory):
-    folder = write_checkpoint(tmp_path_factory.mktemp("openai") / "stem")
-    config = {"chat_template": TEMPLATE, "eos_token": EOT_TOKEN}
-    (folder / "tokenizer_config.json").write_text(json.dumps(config))
-    return folder
-
-
-@pytest.fixture(scope="module")
-def reference(ckpt):
-    """Single-stream greedy text of a prompt (ids or text), optionally with a positional edit at prefill."""
-    model, tok = load_checkpoint(ckpt)
-    eot = tok.token_to_id(EOT_TOKEN)
-
-    def greedy(prompt, max_tokens: int, edit: EditSpec | None = None) -> str:
-        ids = prompt if isinstance(prompt, list) else tok.encode(prompt, add_special_tokens=False).ids
-        hooks = {} if edit is None else edit_prefill_hooks(model, tok, ids, edit)
-        rows = dict(prefill_table_rows=hooks.get("table_rows"), prefill_embed_rows=hooks.get("embed_rows"))
-        return tok.decode(generate(model, ids, max_tokens, greedy=True, eos_id=eot, **rows))
-
-    return greedy
-
-
-def http_request(url: str, method: str, path: str, body=None, headers=None) -> http.client.HTTPResponse:
-    """A raw request (stdlib), for what the openai client cannot send: another Host header, a dropped stream."""
-    conn = http.client.HTTPConnection(urlsplit(url).netloc, timeout=30)
-    data = None if body is None else json.dumps(body)
-    conn.request(method, path, body=data, headers={"Content-Type": "application/json", **(headers or {})})
-    return conn.getresponse()
-
-
-@contextmanager
-def serving(ckpt, options=None, **settings):
-    service = ApiService.load(ckpt, options, name=MODEL, **{"slots": 4, **settings})
-    with ApiServer(service, port=0, graceful_timeout=5).running() as server:
-        yield server, openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=60)
-
-
-@pytest.fixture(scope="module")
-def api(ckpt):
-    with serving(ckpt) as running:
+def api(chat_ckpt):
+    with serving(chat_ckpt) as running:
         yield running
 
 
@@ -93,7 +42,7 @@ def test_streamed_completion_concatenates_to_the_same_text(api, reference):
     assert chunks[-1].choices[0].finish_reason == "length"
 
 
-def test_chat_uses_the_checkpoint_template(api, reference, ckpt):
+def test_chat_uses_the_checkpoint_template(api, reference, chat_ckpt):
     _, client = api
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Name a capital."}]
     rendered = "".join(f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n" for m in messages)
@@ -179,11 +128,11 @@ def test_unknown_model_host_check_and_metrics(api):
         assert name in text
 
 
-def test_queue_full_is_429_and_timeout_is_504(ckpt):
-    with serving(ckpt, max_queue=0) as (_, client):
+def test_queue_full_is_429_and_timeout_is_504(chat_ckpt):
+    with serving(chat_ckpt, max_queue=0) as (_, client):
         with pytest.raises(openai.RateLimitError):
             client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=2)
-    with serving(ckpt, request_timeout=1e-6) as (server, client):
+    with serving(chat_ckpt, request_timeout=1e-6) as (server, client):
         with pytest.raises(openai.APIStatusError) as info:
             client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=50)
         assert info.value.status_code == 504
@@ -205,8 +154,8 @@ def test_disconnect_frees_the_slot(api):
     assert not engine.busy
 
 
-def test_host_tables_serve_the_same_text(ckpt, reference):
-    with serving(ckpt, InferenceOptions(tables="host", cache_rows=64)) as (server, client):
+def test_host_tables_serve_the_same_text(chat_ckpt, reference):
+    with serving(chat_ckpt, InferenceOptions(tables="host", cache_rows=64)) as (server, client):
         out = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=10, temperature=0)
         edited = client.completions.create(
             model=MODEL, prompt=PROMPT, max_tokens=10, temperature=0,

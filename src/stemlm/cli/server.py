@@ -33,6 +33,8 @@ def run(args) -> int:
     for flag, value, low in (("--slots", args.slots, 1), ("--max-queue", args.max_queue, 0)):
         if value < low:
             raise StemlmError(f"{flag} must be >= {low}, got {value}")
+    if not 0 <= args.port <= 65535:
+        raise StemlmError(f"--port {args.port} is outside 0..65535 (0 picks a free one)")
     if not args.request_timeout > 0 or not args.graceful_timeout >= 0:
         raise StemlmError("--request-timeout must be > 0 and --graceful-timeout >= 0 seconds")
     service = ApiService.load(

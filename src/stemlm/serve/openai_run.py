@@ -10,6 +10,7 @@ connections, lets the requests in flight finish for up to `graceful_timeout` sec
 
 from __future__ import annotations
 
+import signal
 import socket
 import threading
 import time
@@ -60,9 +61,15 @@ class ApiServer:
 
     def serve_forever(self) -> None:
         """Serve until SIGINT / SIGTERM (uvicorn's handlers, main thread), then shut down gracefully."""
+        # After its graceful shutdown uvicorn re-raises the signal it caught at the handler that was there
+        # before it; by then the server has stopped, so these handlers end the run instead of the process.
+        previous = signal.signal(signal.SIGTERM, lambda signum, frame: None)
         try:
             self.server.run(sockets=[self.sock])
+        except KeyboardInterrupt:
+            pass
         finally:
+            signal.signal(signal.SIGTERM, previous)
             self.close()
 
     @contextmanager

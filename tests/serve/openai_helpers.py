@@ -1,0 +1,63 @@
+"""Helpers of the OpenAI-compatible server tests: a checkpoint with a chat template, single-stream references,
+a server on a free loopback port with an `openai` client, and raw stdlib requests."""
+
+from __future__ import annotations
+
+import http.client
+import json
+from contextlib import contextmanager
+from urllib.parse import urlsplit
+
+from stemlm.checkpoint.runs import load_checkpoint
+from stemlm.inference.generate import generate
+from stemlm.serve.editing import EditSpec
+from stemlm.serve.openai_service import EOT_TOKEN, ApiService, edit_prefill_hooks
+from tests.serve.conftest import write_checkpoint
+
+TEMPLATE = (
+    "{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>\n'}}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+MODEL = "tiny-stem"
+
+
+def write_chat_checkpoint(folder):
+    write_checkpoint(folder)
+    config = {"chat_template": TEMPLATE, "eos_token": EOT_TOKEN}
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    return folder
+
+
+def single_stream(folder):
+    """`greedy(prompt, max_tokens, edit=None) -> text`: single-stream `generate` on the checkpoint loaded apart
+    from the server, the edit (an `EditSpec`) applied at prefill as the server applies it."""
+    model, tok = load_checkpoint(folder)
+    eot = tok.token_to_id(EOT_TOKEN)
+
+    def greedy(prompt, max_tokens: int, edit: EditSpec | None = None) -> str:
+        ids = prompt if isinstance(prompt, list) else tok.encode(prompt, add_special_tokens=False).ids
+        hooks = {} if edit is None else edit_prefill_hooks(model, tok, ids, edit)
+        rows = dict(prefill_table_rows=hooks.get("table_rows"), prefill_embed_rows=hooks.get("embed_rows"))
+        return tok.decode(generate(model, ids, max_tokens, greedy=True, eos_id=eot, **rows))
+
+    return greedy
+
+
+def http_request(url: str, method: str, path: str, body=None, headers=None) -> http.client.HTTPResponse:
+    """A raw request (stdlib), for what the openai client cannot send: another Host header, a dropped stream."""
+    conn = http.client.HTTPConnection(urlsplit(url).netloc, timeout=30)
+    data = None if body is None else json.dumps(body)
+    conn.request(method, path, body=data, headers={"Content-Type": "application/json", **(headers or {})})
+    return conn.getresponse()
+
+
+@contextmanager
+def serving(folder, options=None, **settings):
+    """`with serving(ckpt, **ApiService settings) as (server, client):` a live server and an openai client."""
+    import openai
+
+    from stemlm.serve.openai_run import ApiServer
+
+    service = ApiService.load(folder, options, name=MODEL, **{"slots": 4, **settings})
+    with ApiServer(service, port=0, graceful_timeout=5).running() as server:
+        yield server, openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=60)
