@@ -16,6 +16,8 @@
 #   6. host_shards_smoke: 3 bf16 steps of `--nproc N --tables host --grad-accum 2` (pinned row shards gathered
 #      ahead on a side stream, the host plan, the async row exchange, the table update on the worker thread),
 #      under `--profile --memory-snapshot` (CUDA profiler activity and the allocator history must be written).
+#   8. serve_throughput: the continuous-batching engine (stemlm server's decode loop) at concurrency 1, 4, 16
+#      with resident and host tables at the paper-350m shape; batched outputs must equal single-stream greedy.
 #   7. exchange (2+ GPUs only): `table_comm.py --exchange --device cuda`, the host-planned, ahead-issued exchange
 #      vs the collective plan on NCCL.
 # Exit status: the number of failed checks. Prepared on a CPU-only machine; see docs/results.md ("GPU check").
@@ -85,5 +87,7 @@ if [ "$gpus" -ge 2 ]; then
 fi
 run decode_offload 180 "$PY" benchmarks/decode_offload.py --device cuda --preset paper-350m --set vocab_size=8192 \
   --decode 128 --warmup 32 --reps 2 --warm-chars 200000 --ppl-tokens 4000
+run serve_throughput 240 "$PY" benchmarks/serve_throughput.py --device cuda --preset paper-350m \
+  --set vocab_size=8192 --prompt 64 --new 32 --reps 2
 echo "gpu_check: $failed failed"
 exit "$failed"

@@ -1,0 +1,158 @@
+"""Serving throughput: the continuous-batching engine at concurrency 1, 4 and 16 against single-stream decoding.
+
+A model of the chosen preset (random weights: speed does not depend on them) is saved to a temporary
+checkpoint and loaded through `stemlm.inference.load` twice: tables resident, and tables in host memory
+behind a `--cache-fraction` LFU row cache. Prompts are `--prompt`-token windows of the embedded corpus's
+held-out text (default tokenizer); every request decodes `--new` greedy tokens.
+
+- single-stream: the same requests one after another with `stemlm.inference.generate` (the `stemlm generate`
+  loop); its tokens/s is the baseline;
+- batched at concurrency c: c requests submitted at once to a `BatchEngine` with c slots, run until idle;
+  aggregate tokens/s = all generated tokens / wall time (prefills included, as a server pays them);
+- host tables at concurrency 16: the same with the host-table model and its row cache (`host_over_resident`).
+
+Each figure is the median of `--reps` repetitions. Every batched output must equal its single-stream greedy
+output (`outputs_equal`). Time to first token and inter-token latency (p50 / p99) are those of the
+concurrency-16 resident run. The engine is measured directly, without HTTP, so the figures are the decode
+loop's, not the web stack's.
+
+    OMP_NUM_THREADS=1 python benchmarks/serve_throughput.py                  # tiny preset, CPU, ~1-2 min
+    python benchmarks/serve_throughput.py --new 32 --reps 1                  # quicker
+    python benchmarks/serve_throughput.py --device cuda --set vocab_size=32768
+
+The last line is `RESULT single_stream_tok_s=… batch1_tok_s=… batch4_tok_s=… batch16_tok_s=…
+batch16_over_single=… host_over_resident=… outputs_equal=…`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from stemlm.checkpoint.folder import save_pretrained
+from stemlm.data.corpus import embedded_texts
+from stemlm.data.tokenizer import default_tokenizer
+from stemlm.inference.batching import BatchEngine
+from stemlm.inference.generate import generate
+from stemlm.inference.load import InferenceOptions, load_inference
+from stemlm.inference.requests import Request, SamplingParams
+from stemlm.model import build_model
+from stemlm.model.presets import get_preset
+
+CONCURRENCY = (1, 4, 16)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--preset", default="tiny", help="model preset (default tiny)")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE", help="config override")
+    p.add_argument("--device", default="cpu", help="cpu or cuda (default cpu)")
+    p.add_argument("--prompt", type=int, default=32, help="prompt tokens per request (default 32)")
+    p.add_argument("--new", type=int, default=64, help="greedy tokens generated per request (default 64)")
+    p.add_argument("--reps", type=int, default=3, help="repetitions per configuration, median reported (default 3)")
+    p.add_argument("--cache-fraction", type=float, default=0.2, help="host-table row cache (default 0.2)")
+    p.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
+    return p.parse_args(argv)
+
+
+def prompts(n: int, length: int) -> list[list[int]]:
+    tok = default_tokenizer()
+    ids: list[int] = []
+    for text in embedded_texts("heldout"):
+        ids += tok.encode(text[: 40 * length]).ids
+        if len(ids) >= n * length:
+            break
+    return [ids[i * length : (i + 1) * length] for i in range(n)]
+
+
+def single_stream(model, requests: list[list[int]], new: int) -> tuple[float, list[list[int]]]:
+    start = time.perf_counter()
+    outputs = [generate(model, p, new, greedy=True) for p in requests]
+    return len(requests) * new / (time.perf_counter() - start), outputs
+
+
+def batched(model, requests: list[list[int]], new: int, rows=None) -> tuple[float, list[Request], dict]:
+    """Aggregate tokens/s of all `requests` at once, the requests, and per-token timestamps for latencies."""
+    stamps: dict[int, list[float]] = {}
+
+    def on_event(request, event):
+        if event is not None:
+            stamps.setdefault(request.id, []).append(time.perf_counter())
+
+    engine = BatchEngine(model, slots=len(requests), rows=rows)
+    jobs = [Request(p, SamplingParams(max_tokens=new, temperature=0), on_event=on_event) for p in requests]
+    start = time.perf_counter()
+    for job in jobs:
+        engine.submit(job)
+    engine.run_until_idle()
+    elapsed = time.perf_counter() - start
+    latency = {
+        "ttft": [stamps[j.id][0] - start for j in jobs],
+        "itl": [b - a for j in jobs for a, b in zip(stamps[j.id], stamps[j.id][1:], strict=False)],
+    }
+    return sum(len(j.output_ids) for j in jobs) / elapsed, jobs, latency
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def main() -> None:
+    args = parse_args()
+    torch.set_num_threads(args.threads)
+    config = get_preset(args.preset).with_overrides(args.overrides)
+    work = prompts(max(CONCURRENCY), args.prompt)
+    with tempfile.TemporaryDirectory() as tmp:
+        folder = Path(tmp) / "model"
+        save_pretrained(build_model(config, seed=0).eval(), folder)
+        resident = load_inference(folder, InferenceOptions(device=args.device))
+        host = load_inference(
+            folder, InferenceOptions(tables="host", cache_fraction=args.cache_fraction, device=args.device)
+        )
+        results: dict[str, list[float]] = {}
+        equal = True
+        latency = {}
+        with torch.no_grad():
+            generate(resident.model, work[0], 8, greedy=True)  # kernels warm
+            for rep in range(args.reps):
+                rate, expected = single_stream(resident.model, work, args.new)
+                results.setdefault("single_stream_tok_s", []).append(rate)
+                for c in CONCURRENCY:
+                    rate, jobs, lat = batched(resident.model, work[:c], args.new)
+                    results.setdefault(f"batch{c}_tok_s", []).append(rate)
+                    equal &= [j.output_ids for j in jobs] == expected[:c]
+                    if c == max(CONCURRENCY):
+                        latency = lat
+                rate, jobs, _ = batched(host.model, work, args.new, rows=host.offloaded.rows)
+                results.setdefault("host16_tok_s", []).append(rate)
+                equal &= [j.output_ids for j in jobs] == expected
+                print(f"rep {rep}: " + " ".join(f"{k}={v[-1]:.1f}" for k, v in results.items()), flush=True)
+        stats = host.offloaded.cache.stats if host.offloaded.cache is not None else None
+        host.close()
+        resident.close()
+    med = {k: statistics.median(v) for k, v in results.items()}
+    print(f"preset {args.preset}: V={config.vocab_size}, {config.num_hidden_layers} layers, ffn={config.ffn}; "
+          f"prompt {args.prompt}, new {args.new}, {args.reps} reps, {args.threads} thread(s)")  # fmt: skip
+    print(
+        f"latency at concurrency {max(CONCURRENCY)}: ttft p50 {1000 * percentile(latency['ttft'], 0.5):.1f} ms "
+        f"p99 {1000 * percentile(latency['ttft'], 0.99):.1f} ms; inter-token p50 "
+        f"{1000 * percentile(latency['itl'], 0.5):.1f} ms p99 {1000 * percentile(latency['itl'], 0.99):.1f} ms"
+    )
+    if stats is not None:
+        print(f"host tables ({args.cache_fraction:g} LFU cache): {stats.summary()}")
+    print(
+        f"RESULT single_stream_tok_s={med['single_stream_tok_s']:.1f} "
+        + " ".join(f"batch{c}_tok_s={med[f'batch{c}_tok_s']:.1f}" for c in CONCURRENCY)
+        + f" batch16_over_single={med['batch16_tok_s'] / med['single_stream_tok_s']:.2f}"
+        f" host_over_resident={med['host16_tok_s'] / med['batch16_tok_s']:.3f} outputs_equal={int(equal)}"
+    )
+
+
+if __name__ == "__main__":
+    main()
