@@ -16,10 +16,10 @@
 #   6. host_shards_smoke: 3 bf16 steps of `--nproc N --tables host --grad-accum 2` (pinned row shards gathered
 #      ahead on a side stream, the host plan, the async row exchange, the table update on the worker thread),
 #      under `--profile --memory-snapshot` (CUDA profiler activity and the allocator history must be written).
-#   8. serve_throughput: the continuous-batching engine (stemlm server's decode loop) at concurrency 1, 4, 16
-#      with resident and host tables at the paper-350m shape; batched outputs must equal single-stream greedy.
 #   7. exchange (2+ GPUs only): `table_comm.py --exchange --device cuda`, the host-planned, ahead-issued exchange
 #      vs the collective plan on NCCL.
+#   8. serve_throughput: the continuous-batching engine (stemlm server's decode loop) at concurrency 1, 4, 16
+#      with resident and host tables at the paper-350m shape; batched outputs must equal single-stream greedy.
 # Exit status: the number of failed checks. Prepared on a CPU-only machine; see docs/results.md ("GPU check").
 set -u
 PY=${PYTHON:-python}

@@ -108,6 +108,8 @@ def test_edit_applies_to_its_request_only(api, reference):
         ({"temperature": "hot"}, "temperature must be a number"),
         ({"stem_edit": {"source": "Mars", "target": TARGET}}, "Mars"),
         ({"n": 2}, "n must be 1"),
+        ({"prompt": list(range(300))}, "reads at most 127"),
+        ({"max_tokens": 0}, "max_tokens must be between 1 and 128"),
     ],
 )
 def test_bad_requests_are_400_with_one_line(api, extra, message):

@@ -13,8 +13,9 @@ Layout. The batch shares one time axis of length L in a preallocated KV pool, pe
 [slots, kv_heads, capacity, head_dim]; the active requests are the pool's first rows (a request that leaves
 is replaced by the last active row, so the forward reads a prefix view and nothing is gathered). Each row
 holds its request's positions right-aligned to L: row b's n_b cached positions are L - n_b .. L - 1. Every
-step passes the model `attention_mask` (a row's valid positions) and `position_ids` (n_b), which is how
-left padding works in the model already, so no model code knows about batching.
+step passes the model `attention_mask` (a row's valid positions; omitted when no row is padded, as for one
+request alone) and `position_ids` (n_b), which is how left padding works in the model already, so no model
+code knows about batching.
 
 Joining. A new request is prefilled alone with the model's own forward (the same call as single-stream
 generation, so its prompt keys, values and first token are the single-stream ones), then its cache is written
@@ -237,7 +238,9 @@ class BatchEngine:
         ids_cpu = torch.tensor(tokens)
         ids = ids_cpu.to(self.device)
         counts = torch.tensor(self.counts, device=self.device)
-        mask = torch.arange(L + 1, device=self.device)[None, :] >= (L - counts)[:, None]
+        mask = None  # no row padded (one request, or equal lengths): the single-stream attention, no mask
+        if any(c != L for c in self.counts):
+            mask = torch.arange(L + 1, device=self.device)[None, :] >= (L - counts)[:, None]
         if self.rows is not None:
             self._request_rows(ids, [r.prompt_ids + r.output_ids for r in self.active], host=ids_cpu)
         cache = KVCache(len(self.keys), capacity=self.capacity)

@@ -158,7 +158,11 @@ class _Run:
                 self.last, self.tokens = now, self.tokens + 1
             return event
 
-    def finished(self) -> None:
+    def settle(self) -> None:
+        """Count the request once it is over; one still running (client gone, timeout) is cancelled, which
+        frees its slot at the next step."""
+        if not self.request.done.is_set():
+            self.service.loop.cancel(self.request)
         self.metrics.requests.labels(self.endpoint, self.request.finish_reason or "cancelled").inc()
         self.metrics.generated_tokens.inc(len(self.request.output_ids))
         self.metrics.latency.observe(time.perf_counter() - self.start)
@@ -187,10 +191,7 @@ class _Run:
         except ClientGone:
             return Response(status_code=499)  # nobody reads it; nginx's code for a closed client connection
         finally:
-            if not self.request.done.is_set():
-                self.service.loop.cancel(self.request)  # a disconnected client (or a timeout) frees its slot
-            else:
-                self.finished()
+            self.settle()
         reason = self.finish_reason()
         logprobs = _logprobs(self.service.tokenizer, collected, chat, self.request.params.logprobs)
         text = self.request.text
@@ -210,7 +211,6 @@ class _Run:
                 logprobs = _logprobs(tokenizer, [event], chat, want) if event.token_id >= 0 else None
                 part = _delta({"content": event.text}, logprobs) if chat else _text_choice(event.text, logprobs)
                 yield _sse({**self.head(chat, True), "choices": [part]})
-            self.finished()
             try:
                 reason = self.finish_reason()
             except ApiError as exc:
@@ -227,8 +227,7 @@ class _Run:
         except ClientGone:
             return
         finally:
-            if not self.request.done.is_set():
-                self.service.loop.cancel(self.request)  # the client went away mid-stream: free the slot
+            self.settle()
 
 
 def _sse(data: dict) -> str:

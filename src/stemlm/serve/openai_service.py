@@ -89,22 +89,23 @@ class ApiService:
             raise
 
     def prompt_ids(self, parsed: ParsedRequest) -> list[int]:
-        if parsed.messages is not None:
-            if self.chat is None:
-                raise StemlmError(
-                    f"checkpoint {self.checkpoint.name} has no chat template (tokenizer_config.json chat_template); "
-                    "use /v1/completions"
-                )
-            text = self.chat.render_messages(parsed.messages)
-        elif isinstance(parsed.prompt, list):
+        """The prompt's token ids: given ids as they are, text encoded, a chat rendered with the template first."""
+        if isinstance(parsed.prompt, list):
             vocab = self.model.config.vocab_size
             bad = [i for i in parsed.prompt if not 0 <= i < vocab]
             if bad:
                 raise StemlmError(f"prompt token id {bad[0]} is out of range for vocab_size {vocab}")
-            return parsed.prompt
+            ids = parsed.prompt
         else:
             text = parsed.prompt
-        ids = self.tokenizer.encode(text, add_special_tokens=False).ids
+            if parsed.messages is not None:
+                if self.chat is None:
+                    raise StemlmError(
+                        f"checkpoint {self.checkpoint.name} has no chat template (tokenizer_config.json "
+                        "chat_template); use /v1/completions"
+                    )
+                text = self.chat.render_messages(parsed.messages)
+            ids = self.tokenizer.encode(text, add_special_tokens=False).ids
         if not ids:
             raise StemlmError("the prompt is empty")
         if len(ids) >= self.context:
