@@ -9,19 +9,21 @@ held-out text (default tokenizer); every request decodes `--new` greedy tokens.
   loop); its tokens/s is the baseline;
 - batched at concurrency c: c requests submitted at once to a `BatchEngine` with c slots, run until idle;
   aggregate tokens/s = all generated tokens / wall time (prefills included, as a server pays them);
-- host tables at concurrency 16: the same with the host-table model and its row cache (`host_over_resident`).
+- host tables at the highest concurrency: the same with the host-table model and its row cache
+  (`host_over_resident`).
 
-Each figure is the median of `--reps` repetitions. Every batched output must equal its single-stream greedy
-output (`outputs_equal`). Time to first token and inter-token latency (p50 / p99) are those of the
-concurrency-16 resident run. The engine is measured directly, without HTTP, so the figures are the decode
-loop's, not the web stack's.
+Each figure is the median of `--reps` repetitions; each repetition runs every configuration once, in an
+order rotated from one repetition to the next, so load from other processes hits all alike. Every batched
+output must equal its single-stream greedy output (`outputs_equal`). Time to first token and inter-token
+latency (p50 / p99) are those of the highest-concurrency resident run. The engine is measured directly,
+without HTTP, so the figures are the decode loop's, not the web stack's.
 
     OMP_NUM_THREADS=1 python benchmarks/serve_throughput.py                  # tiny preset, CPU, ~1-2 min
     python benchmarks/serve_throughput.py --new 32 --reps 1                  # quicker
     python benchmarks/serve_throughput.py --device cuda --set vocab_size=32768
 
 The last line is `RESULT single_stream_tok_s=… batch1_tok_s=… batch4_tok_s=… batch16_tok_s=…
-batch16_over_single=… host_over_resident=… outputs_equal=…`.
+batch16_over_single=… host_over_resident=… outputs_equal=…` (16: the highest `--concurrency`).
 """
 
 from __future__ import annotations
@@ -44,8 +46,6 @@ from stemlm.inference.requests import Request, SamplingParams
 from stemlm.model import build_model
 from stemlm.model.presets import get_preset
 
-CONCURRENCY = (1, 4, 16)
-
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -57,6 +57,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--reps", type=int, default=3, help="repetitions per configuration, median reported (default 3)")
     p.add_argument("--cache-fraction", type=float, default=0.2, help="host-table row cache (default 0.2)")
     p.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
+    p.add_argument("--concurrency", default="1,4,16", help="requests at once, comma-separated (default 1,4,16)")
     return p.parse_args(argv)
 
 
@@ -103,11 +104,13 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
-def main() -> None:
-    args = parse_args()
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
     torch.set_num_threads(args.threads)
+    levels = [int(c) for c in args.concurrency.split(",")]
+    top = max(levels)
     config = get_preset(args.preset).with_overrides(args.overrides)
-    work = prompts(max(CONCURRENCY), args.prompt)
+    work = prompts(top, args.prompt)
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp) / "model"
         save_pretrained(build_model(config, seed=0).eval(), folder)
@@ -115,42 +118,44 @@ def main() -> None:
         host = load_inference(
             folder, InferenceOptions(tables="host", cache_fraction=args.cache_fraction, device=args.device)
         )
-        results: dict[str, list[float]] = {}
-        equal = True
+        runs = {"single_stream": lambda: single_stream(resident.model, work, args.new)}
+        for c in levels:
+            runs[f"batch{c}"] = lambda c=c: batched(resident.model, work[:c], args.new)
+        runs[f"host{top}"] = lambda: batched(host.model, work, args.new, rows=host.offloaded.rows)
+        rates: dict[str, list[float]] = {name: [] for name in runs}
+        outputs: dict[str, list[list[int]]] = {}
         latency = {}
         with torch.no_grad():
             generate(resident.model, work[0], 8, greedy=True)  # kernels warm
             for rep in range(args.reps):
-                rate, expected = single_stream(resident.model, work, args.new)
-                results.setdefault("single_stream_tok_s", []).append(rate)
-                for c in CONCURRENCY:
-                    rate, jobs, lat = batched(resident.model, work[:c], args.new)
-                    results.setdefault(f"batch{c}_tok_s", []).append(rate)
-                    equal &= [j.output_ids for j in jobs] == expected[:c]
-                    if c == max(CONCURRENCY):
-                        latency = lat
-                rate, jobs, _ = batched(host.model, work, args.new, rows=host.offloaded.rows)
-                results.setdefault("host16_tok_s", []).append(rate)
-                equal &= [j.output_ids for j in jobs] == expected
-                print(f"rep {rep}: " + " ".join(f"{k}={v[-1]:.1f}" for k, v in results.items()), flush=True)
+                names = list(runs)
+                names = names[rep % len(names) :] + names[: rep % len(names)]  # rotate: load hits all alike
+                for name in names:
+                    rate, done, *lat = runs[name]()
+                    rates[name].append(rate)
+                    outputs[name] = done if name == "single_stream" else [j.output_ids for j in done]
+                    if name == f"batch{top}":
+                        latency = lat[0]
+                print(f"rep {rep}: " + " ".join(f"{k}={v[-1]:.1f}" for k, v in rates.items()), flush=True)
         stats = host.offloaded.cache.stats if host.offloaded.cache is not None else None
         host.close()
         resident.close()
-    med = {k: statistics.median(v) for k, v in results.items()}
+    equal = all(out == outputs["single_stream"][: len(out)] for out in outputs.values())
+    med = {k: statistics.median(v) for k, v in rates.items()}
     print(f"preset {args.preset}: V={config.vocab_size}, {config.num_hidden_layers} layers, ffn={config.ffn}; "
           f"prompt {args.prompt}, new {args.new}, {args.reps} reps, {args.threads} thread(s)")  # fmt: skip
     print(
-        f"latency at concurrency {max(CONCURRENCY)}: ttft p50 {1000 * percentile(latency['ttft'], 0.5):.1f} ms "
+        f"latency at concurrency {top}: ttft p50 {1000 * percentile(latency['ttft'], 0.5):.1f} ms "
         f"p99 {1000 * percentile(latency['ttft'], 0.99):.1f} ms; inter-token p50 "
         f"{1000 * percentile(latency['itl'], 0.5):.1f} ms p99 {1000 * percentile(latency['itl'], 0.99):.1f} ms"
     )
     if stats is not None:
         print(f"host tables ({args.cache_fraction:g} LFU cache): {stats.summary()}")
     print(
-        f"RESULT single_stream_tok_s={med['single_stream_tok_s']:.1f} "
-        + " ".join(f"batch{c}_tok_s={med[f'batch{c}_tok_s']:.1f}" for c in CONCURRENCY)
-        + f" batch16_over_single={med['batch16_tok_s'] / med['single_stream_tok_s']:.2f}"
-        f" host_over_resident={med['host16_tok_s'] / med['batch16_tok_s']:.3f} outputs_equal={int(equal)}"
+        f"RESULT single_stream_tok_s={med['single_stream']:.1f} "
+        + " ".join(f"batch{c}_tok_s={med[f'batch{c}']:.1f}" for c in levels)
+        + f" batch{top}_over_single={med[f'batch{top}'] / med['single_stream']:.2f}"
+        f" host_over_resident={med[f'host{top}'] / med[f'batch{top}']:.3f} outputs_equal={int(equal)}"
     )
 
 
