@@ -45,10 +45,16 @@ def single_stream(folder):
 
 def http_request(url: str, method: str, path: str, body=None, headers=None) -> http.client.HTTPResponse:
     """A raw request (stdlib), for what the openai client cannot send: another Host header, a dropped stream."""
+    return open_request(url, method, path, body, headers)[1]
+
+
+def open_request(url: str, method: str, path: str, body=None, headers=None, *, wait: bool = True):
+    """(connection, response) of a raw request; `wait=False` sends it without reading the response (None);
+    `connection.close()` then drops the client's socket."""
     conn = http.client.HTTPConnection(urlsplit(url).netloc, timeout=30)
     data = None if body is None else json.dumps(body)
     conn.request(method, path, body=data, headers={"Content-Type": "application/json", **(headers or {})})
-    return conn.getresponse()
+    return conn, conn.getresponse() if wait else None
 
 
 @contextmanager

@@ -6,13 +6,14 @@ checkpoint loaded separately."""
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 
 from stemlm.inference.load import InferenceOptions
 from stemlm.serve.editing import EditSpec
 from tests.serve.conftest import PROMPT, SOURCE, TARGET
-from tests.serve.openai_helpers import MODEL, http_request, serving
+from tests.serve.openai_helpers import MODEL, http_request, open_request, serving
 
 openai = pytest.importorskip("openai")
 
@@ -142,18 +143,24 @@ def test_queue_full_is_429_and_timeout_is_504(chat_ckpt):
         assert not server.service.engine.active
 
 
-def test_disconnect_frees_the_slot(api):
-    server, _ = api
-    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 100, "stream": True}
-    response = http_request(server.url, "POST", "/v1/completions", body)
-    assert response.readline().startswith(b"data: ")
-    response.close()  # the client goes away mid-stream
-    engine = server.service.engine
-    for _ in range(200):
-        if not engine.busy:
-            break
-        threading.Event().wait(0.05)
-    assert not engine.busy
+@pytest.mark.parametrize("stream", [True, False])
+def test_disconnect_cancels_the_request(chat_ckpt, stream):
+    with serving(chat_ckpt) as (server, _):
+        engine, submitted = server.service.engine, []
+        step, submit = engine.step, server.service.loop.submit
+        engine.step = lambda: (time.sleep(0.02), step())[1]  # slow decoding: 100 tokens take over 2 s
+        server.service.loop.submit = lambda request: submitted.append(request) or submit(request)
+        body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 100, "stream": stream}
+        conn, response = open_request(server.url, "POST", "/v1/completions", body, wait=stream)
+        if stream:
+            assert response.readline().startswith(b"data: ")
+        else:
+            time.sleep(0.3)  # the request is decoding
+        conn.close()  # the client goes away mid-request
+        assert submitted[0].done.wait(10)
+        assert submitted[0].finish_reason == "cancelled" and len(submitted[0].output_ids) < 100
+        server.service.loop.stop()
+        assert not engine.busy
 
 
 def test_host_tables_serve_the_same_text(chat_ckpt, reference):

@@ -48,6 +48,23 @@ def error_body(message: str, kind: str = "invalid_request_error") -> dict:
     return {"error": {"message": message, "type": kind, "param": None, "code": None}}
 
 
+class HostCheck:
+    """400 for a Host header outside `allowed`. Plain ASGI: a `BaseHTTPMiddleware` would wrap `receive` so
+    that `Request.is_disconnected` never sees the client leave."""
+
+    def __init__(self, app, allowed: set[str]) -> None:
+        self.app, self.allowed = app, allowed
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "http":
+            host = dict(scope["headers"]).get(b"host", b"").decode("latin-1")
+            if host_name(host) not in self.allowed:
+                body = error_body("this server does not answer that Host header")
+                await JSONResponse(body, status_code=400)(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
 def create_api(service: ApiService, hosts=None) -> FastAPI:
     """The ASGI app; `hosts`: the accepted Host header names (default `trusted_hosts()`: loopback only)."""
     allowed = set(hosts if hosts is not None else trusted_hosts())
@@ -55,11 +72,7 @@ def create_api(service: ApiService, hosts=None) -> FastAPI:
     app = FastAPI(title="stemlm", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.service, app.state.metrics = service, metrics
 
-    @app.middleware("http")
-    async def check_host(request: Request, call_next):
-        if host_name(request.headers.get("host", "")) not in allowed:
-            return JSONResponse(error_body("this server does not answer that Host header"), status_code=400)
-        return await call_next(request)
+    app.add_middleware(HostCheck, allowed=allowed)
 
     @app.exception_handler(ApiError)
     async def api_error(request: Request, exc: ApiError):
@@ -135,22 +148,26 @@ class _Run:
         self.service, self.metrics, self.http, self.request, self.events = service, metrics, http, request, events
         self.endpoint = endpoint
         self.id = ("chatcmpl-" if endpoint == "chat" else "cmpl-") + uuid.uuid4().hex[:24]
-        self.start = self.last = time.perf_counter()
+        self.start = self.last = self.checked = time.perf_counter()
         self.deadline = self.start + service.request_timeout
         self.tokens = 0
 
     async def next_event(self):
-        """The next engine event (None: finished); raises TimeoutError past the deadline (request cancelled)."""
+        """The next engine event (None: finished); raises TimeoutError past the deadline (request cancelled)
+        and ClientGone when the client has disconnected (checked every POLL_SECONDS, events or not)."""
         while True:
-            left = self.deadline - time.perf_counter()
+            now = time.perf_counter()
+            left = self.deadline - now
             if left <= 0:
                 self.service.loop.cancel(self.request)
                 raise TimeoutError
+            if now - self.checked >= POLL_SECONDS:
+                self.checked = now
+                if await self.http.is_disconnected():
+                    raise ClientGone
             try:
                 event = await asyncio.wait_for(self.events.get(), min(POLL_SECONDS, left))
             except TimeoutError:
-                if await self.http.is_disconnected():
-                    raise ClientGone from None
                 continue
             if event is not None and event.token_id >= 0:
                 now = time.perf_counter()
