@@ -58,12 +58,12 @@ def open_request(url: str, method: str, path: str, body=None, headers=None, *, w
 
 
 @contextmanager
-def serving(folder, options=None, **settings):
+def serving(folder, options=None, graceful_timeout: float = 5.0, **settings):
     """`with serving(ckpt, **ApiService settings) as (server, client):` a live server and an openai client."""
     import openai
 
     from stemlm.serve.openai_run import ApiServer
 
     service = ApiService.load(folder, options, name=MODEL, **{"slots": 4, **settings})
-    with ApiServer(service, port=0, graceful_timeout=5).running() as server:
+    with ApiServer(service, port=0, graceful_timeout=graceful_timeout).running() as server:
         yield server, openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=60)

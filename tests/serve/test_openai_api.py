@@ -163,6 +163,20 @@ def test_disconnect_cancels_the_request(chat_ckpt, stream):
         assert not engine.busy
 
 
+def test_shutdown_cancels_what_outlives_the_grace_period(chat_ckpt):
+    submitted = []
+    with serving(chat_ckpt, graceful_timeout=0.5) as (server, _):
+        engine, step, submit = server.service.engine, server.service.engine.step, server.service.loop.submit
+        engine.step = lambda: (time.sleep(0.05), step())[1]  # 100 tokens would take over 5 s
+        server.service.loop.submit = lambda request: submitted.append(request) or submit(request)
+        body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 100, "stream": True}
+        response = http_request(server.url, "POST", "/v1/completions", body)
+        assert response.readline().startswith(b"data: ")
+        start = time.monotonic()
+    assert time.monotonic() - start < 4  # the grace period, then the cancel; not the whole generation
+    assert submitted[0].finish_reason == "cancelled" and not engine.busy
+
+
 def test_host_tables_serve_the_same_text(chat_ckpt, reference):
     with serving(chat_ckpt, InferenceOptions(tables="host", cache_rows=64)) as (server, client):
         out = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=10, temperature=0)
