@@ -157,3 +157,18 @@ def test_stop_text_never_emits_a_stop_string(pieces, stops, out):
             break
     text += "" if hit else stop.flush()
     assert text == out
+
+
+def test_a_failing_prefill_fails_only_its_request():
+    model = model_for("stem")
+
+    def broken(layer_idx, ids):
+        raise RuntimeError("rows unavailable")
+
+    engine = BatchEngine(model, slots=2)
+    good = engine.submit(Request(PROMPTS[0], SamplingParams(max_tokens=4, temperature=0)))
+    engine.step()
+    bad = engine.submit(Request(PROMPTS[1], SamplingParams(max_tokens=4), prefill_hooks={"table_rows": broken}))
+    engine.run_until_idle()
+    assert bad.finish_reason == "error" and "rows unavailable" in bad.error
+    assert good.output_ids == generate(model, PROMPTS[0], 4, greedy=True)

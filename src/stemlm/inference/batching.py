@@ -123,14 +123,16 @@ class BatchEngine:
                 if not self.waiting:
                     break
                 request = self.waiting.popleft()
-            if not request.cancelled:
+            if request.cancelled:
+                request.finish("cancelled")
+            else:
                 self._admit(request)
         if not self.active:
             return False
         try:
             logits = self._decode()
         except Exception as exc:  # a failed forward fails the batch it ran, never the loop
-            self._fail_all(f"{type(exc).__name__}: {exc}")
+            self.fail_all(f"{type(exc).__name__}: {exc}")
             return True
         finished = [b for b, request in enumerate(self.active) if request.sample(logits[b])]
         self.tokens += len(self.active)
@@ -152,7 +154,8 @@ class BatchEngine:
                 self.waiting.remove(request)
                 request.finish("cancelled")
 
-    def _fail_all(self, message: str) -> None:
+    def fail_all(self, message: str) -> None:
+        """End every active request with "error" and `message` (the loop keeps serving new ones)."""
         if self.rows is not None:
             self.rows.drain()  # a prefetched step the failed forward never consumed must not meet the next one
         for b in reversed(range(len(self.active))):
@@ -315,7 +318,7 @@ class EngineLoop:
             try:
                 self.engine.step()
             except Exception as exc:  # e.g. a client callback that raised: fail what ran, keep serving
-                self.engine._fail_all(f"{type(exc).__name__}: {exc}")
+                self.engine.fail_all(f"{type(exc).__name__}: {exc}")
 
     def stop(self, cancel: bool = False, timeout: float | None = None) -> None:
         """Refuse new requests, finish (or with `cancel`, cancel) the ones in flight, and join the thread."""

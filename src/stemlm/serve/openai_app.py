@@ -122,7 +122,7 @@ async def _generate(service: ApiService, metrics: Metrics, http: Request, chat: 
         parsed = parse(body, service.context, service.chat_stop_ids if chat else service.stop_ids)
         if isinstance(body, dict) and body.get("model") not in (None, service.name):
             raise ApiError(404, f"model {body['model']!r} does not exist; this server serves {service.name!r}")
-        request = service.request(parsed, lambda r, e: loop.call_soon_threadsafe(events.put_nowait, e))
+        request = service.request(parsed, _poster(loop, events))
         service.loop.submit(request)
     except (ApiError, StemlmError) as exc:
         status, kind = 400, "invalid_request_error"
@@ -139,6 +139,18 @@ async def _generate(service: ApiService, metrics: Metrics, http: Request, chat: 
     if parsed.stream:
         return StreamingResponse(run.stream(chat, parsed.include_usage), media_type="text/event-stream")
     return await run.complete(chat)
+
+
+def _poster(loop: asyncio.AbstractEventLoop, events: asyncio.Queue):
+    """The engine-thread callback that hands a request's events to its handler on the event loop."""
+
+    def post(request, event) -> None:
+        try:
+            loop.call_soon_threadsafe(events.put_nowait, event)
+        except RuntimeError:  # the event loop has closed (the server stopped): nobody is waiting for it
+            pass
+
+    return post
 
 
 class _Run:
