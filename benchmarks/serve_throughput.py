@@ -10,11 +10,14 @@ held-out text (default tokenizer); every request decodes `--new` greedy tokens.
 - batched at concurrency c: c requests submitted at once to a `BatchEngine` with c slots, run until idle;
   aggregate tokens/s = all generated tokens / wall time (prefills included, as a server pays them);
 - host tables at the highest concurrency: the same with the host-table model and its row cache
-  (`host_over_resident`).
+  (`host_over_resident`);
+- HF `generate()` (`StemlmForCausalLM`, greedy) of the highest-concurrency batch in one call: the prompts all
+  have `--prompt` tokens, so its batch needs no padding and it does no continuous batching (all requests
+  start and end together).
 
 Each figure is the median of `--reps` repetitions; each repetition runs every configuration once, in an
 order rotated from one repetition to the next, so load from other processes hits all alike. Every batched
-output must equal its single-stream greedy output (`outputs_equal`). Time to first token and inter-token
+(and HF) output must equal its single-stream greedy output (`outputs_equal`). Time to first token and inter-token
 latency (p50 / p99) are those of the highest-concurrency resident run. The engine is measured directly,
 without HTTP, so the figures are the decode loop's, not the web stack's.
 
@@ -23,7 +26,8 @@ without HTTP, so the figures are the decode loop's, not the web stack's.
     python benchmarks/serve_throughput.py --device cuda --set vocab_size=32768
 
 The last line is `RESULT single_stream_tok_s=… batch1_tok_s=… batch4_tok_s=… batch16_tok_s=…
-batch16_over_single=… host_over_resident=… outputs_equal=…` (16: the highest `--concurrency`).
+batch16_over_single=… host_over_resident=… batch16_over_hf_generate=… outputs_equal=…` (16: the highest
+`--concurrency`).
 """
 
 from __future__ import annotations
@@ -99,6 +103,15 @@ def batched(model, requests: list[list[int]], new: int, rows=None) -> tuple[floa
     return sum(len(j.output_ids) for j in jobs) / elapsed, jobs, latency
 
 
+def hf_generate(model, requests: list[list[int]], new: int) -> tuple[float, list[list[int]]]:
+    """HF `generate()` of the whole batch at once (the prompts have one length, so nothing is padded)."""
+    ids = torch.tensor(requests, device=model.device)
+    start = time.perf_counter()
+    greedy = dict(max_new_tokens=new, min_new_tokens=new, do_sample=False, eos_token_id=None, pad_token_id=0)
+    out = model.generate(ids, **greedy)
+    return len(requests) * new / (time.perf_counter() - start), out[:, ids.shape[1] :].tolist()
+
+
 def percentile(values: list[float], q: float) -> float:
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
@@ -122,6 +135,10 @@ def main(argv: list[str] | None = None) -> None:
         for c in levels:
             runs[f"batch{c}"] = lambda c=c: batched(resident.model, work[:c], args.new)
         runs[f"host{top}"] = lambda: batched(host.model, work, args.new, rows=host.offloaded.rows)
+        from transformers import AutoModelForCausalLM
+
+        hf = AutoModelForCausalLM.from_pretrained(folder).to(args.device).eval()
+        runs[f"hf{top}"] = lambda: hf_generate(hf, work, args.new)
         rates: dict[str, list[float]] = {name: [] for name in runs}
         outputs: dict[str, list[list[int]]] = {}
         latency = {}
@@ -133,7 +150,7 @@ def main(argv: list[str] | None = None) -> None:
                 for name in names:
                     rate, done, *lat = runs[name]()
                     rates[name].append(rate)
-                    outputs[name] = done if name == "single_stream" else [j.output_ids for j in done]
+                    outputs[name] = done if name in ("single_stream", f"hf{top}") else [j.output_ids for j in done]
                     if name == f"batch{top}":
                         latency = lat[0]
                 print(f"rep {rep}: " + " ".join(f"{k}={v[-1]:.1f}" for k, v in rates.items()), flush=True)
@@ -155,7 +172,8 @@ def main(argv: list[str] | None = None) -> None:
         f"RESULT single_stream_tok_s={med['single_stream']:.1f} "
         + " ".join(f"batch{c}_tok_s={med[f'batch{c}']:.1f}" for c in levels)
         + f" batch{top}_over_single={med[f'batch{top}'] / med['single_stream']:.2f}"
-        f" host_over_resident={med[f'host{top}'] / med[f'batch{top}']:.3f} outputs_equal={int(equal)}"
+        f" host_over_resident={med[f'host{top}'] / med[f'batch{top}']:.3f}"
+        f" batch{top}_over_hf_generate={med[f'batch{top}'] / med[f'hf{top}']:.2f} outputs_equal={int(equal)}"
     )
 
 
