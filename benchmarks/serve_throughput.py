@@ -7,8 +7,9 @@ held-out text (default tokenizer); every request decodes `--new` greedy tokens.
 
 - single-stream: the same requests one after another with `stemlm.inference.generate` (the `stemlm generate`
   loop); its tokens/s is the baseline;
-- batched at concurrency c: c requests submitted at once to a `BatchEngine` with c slots, run until idle;
-  aggregate tokens/s = all generated tokens / wall time (prefills included, as a server pays them);
+- batched at concurrency c: c requests submitted at once to a `BatchEngine` with c slots (its KV pool
+  allocated beforehand, as a running server's is), run until idle; aggregate tokens/s = all generated
+  tokens / wall time (prefills included, as a server pays them);
 - host tables at the highest concurrency: the same with the host-table model and its row cache
   (`host_over_resident`);
 - HF `generate()` (`StemlmForCausalLM`, greedy) of the highest-concurrency batch in one call: the prompts all
@@ -81,7 +82,15 @@ def single_stream(model, requests: list[list[int]], new: int) -> tuple[float, li
     return len(requests) * new / (time.perf_counter() - start), outputs
 
 
-def batched(model, requests: list[list[int]], new: int, rows=None) -> tuple[float, list[Request], dict]:
+def engine_for(model, slots: int, rows=None) -> BatchEngine:
+    """An engine whose KV pool is already allocated (at its first join), as a running server's is."""
+    engine = BatchEngine(model, slots=slots, rows=rows)
+    engine.submit(Request([1, 2], SamplingParams(max_tokens=2, temperature=0)))
+    engine.run_until_idle()
+    return engine
+
+
+def batched(engine: BatchEngine, requests: list[list[int]], new: int) -> tuple[float, list[Request], dict]:
     """Aggregate tokens/s of all `requests` at once, the requests, and per-token timestamps for latencies."""
     stamps: dict[int, list[float]] = {}
 
@@ -89,7 +98,6 @@ def batched(model, requests: list[list[int]], new: int, rows=None) -> tuple[floa
         if event is not None:
             stamps.setdefault(request.id, []).append(time.perf_counter())
 
-    engine = BatchEngine(model, slots=len(requests), rows=rows)
     jobs = [Request(p, SamplingParams(max_tokens=new, temperature=0), on_event=on_event) for p in requests]
     start = time.perf_counter()
     for job in jobs:
@@ -133,8 +141,10 @@ def main(argv: list[str] | None = None) -> None:
         )
         runs = {"single_stream": lambda: single_stream(resident.model, work, args.new)}
         for c in levels:
-            runs[f"batch{c}"] = lambda c=c: batched(resident.model, work[:c], args.new)
-        runs[f"host{top}"] = lambda: batched(host.model, work, args.new, rows=host.offloaded.rows)
+            engine = engine_for(resident.model, c)
+            runs[f"batch{c}"] = lambda c=c, engine=engine: batched(engine, work[:c], args.new)
+        host_engine = engine_for(host.model, top, rows=host.offloaded.rows)
+        runs[f"host{top}"] = lambda: batched(host_engine, work, args.new)
         from transformers import AutoModelForCausalLM
 
         hf = AutoModelForCausalLM.from_pretrained(folder).to(args.device).eval()
