@@ -205,8 +205,12 @@ class _Run:
         return {"id": self.id, "object": kind, "created": int(time.time()), "model": self.service.name}
 
     def finish_reason(self) -> str:
+        """OpenAI's finish reason ("length" or "stop"); an engine error is a 500, a request the server
+        cancelled while its client still waited (shutdown) a 503."""
         if self.request.finish_reason == "error":
             raise ApiError(500, f"generation failed: {self.request.error}", "server_error")
+        if self.request.finish_reason == "cancelled":
+            raise ApiError(503, "the server stopped before the request finished", "server_error")
         return self.request.finish_reason
 
     async def complete(self, chat: bool):
