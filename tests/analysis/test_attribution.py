@@ -22,7 +22,7 @@ def _logp_with_scaled_row(model, ids, token, layer, pos, alpha):
         return r
 
     with torch.no_grad():
-        logits = model(torch.tensor([ids]), table_rows=rows).logits[0, -1].double()
+        logits = model(torch.tensor([ids]), rows={"token": rows}).logits[0, -1].double()
     return float(logits.log_softmax(-1)[token])
 
 

@@ -9,7 +9,8 @@ import torch
 
 from stemlm.checkpoint.folder import save_pretrained
 from stemlm.cli.main import main
-from stemlm.edit.positional import NGRAM_EDIT_NOTE, edited_forward, make_edit
+from stemlm.edit.positional import edited_forward, make_edit
+from stemlm.model.kinds.stem_ngram import EDIT_NOTE
 
 PROMPT = "Country: Spain. Capital:"
 
@@ -17,7 +18,7 @@ PROMPT = "Country: Spain. Capital:"
 def ngram_model(edit_model):
     model = edit_model("stem_ngram", stem_ngram_rows=64)
     with torch.no_grad():
-        for table in model.ngram_tables().values():
+        for table in model.tables("ngram").values():
             table.weight.normal_(0, 0.3, generator=torch.Generator().manual_seed(0))
     return model
 
@@ -37,7 +38,7 @@ def test_edit_swaps_token_rows_and_keeps_ngram_rows(edit_model, fact_tokenizer):
         return rows
 
     with torch.no_grad():
-        expected = model(x, table_rows=token_rows).logits
+        expected = model(x, rows={"token": token_rows}).logits
         got = edited_forward(model, x, edit).logits
         plain = model(x).logits
     torch.testing.assert_close(got, expected, atol=1e-6, rtol=0)
@@ -48,4 +49,4 @@ def test_cli_says_what_the_edit_acts_on(edit_model, fact_tokenizer, tmp_path, ca
     folder = save_pretrained(ngram_model(edit_model), tmp_path / "ckpt", tokenizer=fact_tokenizer)
     argv = ["edit", str(folder), "--prompt", PROMPT, "--source", "Spain", "--target", "Germany", "--json"]
     assert main(argv) == 0
-    assert json.loads(capsys.readouterr().out)["note"] == NGRAM_EDIT_NOTE
+    assert json.loads(capsys.readouterr().out)["note"] == EDIT_NOTE

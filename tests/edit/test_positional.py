@@ -217,12 +217,12 @@ def test_batch_hooks_equal_separate_edits(edit_model, fact_tokenizer):
     for i, r in enumerate(rows):
         ids[i, : len(r)] = torch.tensor(r)
     table_rows, embed_rows = batch_hooks(model, edits)
-    got = model(ids, table_rows=table_rows, embed_rows=embed_rows).logits
+    got = model(ids, rows=table_rows, embed_rows=embed_rows).logits
     for i, (r, e) in enumerate(zip(rows, edits, strict=True)):
         want = edited_forward(model, torch.tensor([r]), e).logits[0]
         torch.testing.assert_close(got[i, : len(r)], want, atol=1e-5, rtol=1e-5)
     with pytest.raises(StemlmError, match="one per row"):
-        model(ids[:2], table_rows=table_rows)
+        model(ids[:2], rows=table_rows)
 
 
 def test_auto_copies_a_shorter_target_equal_to_reference(edit_model, fact_tokenizer, reference):

@@ -1,5 +1,5 @@
 """Tests of `stemlm.inference.generate`: cached decoding against uncached argmax, sampling filters against pure-Python
-references, seeding, streaming and hooks, table_rows plumbing and the stopping rules."""
+references, seeding, streaming and hooks, rows plumbing and the stopping rules."""
 
 from __future__ import annotations
 
@@ -130,7 +130,7 @@ def test_stream_equals_list_and_hook_sees_each_token_before_next_forward(stem):
             events.append(("forward", ids.shape[1]))
         return stem.stem_tables()[layer](ids)
 
-    tokens = generate(stem, PROMPT, 8, seed=2, table_rows=rows, on_token=lambda t: events.append(("token", t)))
+    tokens = generate(stem, PROMPT, 8, seed=2, rows={"token": rows}, on_token=lambda t: events.append(("token", t)))
     assert list(stream_tokens(stem, PROMPT, 8, seed=2)) == tokens
     expected = [("forward", len(PROMPT))]
     for t in tokens:
@@ -141,16 +141,16 @@ def test_stream_equals_list_and_hook_sees_each_token_before_next_forward(stem):
 def test_table_rows_used_and_prefill_override(stem):
     own = lambda layer, ids: stem.stem_tables()[layer](ids)
     plain = generate(stem, PROMPT, 10, greedy=True)
-    assert generate(stem, PROMPT, 10, greedy=True, table_rows=own) == plain
-    # Rows scaled at prefill only: the output changes, and decoding still went through `table_rows`.
+    assert generate(stem, PROMPT, 10, greedy=True, rows={"token": own}) == plain
+    # Rows scaled at prefill only: the output changes, and decoding still went through `rows`.
     shapes = []
     scaled = lambda layer, ids: (shapes.append(tuple(ids.shape)), 25 * own(layer, ids))[1]
-    edited = generate(stem, PROMPT, 10, greedy=True, table_rows=own, prefill_table_rows=scaled)
+    edited = generate(stem, PROMPT, 10, greedy=True, rows={"token": own}, prefill_rows={"token": scaled})
     assert edited != plain
     assert shapes == [(1, len(PROMPT))] * 2  # two STEM layers, prefill only
     # Same edit done by hand: prefill with scaled rows, then cached greedy steps with the model's own rows.
     with torch.no_grad():
-        out = stem(torch.tensor([PROMPT]), use_cache=True, table_rows=scaled)
+        out = stem(torch.tensor([PROMPT]), use_cache=True, rows={"token": scaled})
         ids = [int(out.logits[0, -1].argmax())]
         for _ in range(9):
             out = stem(torch.tensor([[ids[-1]]]), past_key_values=out.past_key_values, use_cache=True)

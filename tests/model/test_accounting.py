@@ -312,7 +312,7 @@ def test_activated_table_parameters_equal_rows_read(tiny_model, kind):
         return tables[layer_idx](input_ids)
 
     with torch.no_grad():
-        model(ids, table_rows=rows)
+        model(ids, rows={"token": rows})
     expected = sum(len(r) * tables[i].weight.shape[1] for i, r in read.items())
     assert acc.activated_table_parameters(model.config, ids) == expected
     width = tables[model.config.special_layers[0]].weight.shape[1]

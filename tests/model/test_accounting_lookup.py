@@ -67,7 +67,7 @@ def test_parameter_counts_match_meta_model(tiny_config, kind, shape):
     for name, p in model.named_parameters():
         measured[component_of(name, config)] += p.numel()
     assert acc.parameter_counts(config) == measured
-    tables = [*model.stem_tables().values(), *model.ngram_tables().values(), *model.memory_tables().values()]
+    tables = [t for family in model.lookup_tables().values() for t in family.values()]
     active = acc.active_parameters(config)
     assert active["backbone"] == model.num_parameters() - sum(t.weight.numel() for t in tables)
 
@@ -116,7 +116,7 @@ def test_decode_params_touched_equal_nonzero_gradients(tiny_config, kind):
         # Every sub-key is read to score it, but only the selected ones get a gradient.
         keys = [m.mlp.memory_keys for m in model.model.layers if hasattr(m.mlp, "memory_keys")]
         touched += sum(int((k.grad == 0).sum()) for k in keys)
-        values = [t.weight.grad for t in model.memory_tables().values()]
+        values = [t.weight.grad for t in model.tables("memory").values()]
         rows = sum(int((g != 0).any(1).sum()) for g in values)
         heads_x_topk = config.memory_heads * config.memory_topk
         assert rows <= 2 * heads_x_topk  # two memory layers; heads may pick the same row

@@ -1,4 +1,5 @@
-"""Tests of the retrofit adapter FFN (`stem_adapter`, stemlm.model.adapter) and `stemlm.convert.retrofit.adapter_from`.
+"""Tests of the retrofit adapter FFN (`stem_adapter`, stemlm.model.kinds.stem_adapter) and
+`stemlm.convert.retrofit.adapter_from`.
 
 Independent checks: the layer equals its formula written out; a fresh one starts with blend sigmoid(-4);
 with the gate saturated shut the adapter model has the dense model's logits, saturated open the plain STEM
@@ -11,7 +12,7 @@ import torch.nn.functional as F
 
 from stemlm.convert.retrofit import adapter_from, retrofit
 from stemlm.model import TokenContext, build_model
-from stemlm.model.adapter import GATE_BIAS
+from stemlm.model.kinds.stem_adapter import GATE_BIAS
 from stemlm.train.optim import freeze_backbone
 from tests.conftest import make_tiny_config, make_tiny_model
 

@@ -1,4 +1,4 @@
-"""Tests of the decoder (`stemlm.model.decoder`): input checks, the loss, `table_rows` plumbing, initialisation,
+"""Tests of the decoder (`stemlm.model.decoder`): input checks, the loss, `rows` plumbing, initialisation,
 meta-device builds, low-precision forwards, and (slow) logit parity of a dense model with HF Llama."""
 
 from __future__ import annotations
@@ -70,7 +70,7 @@ def test_table_rows_sees_input_ids_and_own_rows_change_nothing(tiny_model, ffn):
         return tables[layer_idx](input_ids)
 
     with torch.no_grad():
-        assert torch.equal(model(ids, labels=ids.roll(1, 1), table_rows=own).logits, model(ids).logits)
+        assert torch.equal(model(ids, labels=ids.roll(1, 1), rows={"token": own}).logits, model(ids).logits)
     assert seen == model.config.special_layers
 
 

@@ -10,7 +10,10 @@ import pytest
 import torch
 
 from stemlm.errors import StemlmError
-from stemlm.model.ffn import PLEFFN, DenseFFN, StemFFN, StemGateFFN, TokenContext
+from stemlm.model.ffn import DenseFFN, TokenContext
+from stemlm.model.kinds.ple import PLEFFN
+from stemlm.model.kinds.stem import StemFFN
+from stemlm.model.kinds.stem_gate import StemGateFFN
 
 
 def _silu(h: torch.Tensor) -> torch.Tensor:
@@ -104,10 +107,10 @@ def test_table_rows_override(tiny_config, cls):
         return table.weight[input_ids]
 
     y = ffn(x, TokenContext(ids))
-    assert torch.equal(ffn(x, TokenContext(ids, table_rows=own_rows)), y)
+    assert torch.equal(ffn(x, TokenContext(ids, rows={"token": own_rows})), y)
     assert calls[0][0] == 2 and torch.equal(calls[0][1], ids)
     # Other rows give another output: the override is really what the layer uses.
-    other = ffn(x, TokenContext(ids, table_rows=lambda i, t: torch.ones(*t.shape, table.embedding_dim)))
+    other = ffn(x, TokenContext(ids, rows={"token": lambda i, t: torch.ones(*t.shape, table.embedding_dim)}))
     assert not torch.allclose(other, y)
-    with pytest.raises(StemlmError, match="table_rows returned shape"):
-        ffn(x, TokenContext(ids, table_rows=lambda i, t: torch.ones(*t.shape, table.embedding_dim + 1)))
+    with pytest.raises(StemlmError, match=r"rows\['token'\] returned shape"):
+        ffn(x, TokenContext(ids, rows={"token": lambda i, t: torch.ones(*t.shape, table.embedding_dim + 1)}))

@@ -1,5 +1,6 @@
-"""Tests of the routed baselines (`stemlm.model.moe`): dropless dispatch against a naive per-token loop, the
-balancing and z-losses against their formulas, and the hash assignment's balance and seeding."""
+"""Tests of the routed baselines (`stemlm.model.kinds.moe`, `stemlm.model.kinds.hash_moe`): dropless dispatch
+against a naive per-token loop, the balancing and z-losses against their formulas, and the hash assignment's
+balance and seeding."""
 
 from __future__ import annotations
 
@@ -10,7 +11,8 @@ import torch
 
 from stemlm.model import build_model
 from stemlm.model.ffn import TokenContext
-from stemlm.model.moe import HashMoEFFN, MoEFFN, balanced_hash, load_balancing_loss
+from stemlm.model.kinds.hash_moe import HashMoEFFN, balanced_hash
+from stemlm.model.kinds.moe import MoEFFN, load_balancing_loss
 
 
 def _expert(experts, e: int, x: torch.Tensor) -> torch.Tensor:

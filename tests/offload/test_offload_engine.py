@@ -157,11 +157,11 @@ def test_pipeline_rejects_rows_for_other_ids_and_serves_unrequested(stem_checkpo
     with RowPipeline(RowCache(provider, 4)) as rows:
         rows.request(torch.tensor([[1, 2, 3]]))
         with pytest.raises(RuntimeError, match="other ids"):
-            model(torch.tensor([[4, 5, 6]]), table_rows=rows)
+            model(torch.tensor([[4, 5, 6]]), rows={"token": rows})
     with RowPipeline(RowCache(provider, 4)) as rows:  # nothing requested: fetched on first use
         ids = torch.tensor([[7, 8, 7]])
         with torch.no_grad():
-            torch.testing.assert_close(model(ids, table_rows=rows).logits, model(ids).logits, atol=0, rtol=0)
+            torch.testing.assert_close(model(ids, rows={"token": rows}).logits, model(ids).logits, atol=0, rtol=0)
         assert rows.stats.unique_ids == 2 and rows.stats.lookups == 3
 
 

@@ -43,7 +43,7 @@ def checkpoint(folder, kind: str, vocab: int = 256, tokenizer=None):
     )
     model = build_model(config, seed=0)
     with torch.no_grad():  # random tables, so the n-gram rows matter to the output
-        for t in (*model.ngram_tables().values(), *model.memory_tables().values()):
+        for t in (*model.tables("ngram").values(), *model.tables("memory").values()):
             t.weight.normal_(0, 0.5, generator=torch.Generator().manual_seed(1))
     return save_pretrained(model.eval(), folder, tokenizer=tokenizer)
 

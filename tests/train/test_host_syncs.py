@@ -1,7 +1,7 @@
 """Device->host syncs per training step: reading a tensor's value (`Tensor.item` / `Tensor.tolist`, which on a GPU
 wait for the device) happens twice per step (the losses with their finiteness, the gradient norm), never per
 micro-batch. (MoE layers also read their per-expert token counts once per layer per micro-batch: the
-dispatch sizes of `stemlm.model.moe.Experts`.) The 2-rank version is in tests/train/parallel/test_train_dist.py: per
+dispatch sizes of `stemlm.model.experts.Experts`.) The 2-rank version is in tests/train/parallel/test_train_dist.py: per
 micro-batch 2 collectives (the table rows and their gradients, planned on the host) and no read; per step 3 of
 each.
 

@@ -19,7 +19,7 @@ KINDS = ["stem_ngram", "engram", "memory"]
 
 
 def lookup_tables(model):
-    return [*model.ngram_tables().values(), *model.memory_tables().values()]
+    return [*model.tables("ngram").values(), *model.tables("memory").values()]
 
 
 @pytest.mark.parametrize("kind", KINDS)

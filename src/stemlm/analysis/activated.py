@@ -15,6 +15,7 @@ from pathlib import Path
 from stemlm.errors import StemlmError
 from stemlm.model.accounting import activated_table_parameters, active_parameters
 from stemlm.model.config import ModelConfig
+from stemlm.model.kinds.registry import get_kind
 
 
 def context_lengths(max_len: int, start: int = 16) -> list[int]:
@@ -52,7 +53,7 @@ def activated_vs_context(
         )
     active = active_parameters(config)
     return {
-        "stem_layers": len(config.special_layers) if config.ffn in ("stem", "stem_gate") else 0,
+        "stem_layers": len(config.special_layers) if get_kind(config.ffn).stem_saving else 0,
         "d_ff": config.intermediate_size,
         "backbone_active_params": active["backbone"],
         "rows_per_token": active["rows"],

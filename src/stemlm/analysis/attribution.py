@@ -9,9 +9,9 @@ prompt position:
   first-order effect on the token's log-probability of switching that position's row off (positive: the row
   supports the prediction).
 
-Rows enter through the `table_rows` hook as leaf tensors that require grad, so gradients reach the exact
-rows each position used; FFN outputs are read by temporary forward hooks, removed before returning, that record
-only the calling thread's forward (a served model may be decoding for another request meanwhile).
+Rows enter through the `token` row provider (`rows={"token": ...}`) as leaf tensors that require grad, so gradients
+reach the exact rows each position used; FFN outputs are read by temporary forward hooks, removed before returning,
+that record only the calling thread's forward (a served model may be decoding for another request meanwhile).
 `plot_attribution` draws both as token x layer heat maps.
 """
 
@@ -55,7 +55,7 @@ def attribute(model: StemLM, prompt_ids: Sequence[int], token_id: int | None = N
     ]
     try:
         with torch.enable_grad():
-            logp = model(ids, table_rows=rows).logits[0, -1].float().log_softmax(-1)
+            logp = model(ids, rows={"token": rows}).logits[0, -1].float().log_softmax(-1)
             token = int(logp.argmax()) if token_id is None else int(token_id)
             if not 0 <= token < logp.numel():
                 raise StemlmError(f"token id {token} is outside the vocabulary of {logp.numel()}")

@@ -59,7 +59,7 @@ def _view(model, tokenizer, prompt_ids, hooks, max_new_tokens: int, top_k: int) 
     from stemlm.edit.positional import greedy_generate
 
     with torch.no_grad():
-        logits = model(torch.tensor([prompt_ids]), table_rows=hooks[0], embed_rows=hooks[1]).logits[0, -1]
+        logits = model(torch.tensor([prompt_ids]), rows=hooks[0], embed_rows=hooks[1]).logits[0, -1]
     probs = logits.float().softmax(-1)
     top = torch.topk(probs, min(top_k, probs.numel()))
     eos = tokenizer.token_to_id(EOT_TOKEN)
@@ -74,7 +74,7 @@ def _view(model, tokenizer, prompt_ids, hooks, max_new_tokens: int, top_k: int) 
 
 
 def run(args) -> int:
-    from stemlm.edit.positional import NGRAM_EDIT_NOTE, edit_hooks, make_edit
+    from stemlm.edit.positional import edit_hooks, edit_note, make_edit
     from stemlm.edit.shared_tokens import check_shared_subwords
     from stemlm.edit.spans import DEFAULT_PAD, GLOBAL_DEFAULT_PAD, check_distinct
     from stemlm.edit.table_edits import TableEditor
@@ -136,8 +136,8 @@ def run(args) -> int:
             check_shared_subwords(record.description, args.allow_shared_subwords)
             report["saved"] = str(editor.save(args.save, force=args.force, sources=sources))
     report.update(prompt=args.prompt, before=before, after=after)
-    if model.ngram_tables() and model.stem_tables():
-        report["note"] = NGRAM_EDIT_NOTE
+    if edit_note(model):
+        report["note"] = edit_note(model)
     if args.json:
         print_json(report)
     else:

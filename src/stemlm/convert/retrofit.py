@@ -17,8 +17,8 @@ table can stand in for W_up h at layer 0 and not deeper.
     stem = retrofit(dense, "0", init="calib", calibration_ids=ids)
     adapter = adapter_from(dense, stem)        # ffn "stem_adapter": W_up x and U[t] blended by a learned gate
 
-`adapter_from` builds the official code's adapter variant (`stemlm.model.adapter`): the dense layer kept whole
-and blended per channel with the table, the blend starting near 0, so the retrofit starts at the dense model.
+`adapter_from` builds the official code's adapter variant (`stemlm.model.kinds.stem_adapter`): the dense layer kept
+whole and blended per channel with the table, the blend starting near 0, so the retrofit starts at the dense model.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Knowledge editing of STEM models: swap the table rows an entity's tokens look up for another entity's.
 
 - `spans`: entity -> token span in a prompt, and the length-mismatch strategies (`align`, `STRATEGIES`).
-- `positional`: per-call edits at a prompt's span through the model's `table_rows` / `embed_rows` hooks
+- `positional`: per-call edits at a prompt's span through the model's `rows` / `embed_rows` hooks
   (`make_edit`, `edited_forward`, `positional_edit` context manager, `generate_edited` with the KV cache).
 - `table_edits`: global edits and injection written into the tables with exact undo (`TableEditor`).
 - `evaluate`: edit metrics on CounterFact-style records beside unedited values and chance (`evaluate_edits`);

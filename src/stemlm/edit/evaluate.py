@@ -82,7 +82,7 @@ def score_items(
     ids = torch.zeros(len(items), width, dtype=torch.long, device=next(model.parameters()).device)
     for b, (p, c) in enumerate(items):
         ids[b, : len(p) + len(c)] = torch.as_tensor(list(p) + list(c))
-    logp = model(ids, table_rows=hooks[0], embed_rows=hooks[1]).logits.float().log_softmax(-1)
+    logp = model(ids, rows=hooks[0], embed_rows=hooks[1]).logits.float().log_softmax(-1)
     out = []
     for b, (p, c) in enumerate(items):
         rows = logp[b, len(p) - 1 : len(p) - 1 + len(c)]

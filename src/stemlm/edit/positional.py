@@ -2,7 +2,7 @@
 
 A `PositionalEdit` names prompt positions, the source id expected at each, the rows to use there (a
 `RowPlan`, see `stemlm.edit.spans`), the STEM layers whose table rows are swapped and whether the token
-embedding rows are swapped too. It acts only through the model's `table_rows` / `embed_rows` hooks, so the
+embedding rows are swapped too. It acts only through the model's `rows={"token": ...}` / `embed_rows` hooks, so the
 shared model is never modified and concurrent requests can carry different edits.
 
     edit = make_edit(model, tok, prompt_ids, "Spain", "Germany")            # STEM rows, every STEM layer
@@ -16,8 +16,9 @@ cache, so the effect persists through decoding (decode steps run without hooks).
 sequence that does not hold the source ids at the edited positions raises instead of editing the wrong
 tokens, which is what would happen if it were passed to a decode step.
 
-`stem_ngram` models: an edit swaps the token rows U_l[t] only (they are what `table_rows` serves); the hashed
-n-gram rows of the edited positions stay those of the original ids and are still added (`NGRAM_EDIT_NOTE`).
+Edits act on the tables of the `token` family (stemlm.model.kinds.registry), whichever kind owns them; a kind
+whose edits leave something unchanged says so in `Kind.edit_note` (`edit_note(model)`): `stem_ngram` models
+swap the token rows U_l[t] only, the hashed n-gram rows of the edited positions stay those of the original ids.
 """
 
 from __future__ import annotations
@@ -32,14 +33,16 @@ from tokenizers import Tokenizer
 from stemlm.edit.spans import DEFAULT_PAD, RowPlan, align, entity_ids, locate, tokenizer_eot
 from stemlm.errors import StemlmError
 from stemlm.model.decoder import EmbedRows, ModelOutput, StemLM
-from stemlm.model.ffn import TableRows
+from stemlm.model.ffn import Rows, TableRows
+from stemlm.model.kinds.registry import get_kind
 
 ROW_KINDS = ("stem", "embed", "both")
-NGRAM_EDIT_NOTE = (
-    "this model adds hashed n-gram rows to its STEM rows: the edit swaps the token rows U_l[t] only; the n-gram "
-    "rows of the edited positions are still those of the original ids"
-)
-Hooks = tuple[TableRows | None, EmbedRows | None]  # (table_rows, embed_rows) for one forward
+Hooks = tuple[Rows | None, EmbedRows | None]  # (the forward's rows= mapping, embed_rows) for one forward
+
+
+def edit_note(model: StemLM) -> str | None:
+    """What a row edit of this model leaves unchanged (`Kind.edit_note`), or None."""
+    return get_kind(model.config.ffn).edit_note if model.config.special_layers else None
 
 
 @dataclass(frozen=True)
@@ -52,7 +55,7 @@ class PositionalEdit:
 
 
 def table_layers(model: StemLM, layers: Sequence[int] | None) -> tuple[int, ...]:
-    """The chosen table layers (all when None), with a clear error for a dense model or a non-STEM layer."""
+    """The chosen token-table layers (all when None), with a clear error for a model or a layer without one."""
     tables = model.stem_tables()
     if not tables:
         raise StemlmError(
@@ -132,7 +135,7 @@ def _substitute(base: torch.Tensor, positions: torch.Tensor, new: torch.Tensor) 
 
 
 def table_rows_hook(model: StemLM, edit: PositionalEdit) -> TableRows | None:
-    """The `table_rows` callable of the edit (None when it swaps no STEM rows)."""
+    """The `token` row provider of the edit (None when it swaps no STEM rows)."""
     if not edit.layers:
         return None
     tables = model.stem_tables()
@@ -186,13 +189,20 @@ def batch_hooks(model: StemLM, edits: Sequence[PositionalEdit | None]) -> Hooks:
         return apply(embed(input_ids), input_ids, lambda: embed.weight, lambda e: e.embed)
 
     real = [e for e in edits if e is not None]
-    return (table_rows if any(e.layers for e in real) else None), (embed_rows if any(e.embed for e in real) else None)
+    return token_rows(table_rows if any(e.layers for e in real) else None), (
+        embed_rows if any(e.embed for e in real) else None
+    )
+
+
+def token_rows(provider: TableRows | None) -> Rows | None:
+    """The forward's `rows=` mapping of a `token` row provider (None: no mapping)."""
+    return None if provider is None else {"token": provider}
 
 
 def edited_forward(model: StemLM, input_ids: torch.Tensor, edit: PositionalEdit | None, **kwargs) -> ModelOutput:
     """`model(input_ids, **kwargs)` with the edit's rows at its positions (no edit: a plain forward)."""
-    table_rows, embed_rows = edit_hooks(model, edit)
-    return model(input_ids, table_rows=table_rows, embed_rows=embed_rows, **kwargs)
+    rows, embed_rows = edit_hooks(model, edit)
+    return model(input_ids, rows=rows, embed_rows=embed_rows, **kwargs)
 
 
 @torch.no_grad()
@@ -210,7 +220,7 @@ def greedy_generate(
     device = next(model.parameters()).device
     ids = torch.tensor([list(prompt_ids)], dtype=torch.long, device=device)
     budget = max(0, min(max_new_tokens, model.config.max_position_embeddings - ids.shape[1]))
-    out = model(ids, use_cache=True, table_rows=prefill[0], embed_rows=prefill[1])
+    out = model(ids, use_cache=True, rows=prefill[0], embed_rows=prefill[1])
     tokens: list[int] = []
     while len(tokens) < budget:
         token = int(out.logits[0, -1].argmax())
@@ -218,16 +228,14 @@ def greedy_generate(
         if token == eos_id or len(tokens) == budget:
             break
         step = torch.tensor([[token]], device=device)
-        out = model(
-            step, past_key_values=out.past_key_values, use_cache=True, table_rows=decode[0], embed_rows=decode[1]
-        )
+        out = model(step, past_key_values=out.past_key_values, use_cache=True, rows=decode[0], embed_rows=decode[1])
     return tokens
 
 
 def edit_hooks(model: StemLM, edit: PositionalEdit | None) -> Hooks:
     if edit is None:
         return None, None
-    return table_rows_hook(model, edit), embed_rows_hook(model, edit)
+    return token_rows(table_rows_hook(model, edit)), embed_rows_hook(model, edit)
 
 
 def generate_edited(

@@ -27,12 +27,11 @@ import torch
 from tokenizers import AddedToken, Tokenizer
 
 from stemlm.checkpoint.folder import AtomicFolder, write_json, write_model_files
-from stemlm.edit.positional import replacement_rows, rows_to_parts, table_layers
+from stemlm.edit.positional import Hooks, replacement_rows, rows_to_parts, table_layers, token_rows
 from stemlm.edit.shared_tokens import changed_token_ids, describe_shared
 from stemlm.edit.spans import GLOBAL_DEFAULT_PAD, RowPlan, align, entity_ids, tokenizer_eot
 from stemlm.errors import StemlmError
-from stemlm.model.decoder import EmbedRows, StemLM
-from stemlm.model.ffn import TableRows
+from stemlm.model.decoder import StemLM
 
 EDIT_PRODUCER = "stemlm edit --save"  # names an edit save in its manifest
 EDITS_NAME = "edits.json"
@@ -83,8 +82,8 @@ def apply_global_edit(
 
 def global_edit_hooks(
     model: StemLM, source_ids: Sequence[int], plan: RowPlan, *, layers: Sequence[int] | None = None, rows: str = "stem"
-) -> tuple[TableRows | None, EmbedRows | None]:
-    """The same global edit as per-call hooks (`table_rows`, `embed_rows`): every occurrence of a source id
+) -> Hooks:
+    """The same global edit as per-call hooks (`rows`, `embed_rows`): every occurrence of a source id
     reads its new row, the model is untouched. Used to evaluate global edits without writing the tables."""
     stem, embed = rows_to_parts(rows)
     chosen = table_layers(model, layers) if stem else ()
@@ -104,7 +103,7 @@ def global_edit_hooks(
         weight = model.model.embed_tokens.weight
         return swap(weight, input_ids, model.model.embed_tokens(input_ids))
 
-    return (table_rows if chosen else None), (embed_rows if embed else None)
+    return token_rows(table_rows if chosen else None), (embed_rows if embed else None)
 
 
 @torch.no_grad()

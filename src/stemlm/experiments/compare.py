@@ -1,4 +1,4 @@
-"""Side-by-side experiment: dense, STEM, MoE, hash-MoE, PLE (and controls) trained alike over seeds, evaluated alike.
+"""Side-by-side experiment: any of the registered kinds (and controls) trained alike over seeds, evaluated alike.
 
     stemlm experiment compare --kinds dense,stem,moe,hash_moe,ple --budget 300 --out runs/compare
     stemlm experiment compare --quick --seeds 2 --kinds dense,stem --json    # reduced budget, no lr sweep
@@ -11,8 +11,8 @@
    every kind gets the steps that spend the reference's FLOPs (`stemlm.model.accounting.training_flops_per_token`);
    matched tokens: every kind trains the reference's steps (same tokens per step). A kind whose step count is
    the same under both is trained once.
-3. Kinds: every FFN kind of `stemlm.model.config.FFN_KINDS`, plus the controls in `VARIANTS` (`dense_embed`: dense
-   with its token embedding at the STEM tables' lr multiplier and weight decay).
+3. Kinds: every kind of the registry (`stemlm.model.kinds`, i.e. `stemlm.model.config.FFN_KINDS`), plus the controls
+   in `VARIANTS` (`dense_embed`: dense with its token embedding at the STEM tables' lr multiplier and weight decay).
 4. Tuning: each kind gets the same lr sweep (`lr_sweep`, 3 values) at the FLOP-matched budget on `sweep_seed`
    (never a final seed), scored by the trainer's held-out loss (10% of the mixture's documents: the
    validation split); the best lr is used for every final seed and the sweep is kept in the results.
@@ -255,7 +255,7 @@ def _evaluate(model, tokenizer, cfg: CompareConfig) -> dict[str, Any]:
 
 def _has_tables(model) -> bool:
     """Whether the table optimizer group (its own lr) trained anything: token, n-gram or memory tables."""
-    return bool(model.stem_tables() or model.ngram_tables() or model.memory_tables())
+    return bool(model.lookup_tables())
 
 
 def run_kind(job: dict[str, Any], threads: int | None) -> dict[str, Any]:

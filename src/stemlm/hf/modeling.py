@@ -11,9 +11,10 @@ transformers 5 points handled here:
   uses, so HF keeps owning the cache (beam reordering, cropping) and our attention code stays unchanged.
   Static (pre-allocated) caches are refused: our attention has no mask over unused cache slots.
 - weights: `_init_weights` runs only on modules whose tensors were not loaded (HF's `_is_hf_initialized` flag,
-  honoured by `transformers.initialization`), follows `StemLM.init_weights` (tables by `table_init`, norms
-  ones, everything else normal(initializer_range)), and always recomputes the unsaved buffers (RoPE
-  frequencies, hash-MoE assignment), which HF's loader leaves as uninitialised memory.
+  honoured by `transformers.initialization`), gives each parameter the std of `StemLM.init_specs` (tables by
+  `table_init`, norms ones, everything else normal(initializer_range), a kind's own `init_stds`), and always
+  recomputes the unsaved buffers (RoPE frequencies, hash-MoE assignment), which HF's loader leaves as
+  uninitialised memory.
 - `_tied_weights_keys` is a dict {target: source}; HF ties only when `config.tie_word_embeddings` is set.
 - labels follow HF: `labels` are the input ids (-100 = ignore), shifted by one here; `loss` is that mean
   cross-entropy plus `config.router_aux_loss_coef` · `aux_loss`, the summed MoE balancing (and z) losses,
@@ -35,9 +36,8 @@ from transformers.modeling_utils import PreTrainedModel
 
 from stemlm.errors import StemlmError
 from stemlm.hf.configuration import StemlmConfig
-from stemlm.model.attention import KVCache, RMSNorm
+from stemlm.model.attention import KVCache
 from stemlm.model.decoder import StemLM
-from stemlm.model.moe import Experts
 
 
 @dataclass
@@ -123,23 +123,15 @@ class StemlmForCausalLM(PreTrainedModel, GenerationMixin):
             buffer = next(module.buffers(recurse=False), None)
             if buffer is not None and buffer.device.type != "meta":
                 module.reset_buffers(buffer.device)
-        own = self._stem.init_stds()  # n-gram / memory kinds: tables and raw parameters with their own std
-        mine = [param for param in module.parameters(recurse=False) if id(param) in own]
-        for param in mine:
-            init.normal_(param, std=own[id(param)])
-        if mine:
-            return
-        if any(module is table for table in self._stem.stem_tables().values()):
-            rows, width = module.weight.shape
-            xavier = self.config.table_init == "xavier"
-            init.normal_(module.weight, std=(2.0 / (rows + width)) ** 0.5 if xavier else self.config.table_init_std)
-        elif isinstance(module, RMSNorm):
-            init.ones_(module.weight)
-        elif isinstance(module, (nn.Linear, nn.Embedding, nn.EmbeddingBag, nn.Conv1d)):
-            init.normal_(module.weight, std=self.config.initializer_range)
-        elif isinstance(module, Experts):
-            for param in (module.gate_proj, module.up_proj, module.down_proj):
-                init.normal_(param, std=self.config.initializer_range)
+        # The std StemLM.init_weights gives each parameter (tables by table_init, norms and std None: ones, a
+        # module's own init_stds, else initializer_range): read from the model, so no kind is named here.
+        stds = {id(param): std for _, param, std in self._stem.init_specs()}
+        for param in module.parameters(recurse=False):
+            std = stds.get(id(param))
+            if std is None and id(param) in stds:
+                init.ones_(param)
+            elif std is not None:
+                init.normal_(param, std=std)
 
     # ----- forward -----
     def forward(

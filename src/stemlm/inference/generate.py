@@ -8,9 +8,9 @@ generator that yields each new token id the moment it is sampled (before the nex
     from stemlm.inference.generate import generate
     new_ids = generate(model, [1, 2, 3], max_new_tokens=20, temperature=0.8, top_p=0.9, seed=0)
 
-Table rows from outside the model (editing, offload) go in as `table_rows` (used by every forward: the
-prefill sees the prompt ids [1, P], each decoding step the one new id [1, 1]); `prefill_table_rows`, when
-given, replaces it for the prefill only, e.g. an edit that swaps rows at chosen prompt positions.
+Table rows from outside the model (editing, offload) go in as `rows={family: provider}` (used by every
+forward: the prefill sees the prompt ids [1, P], each decoding step the one new id [1, 1]); `prefill_rows`,
+when given, replaces it for the prefill only, e.g. an edit that swaps rows at chosen prompt positions.
 `embed_rows` / `prefill_embed_rows` do the same for the input embeddings (`StemLM.forward(embed_rows=)`).
 Generation stops at `eos_id` (which is included in the output), after `max_new_tokens`, or when prompt plus
 output reach the model's `max_position_embeddings`.
@@ -27,7 +27,7 @@ import torch
 from stemlm.errors import StemlmError
 from stemlm.model.attention import KVCache
 from stemlm.model.decoder import StemLM
-from stemlm.model.ffn import TableRows
+from stemlm.model.ffn import Rows
 
 EmbedRows = Callable[[torch.Tensor], torch.Tensor]  # input_ids [B, T] -> embeddings [B, T, d], as in StemLM.forward
 
@@ -105,10 +105,11 @@ def _as_prompt(model: StemLM, input_ids: Sequence[int] | torch.Tensor) -> torch.
 
 
 @torch.no_grad()
-def _forward(model: StemLM, ids: torch.Tensor, cache, table_rows: TableRows | None, embed_rows: EmbedRows | None):
+def _forward(model: StemLM, ids: torch.Tensor, cache, rows: Rows | None, embed_rows: EmbedRows | None):
     # no_grad per call rather than around the generator: a context held across `yield` would leak into the caller.
     extra = {} if embed_rows is None else {"embed_rows": embed_rows}
-    out = model(ids, past_key_values=cache, use_cache=True, table_rows=table_rows, **extra)
+    extra.update({} if rows is None else {"rows": rows})
+    out = model(ids, past_key_values=cache, use_cache=True, **extra)
     return out.logits[0, -1], out.past_key_values
 
 
@@ -123,8 +124,8 @@ def stream_tokens(
     top_p: float = 1.0,
     seed: int = 0,
     eos_id: int | None = None,
-    table_rows: TableRows | None = None,
-    prefill_table_rows: TableRows | None = None,
+    rows: Rows | None = None,
+    prefill_rows: Rows | None = None,
     embed_rows: EmbedRows | None = None,
     prefill_embed_rows: EmbedRows | None = None,
 ) -> Iterator[int]:
@@ -141,10 +142,10 @@ def stream_tokens(
     generator.manual_seed(seed)
     sample = dict(greedy=greedy, temperature=temperature, top_k=top_k, top_p=top_p, generator=generator)
     first = (
-        prefill_table_rows if prefill_table_rows is not None else table_rows,
+        prefill_rows if prefill_rows is not None else rows,
         prefill_embed_rows if prefill_embed_rows is not None else embed_rows,
     )
-    return _decode(model, prompt, budget, sample, eos_id, first, (table_rows, embed_rows))
+    return _decode(model, prompt, budget, sample, eos_id, first, (rows, embed_rows))
 
 
 def _decode(model, prompt, budget, sample, eos_id, prefill_rows, decode_rows) -> Iterator[int]:

@@ -17,7 +17,7 @@
 The loaded model's `forward` is bound once (`bind_forward`) so that every call, from any thread and from
 code that knows nothing of offloading (the perplexity scorer, lm-eval, the needle test), runs under the
 chosen autocast and, with host / mmap tables, gets the offloaded rows: a forward whose rows were not
-prefetched fetches them on first use. Callers that pass their own row hooks (the offload engine) keep them.
+prefetched fetches them on first use. Callers that pass their own row providers (the offload engine) keep them.
 """
 
 from __future__ import annotations
@@ -86,17 +86,17 @@ def autocast_dtype(name: str, device: torch.device) -> torch.dtype:
 
 def bind_forward(model, rows=None, amp: torch.dtype = torch.float32) -> None:
     """Make every `model(...)` call run under autocast `amp` and, when `rows` (the offload engine's
-    `RowPipeline` or `LookupRows`) is given, receive its row hooks unless the caller passes its own."""
+    `RowPipeline` or `LookupRows`) is given, receive its row providers for every family the caller does not
+    provide itself."""
     from stemlm.offload.lookup_rows import LookupRows
 
     device_type = next(p for p in model.parameters() if not p.is_meta).device.type
-    hooks = {} if rows is None else rows.hooks() if isinstance(rows, LookupRows) else {"table_rows": rows}
-    hooks = {k: v for k, v in hooks.items() if v is not None}
+    providers = {} if rows is None else rows.rows() if isinstance(rows, LookupRows) else {"token": rows}
 
     def forward(self, *args, **kwargs):
-        for name, hook in hooks.items():
-            if kwargs.get(name) is None:
-                kwargs[name] = hook
+        if providers:
+            given = {f: p for f, p in (kwargs.get("rows") or {}).items() if p is not None}
+            kwargs["rows"] = {**providers, **given}
         with torch.autocast(device_type, dtype=torch.bfloat16, enabled=amp == torch.bfloat16):
             return type(self).forward(self, *args, **kwargs)
 
@@ -149,7 +149,7 @@ def _round_resident(model, folder: Path, table_dtype: str) -> None:
     from stemlm.offload.families import round_tables
 
     check_table_dtype(table_dtype)
-    if not hasattr(model, "stem_tables") or not (model.stem_tables() or model.ngram_tables() or model.memory_tables()):
+    if not hasattr(model, "lookup_tables") or not model.lookup_tables():
         if table_dtype != "fp32":
             raise StemlmError(f"--table-dtype {table_dtype}: checkpoint {folder} has no lookup tables to store so")
         return

@@ -37,9 +37,9 @@ DEFAULT_CACHE_FRACTION = 0.2  # the operating point of the paper's blog (">80% h
 # prefill and decoding
 # ----------------------------------------------------------------------------------------------------------
 def _forward(model: StemLM, ids: torch.Tensor, kv, rows: RowPipeline | LookupRows | None):
-    hooks = rows.hooks() if isinstance(rows, LookupRows) else {"table_rows": rows}
+    providers = rows.rows() if isinstance(rows, LookupRows) else {"token": rows}
     with torch.no_grad():
-        out = model(ids, past_key_values=kv, use_cache=True, **hooks)
+        out = model(ids, past_key_values=kv, use_cache=True, rows=providers)
     return out.logits[0, -1], out.past_key_values
 
 

@@ -1,6 +1,7 @@
 """The model layer: `config` (ModelConfig) and `presets`, the shared decoder parts (`attention`, `loss`,
-`rope_scaling`), the per-layer kinds (`ffn`, `moe`, `ngram`, `engram`, `memory_layer`, `adapter`), the decoder
-(`decoder`) and exact parameter/FLOP/byte counting (`accounting`). Names load lazily:
+`rope_scaling`), the per-layer kinds (`kinds/`: one module each, found by `kinds.registry`) and the blocks they
+share (`ffn`, `experts`, `ngram`, `ngram_layout`), the decoder (`decoder`) and exact parameter/FLOP/byte
+counting (`accounting`). Names load lazily:
 
     from stemlm.model import ModelConfig, build_model
 """

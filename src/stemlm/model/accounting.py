@@ -1,6 +1,8 @@
 """Exact parameter, FLOP and memory-traffic accounting of a `ModelConfig`, computed from the config alone.
 
-Nothing is allocated (no torch import), so the 6.7B-parameter `paper-1b` is inspected instantly; the tests
+Nothing is allocated, so the 6.7B-parameter `paper-1b` is inspected instantly. The attention, embedding and norm
+figures are counted here; what a layer's kind adds comes from the kind itself (`Kind.count`, a `LayerCount`
+of parameters, matmul weights and table rows per token; stemlm.model.kinds), and so do the components. The tests
 check every figure against `build_model(config, device="meta")` and `torch.utils.flop_counter` on real
 forwards. `stemlm info` prints `summarize(config, seq_len)`. Conventions, stated once:
 
@@ -14,10 +16,10 @@ forwards. `stemlm info` prints `summarize(config, seq_len)`. Conventions, stated
   are `causal` by default: a length-L prefill has L(L+1)/2 query-key pairs, (L+1)/2 keys per token on
   average. `full` counts L keys per token: what the seed's formula assumes and what math SDPA (and
   FlopCounterMode's SDPA formula, which ignores `is_causal`) computes. A decode step at context L reads L keys.
-- Active parameters per token. `active_backbone` = every parameter except the token-indexed tables of
-  STEM / PLE layers and the experts a token is not routed to (MoE: router + top-k experts + shared expert;
-  hash-MoE: one expert); the input embedding counts in full, as in the paper's 1.41B for the 1B STEM model.
-  `active_with_rows` adds the rows a token looks up (d_ff per STEM layer, ple_dim per PLE layer).
+- Active parameters per token. `active_backbone` = every parameter except the lookup tables (a kind's
+  `table_components`) and the parameters a token does not use (`LayerCount.inactive`: the experts it is not
+  routed to); the input embedding counts in full, as in the paper's 1.41B for the 1B STEM model.
+  `active_with_rows` adds the rows a token looks up (d_ff per STEM layer, ple_dim per PLE layer, ...).
 - Decode reads the parameters one new token touches (distinct entries: one embedding row, unless tied, where
   the row lies inside the lm_head already; one row per table layer; k experts; all other weights), times the
   dtype size, plus optionally the KV cache of the context.
@@ -30,16 +32,17 @@ from typing import Any
 
 from stemlm.errors import StemlmError
 from stemlm.model.config import ModelConfig
-from stemlm.model.ngram_layout import ngram_layout
+from stemlm.model.kinds.registry import all_kinds, get_kind, ordered_union
 
-PARAM_COMPONENTS = tuple(
-    "embed_tokens lm_head attention norms ffn_dense stem_proj stem_tables "
-    "moe_router moe_experts moe_shared ple_proj ple_tables ngram_tables engram_proj memory_proj memory_values".split()
-)
-TABLE_COMPONENTS = ("stem_tables", "ple_tables", "ngram_tables", "memory_values")
-FLOP_COMPONENTS = tuple(
-    "attn_proj attn_scores ffn_dense stem_proj moe_router moe_experts moe_shared ple_proj engram_proj memory_proj "
-    "lm_head".split()
+_KINDS = all_kinds()
+PARAM_COMPONENTS = ordered_union([("embed_tokens", "lm_head", "attention", "norms"), *(k.components for k in _KINDS)])
+TABLE_COMPONENTS = ordered_union(k.table_components for k in _KINDS)
+SCALAR_COMPONENTS = ordered_union(k.scalar_components for k in _KINDS)
+FLOP_COMPONENTS = (
+    "attn_proj",
+    "attn_scores",
+    *ordered_union(tuple(c for c in k.components if c not in k.table_components + k.scalar_components) for k in _KINDS),
+    "lm_head",
 )
 ATTENTION_MODES = ("causal", "full")
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 1}
@@ -48,66 +51,22 @@ DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 1}
 # ----------------------------------------------------------------------------------------------------------
 # per layer
 # ----------------------------------------------------------------------------------------------------------
-def _layer(config: ModelConfig, layer_idx: int) -> tuple[dict[str, int], dict[str, int], int]:
-    """(parameters by component, matmul weights one token uses by component, table row width looked up)."""
-    d, f, V = config.hidden_size, config.intermediate_size, config.vocab_size
+def _layer(config: ModelConfig, layer_idx: int) -> tuple[dict[str, int], dict[str, int], int, int]:
+    """(parameters by component, matmul weights one token uses by component, table row width looked up,
+    parameters a token does not use)."""
+    d = config.hidden_size
     q_width, kv_width = config.num_attention_heads * config.head_size, config.kv_heads * config.head_size
     attention = d * q_width + 2 * d * kv_width + q_width * d
     params = {"attention": attention, "norms": 2 * d}
     used = {"attention": attention}
-    row = 0
     kind = config.layer_ffn(layer_idx)
-    if kind == "dense":
-        params["ffn_dense"] = used["ffn_dense"] = 3 * d * f
-    elif kind in ("stem", "stem_gate"):  # gate + down (stem) or up + down (stem_gate); the table replaces the third
-        params["stem_proj"] = used["stem_proj"] = 2 * d * f
-        params["stem_tables"], row = V * f, f
-    elif kind == "stem_adapter":  # the dense SwiGLU kept whole, plus the table and per-channel gate logits
-        params["ffn_dense"] = used["ffn_dense"] = 3 * d * f + f
-        params["stem_tables"], row = V * f, f
-    elif kind == "moe":
-        expert = 3 * d * config.expert_size
-        params["moe_router"] = used["moe_router"] = d * config.num_experts
-        params["moe_experts"], used["moe_experts"] = config.num_experts * expert, config.num_experts_per_tok * expert
-        if config.moe_shared_expert:
-            params["moe_shared"] = used["moe_shared"] = expert
-    elif kind == "hash_moe":
-        # HashMoEFFN gives each expert the full dense width unless moe_intermediate_size is set (one expert a token).
-        expert = 3 * d * (config.moe_intermediate_size or f)
-        params["moe_experts"], used["moe_experts"] = config.num_experts * expert, expert
-    elif kind == "ple":
-        params["ffn_dense"] = used["ffn_dense"] = 3 * d * f
-        params["ple_proj"] = used["ple_proj"] = 2 * d * config.ple_dim  # ple_gate d->w and ple_proj w->d
-        params["ple_tables"], row = V * config.ple_dim, config.ple_dim
-    elif kind in ("stem_ngram", "engram", "memory"):
-        row = _lookup_layer(config, kind, params, used)
-    else:
-        raise StemlmError(f"no accounting for ffn kind {kind!r}")
-    return params, used, row
-
-
-def _lookup_layer(config: ModelConfig, kind: str, params: dict[str, int], used: dict[str, int]) -> int:
-    """Parameters / matmul weights of the n-gram, Engram and memory kinds; returns the row entries looked up."""
-    d, f, V = config.hidden_size, config.intermediate_size, config.vocab_size
-    if kind == "memory":
-        h, dk, n, k = config.memory_heads, config.memory_key_dim, config.memory_keys, config.memory_topk
-        # query d -> h·dk, the sub-keys (each entry one MAC per token), W_gate and W_out d -> d
-        params["memory_proj"] = used["memory_proj"] = d * h * dk + h * n * dk + 2 * d * d
-        params["memory_values"] = n * n * d
-        return h * k * d  # h·k value rows read per token (distinct in each head; heads may repeat a row)
-    hasher = ngram_layout(config)
-    if kind == "stem_ngram":
-        params["stem_proj"] = used["stem_proj"] = 2 * d * f
-        params["stem_tables"] = V * f
-        params["ngram_tables"] = hasher.num_rows * f
-        return f * (1 + hasher.num_keys)  # U[t] plus one row per order x head
-    e = config.engram_dim
-    params["ffn_dense"] = used["ffn_dense"] = 3 * d * f
-    # W_K and W_V (e -> d) and the depthwise conv (d x kernel weights, each one MAC per token)
-    params["engram_proj"] = used["engram_proj"] = 2 * e * d + d * config.engram_kernel
-    params["norms"] += 3 * d  # query, key and conv-input norms
-    params["ngram_tables"] = hasher.num_rows * (e // hasher.num_keys)
-    return e
+    part = get_kind(kind).count(config, layer_idx)
+    unknown = sorted((set(part.params) | set(part.matmul)) - set(PARAM_COMPONENTS))
+    if unknown:
+        raise StemlmError(f"kind {kind!r} counts components {unknown} it does not declare (Kind.components)")
+    _add(params, part.params)
+    _add(used, part.matmul)
+    return params, used, part.rows, part.inactive
 
 
 def _add(total: dict[str, int], part: dict[str, int]) -> None:
@@ -162,7 +121,7 @@ def active_parameters(config: ModelConfig) -> dict[str, int]:
     counts = parameter_counts(config)
     inactive = sum(counts[k] for k in TABLE_COMPONENTS)
     used = matmul_weights_per_token(config)
-    inactive += counts["moe_experts"] - used.get("moe_experts", 0)
+    inactive += sum(_layer(config, i)[3] for i in range(config.num_hidden_layers))
     backbone = sum(counts.values()) - inactive
     rows = rows_per_token(config)
     return {"backbone": backbone, "with_rows": backbone + rows, "rows": rows, "matmul": sum(used.values())}
@@ -241,8 +200,10 @@ def decode_flops_per_token(config: ModelConfig, context_len: int) -> int:
 # decode memory traffic
 # ----------------------------------------------------------------------------------------------------------
 def decode_params_touched(config: ModelConfig) -> int:
-    """Distinct parameters one decode step reads: norms, matmul weights, one row per table, one embedding row."""
-    norms = parameter_counts(config)["norms"]
+    """Distinct parameters one decode step reads: norms (and the kinds' other non-matmul parameters, such as
+    mixing weights), matmul weights, one row per table, one embedding row."""
+    counts = parameter_counts(config)
+    norms = counts["norms"] + sum(counts[c] for c in SCALAR_COMPONENTS)
     embedding_row = 0 if config.tie_word_embeddings else config.hidden_size
     return norms + sum(matmul_weights_per_token(config).values()) + rows_per_token(config) + embedding_row
 
@@ -404,7 +365,7 @@ def summarize(config: ModelConfig, seq_len: int, attention: str = "causal", dtyp
         },
         "paper_convention": paper_convention(config),
     }
-    if config.ffn in ("stem", "stem_gate", "stem_ngram") and config.special_layers:
+    if get_kind(config.ffn).stem_saving and config.special_layers:
         d, f = config.hidden_size, config.intermediate_size
         out["stem"] = {
             "layer_saving_fraction": layer_saving_fraction(config, seq_len, attention),

@@ -6,11 +6,15 @@ stemlm checkpoint gives the same logits as `transformers.LlamaForCausalLM` (test
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from stemlm.model.config import ModelConfig
+if TYPE_CHECKING:  # annotations only: the config imports the kinds, and a kind (engram) imports RMSNorm from here
+    from stemlm.model.config import ModelConfig
 
 
 class RMSNorm(nn.Module):
@@ -141,11 +145,16 @@ class Attention(nn.Module):
         rope: tuple[torch.Tensor, torch.Tensor],
         mask: torch.Tensor | None,
         cache: KVCache | None,
+        values: Callable[[torch.Tensor], torch.Tensor] | None = None,
     ) -> torch.Tensor:
+        """`values`, when given, maps this call's value vectors [B, kv_heads, T, head_dim] to the ones attended to
+        and cached (a kind acting on attention's values, `Kind.acts_on_values`)."""
         B, T, _ = x.shape
         q = self.q_proj(x).view(B, T, self.num_heads, self.head_dim).transpose(1, 2)
         k = self.k_proj(x).view(B, T, self.num_kv_heads, self.head_dim).transpose(1, 2)
         v = self.v_proj(x).view(B, T, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        if values is not None:
+            v = values(v)
         cos, sin = rope
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if cache is not None:

@@ -1,9 +1,13 @@
 """`ModelConfig`: the typed description of a stemlm decoder, with validation and (de)serialisation.
 
 Shared fields use Hugging Face Llama names so a dense config.json reads as a Llama config. STEM-specific
-fields: `ffn` is the FFN kind of the selected layers and `stem_layers` selects them (the name follows the
+fields: `ffn` is the kind of the selected layers and `stem_layers` selects them (the name follows the
 official STEM code); every other layer is a dense SwiGLU. `stem_layers` is an explicit list of indices or a
 spec string resolved against `num_hidden_layers` (see `resolve_layer_spec`).
+
+The kinds' own fields (`num_experts`, `engram_dim`, ...) are declared by the kinds (`stemlm.model.kinds`) and
+added here as flat fields after the shared ones, so attributes and config.json keys are flat as they always
+were: `ModelConfig(ffn="engram", engram_dim=128)`. `FFN_KINDS` and `TABLE_KINDS` come from the registry.
 """
 
 from __future__ import annotations
@@ -15,18 +19,15 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from stemlm.errors import StemlmError
+from stemlm.model.kinds.registry import all_kinds, kind_fields, kind_names
 
-FFN_KINDS = (
-    "dense", "stem", "stem_gate", "moe", "hash_moe", "ple", "stem_ngram", "engram", "memory", "stem_adapter"
-)  # fmt: skip
+FFN_KINDS = kind_names()
 # Kinds whose layers own a token-indexed table (they need the input ids at every position).
-TABLE_KINDS = ("stem", "stem_gate", "ple", "stem_ngram", "stem_adapter")
+TABLE_KINDS = tuple(k.name for k in all_kinds() if "token" in k.families())
 LAYER_SPECS = ("all", "all-but-first", "odd", "even", "half", "none")
 MODEL_TYPE = "stemlm"
 _POSITIVE_INTS = (
-    "vocab_size hidden_size intermediate_size num_hidden_layers num_attention_heads max_position_embeddings "
-    "num_experts num_experts_per_tok ple_dim stem_ngram_heads engram_dim engram_heads engram_kernel memory_keys "
-    "memory_topk memory_heads memory_key_dim"
+    "vocab_size hidden_size intermediate_size num_hidden_layers num_attention_heads max_position_embeddings"
 ).split()
 
 
@@ -78,7 +79,21 @@ def resolve_layer_spec(spec: str | list[int] | tuple[int, ...], num_layers: int)
     return sorted(layers)
 
 
+def with_kind_fields(cls: type) -> type:
+    """Add every kind's fields (stemlm.model.kinds) to the class body, after its own fields and before `model_type`."""
+    annotations = cls.__dict__["__annotations__"]
+    last = annotations.pop("model_type")
+    for f in kind_fields():
+        if f.name in annotations:
+            raise StemlmError(f"a kind declares config field {f.name!r}, which ModelConfig already has")
+        annotations[f.name] = f.type
+        setattr(cls, f.name, f.default)
+    annotations["model_type"] = last
+    return cls
+
+
 @dataclass
+@with_kind_fields
 class ModelConfig:
     # --- shared decoder fields (Hugging Face Llama names) ---
     vocab_size: int = 8192
@@ -97,31 +112,11 @@ class ModelConfig:
     # --- FFN selection ---
     ffn: str = "stem"  # the FFN kind of the layers in stem_layers; all other layers are dense SwiGLU
     stem_layers: str | list[int] = "all-but-first"
-    # --- token tables (stem, stem_gate, ple) ---
+    # --- lookup tables (every kind's) ---
     table_init: str = "xavier"  # "xavier" (official: std sqrt(2/(V+d_ff))) or "normal" (std = table_init_std)
     table_init_std: float = 0.02
-    # --- MoE / hash-MoE ---
-    num_experts: int = 8
-    num_experts_per_tok: int = 2  # top-k for moe (hash_moe always routes to exactly one expert)
-    moe_intermediate_size: int | None = None  # None: intermediate_size // num_experts_per_tok (matched active FFN)
-    moe_shared_expert: bool = False
-    router_z_loss: bool = False
-    hash_seed: int = 0
-    # --- PLE (Gemma-3n style per-layer embedding next to a dense FFN) ---
-    ple_dim: int = 256
-    # --- n-gram keyed STEM, Engram, product-key memory (stemlm.model.ngram / engram / memory_layer) ---
-    stem_ngram_orders: str = "2"  # n-gram orders added to U[t]: "2" (bigrams) or "2,3"
-    stem_ngram_heads: int = 2  # hash heads per order, each with its own prime-sized table
-    stem_ngram_rows: int | None = None  # rows per head (rounded up to a prime); None: vocab_size
-    engram_orders: str = "2,3"
-    engram_heads: int = 4
-    engram_rows: int | None = None  # rows per head (rounded up to a prime); None: vocab_size
-    engram_dim: int = 256  # width of the concatenated n-gram memory e_t (split evenly over orders x heads)
-    engram_kernel: int = 4  # the short causal conv's kernel (its dilation is the largest order)
-    memory_keys: int = 128  # sub-keys per half: memory_keys² value rows
-    memory_topk: int = 16
-    memory_heads: int = 4
-    memory_key_dim: int = 64  # query width per head (two halves of memory_key_dim / 2)
+    hash_seed: int = 0  # seed of every hashed lookup (hash-MoE's token -> expert map, the n-gram keys)
+    # --- the kinds' own fields are inserted here (with_kind_fields) ---
     model_type: str = field(default=MODEL_TYPE)
 
     def __post_init__(self) -> None:
@@ -135,10 +130,6 @@ class ModelConfig:
     @property
     def head_size(self) -> int:
         return self.head_dim or self.hidden_size // self.num_attention_heads
-
-    @property
-    def expert_size(self) -> int:
-        return self.moe_intermediate_size or max(1, self.intermediate_size // self.num_experts_per_tok)
 
     @property
     def special_layers(self) -> list[int]:
@@ -163,7 +154,7 @@ class ModelConfig:
         for name in _POSITIVE_INTS:
             value = getattr(self, name)
             need(positive_int(value), f"{name} must be a positive integer, got {value!r}")
-        for name in ("num_key_value_heads", "head_dim", "moe_intermediate_size"):
+        for name in ("num_key_value_heads", "head_dim"):
             value = getattr(self, name)
             need(value is None or positive_int(value), f"{name} must be a positive integer or None, got {value!r}")
         if self.rope_llama3 is not None:
@@ -176,8 +167,10 @@ class ModelConfig:
                 isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value > 0,
                 f"{name} must be a positive number (finite), got {value!r}",
             )
-        for name in ("tie_word_embeddings", "moe_shared_expert", "router_z_loss"):
-            need(isinstance(getattr(self, name), bool), f"{name} must be true or false, got {getattr(self, name)!r}")
+        need(
+            isinstance(self.tie_word_embeddings, bool),
+            f"tie_word_embeddings must be true or false, got {self.tie_word_embeddings!r}",
+        )
         need(
             isinstance(self.hash_seed, int) and not isinstance(self.hash_seed, bool),
             f"hash_seed must be an integer, got {self.hash_seed!r}",
@@ -196,38 +189,12 @@ class ModelConfig:
         need(
             self.table_init in ("xavier", "normal"), f"table_init must be 'xavier' or 'normal', got {self.table_init!r}"
         )
-        need(
-            self.num_experts_per_tok <= self.num_experts,
-            f"num_experts_per_tok={self.num_experts_per_tok} exceeds num_experts={self.num_experts}",
-        )
         resolve_layer_spec(self.stem_layers, self.num_hidden_layers)
-        self._validate_lookup_kinds(need)
-
-    def _validate_lookup_kinds(self, need) -> None:
-        for name in ("stem_ngram_orders", "engram_orders"):
-            orders = str(getattr(self, name)).replace(" ", "").split(",")
-            ok = all(o.isdigit() and int(o) >= 2 for o in orders) and len(set(orders)) == len(orders)
-            need(
-                ok,
-                f"{name} must be a comma list of distinct n-gram orders >= 2 such as '2' or '2,3', got "
-                f"{getattr(self, name)!r}",
-            )
-        for name in ("stem_ngram_rows", "engram_rows"):
-            value = getattr(self, name)
-            need(
-                value is None or (isinstance(value, int) and not isinstance(value, bool) and value > 0),
-                f"{name} must be a positive integer or None, got {value!r}",
-            )
-        keys = len(str(self.engram_orders).split(",")) * self.engram_heads
-        need(
-            self.engram_dim % keys == 0,
-            f"engram_dim={self.engram_dim} must divide evenly over orders x heads = {keys} hash heads",
-        )
-        need(self.memory_key_dim % 2 == 0, f"memory_key_dim={self.memory_key_dim} must be even (two halves)")
-        need(
-            self.memory_topk <= self.memory_keys,
-            f"memory_topk={self.memory_topk} exceeds memory_keys={self.memory_keys}",
-        )
+        for f in kind_fields():
+            f.check(getattr(self, f.name), need)
+        for kind in all_kinds():  # every kind's checks, whichever kind is selected (as config.json is read)
+            if kind.check is not None:
+                kind.check(self, need)
 
     # ----- (de)serialisation -----
     def to_dict(self) -> dict[str, Any]:

@@ -1,8 +1,10 @@
-"""The stemlm decoder: Llama-style pre-norm blocks whose FFN kind is chosen per layer by the config.
+"""The stemlm decoder: Llama-style pre-norm blocks whose kind is chosen per layer by the config.
 
 Module names mirror Hugging Face Llama (`model.embed_tokens`, `model.layers.{i}.self_attn.q_proj`,
 `model.layers.{i}.mlp.gate_proj`, `model.norm`, `lm_head`), so parameter names are the checkpoint format.
-The model is written for one device; offload, sharding and editing act through `table_rows` (see
+Each layer's `mlp` is the module its kind builds (`stemlm.model.kinds`); a kind that acts on attention's values
+(`Kind.acts_on_values`) gets them through its module's `mix_values(v, ctx)`. The model is written for one device;
+offload, sharding and editing act through the forward's `rows={family: provider}` mapping (see
 `stemlm.model.ffn.TokenContext`) or by wrapping it, never by flags inside the layers.
 """
 
@@ -16,26 +18,13 @@ import torch
 from torch import nn
 
 from stemlm.errors import StemlmError
-from stemlm.model.adapter import StemAdapterFFN
 from stemlm.model.attention import Attention, KVCache, RMSNorm, RotaryEmbedding, build_attention_mask
 from stemlm.model.config import ModelConfig
 from stemlm.model.decoding_state import fill_lookup_context
-from stemlm.model.engram import EngramFFN
-from stemlm.model.ffn import (
-    PLEFFN,
-    DenseFFN,
-    MemoryRows,
-    StemFFN,
-    StemGateFFN,
-    TableRows,
-    TokenContext,
-    table_of,
-    token_table,
-)
+from stemlm.model.ffn import Rows, TokenContext, checked_rows, token_table
+from stemlm.model.kinds.registry import FAMILIES, get_kind
 from stemlm.model.loss import chunked_cross_entropy, cross_entropy
-from stemlm.model.memory_layer import MemoryFFN
-from stemlm.model.moe import Experts, HashMoEFFN, MoEFFN
-from stemlm.model.ngram import StemNgramFFN, ngram_hasher
+from stemlm.model.ngram import ngram_hasher
 
 EmbedRows = Callable[[torch.Tensor], torch.Tensor]  # input_ids [B, T] -> input embeddings [B, T, hidden]
 
@@ -52,12 +41,8 @@ class ModelOutput:
 
 
 def build_ffn(config: ModelConfig, layer_idx: int) -> nn.Module:
-    kind = config.layer_ffn(layer_idx)
-    if kind == "dense":
-        return DenseFFN(config.hidden_size, config.intermediate_size)
-    kinds = {"stem": StemFFN, "stem_gate": StemGateFFN, "ple": PLEFFN, "moe": MoEFFN, "hash_moe": HashMoEFFN}
-    kinds.update(stem_ngram=StemNgramFFN, engram=EngramFFN, memory=MemoryFFN, stem_adapter=StemAdapterFFN)
-    return kinds[kind](config, layer_idx)
+    """The module at `model.layers.<i>.mlp`: what the layer's kind builds (dense outside `stem_layers`)."""
+    return get_kind(config.layer_ffn(layer_idx)).build(config, layer_idx)
 
 
 class DecoderLayer(nn.Module):
@@ -67,9 +52,11 @@ class DecoderLayer(nn.Module):
         self.mlp = build_ffn(config, layer_idx)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.acts_on_values = get_kind(config.layer_ffn(layer_idx)).acts_on_values
 
     def forward(self, x, rope, mask, cache: KVCache | None, ctx: TokenContext) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), rope, mask, cache)
+        values = (lambda v: self.mlp.mix_values(v, ctx)) if self.acts_on_values else None
+        x = x + self.self_attn(self.input_layernorm(x), rope, mask, cache, values)
         return x + self.mlp(self.post_attention_layernorm(x), ctx)
 
 
@@ -82,6 +69,13 @@ class DecoderStack(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary_emb = RotaryEmbedding(config.head_size, config.rope_theta, config.rope_llama3)
+        for i, layer in enumerate(self.layers):
+            for table in get_kind(config.layer_ffn(i)).tables:
+                owner = table.owner_of(config, i)
+                if owner != i:
+                    # A shared table: registered once, in its owner's module (one parameter name); this layer
+                    # holds a plain reference, which follows the owner's module through .to(), loading, sharding.
+                    object.__setattr__(layer.mlp, table.attr, getattr(self.layers[owner].mlp, table.attr))
 
 
 class StemLM(nn.Module):
@@ -103,20 +97,18 @@ class StemLM(nn.Module):
         position_ids: torch.Tensor | None = None,
         past_key_values: KVCache | None = None,
         use_cache: bool = False,
-        table_rows: TableRows | None = None,
+        rows: Rows | None = None,
         embed_rows: EmbedRows | None = None,
-        ngram_rows: TableRows | None = None,
-        memory_rows: MemoryRows | None = None,
         loss_chunk: int = 0,
     ) -> ModelOutput:
         """Logits for `input_ids` [B, T]. `labels` [B, T] are the targets of each position (not shifted here);
         `attention_mask` [B, past + T] marks real tokens with 1 (left padding); `past_key_values` continues a
-        cache from an earlier call (`use_cache=True` starts one). `embed_rows(input_ids) -> [B, T, hidden]`,
-        when given, supplies the input embeddings instead of `embed_tokens` (editing from outside, like
-        `table_rows`); the lm_head is unaffected even when tied. `ngram_rows` / `memory_rows` supply the rows
-        of n-gram and memory layers from outside (see `stemlm.model.ngram` and `stemlm.model.memory_layer`).
-        `loss_chunk` > 0 with `labels` computes the loss `loss_chunk` tokens at a time (`stemlm.model.loss`) and
-        returns no logits (None)."""
+        cache from an earlier call (`use_cache=True` starts one). `rows={family: provider}` supplies the rows of
+        a table family from outside (offload, sharding, edits; `stemlm.model.kinds.registry.FAMILIES`), called
+        as `provider(layer_idx, ids)`; families left out read the model's own tables. `embed_rows(input_ids) ->
+        [B, T, hidden]`, when given, supplies the input embeddings instead of `embed_tokens` (editing from
+        outside); the lm_head is unaffected even when tied. `loss_chunk` > 0 with `labels` computes the loss
+        `loss_chunk` tokens at a time (`stemlm.model.loss`) and returns no logits (None)."""
         check_token_ids(input_ids, self.config.vocab_size)
         input_ids = input_ids.long()  # embedding and hash lookups need int64/int32; narrower ids are accepted
         B, T = input_ids.shape
@@ -134,7 +126,7 @@ class StemLM(nn.Module):
         x = self.model.embed_tokens(input_ids) if embed_rows is None else _embeddings_from(self, embed_rows, input_ids)
         rope = self.model.rotary_emb(position_ids, x.dtype)
         mask = build_attention_mask(T, past_len, attention_mask, input_ids.device)
-        ctx = TokenContext(input_ids=input_ids, table_rows=table_rows, ngram_rows=ngram_rows, memory_rows=memory_rows)
+        ctx = TokenContext(input_ids=input_ids, rows=checked_rows(rows))
         fill_lookup_context(ctx, self.ngram_hasher, attention_mask, cache, past_len)
         for layer in self.model.layers:
             x = layer(x, rope, mask, cache, ctx)
@@ -148,25 +140,25 @@ class StemLM(nn.Module):
         return ModelOutput(logits, loss, aux, cache, ctx.expert_counts)
 
     # ----- parameters -----
-    def stem_tables(self) -> dict[int, nn.Embedding]:
-        """Layer index -> token table, for every table-owning layer (stem, stem_gate, ple)."""
-        tables = {}
-        for i, layer in enumerate(self.model.layers):
-            table = table_of(layer.mlp)
-            if table is not None:
-                tables[i] = table
-        return tables
-
-    def ngram_tables(self) -> dict[int, nn.Embedding]:
-        """Layer index -> hashed n-gram table (stem_ngram, engram): [Σ prime sizes, width], row ids shared by layers."""
+    def tables(self, family: str) -> dict[int, nn.Module]:
+        """Layer index -> the lookup table of `family` that layer's module owns (a table shared by several layers
+        appears once, under its owner's index: the key its rows are asked for with)."""
+        if family not in FAMILIES:
+            raise StemlmError(f"unknown table family {family!r}; families: {', '.join(FAMILIES)}")
         found = {}
         for i, layer in enumerate(self.model.layers):
-            found[i] = getattr(layer.mlp, "ngram_embedding", None) or getattr(layer.mlp, "engram_embedding", None)
-        return {i: t for i, t in found.items() if isinstance(t, nn.Embedding)}
+            for table in get_kind(self.config.layer_ffn(i)).tables:
+                if table.family == family and table.owner_of(self.config, i) == i:
+                    found[i] = getattr(layer.mlp, table.attr)
+        return found
 
-    def memory_tables(self) -> dict[int, nn.EmbeddingBag]:
-        """Layer index -> value table of a product-key memory layer ([memory_keys², hidden])."""
-        return {i: b.mlp.memory_values for i, b in enumerate(self.model.layers) if isinstance(b.mlp, MemoryFFN)}
+    def lookup_tables(self) -> dict[str, dict[int, nn.Module]]:
+        """Family -> `tables(family)`, for the families this model has."""
+        return {family: tables for family in FAMILIES if (tables := self.tables(family))}
+
+    def stem_tables(self) -> dict[int, nn.Embedding]:
+        """Layer index -> token table (the `token` family: STEM, STEM-gate, PLE, ... tables keyed by the input id)."""
+        return self.tables("token")
 
     def init_stds(self) -> dict[int, float]:
         """id(parameter) -> init std for the parameters whose module asks for its own (n-gram, memory kinds)."""
@@ -179,9 +171,12 @@ class StemLM(nn.Module):
     def init_specs(self) -> list[tuple[str, torch.nn.Parameter, float | None]]:
         """(name, parameter, std) in the order `init_weights` draws them from its generator; std None: ones.
 
+        Lookup tables take `table_init`, norms ones, everything else N(0, initializer_range), unless a module's
+        `init_stds()` names its own std for a parameter (None there: ones too).
+
         stemlm.train.parallel.meta_init replays this order to initialise only one rank's shards to the same values."""
         std = self.config.initializer_range
-        tables = {id(t.weight) for t in self.stem_tables().values()}
+        tables = {id(t.weight) for family in self.lookup_tables().values() for t in family.values()}
         own = self.init_stds()
         specs: list[tuple[str, torch.nn.Parameter, float | None]] = []
         for name, param in self.named_parameters():
@@ -307,4 +302,4 @@ def build_model(config: ModelConfig, *, device: str | torch.device | None = None
     return model
 
 
-__all__ = ["ModelOutput", "StemLM", "build_model", "check_token_ids", "Experts"]
+__all__ = ["ModelOutput", "StemLM", "build_model", "check_token_ids"]

@@ -1,20 +1,16 @@
-"""The token-aware FFNs: dense SwiGLU, STEM, the STEM gate ablation and Gemma-3n-style PLE.
+"""The building blocks every kind shares: the per-forward `TokenContext`, table lookups, `token_table`, `DenseFFN`.
 
-Every FFN takes the hidden states and a `TokenContext` carrying the input token ids of the positions being
-computed. Table-owning FFNs look their rows up with those ids:
-
-    stem:       y = down_proj( silu(gate_proj(x)) * U[t] )          (U replaces the up-projection)
-    stem_gate:  y = down_proj( silu(G[t]) * up_proj(x) )            (the paper's worse ablation)
-    ple:        y = dense(x) + ple_proj( silu(ple_gate(x)) * P[t] ) (a narrow side branch, nothing replaced)
-
-`TokenContext.table_rows` is how code outside the model supplies rows (host offload, sharding, editing)
-without touching the math: when set, it is called as `table_rows(layer_idx, input_ids)` instead of indexing
-the layer's own table.
+A kind's module (`stemlm.model.kinds`) takes the hidden states and a `TokenContext` carrying the input token ids
+of the positions being computed. Table-owning kinds look their rows up through `lookup`, which is how code
+outside the model supplies rows (host offload, sharding, editing) without touching the math: the forward's
+`rows={family: provider}` mapping (see `stemlm.model.kinds.registry.FAMILIES`) lands in `ctx.rows`, and when
+the table's family has a provider it is called as `provider(key, input_ids)` instead of indexing the table.
+The key is the layer index of the layer that owns the table.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 import torch
@@ -22,40 +18,49 @@ import torch.nn.functional as F
 from torch import nn
 
 from stemlm.errors import StemlmError
-from stemlm.model.config import ModelConfig
+from stemlm.model.kinds.registry import FAMILIES
 
 TableRows = Callable[[int, torch.Tensor], torch.Tensor]
 # (layer_idx, value ids [N, k]) -> (rows [U, width], positions [N, k] into rows): the rows fetched on demand
 MemoryRows = Callable[[int, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+# family -> provider: "token" and "ngram" take TableRows, "memory" a MemoryRows
+Rows = Mapping[str, Callable | None]
 
 
 @dataclass
 class TokenContext:
-    """Per-forward state shared by the FFNs (one per call, so concurrent forwards never share it)."""
+    """Per-forward state shared by the layers (one per call, so concurrent forwards never share it)."""
 
     input_ids: torch.Tensor  # [B, T] ids of the positions being computed (the inputs, not the targets)
-    table_rows: TableRows | None = None  # external row source; None = each layer's own table
+    rows: dict[str, Callable] = field(default_factory=dict)  # family -> external row source; absent = own tables
     aux_losses: list[torch.Tensor] = field(default_factory=list)  # MoE balancing / z-losses, summed by the model
     expert_counts: dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> tokens routed per expert
-    # --- n-gram, Engram and memory kinds (stemlm.model.ngram / engram / memory_layer) ---
     ngram_ids: torch.Tensor | None = None  # [B, T, K] hashed n-gram row ids, computed from the ids before compute
-    ngram_rows: TableRows | None = None  # external source of n-gram rows: (layer_idx, ngram_ids) -> [B, T, K, w]
-    memory_rows: MemoryRows | None = None  # external value rows of memory layers (fetched on demand)
     state: dict | None = None  # the decoding state of earlier positions (ids, Engram conv inputs); None: no cache
     past_len: int = 0  # positions already in the cache
     valid: torch.Tensor | None = None  # [B, T] bool, False at left-padding positions; None: all real
 
 
+def checked_rows(rows: Rows | None) -> dict[str, Callable]:
+    """The providers of a forward's `rows=` mapping (None entries dropped), refusing families nobody declares."""
+    out = {family: provider for family, provider in (rows or {}).items() if provider is not None}
+    unknown = sorted(set(out) - set(FAMILIES))
+    if unknown:
+        raise StemlmError(f"rows= names unknown table families {unknown}; families: {', '.join(FAMILIES)}")
+    return out
+
+
 def lookup(table: nn.Embedding, ctx: TokenContext, layer_idx: int) -> torch.Tensor:
-    """The rows of the input ids, [B, T, width]: from `table` itself, or from `ctx.table_rows` when one is set."""
-    if ctx.table_rows is None:
+    """Token rows of the input ids, [B, T, width]: from `table` itself, or from `ctx.rows["token"]` when set."""
+    provider = ctx.rows.get("token")
+    if provider is None:
         return table(ctx.input_ids)
-    rows = ctx.table_rows(layer_idx, ctx.input_ids)
+    rows = provider(layer_idx, ctx.input_ids)
     expected = (*ctx.input_ids.shape, table.embedding_dim)
     if tuple(rows.shape) != expected:
         # Checked here because a wrong width would otherwise surface as a broadcasting error deep in the FFN.
         raise StemlmError(
-            f"table_rows returned shape {list(rows.shape)} for layer {layer_idx}; expected {list(expected)} "
+            f"rows['token'] returned shape {list(rows.shape)} for layer {layer_idx}; expected {list(expected)} "
             "([batch, seq_len, table width])"
         )
     return rows
@@ -81,62 +86,3 @@ class DenseFFN(nn.Module):
 
     def forward(self, x: torch.Tensor, ctx: TokenContext | None = None) -> torch.Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
-
-
-class StemFFN(nn.Module):
-    """STEM: the up-projection replaced by a per-layer table indexed by the input token id."""
-
-    def __init__(self, config: ModelConfig, layer_idx: int) -> None:
-        super().__init__()
-        self.layer_idx = layer_idx
-        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
-        self.stem_embedding = token_table(config.vocab_size, config.intermediate_size)
-
-    def forward(self, x: torch.Tensor, ctx: TokenContext) -> torch.Tensor:
-        up = lookup(self.stem_embedding, ctx, self.layer_idx)  # U_l[t], t = the input id at each position
-        return self.down_proj(F.silu(self.gate_proj(x)) * up.to(x.dtype))
-
-
-class StemGateFFN(nn.Module):
-    """Ablation: the gate replaced by a context-free table, the up-projection kept."""
-
-    def __init__(self, config: ModelConfig, layer_idx: int) -> None:
-        super().__init__()
-        self.layer_idx = layer_idx
-        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
-        self.stem_embedding = token_table(config.vocab_size, config.intermediate_size)
-
-    def forward(self, x: torch.Tensor, ctx: TokenContext) -> torch.Tensor:
-        gate = lookup(self.stem_embedding, ctx, self.layer_idx)  # G_l[t]
-        return self.down_proj(F.silu(gate.to(x.dtype)) * self.up_proj(x))
-
-
-class PLEFFN(nn.Module):
-    """Gemma-3n-style per-layer embedding: a narrow token table gated by the hidden state, beside a dense FFN."""
-
-    def __init__(self, config: ModelConfig, layer_idx: int) -> None:
-        super().__init__()
-        self.layer_idx = layer_idx
-        d, w = config.hidden_size, config.ple_dim
-        self.gate_proj = nn.Linear(d, config.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(d, config.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(config.intermediate_size, d, bias=False)
-        self.ple_gate = nn.Linear(d, w, bias=False)
-        self.ple_proj = nn.Linear(w, d, bias=False)
-        self.ple_embedding = token_table(config.vocab_size, w)
-
-    def forward(self, x: torch.Tensor, ctx: TokenContext) -> torch.Tensor:
-        rows = lookup(self.ple_embedding, ctx, self.layer_idx)  # P_l[t]
-        dense = self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
-        return dense + self.ple_proj(F.silu(self.ple_gate(x)) * rows.to(x.dtype))
-
-
-def table_of(ffn: nn.Module) -> nn.Embedding | None:
-    """The token table of a table-owning FFN (stem, stem_gate, ple), else None."""
-    for name in ("stem_embedding", "ple_embedding"):
-        table = getattr(ffn, name, None)
-        if isinstance(table, nn.Embedding):
-            return table
-    return None

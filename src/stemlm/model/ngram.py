@@ -1,6 +1,4 @@
-"""Hashed n-gram keys and `stem_ngram`, STEM whose up-projection row is keyed by the token and its n-grams.
-
-    stem_ngram:  y = down_proj( silu(gate_proj(x)) * (U[t] + Σ_k H[id_k(t_{-n+1..0})]) )
+"""Hashed n-gram keys, shared by the kinds with `ngram` tables (`stem_ngram`, `engram`).
 
 Keys. For every order n (`orders`, e.g. (2,) or (2, 3)) the last n input ids are mixed as in Engram
 (arXiv 2601.07372): `mix = XOR_j (t_{-j} + 1) * m_j` with odd multipliers m_j drawn from `seed`, then each of
@@ -13,9 +11,8 @@ The multipliers depend on the model's `hash_seed` only, not on the layer, so eve
 looks up the same row ids: offload then fetches one token-major row per id for all layers at once (as for
 the STEM token tables), and the ids depend on the input ids alone, so they are known before any compute.
 
-`model(..., ngram_rows=fn)` supplies the n-gram rows from outside (`fn(layer_idx, ngram_ids) ->
-[B, T, K, width]`), the way `table_rows` supplies the token rows; positional edits act through `table_rows`
-on U_l[t] only, the n-gram rows are added unchanged.
+`model(..., rows={"ngram": fn})` supplies the n-gram rows from outside (`fn(layer_idx, ngram_ids) ->
+[B, T, K, width]`), the way `rows={"token": ...}` supplies the token rows.
 """
 
 from __future__ import annotations
@@ -26,8 +23,8 @@ import torch
 from torch import nn
 
 from stemlm.errors import StemlmError
-from stemlm.model.config import ModelConfig
-from stemlm.model.ffn import TokenContext, lookup, token_table
+from stemlm.model.ffn import TokenContext
+from stemlm.model.kinds.registry import Config
 from stemlm.model.ngram_layout import NgramLayout, ngram_layout
 
 INT64_MAX = 2**63 - 1
@@ -71,45 +68,24 @@ class NgramHasher:
         return torch.stack(out, dim=-1)
 
 
-def ngram_hasher(config: ModelConfig) -> NgramHasher | None:
+def ngram_hasher(config: Config) -> NgramHasher | None:
     """The model's hasher (one per model: all n-gram layers share it), or None for kinds without n-gram keys."""
     layout = ngram_layout(config)
     return None if layout is None else NgramHasher(config.vocab_size, layout, config.hash_seed)
 
 
 def ngram_lookup(table: nn.Embedding, ctx: TokenContext, layer_idx: int) -> torch.Tensor:
-    """The n-gram rows of every position, [B, T, K, width]: from `table`, or from `ctx.ngram_rows` when set."""
+    """The n-gram rows of every position, [B, T, K, width]: from `table`, or from `ctx.rows["ngram"]` when set."""
     ids = ctx.ngram_ids
     if ids is None:
         raise StemlmError("an n-gram layer ran without n-gram ids in its TokenContext (call it through StemLM)")
-    if ctx.ngram_rows is None:
+    provider = ctx.rows.get("ngram")
+    if provider is None:
         return table(ids)
-    rows = ctx.ngram_rows(layer_idx, ids)
+    rows = provider(layer_idx, ids)
     expected = (*ids.shape, table.embedding_dim)
     if tuple(rows.shape) != expected:
         raise StemlmError(
-            f"ngram_rows returned shape {list(rows.shape)} for layer {layer_idx}; expected {list(expected)}"
+            f"rows['ngram'] returned shape {list(rows.shape)} for layer {layer_idx}; expected {list(expected)}"
         )
     return rows
-
-
-class StemNgramFFN(nn.Module):
-    """STEM with the up-projection row U[t] plus the rows of the hashed n-grams ending at t."""
-
-    def __init__(self, config: ModelConfig, layer_idx: int) -> None:
-        super().__init__()
-        self.layer_idx = layer_idx
-        hasher = ngram_hasher(config)
-        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
-        self.stem_embedding = token_table(config.vocab_size, config.intermediate_size)
-        self.ngram_embedding = token_table(hasher.num_rows, config.intermediate_size)
-
-    def init_stds(self) -> dict[int, float]:
-        # Zero n-gram rows: the layer starts as plain STEM and learns what the n-grams add.
-        return {id(self.ngram_embedding.weight): 0.0}
-
-    def forward(self, x: torch.Tensor, ctx: TokenContext) -> torch.Tensor:
-        up = lookup(self.stem_embedding, ctx, self.layer_idx)  # U_l[t]; positional edits act here
-        up = up + ngram_lookup(self.ngram_embedding, ctx, self.layer_idx).sum(dim=-2)  # + Σ_k H_l[id_k]
-        return self.down_proj(torch.nn.functional.silu(self.gate_proj(x)) * up.to(x.dtype))

@@ -1,7 +1,8 @@
 """The shape of the hashed n-gram tables of a config (orders, heads, prime table sizes), without torch.
 
-Shared by the model (`stemlm.model.ngram`, which hashes ids into these tables) and `stemlm.model.accounting`
-(which counts them from the config alone and must not import torch).
+Shared by the model (`stemlm.model.ngram`, which hashes ids into these tables) and the kinds' accounting (which
+counts them from the config alone). A kind with n-gram keys says which of its fields hold the orders, heads and
+rows (`Kind.ngram`).
 """
 
 from __future__ import annotations
@@ -9,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from stemlm.errors import StemlmError
-from stemlm.model.config import ModelConfig
+from stemlm.model.kinds.registry import Config, get_kind
 
 
 def is_prime(n: int) -> bool:
@@ -63,14 +64,19 @@ class NgramLayout:
         return sum(self.sizes)
 
 
-def ngram_layout(config: ModelConfig) -> NgramLayout | None:
-    """The n-gram tables of a stem_ngram / engram config (every such layer has the same), else None."""
-    if config.ffn == "stem_ngram" and config.special_layers:
-        orders, heads, rows = config.stem_ngram_orders, config.stem_ngram_heads, config.stem_ngram_rows
-    elif config.ffn == "engram" and config.special_layers:
-        orders, heads, rows = config.engram_orders, config.engram_heads, config.engram_rows
-    else:
+def check_orders(name: str, value, need) -> None:
+    """A config check: `value` is a comma list of distinct n-gram orders >= 2."""
+    orders = str(value).replace(" ", "").split(",")
+    ok = all(o.isdigit() and int(o) >= 2 for o in orders) and len(set(orders)) == len(orders)
+    need(ok, f"{name} must be a comma list of distinct n-gram orders >= 2 such as '2' or '2,3', got {value!r}")
+
+
+def ngram_layout(config: Config) -> NgramLayout | None:
+    """The n-gram tables of a config whose kind has n-gram keys (every such layer has the same), else None."""
+    shape = get_kind(config.ffn).ngram
+    if shape is None or not config.special_layers:
         return None
+    orders, heads, rows = shape(config)
     orders = parse_orders(orders)
     primes = head_primes(rows or config.vocab_size, heads)
     return NgramLayout(orders, heads, tuple(p for _ in orders for p in primes))

@@ -1,13 +1,14 @@
-"""Offloading every lookup table of a model, by family: token tables, hashed n-gram tables, memory values.
+"""Offloading every lookup table of a model, by family (`stemlm.model.kinds.registry.FAMILIES`).
 
-- `token`: the STEM / STEM-gate / PLE tables (and the U_l of `stem_ngram`), keyed by token id; one
-  token-major provider and row cache for all layers (see `stemlm.offload.providers`).
-- `ngram`: the hashed n-gram tables of `stem_ngram` / `engram`. Every n-gram layer of a model looks up the
+A kind declares which family each of its tables is in; the family decides how it is offloaded:
+- `token` (STEM, STEM-gate, PLE tables, the U_l of `stem_ngram`, ...): keyed by token id; one token-major
+  provider and row cache for all layers (see `stemlm.offload.providers`), prefetched.
+- `ngram` (the hashed n-gram tables of `stem_ngram` / `engram`): every n-gram layer of a model looks up the
   same row ids (the hash is shared), so they too form one token-major provider over Σ prime sizes rows, with
   their own hot-row cache; the ids depend on the input ids alone, so each step's rows are prefetched.
-- `memory`: the value tables of product-key memory layers. Their ids come out of the layer's own top-k, so
-  nothing can be fetched before the layer runs and every layer reads different ids: one provider and cache
-  per layer, fetched on demand on the critical path of the forward (see `stemlm.offload.lookup_rows`).
+- `memory` (product-key memory values): their ids come out of the layer's own top-k, so nothing can be
+  fetched before the layer runs and every layer reads different ids: one provider and cache per layer,
+  fetched on demand on the critical path of the forward (see `stemlm.offload.lookup_rows`).
 
 `load_offloaded_model(dir, "host" | "mmap" | "resident")` loads the backbone onto the device and leaves every
 offloaded table a meta placeholder; `resident` loads everything and returns no providers but the token one.
@@ -25,6 +26,7 @@ from stemlm.checkpoint.runs import from_pretrained
 from stemlm.checkpoint.table_storage import SCALE_SUFFIX, check_table_dtype, read_storage
 from stemlm.errors import StemlmError
 from stemlm.model.decoder import StemLM
+from stemlm.model.kinds.registry import FAMILIES
 from stemlm.offload.compact import CompactMmapProvider, CompactProvider, RowSource
 from stemlm.offload.providers import (
     TABLE_MODES,
@@ -53,13 +55,9 @@ class OffloadProviders:
 def table_families(model: StemLM) -> dict[str, dict[int, str]]:
     """Family -> {layer: parameter name} of the model's lookup tables (empty families left out)."""
     names = {id(p): n for n, p in model.named_parameters()}
-    families = {
-        "token": model.stem_tables(),
-        "ngram": model.ngram_tables(),
-        "memory": model.memory_tables(),
+    return {
+        family: {i: names[id(t.weight)] for i, t in tables.items()} for family, tables in model.lookup_tables().items()
     }
-    out = {family: {i: names[id(t.weight)] for i, t in tables.items()} for family, tables in families.items()}
-    return {family: tables for family, tables in out.items() if tables}
 
 
 def load_offloaded_model(
@@ -130,10 +128,14 @@ def load_offloaded_model(
             return CompactProvider(sources, want, out_dtype=dtype or torch.float32, pin=pin)
         return CompactMmapProvider(sources, out_dtype=dtype or torch.float32, pin=pin)
 
+    shared = {f: provider(names, layout) for f, names in families.items() if FAMILIES[f].cache == "shared"}
+    per_layer = {
+        f: {i: provider({i: name}, "token") for i, name in names.items()}
+        for f, names in families.items()
+        if FAMILIES[f].cache == "per-layer"
+    }
     providers = OffloadProviders(
-        token=provider(families["token"], layout) if "token" in families else None,
-        ngram=provider(families["ngram"], layout) if "ngram" in families else None,
-        memory={i: provider({i: name}, "token") for i, name in families.get("memory", {}).items()},
+        token=shared.get("token"), ngram=shared.get("ngram"), memory=per_layer.get("memory", {})
     )
     skip = {name for layer_names in families.values() for name in layer_names.values()}
     skip |= {name + SCALE_SUFFIX for name in compact}
@@ -147,7 +149,7 @@ def round_tables(model: StemLM, table_dtype: str) -> None:
     (resident tables with `--table-dtype`: the effect on the model's outputs, at the model's own dtype)."""
     from stemlm.checkpoint.table_storage import round_rows
 
-    for tables in (model.stem_tables(), model.ngram_tables(), model.memory_tables()):
+    for tables in model.lookup_tables().values():
         for table in tables.values():
             weight = table.weight
             for start in range(0, weight.shape[0], 4096):

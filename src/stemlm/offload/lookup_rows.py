@@ -1,7 +1,7 @@
 """The row hooks of a model whose lookup tables are offloaded: token rows, n-gram rows and memory rows.
 
-`LookupRows` is what the offloaded engine hands the model (`hooks()` -> `table_rows`, `ngram_rows`,
-`memory_rows`) and what it announces each step to (`request(ids)`), in forward order:
+`LookupRows` is what the offloaded engine hands the model (`rows()` -> the forward's `rows={family: provider}`
+mapping) and what it announces each step to (`request(ids)`), in forward order:
 
 - token rows: a `RowPipeline` over the token-table cache, requested with the step's ids (unchanged);
 - n-gram rows: a second `RowPipeline` over the n-gram cache. `request` hashes the step's ids with the ids
@@ -26,7 +26,7 @@ from stemlm.offload.prefetch import RowPipeline
 
 
 class MemoryFetcher:
-    """The `memory_rows(layer_idx, ids) -> (rows [U, d], positions)` hook: one row cache per memory layer."""
+    """The `memory` row provider `(layer_idx, ids) -> (rows [U, d], positions)`: one row cache per memory layer."""
 
     def __init__(self, caches: dict[int, RowCache]) -> None:
         self.caches = caches
@@ -84,12 +84,10 @@ class LookupRows:
     def __call__(self, layer_idx: int, ids: torch.Tensor) -> torch.Tensor:
         return self.token(layer_idx, ids)
 
-    def hooks(self) -> dict:
-        return {
-            "table_rows": self if self.token is not None else None,
-            "ngram_rows": self.ngram,
-            "memory_rows": self.memory,
-        }
+    def rows(self) -> dict:
+        """The forward's `rows=` mapping: a provider per offloaded family."""
+        found = {"token": self if self.token is not None else None, "ngram": self.ngram, "memory": self.memory}
+        return {family: provider for family, provider in found.items() if provider is not None}
 
     def drain(self) -> None:
         for pipeline in (self.token, self.ngram):

@@ -1,7 +1,7 @@
 """Asynchronous prefetch: one background worker fetches each step's rows while the previous step computes.
 
-`RowPipeline` is the model's `table_rows` hook for offloaded tables. The caller announces a step with
-`request(ids)` as soon as its ids are known (the next prefill chunk, or a token the moment it is sampled);
+`RowPipeline` is the model's row provider (`rows={"token": pipeline}`) for offloaded tables. The caller announces a
+step with `request(ids)` as soon as its ids are known (the next prefill chunk, or a token the moment it is sampled);
 a single worker thread runs `RowCache.fetch` for the requests in order (plan, host gather, copy), and the
 first table layer of the forward that uses those ids waits for the result. With one worker, steps are
 planned and their copies issued strictly in request order, which is what lets the cache reuse slots without
@@ -35,7 +35,7 @@ class _Done:
 
 
 class RowPipeline:
-    """The `table_rows(layer_idx, input_ids)` hook serving rows from a `RowCache`, with prefetch."""
+    """The row provider `(layer_idx, input_ids) -> rows` serving rows from a `RowCache`, with prefetch."""
 
     def __init__(self, cache: RowCache, background: bool = True) -> None:
         self.cache = cache

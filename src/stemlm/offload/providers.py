@@ -113,7 +113,7 @@ class TableProvider:
 
     def __init__(self, vocab_size: int, layers: list[int], widths: list[int], dtype: torch.dtype) -> None:
         if not layers:
-            raise StemlmError("this model has no token tables to provide (its FFNs are all dense or MoE)")
+            raise StemlmError("this model has no token tables to provide (no layer's kind has a `token` table)")
         self.vocab_size, self.layers, self.widths, self.dtype = vocab_size, tuple(layers), tuple(widths), dtype
         offsets = np.cumsum([0, *widths]).tolist()
         self.layer_slices = {layer: (offsets[k], widths[k]) for k, layer in enumerate(layers)}

@@ -7,7 +7,7 @@ reaches every one of them (`with_overrides`). The resolved config is written int
 Choices documented here rather than in code comments elsewhere:
 - weight decay applies to every matrix (projections, token embedding, LM head, router, experts), as in
   the official STEM/Lingua code; one-dimensional parameters (RMSNorm gains, any bias) get none.
-- the STEM tables (every tensor of `model.stem_tables()`) form their own optimizer with their own peak lr
+- the lookup tables (every table of `model.lookup_tables()`) form their own optimizer with their own peak lr
   (`table_lr`, or `lr * table_lr_scale`) and weight decay `table_wd`, following the same warm-up + cosine
   shape. Defaults lr x10, wd 0, by measurement: `tiny` (STEM in layers 1, 3), 150 steps of 8 x 256 tokens,
   backbone lr 2e-3 / wd 0.1, held-out loss over 32k tokens: table lr x1 5.626 (wd 0.1) / 5.627 (wd 0);
@@ -38,6 +38,7 @@ from typing import TYPE_CHECKING, Any
 
 from stemlm.errors import StemlmError
 from stemlm.model.config import ModelConfig
+from stemlm.model.kinds.registry import all_kinds
 
 if TYPE_CHECKING:  # torch and tokenizers load only when a run is resolved, so the CLI parser stays light
     from tokenizers import Tokenizer
@@ -331,12 +332,10 @@ def check_vocab(config: ModelConfig, tok: Tokenizer, *, requested: str, vocab_se
 
 def _resolved(config: ModelConfig) -> dict[str, Any]:
     d = config.to_dict()
-    d.update(
-        stem_layers=config.special_layers,
-        head_dim=config.head_size,
-        num_key_value_heads=config.kv_heads,
-        moe_intermediate_size=config.expert_size,
-    )
+    d.update(stem_layers=config.special_layers, head_dim=config.head_size, num_key_value_heads=config.kv_heads)
+    for kind in all_kinds():  # every kind's None defaults resolved (moe_intermediate_size)
+        if kind.resolved is not None:
+            d.update(kind.resolved(config))
     return d
 
 

@@ -53,6 +53,7 @@ from stemlm.checkpoint.table_storage import read_storage
 from stemlm.errors import StemlmError
 from stemlm.model import build_model
 from stemlm.model.config import MODEL_TYPE, ModelConfig
+from stemlm.model.kinds.registry import FAMILIES
 from stemlm.model.presets import get_preset
 from stemlm.train.config import TrainConfig, model_config_diff
 from stemlm.train.data import load_datasets_distributed
@@ -172,7 +173,8 @@ class DistributedTrainer(Trainer):
         if self.tables is not None:  # host shards too: the hook is device-agnostic
             for shard in self.tables.parameters():
                 shard.register_post_accumulate_grad_hook(_coalesce_grad)
-        if self.cfg.table_optim != "adamw" and (model.ngram_tables() or model.memory_tables()):
+        replicated = [f for f in model.lookup_tables() if FAMILIES[f].nproc == "replicated"]
+        if self.cfg.table_optim != "adamw" and replicated:
             # n-gram / memory tables stay replicated; their row-sparse gradients must be declared before DDP
             # wraps the model (gloo all-reduces sparse gradients; FSDP2 shards dense tensors only).
             if self.cfg.parallel == "fsdp":
@@ -334,7 +336,7 @@ class DistributedTrainer(Trainer):
                 with self.autocast():
                     kwargs = {}
                     if tables is not None:
-                        kwargs["table_rows"] = pending.rows()
+                        kwargs["rows"] = {"token": pending.rows()}
                         if k + 2 < cfg.grad_accum:
                             tables.prefetch(window + 2)
                         if k + 1 < cfg.grad_accum:
@@ -417,7 +419,7 @@ class DistributedTrainer(Trainer):
             with self.autocast():
                 kwargs = {}
                 if self.tables is not None:  # every rank's ids are here: the exchange is planned on the host
-                    kwargs["table_rows"] = self.tables.lookup(part_x, all_ids=[p[0] for p in parts])
+                    kwargs["rows"] = {"token": self.tables.lookup(part_x, all_ids=[p[0] for p in parts])}
                 out = self.model(part_x, labels=part_y, **kwargs)
             totals += torch.tensor([out.loss.item() * part_y.numel(), part_y.numel()], dtype=torch.float64) * weight
         self.model.train()

@@ -8,7 +8,7 @@ runs without keeping its intermediate activations, and backward reruns it to get
 dominate), for about one extra forward of compute. The composable form hooks the module instead of wrapping
 it, so parameter names (the checkpoint format) do not change, and it composes with FSDP2 applied afterwards.
 Recomputing is exact: the rerun block sees the same inputs and the STEM rows the lookup already fetched
-(`TokenContext.table_rows` indexes rows gathered before the forward, so no collective is repeated).
+(the `token` row provider indexes rows gathered before the forward, so no collective is repeated).
 The chunked loss (`loss_chunk`) lives with the model's loss: `stemlm.model.loss`.
 """
 

@@ -11,11 +11,12 @@ counted from its tensors as `stemlm train --nproc N` lays them out, on the most 
   on rank 0), fp32; their optimizer state as `stemlm.train.tables.optim` allocates it (adamw / lazy_adamw: two
   fp32 moments per entry, lazy_adamw also an int64 step per row; rowwise_adagrad: one fp32 sum per row);
   their gradient is sparse, at most min(shard rows, global micro-batch tokens) rows;
-- activations: elements autograd saves per token for backward, counted for dense and STEM layers from the
-  layer code (RMSNorm saves its input, 1/rms, the normalised input and its product with the gain: 3d + 1;
-  RoPE cos and sin: 2 head_dim; attention q and output (2 heads head_dim), keys and values (2 kv_heads
-  head_dim with SDPA's enable_gqa, torch >= 2.5; else repeated to all heads), plus a log-sum-exp per head;
-  SwiGLU gate, its SiLU, up (or the STEM rows) and the product: 4 d_ff), plus the final norm, the fp32
+- activations: elements autograd saves per token for backward, counted for the kinds that declare
+  `Kind.activation_elements` (dense and STEM layers) from the layer code (RMSNorm saves its input, 1/rms, the
+  normalised input and its product with the gain: 3d + 1; RoPE cos and sin: 2 head_dim; attention q and output (2
+  heads head_dim), keys and values (2 kv_heads head_dim with SDPA's enable_gqa, torch >= 2.5; else repeated to all
+  heads), plus a log-sum-exp per head; SwiGLU gate, its SiLU, up (or the STEM rows) and the product: 4 d_ff), plus the
+  final norm, the fp32
   logits (V per token, or none with a chunked loss, which holds `loss_chunk` x V transiently) and int64 ids
   and labels. With activation checkpointing a block keeps only its input (d) and one block's set (with
   RoPE's) is live again during its backward. tests/train/test_memory_plan.py measures these counts on real
@@ -33,9 +34,11 @@ from typing import Any
 from stemlm.errors import StemlmError
 from stemlm.model.attention import SDPA_GQA
 from stemlm.model.config import ModelConfig
+from stemlm.model.kinds.registry import all_kinds, get_kind
 
 FP32, INT64 = 4, 8
-MODELLED_KINDS = ("dense", "stem")
+# Kinds whose layers' saved activations are modelled (they declare `Kind.activation_elements`).
+MODELLED_KINDS = tuple(k.name for k in all_kinds() if k.activation_elements is not None)
 
 
 def _sharded_numel(shape: tuple[int, ...], nproc: int) -> int:
@@ -50,30 +53,32 @@ def _table_optimizer_bytes(table_optim: str, rows: int, width: int, num_tables: 
     return 2 * rows * width * FP32 + steps
 
 
-def _block_elements(config: ModelConfig) -> tuple[int, int]:
-    """(elements one dense/STEM block saves per token, the shared RoPE cos/sin per token)."""
+def _block_elements(config: ModelConfig) -> tuple[list[int], int]:
+    """(elements each block saves per token, the shared RoPE cos/sin per token)."""
     kinds = {config.layer_ffn(i) for i in range(config.num_hidden_layers)}
     if not kinds <= set(MODELLED_KINDS):
         raise StemlmError(f"activation memory is modelled for {', '.join(MODELLED_KINDS)} layers, not {sorted(kinds)}")
-    d, f, heads, hd = config.hidden_size, config.intermediate_size, config.num_attention_heads, config.head_size
+    d, heads, hd = config.hidden_size, config.num_attention_heads, config.head_size
     kv_heads = config.kv_heads if SDPA_GQA else heads
-    return 2 * (3 * d + 1) + 2 * (heads + kv_heads) * hd + heads + 4 * f, 2 * hd
+    shared = 2 * (3 * d + 1) + 2 * (heads + kv_heads) * hd + heads  # two norms, attention
+    ffn = [get_kind(config.layer_ffn(i)).activation_elements(config) for i in range(config.num_hidden_layers)]
+    return [shared + f for f in ffn], 2 * hd
 
 
 def activation_elements_per_token(config: ModelConfig, *, loss_chunk: int = 0, checkpointing: bool = False) -> int:
     """Elements kept for backward per token after the forward (int64 ids and labels count 2 each)."""
-    block, rope = _block_elements(config)
+    blocks, rope = _block_elements(config)
     d = config.hidden_size
     # Checkpointed blocks keep only their input; RoPE's cos/sin are then rebuilt inside the recomputed block.
-    layers = config.num_hidden_layers * d if checkpointing else rope + config.num_hidden_layers * block
+    layers = config.num_hidden_layers * d if checkpointing else rope + sum(blocks)
     head = 3 * d + 1 + (0 if loss_chunk else config.vocab_size)
     return 2 + layers + head + 2
 
 
 def recompute_elements_per_token(config: ModelConfig) -> int:
     """With activation checkpointing: elements of the one block whose activations backward rebuilds at a time."""
-    block, rope = _block_elements(config)
-    return block + rope
+    blocks, rope = _block_elements(config)
+    return max(blocks) + rope
 
 
 def memory_plan(

@@ -5,11 +5,10 @@
 - backbone AdamW with two groups: `decay` (every parameter with two or more dimensions: projections, token
   embedding, LM head, router, stacked experts; the official code decays these too) and `no_decay` (norm gains
   and any bias, i.e. one-dimensional parameters);
-- the table optimizer (only when the model has token tables): every tensor of `model.stem_tables()` (and the
-  hashed n-gram tables and memory values of the `stem_ngram` / `engram` / `memory` kinds) in one
-  group with its own peak lr and weight decay, built by `stemlm.train.tables.optim.make_table_optimizer`
-  under the name `cfg.table_optim` (`adamw`: dense, the official behaviour; the row-sparse ones switch the
-  tables to sparse gradients here);
+- the table optimizer (only when the model has lookup tables): every table of `model.lookup_tables()` (token, n-gram
+  and memory families alike, stemlm.model.kinds.registry) in one group with its own peak lr and weight decay, built by
+  `stemlm.train.tables.optim.make_table_optimizer` under the name `cfg.table_optim` (`adamw`: dense, the official
+  behaviour; the row-sparse ones switch the tables to sparse gradients here);
 - with `cfg.embed_like_tables`, the token embedding leaves `decay` for its own backbone group `embed` at the
   tables' peak lr and weight decay: the control that tells "STEM helps" from "a per-token table at lr x10
   helps" (a dense model whose only per-token table gets the same treatment).
@@ -31,6 +30,7 @@ from torch import nn
 
 from stemlm.errors import StemlmError
 from stemlm.model.decoder import StemLM
+from stemlm.model.kinds.registry import get_kind
 from stemlm.train.config import TrainConfig
 from stemlm.train.tables.optim import (
     clip_grad_norm_mixed,
@@ -42,9 +42,7 @@ from stemlm.train.tables.optim import (
 
 def split_parameters(model: StemLM) -> dict[str, list[nn.Parameter]]:
     """Parameters by group name: `decay`, `no_decay`, `tables` (each parameter exactly once, tied ones once)."""
-    table_ids = {id(t.weight) for t in model.stem_tables().values()}
-    # Hashed n-gram tables and memory values are row-sparse lookups too: they join the table group.
-    table_ids |= {id(t.weight) for t in (*model.ngram_tables().values(), *model.memory_tables().values())}
+    table_ids = {id(t.weight) for tables in model.lookup_tables().values() for t in tables.values()}
     groups: dict[str, list[nn.Parameter]] = {"decay": [], "no_decay": [], "tables": []}
     for param in model.parameters():  # parameters() yields a tied weight once
         if not param.requires_grad:
@@ -59,9 +57,11 @@ def split_parameters(model: StemLM) -> dict[str, list[nn.Parameter]]:
 
 
 def freeze_backbone(model: StemLM) -> None:
-    """`--train tables`: every parameter but the token tables (and adapter gates) stops learning."""
+    """`--train tables`: every parameter but the lookup tables (and what their kinds train with them, such as the
+    adapter's gate logits: `Kind.trains_with_tables`) stops learning."""
     keep = {id(p) for p in split_parameters(model)["tables"]}
-    keep |= {id(p) for name, p in model.named_parameters() if name.endswith("adapter_gate")}  # the blend learns too
+    for i, layer in enumerate(model.model.layers):
+        keep |= {id(getattr(layer.mlp, name)) for name in get_kind(model.config.layer_ffn(i)).trains_with_tables}
     if not keep:
         raise StemlmError("--train tables needs a model with token tables (e.g. one from `stemlm convert`)")
     for param in model.parameters():

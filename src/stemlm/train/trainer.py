@@ -174,7 +174,7 @@ class Trainer:
 
     def inference_rows(self) -> dict[str, Any]:
         """Keyword arguments for a no-grad forward of `self.model` (evaluation, sampling)."""
-        return {} if self.host_tables is None else {"table_rows": self.host_tables.lookup}
+        return {} if self.host_tables is None else {"rows": {"token": self.host_tables.lookup}}
 
     @functools.cached_property
     def flops_per_token(self) -> float:
@@ -367,7 +367,7 @@ class Trainer:
         }
         if auxes:
             record["aux_loss"] = sum(auxes) / len(auxes)
-        if self.model.stem_tables() or self.model.ngram_tables() or self.model.memory_tables():
+        if self.model.lookup_tables():
             record["table_lr"] = cfg.table_peak_lr * mult
         return record
 
@@ -397,7 +397,7 @@ class Trainer:
         for k in range(cfg.grad_accum):
             window = step * cfg.grad_accum + k
             x, y = self._batch(window)
-            rows = {} if self.host_tables is None else {"table_rows": self.host_tables.train_rows(window, x)}
+            rows = {} if self.host_tables is None else {"rows": {"token": self.host_tables.train_rows(window, x)}}
             with self.autocast():
                 out = self.model(x, labels=y, loss_chunk=cfg.loss_chunk, **rows)
             loss = out.loss if self.fault_injection is None else self.fault_injection(step + 1, out.loss)

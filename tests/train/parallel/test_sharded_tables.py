@@ -110,7 +110,8 @@ def _train(rank: int, world: int, tmp: str, optimizer_name: str, wrap: str) -> N
         for m, part in enumerate(ids.chunk(micro)):
             sync = net.no_sync() if wrap == "ddp" and m < micro - 1 else contextlib.nullcontext()
             with sync:
-                part_loss = net(part[:, :-1], labels=part[:, 1:], table_rows=tables.lookup(part[:, :-1])).loss / micro
+                rows = {"token": tables.lookup(part[:, :-1])}
+                part_loss = net(part[:, :-1], labels=part[:, 1:], rows=rows).loss / micro
                 part_loss.backward()
             loss = loss + part_loss.detach()
         if wrap == "manual":
@@ -144,7 +145,7 @@ def _checkpoint(rank: int, tmp: str) -> dict[str, bool]:
 
     def train_step(step):
         ids = batch(step)[rank * 2 : rank * 2 + 2]
-        model(ids[:, :-1], labels=ids[:, 1:], table_rows=tables.lookup(ids[:, :-1])).loss.backward()
+        model(ids[:, :-1], labels=ids[:, 1:], rows={"token": tables.lookup(ids[:, :-1])}).loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
 
@@ -288,7 +289,7 @@ def test_world_of_one_matches_the_model_own_tables():
     tables = ShardedTables(model)
     assert not any(id(p) in {id(s) for s in tables.parameters()} for p in model.parameters())
     loss_ref = ref(ids[:, :-1], labels=ids[:, 1:]).loss
-    loss = model(ids[:, :-1], labels=ids[:, 1:], table_rows=tables.lookup(ids[:, :-1])).loss
+    loss = model(ids[:, :-1], labels=ids[:, 1:], rows={"token": tables.lookup(ids[:, :-1])}).loss
     assert torch.equal(loss, loss_ref)
     loss_ref.backward()
     loss.backward()
@@ -304,10 +305,10 @@ def test_released_tables_explain_how_to_call_the_model():
     model = build_model(CONFIG, seed=0)
     tables = ShardedTables(model)
     ids = batch(0)
-    with pytest.raises(StemlmError, match="table_rows=sharded_tables.lookup"):
+    with pytest.raises(StemlmError, match="rows=.'token': sharded_tables.lookup"):
         model(ids)
     with pytest.raises(StemlmError, match="exact input_ids"):
-        model(ids, table_rows=tables.lookup(ids[:, :-1]))
+        model(ids, rows={"token": tables.lookup(ids[:, :-1])})
     assert not any("stem_embedding" in name for name in model.state_dict())
     tables.unshard_into(model)
     ref = build_model(CONFIG, seed=0)

@@ -9,8 +9,8 @@ local row `r // N` of its owner. One step, per micro-batch:
    on the host from every rank's input ids (`all_ids`, on the CPU: `plan_on_host`, stemlm.train.parallel.row_plan), so
    the rows are the only collective and nothing is read back from the device; without `all_ids`, `plan`
    agrees on it with collectives (counts, then int32 local row indices, and a read of the counts). The
-   returned callable is the model's `table_rows` hook, so the model math is untouched:
-   `model(input_ids, labels=..., table_rows=tables.lookup(input_ids, all_ids))`. The trainer splits this into
+   returned callable is the model's `token` row provider, so the model math is untouched:
+   `model(input_ids, labels=..., rows={"token": tables.lookup(input_ids, all_ids)})`. The trainer splits this into
    `start_window(k)` (plan and issue the exchange async) and `.rows()` (wait at use), so micro-batch k+1's rows
    travel while k computes (`bind_windows`; the shards do not change within a step), and a step's first
    micro-batch's from the previous step's table update on (the trainer's optimizer post-step hook). Traffic
@@ -72,7 +72,7 @@ class ShardedTables(nn.Module):
             raise StemlmError(f"reduce must be 'mean' or 'sum', got {reduce!r}")
         tables = model.stem_tables()
         if not tables:
-            raise StemlmError("the model has no token tables to shard (ffn is not stem, stem_gate or ple)")
+            raise StemlmError(f"the model has no token tables to shard (ffn={model.config.ffn} has no `token` table)")
         self.group, self.reduce = group, reduce
         self.rank, self.world_size = group_rank_size(group)
         self.vocab_size = model.config.vocab_size
@@ -142,12 +142,12 @@ class ShardedTables(nn.Module):
 
     def start_lookup(self, plan: RowPlan, dtype: torch.dtype | None = None) -> PendingRows:
         """Issue the plan's row exchange without waiting for it (collective, async); `.rows()` of the result is
-        the `table_rows` hook. `dtype`: the dtype the rows travel in (default: the autocast dtype if autocast
+        the `token` row provider. `dtype`: the dtype the rows travel in (default: the autocast dtype if autocast
         is on here, else the shards'). The shards must not change until `.rows()` (true within one step)."""
         return self._exchange(plan, self._serve(plan), dtype)
 
     def lookup(self, input_ids: torch.Tensor, all_ids: Sequence[torch.Tensor] | None = None) -> TableRowsFromShards:
-        """Fetch this micro-batch's rows of every table (collective); pass the result as `table_rows=`.
+        """Fetch this micro-batch's rows of every table (collective); pass the result as `rows={"token": ...}`.
 
         With `all_ids` (every rank's input ids on the CPU, this rank's equal to `input_ids`) the routing is
         planned on the host (one collective: the rows; the backward adds the gradients'); without, by `plan`.
@@ -283,7 +283,7 @@ class ShardedTables(nn.Module):
     # ----- internals -----
     def _release(self, layer_idx: int, table: nn.Embedding) -> None:
         # An empty, non-persistent buffer: not a parameter (DDP, FSDP and the backbone optimizer skip it), not
-        # in state_dict, and a pre-hook explains what to do if the layer is called without table_rows.
+        # in state_dict, and a pre-hook explains what to do if the table is read without a `token` row provider.
         width = table.weight.shape[1]
         device, dtype = table.weight.device, table.weight.dtype
         del table.weight
@@ -304,12 +304,12 @@ def _is_row_state(key: str, value: torch.Tensor, rows: dict[int, int]) -> bool:
 
 def _sharded_table_called(module: nn.Module, args) -> None:
     raise StemlmError(
-        "this token table is sharded across ranks; call the model with table_rows=sharded_tables.lookup(input_ids)"
+        "this token table is sharded across ranks; call the model with rows={'token': sharded_tables.lookup(input_ids)}"
     )
 
 
 class TableRowsFromShards:
-    """The `table_rows(layer_idx, input_ids)` hook serving one micro-batch's fetched rows."""
+    """The `token` row provider `(layer_idx, input_ids) -> rows` serving one micro-batch's fetched rows."""
 
     def __init__(self, rows: dict[int, torch.Tensor], plan: RowPlan) -> None:
         self.rows, self.plan = rows, plan

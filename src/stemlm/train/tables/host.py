@@ -61,7 +61,7 @@ class HostTables(LookaheadWorker):
     ) -> None:
         tables = model.stem_tables()
         if not tables:
-            raise StemlmError("--tables host needs a model with token tables (ffn stem, stem_gate or ple)")
+            raise StemlmError(f"--tables host needs a model with token tables (ffn={model.config.ffn} has none)")
         self.device, self.ids_for, self.windows_per_step = device, ids_for, windows_per_step
         self.cuda = device.type == "cuda"
         self.layers = sorted(tables)
@@ -73,6 +73,7 @@ class HostTables(LookaheadWorker):
                 tables[i].weight = self.params[i] = nn.Parameter(host)  # the model's table *is* the host buffer
                 tables[i].sparse = True
         self.grads: dict[int, torch.Tensor | None] = dict.fromkeys(self.layers)
+        self.window_grads: dict[int, torch.Tensor] = {}  # the current window's, summed into `grads` at its end
         self._start_worker("stemlm-host-tables")
         self.stream = torch.cuda.Stream(device) if self.cuda else None
         self.pending: dict[int, Future] = {}
@@ -119,8 +120,9 @@ class HostTables(LookaheadWorker):
             self.pending[window] = self._timed(self._gather, self.ids_for(window))
 
     def train_rows(self, window: int, ids: torch.Tensor) -> Callable[[int, torch.Tensor], torch.Tensor]:
-        """The `table_rows` hook of training window `window` (whose input ids are `ids`); queues the next
+        """The `token` row provider of training window `window` (whose input ids are `ids`); queues the next
         window's gather when it belongs to the same optimizer step (no update lies between them)."""
+        self._end_window()  # the previous window's backward is done
         self.prefetch(window)
         got = self._wait(self.pending.pop(window))
         self.last_window = window
@@ -142,11 +144,20 @@ class HostTables(LookaheadWorker):
 
     # ----- gradients -----
     def add_grad(self, layer_idx: int, grad: torch.Tensor) -> None:
-        acc = self.grads[layer_idx]
-        self.grads[layer_idx] = grad if acc is None else acc + grad  # sparse + sparse concatenates, as autograd
+        # Grouped as autograd groups them, so the sums round alike: the uses of one table within a window (layers
+        # sharing it) meet first (autograd's input buffer), then each window's sum joins the step's (`.grad`).
+        acc = self.window_grads.get(layer_idx)
+        self.window_grads[layer_idx] = grad if acc is None else acc + grad
+
+    def _end_window(self) -> None:
+        for i, grad in self.window_grads.items():
+            acc = self.grads[i]
+            self.grads[i] = grad if acc is None else acc + grad  # sparse + sparse, as autograd accumulates
+        self.window_grads = {}
 
     def finish_grads(self) -> None:
         """Coalesce each table's accumulated gradient on the device and hand it to the host parameter."""
+        self._end_window()
         for i in self.layers:
             acc, self.grads[i] = self.grads[i], None
             if acc is None:
@@ -158,7 +169,7 @@ class HostTables(LookaheadWorker):
             )
 
     def clear_grads(self) -> None:
-        self.grads = dict.fromkeys(self.layers)
+        self.grads, self.window_grads = dict.fromkeys(self.layers), {}
 
     # ----- the host-side optimizer -----
     def wrap(self, optimizer: torch.optim.Optimizer, name: str) -> AsyncTableOptimizer:
@@ -242,7 +253,7 @@ class AsyncTableOptimizer:
 
 
 class _TrainRows:
-    """The `table_rows` hook of one training window."""
+    """The `token` row provider of one training window."""
 
     def __init__(self, host: HostTables, got: Gathered) -> None:
         self.host, self.got = host, got

@@ -111,10 +111,10 @@ class FlatStateMixin:
 
 # ----- row-sparse gradients -----
 def use_sparse_table_grads(model: nn.Module, sparse: bool = True) -> list[nn.Parameter]:
-    """Make the model's token tables produce sparse COO gradients (or dense again); returns the table weights."""
-    tables = list(model.stem_tables().values())
-    if hasattr(model, "ngram_tables"):  # n-gram tables and memory values (EmbeddingBag) take sparse=True too
-        tables += [*model.ngram_tables().values(), *model.memory_tables().values()]
+    """Make the model's lookup tables produce sparse COO gradients (or dense again); returns the table weights.
+
+    Every family's tables (nn.Embedding, and the memory values' nn.EmbeddingBag) take `sparse=True`."""
+    tables = [t for family in model.lookup_tables().values() for t in family.values()]
     for table in tables:
         table.sparse = sparse
     return [table.weight for table in tables]

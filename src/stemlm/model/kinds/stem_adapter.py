@@ -1,4 +1,4 @@
-"""The retrofit adapter FFN (`ffn="stem_adapter"`): a dense SwiGLU whose up-projection is blended with a table.
+"""`stem_adapter`: the retrofit adapter, a dense SwiGLU whose up-projection is blended with a token table.
 
     y = down_proj( silu(gate_proj(x)) * ((1 - g) ⊙ up_proj(x) + g ⊙ U[t]) ),   g = sigmoid(adapter_gate + GATE_BIAS)
 
@@ -6,8 +6,8 @@ This follows the official STEM code's adapter variant for retrofitting a pretrai
 starts as (almost) the dense layer it came from (the learned per-channel gate logits are initialised to 0,
 so g = sigmoid(GATE_BIAS) ≈ 0.018) and training moves each channel toward the token table U (from
 `stemlm convert --from-dense ... --retrofit adapter`, initialised like a plain retrofit). The table is a
-normal STEM table (`stem_embedding`), so offload, editing and `--train tables` treat it as one; the gate
-logits train with the tables.
+normal STEM table (`stem_embedding`, a `token` table), so offload, editing and `--train tables` treat it as
+one; the gate logits train with the tables (`trains_with_tables`).
 """
 
 from __future__ import annotations
@@ -16,14 +16,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from stemlm.model.config import ModelConfig
 from stemlm.model.ffn import TokenContext, lookup, token_table
+from stemlm.model.kinds.registry import Config, Kind, LayerCount, Table
 
 GATE_BIAS = -4.0  # sigmoid(-4) = 0.018: the blend starts 98% dense
 
 
 class StemAdapterFFN(nn.Module):
-    def __init__(self, config: ModelConfig, layer_idx: int) -> None:
+    def __init__(self, config: Config, layer_idx: int) -> None:
         super().__init__()
         self.layer_idx = layer_idx
         d, f = config.hidden_size, config.intermediate_size
@@ -43,3 +43,24 @@ class StemAdapterFFN(nn.Module):
         g = self.blend().to(x.dtype)
         table = lookup(self.stem_embedding, ctx, self.layer_idx).to(x.dtype)  # U_l[t]
         return self.down_proj(F.silu(self.gate_proj(x)) * ((1 - g) * self.up_proj(x) + g * table))
+
+
+def count(config: Config, layer_idx: int) -> LayerCount:
+    # the dense SwiGLU kept whole, plus the per-channel gate logits, and the table
+    d, f = config.hidden_size, config.intermediate_size
+    return LayerCount(
+        {"ffn_dense": 3 * d * f + f, "stem_tables": config.vocab_size * f}, {"ffn_dense": 3 * d * f + f}, f
+    )
+
+
+KIND = Kind(
+    name="stem_adapter",
+    order=90,
+    summary="retrofit adapter: dense SwiGLU with up_proj x blended toward U_l[t] by a learned gate",
+    build=StemAdapterFFN,
+    count=count,
+    tables=(Table("token", "stem_embedding"),),
+    components=("ffn_dense", "stem_tables"),
+    table_components=("stem_tables",),
+    trains_with_tables=("adapter_gate",),
+)

@@ -8,7 +8,7 @@
 The branch follows the paper and DeepSeek's public demo (read for facts, written anew). One deliberate
 difference: the paper adds the branch to the residual stream before a block's attention; here it runs at the
 FFN position of its layer, beside the kept dense FFN and from the same normalised input, so that it enters
-through the per-layer FFN seam like every other kind. The hashing is shared by all Engram layers of a model
+through the per-layer seam like every other kind. The hashing is shared by all Engram layers of a model
 (offload reads one row per n-gram id for every layer) and the paper's tokenizer compression (merging ids
 that normalise to the same text) is not applied: ids are hashed as they are.
 
@@ -28,13 +28,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from stemlm.model.attention import RMSNorm
-from stemlm.model.config import ModelConfig
 from stemlm.model.ffn import TokenContext, token_table
+from stemlm.model.kinds.registry import Config, Field, Kind, LayerCount, Table
 from stemlm.model.ngram import ngram_hasher, ngram_lookup
+from stemlm.model.ngram_layout import check_orders, ngram_layout
 
 
 class EngramFFN(nn.Module):
-    def __init__(self, config: ModelConfig, layer_idx: int) -> None:
+    def __init__(self, config: Config, layer_idx: int) -> None:
         super().__init__()
         self.layer_idx = layer_idx
         d, f, e = config.hidden_size, config.intermediate_size, config.engram_dim
@@ -82,3 +83,53 @@ class EngramFFN(nn.Module):
             left[:, self.context - keep :] = past[:, past.shape[1] - keep :].to(inputs.dtype)
         full = torch.cat([left, inputs], dim=1).transpose(1, 2)  # [B, d, context + T]
         return self.engram_conv(full).transpose(1, 2)
+
+
+def count(config: Config, layer_idx: int) -> LayerCount:
+    d, f, e = config.hidden_size, config.intermediate_size, config.engram_dim
+    layout = ngram_layout(config)
+    # W_K and W_V (e -> d) and the depthwise conv (d x kernel weights, each one MAC per token)
+    proj = 2 * e * d + d * config.engram_kernel
+    params = {
+        "ffn_dense": 3 * d * f,
+        "engram_proj": proj,
+        "norms": 3 * d,  # query, key and conv-input norms
+        "ngram_tables": layout.num_rows * (e // layout.num_keys),
+    }
+    return LayerCount(params, {"ffn_dense": 3 * d * f, "engram_proj": proj}, e)
+
+
+def check(config: Config, need) -> None:
+    check_orders("engram_orders", config.engram_orders, need)
+    keys = len(str(config.engram_orders).split(",")) * config.engram_heads
+    need(
+        config.engram_dim % keys == 0,
+        f"engram_dim={config.engram_dim} must divide evenly over orders x heads = {keys} hash heads",
+    )
+
+
+KIND = Kind(
+    name="engram",
+    order=70,
+    summary="dense FFN plus the Engram branch: gated hashed 2/3-gram memory and a short causal conv",
+    build=EngramFFN,
+    count=count,
+    fields=(
+        Field("engram_orders", "str", "2,3", "n-gram orders of the Engram memory"),
+        Field("engram_heads", "int", 4, "hash heads per order", positive=True),
+        Field(
+            "engram_rows", "int | None", None, "rows per head (rounded up to a prime); None: vocab_size", positive=True
+        ),
+        Field(
+            "engram_dim", "int", 256, "width of the concatenated memory e_t (split over orders x heads)", positive=True
+        ),
+        Field(
+            "engram_kernel", "int", 4, "kernel of the causal conv (its dilation is the largest order)", positive=True
+        ),
+    ),
+    check=check,
+    tables=(Table("ngram", "engram_embedding"),),
+    components=("ffn_dense", "engram_proj", "ngram_tables"),
+    table_components=("ngram_tables",),
+    ngram=lambda config: (config.engram_orders, config.engram_heads, config.engram_rows),
+)

@@ -8,9 +8,9 @@ Per head h (of `memory_heads`), with n = `memory_keys` sub-keys per half and k =
     m = Σ_h Σ_top-k softmax(s) · V[id]        the [n², d] value table read with EmbeddingBag (mode sum)
     y = W_out( m ⊙ silu(W_gate x) )           the paper's SiLU-gated output
 
-The value ids depend on the hidden state, so unlike STEM or n-gram rows they cannot be known before the
-layer runs: `model(..., memory_rows=fn)` lets offload fetch them on demand (`fn(layer_idx, ids [N, h·k]) ->
-(rows [U, d], positions [N, h·k])`), on the critical path of the forward. FLOPs (matmuls only): the query
+The value ids depend on the hidden state, so unlike STEM or n-gram rows they cannot be known before the layer runs:
+`model(..., rows={"memory": fn})` (a `memory` family table) lets offload fetch them on demand (`fn(layer_idx, ids [N,
+h·k]) -> (rows [U, d], positions [N, h·k])`), on the critical path of the forward. FLOPs (matmuls only): the query
 projection, the sub-key scores (every key entry is one MAC per token) and W_gate, W_out. The top-k, the k²
 candidate sums and the weighted EmbeddingBag sum of h·k rows are not matmuls and are not counted (nor does
 FlopCounterMode count them).
@@ -23,12 +23,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from stemlm.errors import StemlmError
-from stemlm.model.config import ModelConfig
 from stemlm.model.ffn import TokenContext
+from stemlm.model.kinds.registry import Config, Field, Kind, LayerCount, Table
 
 
 class MemoryFFN(nn.Module):
-    def __init__(self, config: ModelConfig, layer_idx: int) -> None:
+    def __init__(self, config: Config, layer_idx: int) -> None:
         super().__init__()
         self.layer_idx = layer_idx
         d, h, dk, n = config.hidden_size, config.memory_heads, config.memory_key_dim, config.memory_keys
@@ -65,13 +65,57 @@ class MemoryFFN(nn.Module):
         shape = x.shape
         flat = x.reshape(-1, shape[-1])
         ids, weights = self.select(flat)
-        if ctx.memory_rows is None:
+        provider = ctx.rows.get("memory")
+        if provider is None:
             weights = weights.to(self.memory_values.weight.dtype)
             memory = self.memory_values(ids, per_sample_weights=weights)
         else:
-            rows, positions = ctx.memory_rows(self.layer_idx, ids)
+            rows, positions = provider(self.layer_idx, ids)
             if tuple(positions.shape) != tuple(ids.shape) or rows.shape[-1] != self.memory_values.embedding_dim:
-                raise StemlmError(f"memory_rows returned rows {list(rows.shape)} / positions {list(positions.shape)}")
+                raise StemlmError(
+                    f"rows['memory'] returned rows {list(rows.shape)} / positions {list(positions.shape)}"
+                )
             memory = F.embedding_bag(positions, rows, per_sample_weights=weights.to(rows.dtype), mode="sum")
         out = self.memory_out(memory.to(x.dtype) * F.silu(self.memory_gate(flat)))
         return out.reshape(shape)
+
+
+def count(config: Config, layer_idx: int) -> LayerCount:
+    d, h, dk, n, k = (
+        config.hidden_size,
+        config.memory_heads,
+        config.memory_key_dim,
+        config.memory_keys,
+        config.memory_topk,
+    )
+    # query d -> h·dk, the sub-keys (each entry one MAC per token), W_gate and W_out d -> d
+    proj = d * h * dk + h * n * dk + 2 * d * d
+    # h·k value rows read per token (distinct in each head; heads may repeat a row)
+    return LayerCount({"memory_proj": proj, "memory_values": n * n * d}, {"memory_proj": proj}, h * k * d)
+
+
+def check(config: Config, need) -> None:
+    need(config.memory_key_dim % 2 == 0, f"memory_key_dim={config.memory_key_dim} must be even (two halves)")
+    need(
+        config.memory_topk <= config.memory_keys,
+        f"memory_topk={config.memory_topk} exceeds memory_keys={config.memory_keys}",
+    )
+
+
+KIND = Kind(
+    name="memory",
+    order=80,
+    summary="product-key memory layer: top-k of n² keys, SiLU-gated sum of their value rows",
+    build=MemoryFFN,
+    count=count,
+    fields=(
+        Field("memory_keys", "int", 128, "sub-keys per half: memory_keys² value rows", positive=True),
+        Field("memory_topk", "int", 16, "value rows read per head", positive=True),
+        Field("memory_heads", "int", 4, "memory heads", positive=True),
+        Field("memory_key_dim", "int", 64, "query width per head (two halves of memory_key_dim / 2)", positive=True),
+    ),
+    check=check,
+    tables=(Table("memory", "memory_values"),),
+    components=("memory_proj", "memory_values"),
+    table_components=("memory_values",),
+)

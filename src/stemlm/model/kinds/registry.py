@@ -1,0 +1,190 @@
+"""The kind registry: what the rest of stemlm needs from a per-layer kind, declared once by the kind itself.
+
+A kind is what the layers in `stem_layers` compute at the FFN position (every other layer is dense). Each kind
+is one module of `stemlm.model.kinds` that defines `KIND = Kind(...)`: its nn.Module, its config fields and
+checks, its lookup tables, its accounting and what else the library asks of it. `all_kinds()` finds the
+modules with `pkgutil`, so adding a file adds a kind; nothing else lists kinds. docs/kinds.md is the recipe.
+
+Lookup tables belong to a `Family`, which fixes how the library treats them (`FAMILIES`):
+
+- `token`: rows keyed by the input token id, known before any compute, so offload prefetches them (one
+  token-major provider and row cache for every layer); under `--nproc` they are row-sharded over the ranks
+  (`stemlm.train.parallel.ShardedTables`); `--tables host` trains them from host memory; positional and global
+  edits swap them; `StemLM.stem_tables()` lists them.
+- `ngram`: rows keyed by hashed n-gram ids of the input ids (`stemlm.model.ngram`), the same ids in every layer,
+  also prefetched (one provider and cache); replicated under `--nproc`; not edited.
+- `memory`: rows keyed by ids that a layer's own top-k picks from the hidden state, so they are fetched on demand
+  (one provider and cache per layer, on the forward's critical path); replicated under `--nproc`; not edited.
+
+`model(ids, rows={family: provider})` supplies rows from outside (offload, sharding, edits); a family without a
+provider is read from the model's own tables. Every table trains in the table optimizer group (row-sparse
+optimizers switch it to sparse gradients) and takes `table_init` unless its module's `init_stds` says otherwise.
+"""
+
+from __future__ import annotations
+
+import importlib
+import pkgutil
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from stemlm.errors import StemlmError
+
+# A stemlm.model.config.ModelConfig. Not imported, not even for type checking: the config imports this module
+# (and through it every kind) to learn the kinds' fields, so no kind module imports the config either.
+Config = Any
+Need = Callable[[bool, str], None]  # need(condition, message): raises "invalid config: <message>" when false
+
+
+@dataclass(frozen=True)
+class Family:
+    """How the library treats the lookup tables of one family (see the module docstring)."""
+
+    name: str
+    keyed_by: str  # what a row id is
+    prefetch: bool  # the ids are known before the forward runs (offload fetches them ahead)
+    nproc: str  # "row-sharded" or "replicated" under `stemlm train --nproc`
+    cache: str  # offload: "shared" (one token-major provider and cache for all layers) or "per-layer"
+    editable: bool  # positional / global row edits act on it
+
+
+FAMILIES = {
+    "token": Family("token", "the input token id", True, "row-sharded", "shared", True),
+    "ngram": Family("ngram", "hashed n-gram ids of the input ids", True, "replicated", "shared", False),
+    "memory": Family("memory", "ids the layer's own top-k picks", False, "replicated", "per-layer", False),
+}
+
+
+@dataclass(frozen=True)
+class Field:
+    """One config field of a kind: a flat `ModelConfig` attribute and config.json key."""
+
+    name: str
+    type: str  # the annotation as a string: "int", "int | None", "float", "bool", "str"
+    default: Any
+    help: str
+    positive: bool = False  # numbers: must be > 0 (None allowed when the type says so)
+
+    def check(self, value: Any, need: Need) -> None:
+        kinds = [part.strip() for part in self.type.split("|")]
+        if value is None and "None" in kinds:
+            return
+        if "bool" in kinds:
+            need(isinstance(value, bool), f"{self.name} must be true or false, got {value!r}")
+        elif "int" in kinds:
+            ok = isinstance(value, int) and not isinstance(value, bool) and (value > 0 or not self.positive)
+            what = "a positive integer" if self.positive else "an integer"
+            need(ok, f"{self.name} must be {what}{' or None' if 'None' in kinds else ''}, got {value!r}")
+        elif "float" in kinds:
+            ok = isinstance(value, (int, float)) and not isinstance(value, bool) and (value > 0 or not self.positive)
+            need(ok, f"{self.name} must be a{' positive' if self.positive else ''} number, got {value!r}")
+
+
+@dataclass(frozen=True)
+class Table:
+    """A lookup table of a kind's module: `module.<attr>` (an nn.Embedding, or an nn.EmbeddingBag), in `family`.
+
+    `owner(config, layer_idx)` names the layer whose module holds the table when layers share one (None: every
+    layer holds its own). A sharing layer's module leaves `attr` unset; the decoder points it at the owner's
+    table (unregistered, so the parameter keeps one name) and rows are asked for under the owner's index."""
+
+    family: str
+    attr: str
+    owner: Callable[[Config, int], int] | None = None
+
+    def owner_of(self, config: Config, layer_idx: int) -> int:
+        return layer_idx if self.owner is None else self.owner(config, layer_idx)
+
+
+@dataclass(frozen=True)
+class LayerCount:
+    """One layer's FFN-position accounting (stemlm.model.accounting): parameters by component, the weight entries
+    one token multiplies (2 FLOPs each), and the table entries one token reads."""
+
+    params: dict[str, int]
+    matmul: dict[str, int] = field(default_factory=dict)
+    rows: int = 0
+    inactive: int = 0  # parameters (not tables) a token does not use: the experts it is not routed to
+
+
+@dataclass(frozen=True)
+class Kind:
+    name: str
+    order: int  # position in kind lists (help texts, `--ffn` choices, `experiment compare --kinds`)
+    summary: str  # one line: what the kind computes
+    build: Callable[[Config, int], Any]  # (config, layer_idx) -> the nn.Module at `model.layers.<i>.mlp`
+    count: Callable[[Config, int], LayerCount]  # accounting of one layer of this kind
+    fields: tuple[Field, ...] = ()
+    check: Callable[[Config, Need], None] | None = None  # cross-field checks (run for every config)
+    tables: tuple[Table, ...] = ()
+    components: tuple[str, ...] = ()  # accounting components it counts, in display order
+    table_components: tuple[str, ...] = ()  # those of them that are lookup tables (read a row at a time)
+    scalar_components: tuple[str, ...] = ()  # those used per token outside any matmul (no FLOPs counted)
+    ngram: Callable[[Config], tuple[str, int, int | None]] | None = None  # (orders, heads, rows) of n-gram keys
+    acts_on_values: bool = False  # its module's `mix_values(v, ctx)` runs on attention's values (before the cache)
+    trains_with_tables: tuple[str, ...] = ()  # module parameters that keep learning under `--train tables`
+    stem_saving: bool = False  # a table replaces one of the three SwiGLU projections (the paper's saving applies)
+    activation_elements: Callable[[Config], int] | None = None  # FFN values saved per token (memory plan)
+    edit_note: str | None = None  # said with every row edit of such a model (what an edit does not change)
+    resolved: Callable[[Config], dict[str, Any]] | None = None  # its None defaults resolved (config comparison)
+
+    def families(self) -> tuple[str, ...]:
+        return tuple(dict.fromkeys(t.family for t in self.tables))
+
+
+_KINDS: dict[str, Kind] = {}
+
+
+def _discover() -> dict[str, Kind]:
+    """Import every module of this package but the registry; each must define `KIND`."""
+    if _KINDS:
+        return _KINDS
+    import stemlm.model.kinds as package
+
+    found = []
+    for info in pkgutil.iter_modules(package.__path__):
+        if info.name == "registry" or info.name.startswith("_"):
+            continue
+        module = importlib.import_module(f"{package.__name__}.{info.name}")
+        kind = getattr(module, "KIND", None)
+        if not isinstance(kind, Kind):
+            raise StemlmError(f"{module.__name__} defines no KIND = Kind(...): every module there is a kind")
+        found.append(kind)
+    for kind in found:
+        unknown = [t.family for t in kind.tables if t.family not in FAMILIES]
+        if unknown:
+            raise StemlmError(f"kind {kind.name!r} declares tables of unknown families {unknown}")
+    _KINDS.update((k.name, k) for k in sorted(found, key=lambda k: (k.order, k.name)))
+    return _KINDS
+
+
+def all_kinds() -> tuple[Kind, ...]:
+    """Every registered kind, in `order`."""
+    return tuple(_discover().values())
+
+
+def kind_names() -> tuple[str, ...]:
+    return tuple(_discover())
+
+
+def get_kind(name: str) -> Kind:
+    kinds = _discover()
+    if name not in kinds:
+        raise StemlmError(f"unknown ffn kind {name!r}; choose one of {', '.join(kinds)}")
+    return kinds[name]
+
+
+def kind_fields() -> list[Field]:
+    """Every kind's config fields, in kind order; a field declared by two kinds must be declared alike."""
+    fields: dict[str, Field] = {}
+    for kind in all_kinds():
+        for f in kind.fields:
+            if f.name in fields and fields[f.name] != f:
+                raise StemlmError(f"config field {f.name!r} is declared differently by two kinds")
+            fields.setdefault(f.name, f)
+    return list(fields.values())
+
+
+def ordered_union(groups) -> tuple[str, ...]:
+    return tuple(dict.fromkeys(name for group in groups for name in group))
