@@ -24,9 +24,6 @@ from stemlm.cli.main import build_parser, main
 
 ROOT = Path(__file__).resolve().parent.parent
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
-# Pages other branches are writing; links to them may dangle until they land. The lead empties this list
-# (test_pending_pages_are_still_missing fails as soon as one of them exists).
-PENDING = {"docs/kinds.md"}
 FENCE = re.compile(r"^```(\w*)\n(.*?)^```", re.S | re.M)
 INLINE = re.compile(r"`([^`]+)`")
 LINK = re.compile(r"!?\[[^\]]*\]\(([^)\s]+)\)")
@@ -95,11 +92,6 @@ def test_pages_have_the_blocks_this_test_checks():
     readme = ROOT / "README.md"
     assert blocks(readme, "bash") and blocks(readme, "python")
     assert len(python_blocks()) >= 3 and (ROOT / "docs" / "guide.md") in PAGES
-
-
-def test_pending_pages_are_still_missing():
-    landed = sorted(p for p in PENDING if (ROOT / p).exists())
-    assert not landed, f"{landed} exist now: remove them from PENDING in tests/test_readme.py"
 
 
 @pytest.mark.parametrize(("page", "index"), python_blocks(), ids=lambda v: page_id(v) if isinstance(v, Path) else v)
@@ -185,8 +177,6 @@ def test_relative_links_resolve(page):
         file_part, _, anchor = target.partition("#")
         path = (page.parent / file_part).resolve() if file_part else page
         name = path.relative_to(ROOT).as_posix() if path.is_relative_to(ROOT) else str(path)
-        if name in PENDING:
-            continue
         if not path.exists():
             broken.append(f"{target}: no such file")
         elif anchor and path.suffix == ".md" and anchor not in anchors(path):
