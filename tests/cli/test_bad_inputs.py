@@ -178,6 +178,10 @@ CASES = [
     (["train", "--data", "{nope}"], "does-not-exist"),
     (["train", "--data", "/dev/zero"], "not a regular file"),
     (["train", "--tokenizer", "{nope}"], "does-not-exist"),
+    (["train", "--recipe", "lingua"], "recipe must be one of stemlm, official"),
+    (["train", "--recipe", "official", "--table-optim", "rowwise_adagrad"], "dense AdamW"),
+    (["train", "--recipe", "official", "--nproc", "2"], "trains on one process only"),
+    (["train", "--recipe", "official", "--ffn", "moe"], "official code's FFN kinds"),
     # --- tokenizer ---
     (["tokenizer"], "required"),
     (["tokenizer", "train", "--out", "{ck}"], "model checkpoint folder"),

@@ -35,6 +35,12 @@ TRAIN_FLAGS = [
     ("--grad-accum", "grad_accum", int, "micro-batches per optimizer step (default {})"),
     ("--lr", "lr", float, "peak learning rate of the backbone (default {})"),
     ("--warmup", "warmup", int, "linear warm-up steps before the cosine decay (default 10%% of --steps)"),
+    (
+        "--recipe",
+        "recipe",
+        str,
+        "training rules: stemlm, or official (the official STEM code's; docs/recipe.md) (default {})",
+    ),
     ("--weight-decay", "weight_decay", float, "AdamW weight decay of matrices; norms get none (default {})"),
     ("--grad-clip", "grad_clip", float, "clip the global gradient norm to this value; 0 disables (default {})"),
     ("--table-wd", "table_wd", float, "weight decay of the STEM tables (default {})"),
@@ -254,6 +260,7 @@ def build_trainer(args):
     from stemlm.data import get_tokenizer
     from stemlm.train.config import check_vocab
     from stemlm.train.data import resolve_tokenizer
+    from stemlm.train.recipes import train_config
 
     trainer_cls = trainer_class()  # DistributedTrainer in a torchrun worker, else Trainer
 
@@ -274,8 +281,8 @@ def build_trainer(args):
     if args.init_from:
         changes.setdefault("preset", os.path.basename(os.path.normpath(args.init_from)))
         model, _ = requested_model(args, load_config(args.init_from))
-        return trainer_cls(model, TrainConfig().with_overrides(changes), tokenizer=tokenizer, progress=progress)
-    cfg = TrainConfig().with_overrides(changes)
+        return trainer_cls(model, train_config(changes), tokenizer=tokenizer, progress=progress)
+    cfg = train_config(changes)
     model, vocab_set = requested_model(args, None)
     if model is None:
         from stemlm.model.presets import get_preset
@@ -299,8 +306,11 @@ def run(args) -> int:
     if (args.nproc > 1 or args.nnodes > 1) and "RANK" not in os.environ:
         if not args.resume:  # fail here, before starting processes, when the batch cannot be split
             from stemlm.train.parallel.launch import local_batch_size
+            from stemlm.train.recipes import check_single_process, train_config
 
-            local_batch_size(TrainConfig().with_overrides(train_overrides(args)).batch_size, args.nproc * args.nnodes)
+            cfg = train_config(train_overrides(args))
+            check_single_process(cfg)
+            local_batch_size(cfg.batch_size, args.nproc * args.nnodes)
         return launch_workers(args)
     import torch
 

@@ -66,6 +66,7 @@ KEEP_OPTIMIZER = ("newest", "all")
 SAMPLING = ("auto", "epoch", "uniform")
 
 TRAINABLE = ("all", "tables")
+RECIPES = ("stemlm", "official")  # the update's rules around the model: stemlm.train.recipes
 
 
 @dataclass
@@ -104,6 +105,7 @@ class TrainConfig:
     warmup: int | None = None  # None: 10% of steps
     min_lr_ratio: float = 0.1
     # --- optimizer ---
+    recipe: str = "stemlm"  # stemlm, or official: the official STEM code's init, groups, clipping and warm-up
     weight_decay: float = 0.1
     beta1: float = 0.9
     beta2: float = 0.95
@@ -223,6 +225,11 @@ class TrainConfig:
             f"keep_optimizer_state must be one of {', '.join(KEEP_OPTIMIZER)}, got {self.keep_optimizer_state!r}",
         )
         need(self.sampling in SAMPLING, f"sampling must be one of {', '.join(SAMPLING)}, got {self.sampling!r}")
+        need(self.recipe in RECIPES, f"recipe must be one of {', '.join(RECIPES)}, got {self.recipe!r}")
+        need(
+            self.recipe != "official" or self.table_optim == "adamw",
+            f"recipe official trains the tables with dense AdamW (table_optim adamw), got {self.table_optim!r}",
+        )
         need(self.parallel in PARALLEL, f"parallel must be one of {', '.join(PARALLEL)}, got {self.parallel!r}")
         from stemlm.train.tables.optim import TABLE_OPTIMIZERS
 

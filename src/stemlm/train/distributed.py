@@ -63,6 +63,7 @@ from stemlm.train.parallel.host_shards import HostShardedTables
 from stemlm.train.parallel.launch import destroy_distributed, init_distributed, local_batch_size
 from stemlm.train.parallel.meta_init import init_plan, init_rank_part, load_rank_part, materialise
 from stemlm.train.parallel.sharded_tables import ShardedTables
+from stemlm.train.recipes import check_single_process
 from stemlm.train.tables.optim import clip_grad_norm_mixed, make_table_optimizer, use_sparse_table_grads
 from stemlm.train.trainer import FaultInjection, Trainer, default_run_dir
 
@@ -83,6 +84,7 @@ class DistributedTrainer(Trainer):
         progress: bool = True,
         _resume_from: Path | None = None,
     ) -> None:
+        check_single_process(cfg)  # before joining the group: every rank refuses alike
         device = None if cfg.device == "auto" else cfg.device
         self.dist = init_distributed(device=device, timeout_s=cfg.dist_timeout)
         self.local_batch = local_batch_size(cfg.batch_size, self.dist.world_size)

@@ -49,8 +49,9 @@ from stemlm.train.config import TrainConfig, model_config_diff
 from stemlm.train.data import load_datasets, resolve_sampling, resolve_tokenizer
 from stemlm.train.guard import DivergenceGuard, StopSignals, check_no_checkpoints, check_run_dir
 from stemlm.train.logging import METRICS_NAME, PLOT_NAME, RunLogger, plot_losses
-from stemlm.train.optim import build_optimizers, clip_gradients, freeze_backbone, set_learning_rates
+from stemlm.train.optim import freeze_backbone
 from stemlm.train.profiling import StepProfiler, check_profiling
+from stemlm.train.recipes import check_same_recipe, get_recipe
 from stemlm.train.state import (
     check_same_data,
     data_digest,
@@ -93,6 +94,7 @@ class Trainer:
         check_profiling(cfg.memory_snapshot, self.device)
         self.amp_dtype = resolve_dtype(cfg.dtype, self.device)
         self.tokenizer = tokenizer or resolve_tokenizer(cfg)
+        self.recipe = get_recipe(cfg.recipe)  # init, optimizer groups, schedule and clipping (stemlm.train.recipes)
         self.model = self._build_model(model_config, _resume_from)
         self.config = self.model.config
         if self.tokenizer.get_vocab_size() > self.config.vocab_size:
@@ -138,7 +140,9 @@ class Trainer:
         source = resume_from or (Path(self.cfg.init_from) if self.cfg.init_from else None)
         if source is None:
             config = model_config or get_preset(self.cfg.preset)
-            return build_model(config, device=self.device, seed=self.cfg.seed).train()
+            model = build_model(config, device=self.device, seed=self.cfg.seed).train()
+            self.recipe.init_weights(model, self.cfg.seed)  # a fresh run only: a checkpoint keeps its weights
+            return model
         if model_config is not None:
             diff = model_config_diff(load_config(source), model_config)
             if diff:
@@ -154,7 +158,7 @@ class Trainer:
 
     def _build_optimizers(self) -> list[torch.optim.Optimizer]:
         self.host_tables = self._make_host_tables()
-        optimizers = build_optimizers(self.model, self.cfg)
+        optimizers = self.recipe.build_optimizers(self.model, self.cfg)
         if self.host_tables is not None:
             optimizers[-1] = self.host_tables.wrap(optimizers[-1], self.cfg.table_optim)
         return optimizers
@@ -250,6 +254,7 @@ class Trainer:
         # The training config the checkpoint was written under (it includes earlier resumes' overrides).
         train = read_resumable_state(ckpt)["config"]["train"]
         train.setdefault("fact_fraction", 0.0)  # written before the fact mix existed: it trained without one
+        check_same_recipe(train.get("recipe", "stemlm"), overrides or {}, run_dir)
         cfg = TrainConfig.from_dict(train).with_overrides({**(overrides or {}), "out": str(run_dir)})
         try:
             run_tok = Tokenizer.from_file(str(ckpt / TOKENIZER_NAME))
@@ -330,7 +335,7 @@ class Trainer:
     def train_step(self) -> dict[str, Any]:
         """One optimizer step at `self.step`; returns its metrics record and advances the step."""
         cfg, step = self.cfg, self.step
-        mult = set_learning_rates(self.optimizers, step, cfg)
+        mult = self.recipe.set_learning_rates(self.optimizers, step, cfg)
         start = time.perf_counter()
         losses, auxes, finite = self._accumulate_gradients(step)
         norm = self._clip_gradients() if finite else math.nan
@@ -414,7 +419,7 @@ class Trainer:
         return losses_f, auxes_f, all(math.isfinite(v) for v in values)
 
     def _clip_gradients(self) -> float:
-        return clip_gradients(self.optimizers, self.cfg.grad_clip).item()
+        return self.recipe.clip_gradients(self.optimizers, self.cfg.grad_clip).item()
 
     @torch.no_grad()
     def evaluate(self) -> float | None:
