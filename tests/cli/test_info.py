@@ -16,7 +16,7 @@ from torch.utils._pytree import tree_flatten
 from stemlm.cli.main import main
 from stemlm.model import accounting as acc
 from stemlm.model import build_model
-from stemlm.model.presets import get_preset, list_presets
+from stemlm.model.presets import get_preset, list_presets, preset_source
 
 
 def run_json(capsys, *argv: str) -> dict:
@@ -42,10 +42,11 @@ class LargestRealTensor(TorchDispatchMode):
 
 def test_paper_1b_json_allocates_nothing(capsys):
     with LargestRealTensor() as mode:
-        s = run_json(capsys, "--preset", "paper-1b", "--verify")
-    assert mode.largest < 2**20  # the smallest weight of paper-1b (k_proj, fp32) is 4 MiB
-    assert s["verified_parameters_on_meta"] == s["parameters"]["total"] == acc.total_parameters(get_preset("paper-1b"))
-    assert s["seq_len"] == 2048 and s["paper"]["preset"] == "paper-1b"
+        s = run_json(capsys, "--preset", "paper-1b-counts", "--verify")
+    assert mode.largest < 2**20  # the smallest weight of paper-1b-counts (k_proj, fp32) is 4 MiB
+    total = acc.total_parameters(get_preset("paper-1b-counts"))
+    assert s["verified_parameters_on_meta"] == s["parameters"]["total"] == total
+    assert s["seq_len"] == 2048 and s["paper"]["preset"] == "paper-1b-counts"
     assert all(s["paper"]["reproduced"].values())
 
 
@@ -70,9 +71,18 @@ def test_default_seq_len_is_capped_by_the_config(capsys):
 
 
 def test_text_output_shows_the_paper_figures(capsys):
-    assert main(["info", "--preset", "paper-1b"]) == 0
+    assert main(["info", "--preset", "paper-1b-counts"]) == 0
     out = capsys.readouterr().out
-    assert "vs the paper (paper-1b)" in out and "6.75B" in out and "2.83" in out and "why:" in out
+    assert "vs the paper (paper-1b-counts)" in out and "6.75B" in out and "2.83" in out and "why:" in out
+
+
+@pytest.mark.parametrize("name", ["paper-350m", "paper-1b", "paper-1b-counts-dense", "tiny"])
+def test_info_prints_the_presets_source(capsys, tmp_path, name):
+    assert main(["info", "--preset", name]) == 0
+    assert capsys.readouterr().out.splitlines()[1] == f"source: {preset_source(name)}"
+    assert run_json(capsys, "--preset", name)["source"] == preset_source(name)
+    (tmp_path / "config.json").write_text(get_preset(name).to_json())
+    assert "source" not in run_json(capsys, "--config", str(tmp_path / "config.json"))  # a config file has none
 
 
 def test_list_presets(capsys):

@@ -1,6 +1,6 @@
 """`stemlm info`: parameters, FLOPs and decode memory traffic of a preset or a config, without building it.
 
-    stemlm info --preset paper-1b                 # readable table, with the paper's figures beside ours
+    stemlm info --preset paper-1b-counts          # readable table, with the paper's figures beside ours
     stemlm info --preset tiny --seq-len 512 --set intermediate_size=1024 --json
     stemlm info --config runs/x/checkpoint       # a checkpoint folder or a config.json file
     stemlm info --list-presets
@@ -19,7 +19,7 @@ from stemlm.cli.common import add_json_flag, print_json
 from stemlm.errors import StemlmError
 from stemlm.model.accounting import ATTENTION_MODES, DTYPE_BYTES, active_parameters, summarize, total_parameters
 from stemlm.model.config import FFN_KINDS, ModelConfig
-from stemlm.model.presets import get_preset, list_presets
+from stemlm.model.presets import get_preset, list_presets, preset_source
 
 DEFAULT_SEQ_LEN = 2048
 
@@ -147,6 +147,8 @@ def run(args) -> int:
             f"(raise it with --set max_position_embeddings={seq_len})"
         )
     summary = {"model": name, **summarize(config, seq_len, args.attention, args.dtype)}
+    if args.preset:
+        summary["source"] = preset_source(args.preset)
     if args.verify:
         summary["verified_parameters_on_meta"] = verify_on_meta(config)
     if args.memory:
@@ -191,10 +193,10 @@ def list_all(as_json: bool) -> int:
     if as_json:
         print_json({"presets": rows})
     else:
-        print(f"{'preset':<18}{'ffn':<10}{'layers':>7}{'d':>6}{'total':>10}{'active':>10}")
+        print(f"{'preset':<24}{'ffn':<10}{'layers':>7}{'d':>6}{'total':>10}{'active':>10}")
         for r in rows:
             print(
-                f"{r['name']:<18}{r['ffn']:<10}{r['layers']:>7}{r['hidden_size']:>6}"
+                f"{r['name']:<24}{r['ffn']:<10}{r['layers']:>7}{r['hidden_size']:>6}"
                 f"{human(r['total']):>10}{human(r['active_backbone']):>10}"
             )
     return 0
@@ -219,6 +221,7 @@ def render(config: ModelConfig, s: dict[str, Any]) -> str:
         f"{s['model']}: ffn {config.ffn} in layers [{special}] of {config.num_hidden_layers}; d {config.hidden_size}, "
         f"d_ff {config.intermediate_size}, heads {config.num_attention_heads}/{config.kv_heads} x {config.head_size}, "
         f"vocab {config.vocab_size}, {'tied' if config.tie_word_embeddings else 'untied'} embeddings",
+        *([f"source: {s['source']}"] if "source" in s else []),
         "",
         "parameters",
     ]

@@ -270,8 +270,8 @@ def layer_saving_fraction(
 # ----------------------------------------------------------------------------------------------------------
 # Reported for the 1B models (PAPER.md): total / active parameters in billions and GFLOPs per token.
 PAPER_1B = {
-    "paper-1b": {"total_b": 6.75, "active_b": 1.41, "gflops_per_token": 2.83},
-    "paper-1b-dense": {"total_b": 1.50, "active_b": 1.50, "gflops_per_token": 3.00},
+    "paper-1b-counts": {"total_b": 6.75, "active_b": 1.41, "gflops_per_token": 2.83},
+    "paper-1b-counts-dense": {"total_b": 1.50, "active_b": 1.50, "gflops_per_token": 3.00},
 }
 
 
@@ -288,7 +288,7 @@ def _same(value: float, reported: float) -> bool:
 
 
 def paper_comparison(config: ModelConfig) -> dict[str, Any] | None:
-    """Our figures beside the paper's for the paper-1b shape (STEM or dense); None for any other config."""
+    """Our figures beside the paper's for the paper-1b-counts shape (STEM or dense); None for any other config."""
     from stemlm.model.presets import get_preset
 
     def canonical(c: ModelConfig) -> ModelConfig:
