@@ -3,7 +3,8 @@
 `train_assets` writes six ~12k-character documents of the embedded corpus as text files (so the data layer
 splits one off as held-out) and trains a byte-level BPE with vocabulary 320 on them, once per session.
 `make_train_config(tmp_path, **overrides)` and `make_model_config(ffn, **overrides)` give a run that takes about
-a second: hidden 64, 2 layers, seq_len 32, batch 4. Token shards go to a per-session cache folder.
+a second: hidden 64, 2 layers, seq_len 32, batch 4; `changed_fields(cfg)` lists what such a config sets. Token
+shards go to a per-session cache folder.
 """
 
 from __future__ import annotations
@@ -68,3 +69,9 @@ def make_model_config():
         return ModelConfig(**{**base, **overrides})
 
     return make
+
+
+def changed_fields(cfg: TrainConfig) -> dict:
+    """The fields of `cfg` away from the defaults, as a command line gives them (e.g. to `recipes.train_config`)."""
+    defaults = TrainConfig().to_dict()
+    return {k: v for k, v in cfg.to_dict().items() if v != defaults[k]}

@@ -26,18 +26,13 @@ from stemlm.train.recipes import (
     train_config,
 )
 from stemlm.train.trainer import Trainer
+from tests.train.conftest import changed_fields
 
 OFFICIAL = get_recipe("official")
 
 
 def _official_cfg(**changes) -> TrainConfig:
     return train_config({"recipe": "official", **changes})
-
-
-def _fixture_changes(cfg: TrainConfig) -> dict:
-    """The fields a test fixture's config sets away from the defaults (as a command line would give them)."""
-    defaults = TrainConfig().to_dict()
-    return {k: v for k, v in cfg.to_dict().items() if v != defaults[k]}
 
 
 def test_train_config_gives_the_tables_the_backbone_settings():
@@ -142,7 +137,7 @@ def test_recipe_refusals(tmp_path, make_train_config, make_model_config):
 
 
 def test_official_run_records_and_resumes_its_recipe(tmp_path, make_train_config, make_model_config):
-    base = _fixture_changes(make_train_config(tmp_path, eval_every=0))
+    base = changed_fields(make_train_config(tmp_path, eval_every=0))
     cfg = train_config({**base, "recipe": "official", "steps": 2})
     Trainer(make_model_config("stem"), cfg, progress=False).fit()
     saved = json.loads((tmp_path / "run" / "run_config.json").read_text())["train"]
@@ -188,7 +183,7 @@ def _official_update_by_hand(model, batches, *, tables, lr, table_lr, wd, table_
 def test_two_steps_equal_the_official_update_in_fp64(tmp_path, make_train_config, make_model_config):
     # Warm-up 1: the first update is at lr 0 (moments only), the second at the full lr; clip 0.01 clips both groups.
     changes = dict(steps=2, warmup=1, eval_every=0, lr=3e-3, table_lr=5e-3, table_wd=0.02, grad_clip=0.01)
-    cfg = train_config({**_fixture_changes(make_train_config(tmp_path)), **changes, "recipe": "official"})
+    cfg = train_config({**changed_fields(make_train_config(tmp_path)), **changes, "recipe": "official"})
     trainer = Trainer(make_model_config("stem"), cfg, progress=False)
     trainer.model.double()
     trainer.optimizers = trainer._build_optimizers()  # over the fp64 parameters
