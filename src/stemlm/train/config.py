@@ -6,7 +6,8 @@ reaches every one of them (`with_overrides`). The resolved config is written int
 
 Choices documented here rather than in code comments elsewhere:
 - weight decay applies to every matrix (projections, token embedding, LM head, router, experts), as in
-  the official STEM/Lingua code; one-dimensional parameters (RMSNorm gains, any bias) get none.
+  the official STEM/Lingua code; one-dimensional parameters (RMSNorm gains, any bias) get none, which the
+  official code does not exempt (`recipe="official"` decays them: stemlm.train.recipes, docs/recipe.md).
 - the lookup tables (every table of `model.lookup_tables()`) form their own optimizer with their own peak lr
   (`table_lr`, or `lr * table_lr_scale`) and weight decay `table_wd`, following the same warm-up + cosine
   shape. Defaults lr x10, wd 0, by measurement: `tiny` (STEM in layers 1, 3), 150 steps of 8 x 256 tokens,

@@ -4,7 +4,7 @@
 
 - backbone AdamW with two groups: `decay` (every parameter with two or more dimensions: projections, token
   embedding, LM head, router, stacked experts; the official code decays these too) and `no_decay` (norm gains
-  and any bias, i.e. one-dimensional parameters);
+  and any bias, i.e. one-dimensional parameters, which the official code decays: `--recipe official`);
 - the table optimizer (only when the model has lookup tables): every table of `model.lookup_tables()` (token, n-gram
   and memory families alike, stemlm.model.kinds.registry) in one group with its own peak lr and weight decay, built by
   `stemlm.train.tables.optim.make_table_optimizer` under the name `cfg.table_optim` (`adamw`: dense, the official
