@@ -211,6 +211,8 @@ CASES = [
     (["generate", "{smalltok}", "x"], "tokenizer"),
     # --- convert ---
     (["convert", "--from-dense", "{nope}", "--stem-layers", "odd", "--out", "{outdir}"], "does-not-exist"),
+    (["convert", "--from-official", "{ck}", "--out", "{outdir}"], "has no params.json"),
+    (["convert", "--from-official", "{ck}", "--stem-layers", "1", "--out", "{outdir}"], "keeps the run's STEM layers"),
     (["convert", "--from-dense", "{ck}", "--stem-layers", "odd", "--out", "{outdir}"], "dense"),
     (["convert", "--from-dense", "{dense}", "--stem-layers", "9", "--out", "{outdir}"], "out of range"),
     (["convert", "--from-dense", "{dense}", "--stem-layers", "odd", "--out", "{full}"], "not empty"),

@@ -6,6 +6,7 @@
     stemlm train --preset tiny --init-from ckpt/tiny-retrofit ...
     stemlm convert --to-llama runs/tiny-dense --out ckpt/tiny-llama      # model_type llama, for transformers
     stemlm convert runs/tiny --table-dtype int8 --out ckpt/tiny-int8     # lookup tables as row-wise int8
+    stemlm convert --from-official dump/checkpoints/0000010000 --out ckpt/official   # the official trainer's
 
 `--from-gguf` writes a Hugging Face Llama folder (dequantised fp32 weights, tokenizer, chat template; see
 `stemlm.convert.gguf`). `--from-dense` takes a stemlm dense checkpoint, a run folder (its newest checkpoint) or
@@ -13,7 +14,8 @@ a local Hugging Face Llama folder; each selected layer's up-projection becomes t
 `stemlm.convert.driver`); the tokenizer is copied. `--to-llama` writes a dense checkpoint with model_type "llama"
 (`stemlm.convert.llama.save_as_llama`): a stemlm dense folder already loads into LlamaForCausalLM, but with a
 model-type warning; this one loads silently. `CKPT --table-dtype bf16|int8` stores the lookup tables
-compactly (`stemlm.convert.table_dtype`). `--json` prints the output path and the new config.
+compactly (`stemlm.convert.table_dtype`). `--from-official` reads a checkpoint of the official STEM trainer
+(`stemlm.convert.official`). `--json` prints the output path and the new config.
 """
 
 from __future__ import annotations
@@ -39,6 +41,24 @@ def _convert_tables(args) -> int:
     return 0
 
 
+def _convert_official(args) -> int:
+    from stemlm.checkpoint.folder import load_config
+    from stemlm.convert.official import convert_official
+
+    if args.stem_layers is not None:
+        raise StemlmError("--stem-layers applies to --from-dense; --from-official keeps the run's STEM layers")
+    out = convert_official(args.from_official, args.out, force=args.force)
+    config = load_config(out)
+    if args.json:
+        print_json({"out": str(out), "stem_layers": config.special_layers, "config": config.to_dict()})
+    else:
+        print(
+            f"wrote {out} from the official checkpoint (STEM layers {config.special_layers}; no tokenizer)",
+            file=sys.stderr,
+        )
+    return 0
+
+
 def run(args) -> int:
     if args.ckpt is not None:
         return _convert_tables(args)
@@ -60,6 +80,8 @@ def run(args) -> int:
         else:
             print(f"wrote Hugging Face Llama folder {out} (model_type llama)", file=sys.stderr)
         return 0
+    if args.from_official is not None:
+        return _convert_official(args)
     if args.from_gguf is not None:
         from stemlm.convert.gguf import convert_gguf, summary
 
@@ -114,6 +136,12 @@ def register(subparsers) -> None:
         help="dense stemlm checkpoint or run folder, or a local Hugging Face Llama folder",
     )
     source.add_argument("--from-gguf", metavar="FILE", help="a Llama-architecture GGUF file (llama.cpp format)")
+    source.add_argument(
+        "--from-official",
+        metavar="DIR",
+        help="a checkpoint of the official STEM trainer: a step folder (DCP + stem_shards/) or its consolidated/ "
+        "folder (stemlm.convert.official)",
+    )
     source.add_argument(
         "--to-llama",
         metavar="CKPT",
