@@ -41,9 +41,24 @@ TRAIN_FLAGS = [
         str,
         "training rules: stemlm, or official (the official STEM code's; docs/recipe.md) (default {})",
     ),
-    ("--weight-decay", "weight_decay", float, "AdamW weight decay of matrices; norms get none (default {})"),
-    ("--grad-clip", "grad_clip", float, "clip the global gradient norm to this value; 0 disables (default {})"),
-    ("--table-wd", "table_wd", float, "weight decay of the STEM tables (default {})"),
+    (
+        "--weight-decay",
+        "weight_decay",
+        float,
+        "AdamW weight decay of matrices; norms get none (--recipe official: they do) (default {})",
+    ),
+    (
+        "--grad-clip",
+        "grad_clip",
+        float,
+        "clip the global gradient norm (--recipe official: each optimizer's) to this value; 0 disables (default {})",
+    ),
+    (
+        "--table-wd",
+        "table_wd",
+        float,
+        "weight decay of the STEM tables (default {}; --recipe official: --weight-decay)",
+    ),
     ("--aux-loss-coef", "aux_loss_coef", float, "weight of the MoE auxiliary loss (default {})"),
     ("--eval-every", "eval_every", int, "steps between held-out evaluations; 0: only at the end (default {})"),
     ("--eval-batches", "eval_batches", int, "held-out batches (of --batch-size windows) per evaluation (default {})"),
@@ -95,12 +110,14 @@ def register(subparsers) -> None:
         parser.add_argument(flag, dest=field, type=kind, help=text.format(defaults[field]))
     parser.add_argument(
         "--table-lr",
-        help=f"peak lr of the STEM tables: a number, or xN for N x --lr (default x{defaults['table_lr_scale']:g})",
+        help=f"peak lr of the STEM tables: a number, or xN for N x --lr (default x{defaults['table_lr_scale']:g}; "
+        "--recipe official: x1)",
     )
     parser.add_argument(
         "--table-optim",
         help="optimizer of the STEM tables: rowwise_adagrad (default) or lazy_adamw (row-sparse: touched rows "
-        "only), or adamw (dense over whole tables, as the official code); see stemlm.train.tables.optim",
+        "only), or adamw (dense over whole tables, as the official code; the one --recipe official takes); see "
+        "stemlm.train.tables.optim",
     )
     parser.add_argument(
         "--tables",
