@@ -1,4 +1,4 @@
-"""Tests of `stemlm info`: JSON contract, the paper-1b comparison, config sources, overrides, errors, and
+"""Tests of `stemlm info`: JSON contract, the paper-1b-counts comparison, config sources, overrides, errors, and
 that inspecting the 6.7B-parameter preset allocates no real tensor (checked with a dispatch mode).
 
     OMP_NUM_THREADS=1 python -m pytest tests/cli/test_info.py -q

@@ -1,7 +1,7 @@
 """Exact parameter, FLOP and memory-traffic accounting of a `ModelConfig`, computed from the config alone.
 
-Nothing is allocated, so the 6.7B-parameter `paper-1b` is inspected instantly. The attention, embedding and norm
-figures are counted here; what a layer's kind adds comes from the kind itself (`Kind.count`, a `LayerCount`
+Nothing is allocated, so the 6.7B-parameter `paper-1b-counts` is inspected instantly. The attention, embedding
+and norm figures are counted here; what a layer's kind adds comes from the kind itself (`Kind.count`, a `LayerCount`
 of parameters, matmul weights and table rows per token; stemlm.model.kinds), and so do the components. The tests
 check every figure against `build_model(config, device="meta")` and `torch.utils.flop_counter` on real
 forwards. `stemlm info` prints `summarize(config, seq_len)`. Conventions, stated once:
