@@ -7,7 +7,8 @@
 One step: `grad_accum` micro-batches, each the deterministic window batch `sample_batch(seed, step * grad_accum +
 k)` (read `cfg.prefetch` micro-batches ahead on a worker thread: `stemlm.train.prefetch`), forward under autocast
 (fp32 master weights), loss = cross-entropy + aux_loss_coef x MoE aux loss, backward of loss / grad_accum; then
-one global gradient-norm clip over all parameters and a step of every optimizer (`stemlm.train.optim`). A
+one global gradient-norm clip over all parameters and a step of every optimizer (`stemlm.train.optim`); `cfg.recipe`
+picks those rules and the init (`stemlm.train.recipes`: `official` clips per optimizer). A
 non-finite loss or gradient norm skips the update (counted as `skipped_steps`; `max_skipped` in a row stop the run
 with an error); a non-finite loss, or one above `spike_factor` x the rolling median of the last `spike_window`
 losses, is counted as a spike. SIGINT / SIGTERM end the run after the current step with a checkpoint of it
