@@ -180,7 +180,6 @@ CASES = [
     (["train", "--tokenizer", "{nope}"], "does-not-exist"),
     (["train", "--recipe", "lingua"], "recipe must be one of stemlm, official"),
     (["train", "--recipe", "official", "--table-optim", "rowwise_adagrad"], "dense AdamW"),
-    (["train", "--recipe", "official", "--nproc", "2"], "trains on one process only"),
     (["train", "--recipe", "official", "--ffn", "moe"], "official code's FFN kinds"),
     # --- tokenizer ---
     (["tokenizer"], "required"),

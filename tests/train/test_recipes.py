@@ -19,7 +19,6 @@ from stemlm.errors import StemlmError
 from stemlm.model import build_model
 from stemlm.train.config import TrainConfig
 from stemlm.train.recipes import (
-    check_single_process,
     get_recipe,
     official_init_specs,
     official_lr_multiplier,
@@ -128,9 +127,6 @@ def test_init_is_truncated_normal_with_the_official_stds(make_model_config, tied
 def test_recipe_refusals(tmp_path, make_train_config, make_model_config):
     with pytest.raises(StemlmError, match="official code's FFN kinds .*this model has moe"):
         OFFICIAL.init_weights(build_model(make_model_config("moe")), seed=0)
-    with pytest.raises(StemlmError, match="--recipe official trains on one process only"):
-        check_single_process(_official_cfg())
-    check_single_process(TrainConfig())
     Trainer(make_model_config("stem"), make_train_config(tmp_path, steps=2, eval_every=0), progress=False).fit()
     with pytest.raises(StemlmError, match="trained with --recipe stemlm; it cannot resume as --recipe official"):
         Trainer.resume(tmp_path / "run", overrides={"steps": 3, "recipe": "official"})

@@ -323,11 +323,9 @@ def run(args) -> int:
     if (args.nproc > 1 or args.nnodes > 1) and "RANK" not in os.environ:
         if not args.resume:  # fail here, before starting processes, when the batch cannot be split
             from stemlm.train.parallel.launch import local_batch_size
-            from stemlm.train.recipes import check_single_process, train_config
+            from stemlm.train.recipes import train_config
 
-            cfg = train_config(train_overrides(args))
-            check_single_process(cfg)
-            local_batch_size(cfg.batch_size, args.nproc * args.nnodes)
+            local_batch_size(train_config(train_overrides(args)).batch_size, args.nproc * args.nnodes)
         return launch_workers(args)
     import torch
 

@@ -16,7 +16,8 @@ rows are exchanged (async) while k computes (the first micro-batch's while the b
 FSDP2 average the backbone gradients and the tables divide theirs by N, so N processes train the same model as one
 (up to float rounding); the MoE balancing loss is the exception (its batch statistics are per rank). Gradients are
 synchronised on the last micro-batch only (DDP `no_sync`, FSDP2 `set_requires_gradient_sync(False)` before it); one
-clip covers the backbone (replicated or sharded) and the table shards. With `--train tables` the backbone is frozen
+clip covers the backbone (replicated or sharded) and the table shards (`--recipe official`: one clip each, and its
+init drawn over this rank's part; `stemlm.train.recipes`). With `--train tables` the backbone is frozen
 before any wrapping: only adapter gates (if any) go through DDP / FSDP2, and a backbone with nothing to learn is
 not wrapped at all (tests/train/parallel/test_train_tables_dist.py). Rank 0 alone writes the run folder, metrics and
 progress; the table traffic, summed over ranks and over the `traffic_every` steps up to the record's (one
@@ -63,8 +64,7 @@ from stemlm.train.parallel.host_shards import HostShardedTables
 from stemlm.train.parallel.launch import destroy_distributed, init_distributed, local_batch_size
 from stemlm.train.parallel.meta_init import init_plan, init_rank_part, load_rank_part, materialise
 from stemlm.train.parallel.sharded_tables import ShardedTables
-from stemlm.train.recipes import check_single_process
-from stemlm.train.tables.optim import clip_grad_norm_mixed, make_table_optimizer, use_sparse_table_grads
+from stemlm.train.tables.optim import make_table_optimizer, use_sparse_table_grads
 from stemlm.train.trainer import FaultInjection, Trainer, default_run_dir
 
 FAULT_ENV = "STEMLM_FAULT_EXIT"
@@ -84,7 +84,6 @@ class DistributedTrainer(Trainer):
         progress: bool = True,
         _resume_from: Path | None = None,
     ) -> None:
-        check_single_process(cfg)  # before joining the group: every rank refuses alike
         device = None if cfg.device == "auto" else cfg.device
         self.dist = init_distributed(device=device, timeout_s=cfg.dist_timeout)
         self.local_batch = local_batch_size(cfg.batch_size, self.dist.world_size)
@@ -156,6 +155,7 @@ class DistributedTrainer(Trainer):
         materialise(model, self.tables, self.device)
         if self._meta_source == "init":
             init_rank_part(model, self.tables, self._init_plan, self.cfg.seed)
+            self.recipe.init_weights(model, self.cfg.seed)  # the official recipe's own init (stemlm.train.recipes)
         elif self._meta_source[0] == "sharded":
             load_model_pieces(model, self.tables, self.mesh, self._meta_source[1])
         else:
@@ -375,8 +375,7 @@ class DistributedTrainer(Trainer):
         shards = list(self.tables.parameters()) if self.tables is not None else []
         sharded = {id(p) for p in shards}
         backbone = [p for opt in self.optimizers for g in opt.param_groups for p in g["params"] if id(p) not in sharded]
-        max_norm = self.cfg.grad_clip if self.cfg.grad_clip > 0 else float("inf")
-        return clip_grad_norm_mixed(backbone, max_norm, sharded_params=shards).item()
+        return self.recipe.clip_distributed(backbone, shards, self.cfg.grad_clip).item()
 
     def train_step(self) -> dict[str, Any]:
         _maybe_inject_exit(self.dist.rank, self.step + 1, before=self.saver.wait)

@@ -25,10 +25,11 @@ model's own init (`StemLM.init_weights`) is never changed: a recipe re-initialis
     (0: off, as in stemlm; the official code has no off switch).
   - schedule: `lingua/optim.py:lr_cosine` with one cycle and θ 1: step/warmup during warm-up (the first update at
     lr 0), then min + (1 - min)(1 + cos(π s))/2 with s = (step - warmup) / (steps - warmup).
-  It trains the official code's two FFN kinds (dense and stem) on one process; `--nproc` refuses it (the sharded
-  init replays `StemLM.init_specs`, which the official init does not follow).
+  It trains the official code's two FFN kinds (dense and stem), on one process or several (`--nproc`: each rank
+  draws every official init value and keeps its FSDP2 rows, the tables keep their sharded default init; the
+  backbone and the table shards are clipped apart, `clip_distributed`).
 Tests: tests/train/test_recipes.py (each rule against a plain re-computation and two steps against a plain-torch
-official update).
+official update), tests/train/parallel/test_recipe_dist.py (2 ranks against 1 process).
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ from stemlm.errors import StemlmError
 from stemlm.model.decoder import StemLM
 from stemlm.train import optim
 from stemlm.train.config import TrainConfig
-from stemlm.train.tables.optim import fast_optimizer_impl, make_table_optimizer
+from stemlm.train.tables.optim import clip_grad_norm_mixed, fast_optimizer_impl, make_table_optimizer
 
 OFFICIAL_KINDS = ("dense", "stem")  # the FFN kinds the official code has
 TRUNCATION = 3.0  # the official trunc_normal_ bounds: ±3σ
@@ -73,12 +74,6 @@ def check_same_recipe(run_recipe: str, overrides: dict[str, Any], run_dir: Any) 
         )
 
 
-def check_single_process(cfg: TrainConfig) -> None:
-    """`--nproc` trains the stemlm recipe only (the sharded init does not follow the official one)."""
-    if cfg.recipe != "stemlm":
-        raise StemlmError(f"--recipe {cfg.recipe} trains on one process only; drop --nproc or use --recipe stemlm")
-
-
 class StemlmRecipe:
     """The default: `stemlm.train.optim` as it is (its docstring and `train/config.py` give the reasons)."""
 
@@ -99,6 +94,12 @@ class StemlmRecipe:
     def clip_gradients(self, optimizers: list[torch.optim.Optimizer], max_norm: float) -> torch.Tensor:
         return optim.clip_gradients(optimizers, max_norm)
 
+    def clip_distributed(
+        self, backbone: list[torch.Tensor], shards: list[torch.Tensor], max_norm: float
+    ) -> torch.Tensor:
+        """`--nproc`: one clip over the backbone (replicated or FSDP2-sharded) and the table row shards together."""
+        return clip_grad_norm_mixed(backbone, max_norm if max_norm > 0 else math.inf, sharded_params=shards)
+
 
 class OfficialRecipe(StemlmRecipe):
     """The official STEM code's update rules (see the module docstring for each rule and its source)."""
@@ -111,10 +112,11 @@ class OfficialRecipe(StemlmRecipe):
         generator.manual_seed(seed)
         with torch.no_grad():
             for _, param, std in official_init_specs(model):
-                # Drawn on the CPU from one generator, as StemLM.init_weights does, so a seed gives one model anywhere.
+                # Drawn on the CPU from one generator, as StemLM.init_weights does, so a seed gives one model anywhere
+                # (and every rank of a multi-process run the same values).
                 values = torch.empty(param.shape, dtype=torch.float32)
                 torch.nn.init.trunc_normal_(values, 0.0, std, -TRUNCATION * std, TRUNCATION * std, generator=generator)
-                param.copy_(values.to(param.dtype))
+                _copy_whole(param, values)
 
     def build_optimizers(self, model: StemLM, cfg: TrainConfig) -> list[torch.optim.Optimizer]:
         check_official_kinds(model)
@@ -163,9 +165,33 @@ class OfficialRecipe(StemlmRecipe):
             params = [p for g in opt.param_groups for p in g["params"] if p.grad is not None]
             if params:
                 norms.append(torch.nn.utils.clip_grad_norm_(params, limit))
-        if not norms:
-            return torch.zeros(())
-        return torch.stack([n.to(norms[0].device) for n in norms]).square().sum().sqrt()
+        return _global_norm(norms)
+
+    def clip_distributed(
+        self, backbone: list[torch.Tensor], shards: list[torch.Tensor], max_norm: float
+    ) -> torch.Tensor:
+        """`--nproc`: the backbone and the table row shards each by their own norm (summed over the ranks)."""
+        limit = max_norm if max_norm > 0 else math.inf
+        norms = [clip_grad_norm_mixed(backbone, limit)] if backbone else []
+        norms += [clip_grad_norm_mixed([], limit, sharded_params=shards)] if shards else []
+        return _global_norm(norms)
+
+
+def _global_norm(norms: list[torch.Tensor]) -> torch.Tensor:
+    """The norm of all gradients from each group's norm (what the trainer logs as grad_norm)."""
+    if not norms:
+        return torch.zeros(())
+    return torch.stack([n.to(norms[0].device) for n in norms]).square().sum().sqrt()
+
+
+def _copy_whole(param: torch.Tensor, values: torch.Tensor) -> None:
+    """`param` = `values`; an FSDP2 parameter (a DTensor) keeps this rank's rows of them (no communication)."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    values = values.to(param.device, param.dtype)
+    if isinstance(param, DTensor):
+        values = distribute_tensor(values, param.device_mesh, param.placements, src_data_rank=None)
+    param.copy_(values)
 
 
 def official_lr_multiplier(step: int, warmup: int, steps: int, min_ratio: float) -> float:
