@@ -1,5 +1,5 @@
 """Memory levers in the trainer: activation checkpointing trains bitwise the same model with the same parameter
-names; the chunked loss matches the full-logits loss to 1e-6 over a short run.
+names; the chunked loss, checkpointed or fused, matches the full-logits loss to 1e-6 over a short run.
 
 Run: `OMP_NUM_THREADS=1 python -m pytest tests/train/test_memory.py -q`.
 """
@@ -29,14 +29,16 @@ def test_activation_checkpointing_is_bitwise_and_keeps_names(tmp_path, make_trai
     assert all(torch.equal(a, b) for a, b in zip(plain.model.parameters(), ckpt.model.parameters(), strict=True))
 
 
-def test_chunked_loss_run_matches(tmp_path, make_train_config, make_model_config):
+@pytest.mark.parametrize("fused", [False, True])
+def test_chunked_loss_run_matches(tmp_path, make_train_config, make_model_config, fused):
     # Adam moves a weight by lr * g / (sqrt(v) + eps): a gradient entry that is summation noise (~1e-11, its sign
     # set by the summation order the chunks change) would move by up to lr with eps 1e-8; eps 1e-6 bounds that
     # below the 1e-6 compared here (as in tests/train/parallel/conftest.py).
     kw = dict(steps=3, eval_every=0, eps=1e-6)
     plain = Trainer(make_model_config("stem"), make_train_config(tmp_path / "a", **kw), progress=False)
     plain.fit()
-    chunked = Trainer(make_model_config("stem"), make_train_config(tmp_path / "b", loss_chunk=40, **kw), progress=False)
+    chunked_cfg = make_train_config(tmp_path / "b", loss_chunk=40, fused_loss=fused, **kw)
+    chunked = Trainer(make_model_config("stem"), chunked_cfg, progress=False)
     chunked.fit()
     a, b = train_records(tmp_path / "a" / "run"), train_records(tmp_path / "b" / "run")
     assert [r["loss"] for r in b] == pytest.approx([r["loss"] for r in a], rel=1e-6, abs=1e-6)
@@ -52,8 +54,15 @@ def test_cli_flags_reach_the_config(tmp_path, train_assets, capsys):
     args = ["train", "--data", str(train_assets["data"]), "--tokenizer", str(train_assets["tokenizer"]),
             "--steps", "1", "--seq-len", "32", "--batch-size", "2", "--eval-batches", "1", "--threads", "1",
             "--no-progress", "--sample-tokens", "0", "--out", str(tmp_path / "run"), "--set", *MODEL,
-            "--activation-checkpointing", "--loss-chunk", "16"]  # fmt: skip
+            "--activation-checkpointing", "--loss-chunk", "16", "--set", "train.fused_loss=true"]  # fmt: skip
     code, _, err = run_cli(args, capsys)
     assert code == 0, err
     train = json.loads((tmp_path / "run" / "run_config.json").read_text())["train"]
-    assert train["activation_checkpointing"] is True and train["loss_chunk"] == 16
+    assert train["activation_checkpointing"] is True and train["loss_chunk"] == 16 and train["fused_loss"] is True
+
+
+def test_fused_loss_needs_a_chunk(tmp_path, make_train_config):
+    from stemlm.errors import StemlmError
+
+    with pytest.raises(StemlmError, match="fused_loss needs loss_chunk > 0"):
+        make_train_config(tmp_path, fused_loss=True).validate()

@@ -22,6 +22,7 @@ from stemlm.model.attention import Attention, KVCache, RMSNorm, RotaryEmbedding,
 from stemlm.model.config import ModelConfig
 from stemlm.model.decoding_state import fill_lookup_context
 from stemlm.model.ffn import Rows, TokenContext, checked_rows, token_table
+from stemlm.model.fused_loss import fused_linear_cross_entropy
 from stemlm.model.kinds.registry import FAMILIES, get_kind
 from stemlm.model.loss import chunked_cross_entropy, cross_entropy
 from stemlm.model.ngram import ngram_hasher
@@ -100,6 +101,7 @@ class StemLM(nn.Module):
         rows: Rows | None = None,
         embed_rows: EmbedRows | None = None,
         loss_chunk: int = 0,
+        fused_loss: bool = False,
     ) -> ModelOutput:
         """Logits for `input_ids` [B, T]. `labels` [B, T] are the targets of each position (not shifted here);
         `attention_mask` [B, past + T] marks real tokens with 1 (left padding); `past_key_values` continues a
@@ -108,8 +110,11 @@ class StemLM(nn.Module):
         as `provider(layer_idx, ids)`; families left out read the model's own tables. `embed_rows(input_ids) ->
         [B, T, hidden]`, when given, supplies the input embeddings instead of `embed_tokens` (editing from
         outside); the lm_head is unaffected even when tied. `loss_chunk` > 0 with `labels` computes the loss
-        `loss_chunk` tokens at a time (`stemlm.model.loss`) and returns no logits (None)."""
+        `loss_chunk` tokens at a time (`stemlm.model.loss`) and returns no logits (None); `fused_loss` then takes
+        the fused lm_head + cross-entropy (`stemlm.model.fused_loss`) instead of the recomputing checkpoints."""
         check_token_ids(input_ids, self.config.vocab_size)
+        if fused_loss and loss_chunk <= 0:
+            raise StemlmError(f"fused_loss needs loss_chunk > 0 (tokens per chunk), got loss_chunk={loss_chunk}")
         input_ids = input_ids.long()  # embedding and hash lookups need int64/int32; narrower ids are accepted
         B, T = input_ids.shape
         cache = (
@@ -131,7 +136,9 @@ class StemLM(nn.Module):
         for layer in self.model.layers:
             x = layer(x, rope, mask, cache, ctx)
         x = self.model.norm(x)
-        if labels is not None and loss_chunk > 0:
+        if labels is not None and loss_chunk > 0 and fused_loss:
+            logits, loss = None, fused_linear_cross_entropy(x, self.lm_head.weight, labels, loss_chunk)
+        elif labels is not None and loss_chunk > 0:
             logits, loss = None, chunked_cross_entropy(x, self.lm_head, labels, loss_chunk)
         else:
             logits = self.lm_head(x)

@@ -343,7 +343,7 @@ class DistributedTrainer(Trainer):
                             tables.prefetch(window + 2)
                         if k + 1 < cfg.grad_accum:
                             pending = tables.start_window(window + 1)
-                    out = self.net(x, labels=y, loss_chunk=cfg.loss_chunk, **kwargs)
+                    out = self.net(x, labels=y, loss_chunk=cfg.loss_chunk, fused_loss=cfg.fused_loss, **kwargs)
                 loss = out.loss if self.fault_injection is None else self.fault_injection(step + 1, out.loss)
                 aux = out.aux_loss.float() if out.aux_loss is not None else None
                 has_aux = aux is not None

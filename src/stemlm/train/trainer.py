@@ -405,7 +405,7 @@ class Trainer:
             x, y = self._batch(window)
             rows = {} if self.host_tables is None else {"rows": {"token": self.host_tables.train_rows(window, x)}}
             with self.autocast():
-                out = self.model(x, labels=y, loss_chunk=cfg.loss_chunk, **rows)
+                out = self.model(x, labels=y, loss_chunk=cfg.loss_chunk, fused_loss=cfg.fused_loss, **rows)
             loss = out.loss if self.fault_injection is None else self.fault_injection(step + 1, out.loss)
             total = loss if out.aux_loss is None else loss + cfg.aux_loss_coef * out.aux_loss.float()
             losses.append(loss.detach().float())

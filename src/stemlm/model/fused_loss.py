@@ -1,0 +1,85 @@
+"""The fused lm_head + cross-entropy: loss and gradients chunk by chunk, never a [tokens, V] tensor kept.
+
+`fused_linear_cross_entropy(hidden, weight, labels, chunk)` equals `cross_entropy(hidden @ weight.T, labels)`
+(`stemlm.model.loss`; mean over labels that are not -100) and gives gradients for `hidden` and `weight` (a tied
+lm_head passes the embedding weight). The idea is Liger-Kernel's fused linear cross-entropy: the forward walks
+the tokens `chunk` at a time, and for each chunk computes its logits, their log-sum-exp, the loss, and at once
+the gradient of the mean loss, softmax minus one-hot over the count of labels, which it multiplies into the
+chunk's rows of d(hidden) = g @ W and into d(weight) += g.T @ h. Backward only scales the two saved gradients
+by the incoming scalar gradient. So autograd keeps [tokens, hidden] + [V, hidden] (fp32) instead of the logits,
+the log-probs and their [tokens, V] zero-filled gradient; a chunk's [chunk, V] logits live only inside the loop,
+and the head runs three matmuls per chunk instead of the four of `chunked_cross_entropy`'s recompute.
+
+Numerics: fp32 softmax and loss as `F.cross_entropy` on fp32 logits; under autocast the three matmuls run in
+the autocast dtype like the plain path's, while d(weight) sums the chunks in fp32. Without grad (evaluation) the
+gradient work is skipped. The model picks this path with `forward(..., loss_chunk=N, fused_loss=True)`.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from stemlm.model.loss import IGNORE_INDEX
+
+
+def _chunk_losses(h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor):
+    """fp32 logits [chunk, V] of one chunk (the matmul in the autocast dtype, if any), their log-sum-exp and the
+    per-token losses (0 where ignored); also the matmul's dtype, in which the chunk's gradients are computed."""
+    raw = torch.mm(h, weight.t())
+    logits = raw.float()
+    lse = torch.logsumexp(logits, dim=-1)
+    valid = targets != IGNORE_INDEX
+    safe = torch.where(valid, targets, 0)
+    losses = torch.where(valid, lse - logits.gather(1, safe[:, None]).squeeze(1), 0.0)
+    return logits, lse, losses, raw.dtype
+
+
+class FusedLinearCrossEntropy(torch.autograd.Function):
+    """Mean cross-entropy of `hidden` [N, d] @ `weight` [V, d].T against `labels` [N], `chunk` tokens at a time."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, labels, chunk, need_hidden, need_weight):
+        count = (labels != IGNORE_INDEX).sum()
+        total = hidden.new_zeros((), dtype=torch.float32)
+        need_grad = need_hidden or need_weight
+        grad_hidden = torch.empty_like(hidden) if need_hidden else None
+        grad_weight = torch.zeros_like(weight, dtype=torch.float32) if need_weight else None
+        for start in range(0, hidden.shape[0], chunk):
+            h, targets = hidden[start : start + chunk], labels[start : start + chunk]
+            logits, lse, losses, dtype = _chunk_losses(h, weight, targets)
+            total += losses.sum()
+            if not need_grad:
+                continue
+            # d(mean loss)/d(logits) = (softmax - onehot) / count on the chunk's valid rows, 0 on ignored ones;
+            # built in place over the chunk's logits, the only [chunk, V] buffer.
+            valid = targets != IGNORE_INDEX
+            probs = logits.sub_(lse[:, None]).exp_()
+            probs[torch.arange(len(targets), device=probs.device), torch.where(valid, targets, 0)] -= 1.0
+            probs.mul_(torch.where(valid, 1.0 / count, 0.0)[:, None])
+            g = probs.to(dtype)
+            if need_hidden:
+                grad_hidden[start : start + chunk] = torch.mm(g, weight)
+            if need_weight:
+                grad_weight += torch.mm(g.t(), h)
+        ctx.save_for_backward(grad_hidden, grad_weight)
+        ctx.weight_dtype = weight.dtype
+        # As F.cross_entropy's mean: 0/0 = nan when every label is ignored.
+        return total / count
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        grad_hidden, grad_weight = ctx.saved_tensors
+        d_hidden = None if grad_hidden is None else grad_hidden * grad_output
+        d_weight = None if grad_weight is None else (grad_weight * grad_output).to(ctx.weight_dtype)
+        return d_hidden, d_weight, None, None, None, None
+
+
+def fused_linear_cross_entropy(
+    hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, chunk: int
+) -> torch.Tensor:
+    """`cross_entropy(hidden @ weight.T, labels)` over `hidden` [..., d], `labels` [...], fused and chunked."""
+    flat, targets = hidden.reshape(-1, hidden.shape[-1]), labels.reshape(-1)
+    grad = torch.is_grad_enabled()
+    return FusedLinearCrossEntropy.apply(
+        flat, weight, targets, chunk, grad and flat.requires_grad, grad and weight.requires_grad
+    )
