@@ -22,16 +22,22 @@ import torch
 from stemlm.model.loss import IGNORE_INDEX
 
 
-def _chunk_losses(h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor):
-    """fp32 logits [chunk, V] of one chunk (the matmul in the autocast dtype, if any), their log-sum-exp and the
-    per-token losses (0 where ignored); also the matmul's dtype, in which the chunk's gradients are computed."""
+def _chunk_exp(h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor):
+    """One chunk's exp(logits - row max) [chunk, V] in fp32 (the matmul in the autocast dtype, if any), its row
+    sums [chunk, 1], the per-token losses (0 where ignored) and the matmul's dtype (that of the gradient products)."""
     raw = torch.mm(h, weight.t())
     logits = raw.float()
-    lse = torch.logsumexp(logits, dim=-1)
-    valid = targets != IGNORE_INDEX
-    safe = torch.where(valid, targets, 0)
-    losses = torch.where(valid, lse - logits.gather(1, safe[:, None]).squeeze(1), 0.0)
-    return logits, lse, losses, raw.dtype
+    target_logit = logits.gather(1, _safe(targets)[:, None])
+    top = logits.amax(dim=1, keepdim=True)
+    # log-sum-exp written out, in place, so that one exp over [chunk, V] serves the loss and the softmax alike
+    exp = logits.sub_(top).exp_()
+    sums = exp.sum(dim=1, keepdim=True)
+    losses = torch.where(targets != IGNORE_INDEX, (top + sums.log() - target_logit).squeeze(1), 0.0)
+    return exp, sums, losses, raw.dtype
+
+
+def _safe(targets: torch.Tensor) -> torch.Tensor:
+    return torch.where(targets != IGNORE_INDEX, targets, 0)  # an in-range column for ignored rows (weight 0)
 
 
 class FusedLinearCrossEntropy(torch.autograd.Function):
@@ -46,17 +52,14 @@ class FusedLinearCrossEntropy(torch.autograd.Function):
         grad_weight = torch.zeros_like(weight, dtype=torch.float32) if need_weight else None
         for start in range(0, hidden.shape[0], chunk):
             h, targets = hidden[start : start + chunk], labels[start : start + chunk]
-            logits, lse, losses, dtype = _chunk_losses(h, weight, targets)
+            exp, sums, losses, dtype = _chunk_exp(h, weight, targets)
             total += losses.sum()
             if not need_grad:
                 continue
             # d(mean loss)/d(logits) = (softmax - onehot) / count on the chunk's valid rows, 0 on ignored ones;
-            # built in place over the chunk's logits, the only [chunk, V] buffer.
-            valid = targets != IGNORE_INDEX
-            probs = logits.sub_(lse[:, None]).exp_()
-            probs[torch.arange(len(targets), device=probs.device), torch.where(valid, targets, 0)] -= 1.0
-            probs.mul_(torch.where(valid, 1.0 / count, 0.0)[:, None])
-            g = probs.to(dtype)
+            # built in place over the chunk's exp, the only [chunk, V] fp32 buffer.
+            scale = torch.where(targets != IGNORE_INDEX, 1.0 / count, 0.0)[:, None]
+            g = exp.mul_(scale / sums).scatter_add_(1, _safe(targets)[:, None], -scale).to(dtype)
             if need_hidden:
                 grad_hidden[start : start + chunk] = torch.mm(g, weight)
             if need_weight:
