@@ -62,8 +62,10 @@ class FusedLinearCrossEntropy(torch.autograd.Function):
             g = exp.mul_(scale / sums).scatter_add_(1, _safe(targets)[:, None], -scale).to(dtype)
             if need_hidden:
                 grad_hidden[start : start + chunk] = torch.mm(g, weight)
-            if need_weight:
-                grad_weight += torch.mm(g.t(), h)
+            if need_weight and g.dtype == grad_weight.dtype == h.dtype:
+                grad_weight.addmm_(g.t(), h)  # fp32 without autocast: accumulate in place, no [V, d] temporary
+            elif need_weight:
+                grad_weight += torch.mm(g.t(), h)  # the autocast dtype's product, summed over chunks in fp32
         ctx.save_for_backward(grad_hidden, grad_weight)
         ctx.weight_dtype = weight.dtype
         # As F.cross_entropy's mean: 0/0 = nan when every label is ignored.
