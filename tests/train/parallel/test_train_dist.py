@@ -46,6 +46,8 @@ FITS = {
     "stem-ddp-shards": ("stem", dict(parallel="ddp", grad_accum=2, data="shards")),
     # Memory levers under FSDP2: per-block activation checkpointing (applied before fully_shard), chunked loss.
     "stem-fsdp-memory": ("stem", dict(parallel="fsdp", activation_checkpointing=True, loss_chunk=24)),
+    # The fused loss reads the lm_head weight inside the root module's forward, where FSDP2 has gathered it.
+    "stem-fsdp-fused": ("stem", dict(parallel="fsdp", grad_accum=2, loss_chunk=24, fused_loss=True)),
 }
 # bf16 autocast; on 2 ranks FSDP2 also gathers the weights in bf16 (MixedPrecisionPolicy), so it is compared to
 # the 1-process bf16 run at bf16 precision rather than at TOL.
