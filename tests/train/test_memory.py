@@ -48,6 +48,23 @@ def test_chunked_loss_run_matches(tmp_path, make_train_config, make_model_config
         torch.testing.assert_close(y, x, rtol=1e-5, atol=1e-6)
 
 
+def test_fused_loss_evaluates_too(tmp_path, make_train_config, make_model_config, monkeypatch):
+    import dataclasses
+
+    from stemlm.model import decoder
+    from stemlm.model.fused_loss import fused_linear_cross_entropy
+
+    trainer = Trainer(make_model_config("stem"), make_train_config(tmp_path, steps=2, eval_every=0), progress=False)
+    trainer.fit()
+    full = trainer.evaluate()
+    calls = []
+    monkeypatch.setattr(
+        decoder, "fused_linear_cross_entropy", lambda *a: calls.append(1) or fused_linear_cross_entropy(*a)
+    )
+    trainer.cfg = dataclasses.replace(trainer.cfg, loss_chunk=40, fused_loss=True)
+    assert trainer.evaluate() == pytest.approx(full, rel=1e-6) and calls  # the held-out loss, through the fused path
+
+
 def test_cli_flags_reach_the_config(tmp_path, train_assets, capsys):
     import json
 

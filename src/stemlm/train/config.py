@@ -122,7 +122,7 @@ class TrainConfig:
     trainable: str = "all"  # all, or tables: only the token tables learn (backbone frozen, e.g. after a retrofit)
     # --- memory levers (stemlm.train.memory; the math is unchanged) ---
     loss_chunk: int = 0  # > 0: lm_head + cross-entropy this many tokens at a time, no full [tokens, V] logits kept
-    fused_loss: bool = False  # with loss_chunk: the fused lm_head + cross-entropy (stemlm.model.fused_loss)
+    fused_loss: bool = False  # with loss_chunk: the fused lm_head + cross-entropy (stemlm.model.fused_loss), eval too
     activation_checkpointing: bool = False  # recompute each decoder block's activations in backward
     compile: bool = False  # torch.compile each decoder block (stemlm.train.compile)
     profile: bool = False  # torch.profiler traces of a few steps in RUN/profile (stemlm.train.profiling)

@@ -421,7 +421,7 @@ class DistributedTrainer(Trainer):
                 kwargs = {}
                 if self.tables is not None:  # every rank's ids are here: the exchange is planned on the host
                     kwargs["rows"] = {"token": self.tables.lookup(part_x, all_ids=[p[0] for p in parts])}
-                out = self.model(part_x, labels=part_y, **kwargs)
+                out = self.model(part_x, labels=part_y, **kwargs, **self.eval_loss())
             totals += torch.tensor([out.loss.item() * part_y.numel(), part_y.numel()], dtype=torch.float64) * weight
         self.model.train()
         totals = totals.to(self.device)

@@ -432,11 +432,18 @@ class Trainer:
         windows = self.heldout_data.iter_eval_windows(cfg.seq_len, cfg.eval_batches * cfg.batch_size, cfg.batch_size)
         for x, y in windows:
             with self.autocast():
-                out = self.model(x.to(self.device), labels=y.to(self.device), **self.inference_rows())
+                out = self.model(
+                    x.to(self.device), labels=y.to(self.device), **self.inference_rows(), **self.eval_loss()
+                )
             total += out.loss.item() * y.numel()
             count += y.numel()
         self.model.train()
         return total / count
+
+    def eval_loss(self) -> dict[str, Any]:
+        """The fused loss evaluates without [tokens, V] logits too (no gradient work under no_grad); the other
+        paths keep evaluating on the full logits."""
+        return {"loss_chunk": self.cfg.loss_chunk, "fused_loss": True} if self.cfg.fused_loss else {}
 
     def fit(self) -> dict[str, Any]:
         """Train from `self.step` to `cfg.steps`, evaluating and saving on schedule; returns the final metrics."""
