@@ -124,6 +124,19 @@ def test_model_fused_loss_equals_full_loss(tied, chunk):
         torch.testing.assert_close(fused_grads[name], grad, rtol=1e-6, atol=1e-6, msg=name)
 
 
+def test_model_fused_loss_under_bf16_autocast():
+    cfg = config(tie_word_embeddings=True)
+    gen = torch.Generator().manual_seed(1)
+    x, y = torch.randint(0, VOCAB, (2, 16), generator=gen), torch.randint(0, VOCAB, (2, 16), generator=gen)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        full, full_grads = model_loss_grads(cfg, x, y)
+        fused, fused_grads = model_loss_grads(cfg, x, y, loss_chunk=9, fused_loss=True)
+    torch.testing.assert_close(fused.loss, full.loss, rtol=1e-2, atol=0)  # bf16 logits: 8 mantissa bits
+    for name, grad in full_grads.items():
+        assert fused_grads[name].dtype == grad.dtype == torch.float32, name
+        torch.testing.assert_close(fused_grads[name], grad, rtol=2e-2, atol=2e-3, msg=name)
+
+
 def test_fused_loss_without_chunk_is_an_error():
     x = torch.zeros(1, 4, dtype=torch.long)
     with pytest.raises(StemlmError, match="fused_loss needs loss_chunk"):

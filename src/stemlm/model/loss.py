@@ -6,6 +6,8 @@ relative) without ever holding the [N, V] logits: each chunk of `chunk` tokens r
 `torch.utils.checkpoint`, so autograd keeps only the chunk's input and recomputes its logits in backward, one
 chunk at a time. For paper-1b (V = 128,256) a 16k-token micro-batch would keep 8 GiB of fp32 logits plus the
 bf16 copy; chunks of 4096 keep 2 GiB transiently. The model picks this path with `forward(..., loss_chunk=N)`.
+`stemlm.model.fused_loss` is the fused alternative (`fused_loss=True`): gradients formed in the forward pass,
+three head matmuls per chunk instead of four.
 """
 
 from __future__ import annotations
