@@ -1,7 +1,7 @@
-"""Time and memory of the fused lm_head + cross-entropy against the plain `lm_head` + `F.cross_entropy`, at two
-vocabulary sizes side by side in one process.
+"""Time and memory of the fused lm_head + cross-entropy against the plain `lm_head` + `F.cross_entropy` (and the
+checkpointed chunks of `--loss-chunk`), at two vocabulary sizes side by side in one process.
 
-Each repetition runs forward + backward of both losses on the same [tokens, hidden] states, head weight and
+Each repetition runs forward + backward of the losses on the same [tokens, hidden] states, head weight and
 labels (a tenth ignored), in alternating order, so load from other processes hits them alike; medians are
 reported. Memory is measured two ways: the bytes autograd saves for backward (`saved_tensors_hooks`; the plain
 path keeps its [tokens, V] logits and log-probs) and the process's peak resident memory above its resident
@@ -13,8 +13,9 @@ shapes). The default shape is the tiny preset's hidden size at 8 x 256 tokens. L
     python benchmarks/fused_loss.py                           # V = 8192 and 131072, chunk 512
     nice -n 10 python benchmarks/fused_loss.py --threads 1    # on a shared CPU
 
-The last line is `RESULT fused_over_plain_time_v8192=… fused_over_plain_peak_bytes_v8192=… (the same at the
-other vocabularies) …` (ratios, < 1 = the fused loss is faster / smaller).
+The last line is `RESULT fused_over_plain_time_v8192=… fused_over_plain_peak_bytes_v8192=…
+fused_over_plain_saved_bytes_v8192=… fused_over_chunked_time_v8192=… fused_over_chunked_peak_bytes_v8192=…` and
+the same at the other vocabularies (ratios, < 1 = the fused loss is faster / smaller).
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ import torch
 import torch.nn.functional as F
 
 from stemlm.model.fused_loss import fused_linear_cross_entropy
-from stemlm.model.loss import IGNORE_INDEX
+from stemlm.model.loss import IGNORE_INDEX, chunked_cross_entropy
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -46,6 +47,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def plain_loss(h, w, y, chunk):
     return F.cross_entropy((h @ w.t()).float(), y, ignore_index=IGNORE_INDEX)
+
+
+def chunked_loss(h, w, y, chunk):
+    return chunked_cross_entropy(h, lambda t: t @ w.t(), y, chunk)
 
 
 def fused_loss(h, w, y, chunk):
@@ -96,18 +101,22 @@ def measure(vocab: int, args: argparse.Namespace) -> dict[str, float]:
     weight = torch.randn(vocab, args.hidden, generator=gen) * args.hidden**-0.5
     labels = torch.randint(0, vocab, (args.tokens,), generator=gen)
     labels[::10] = IGNORE_INDEX
-    fns = {"plain": plain_loss, "fused": fused_loss}
+    fns = {"plain": plain_loss, "chunked": chunked_loss, "fused": fused_loss}
     times: dict[str, list[float]] = {name: [] for name in fns}
     for fn in fns.values():  # warm-up
         step(fn, hidden, weight, labels, args.chunk)
     for rep in range(args.reps):
-        for name in list(fns)[:: 1 if rep % 2 == 0 else -1]:
+        for name in list(fns)[rep % len(fns) :] + list(fns)[: rep % len(fns)]:  # rotating order
             times[name].append(step(fns[name], hidden, weight, labels, args.chunk))
     out = {f"{name}_s": statistics.median(ts) for name, ts in times.items()}
     for name, fn in fns.items():
         out[f"{name}_saved"] = saved_bytes(fn, hidden, weight, labels, args.chunk)
         out[f"{name}_peak"] = peak_rss_bytes(fn, hidden, weight, labels, args.chunk)
     return out
+
+
+def mib(m: dict[str, float], kind: str) -> str:
+    return " / ".join(f"{m[f'{name}_{kind}'] / 2**20:.1f}" for name in ("plain", "chunked", "fused"))
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -119,14 +128,15 @@ def main(argv: list[str] | None = None) -> None:
     for vocab in (int(v) for v in args.vocabs.split(",")):
         m = measure(vocab, args)
         print(
-            f"V={vocab}: time plain {m['plain_s']:.3f} s, fused {m['fused_s']:.3f} s | saved for backward plain "
-            f"{m['plain_saved'] / 2**20:.1f} MiB, fused {m['fused_saved'] / 2**20:.1f} MiB | peak RSS rise plain "
-            f"{m['plain_peak'] / 2**20:.1f} MiB, fused {m['fused_peak'] / 2**20:.1f} MiB"
+            f"V={vocab}: time plain / chunked / fused {m['plain_s']:.3f} / {m['chunked_s']:.3f} / {m['fused_s']:.3f} s"
+            f" | saved for backward {mib(m, 'saved')} MiB | peak RSS rise {mib(m, 'peak')} MiB"
         )
         fields += [
             f"fused_over_plain_time_v{vocab}={ratio(m['fused_s'], m['plain_s']):.3f}",
             f"fused_over_plain_peak_bytes_v{vocab}={ratio(m['fused_peak'], m['plain_peak']):.3f}",
             f"fused_over_plain_saved_bytes_v{vocab}={ratio(m['fused_saved'], m['plain_saved']):.3f}",
+            f"fused_over_chunked_time_v{vocab}={ratio(m['fused_s'], m['chunked_s']):.3f}",
+            f"fused_over_chunked_peak_bytes_v{vocab}={ratio(m['fused_peak'], m['chunked_peak']):.3f}",
         ]
     print("RESULT " + " ".join(fields))
 
