@@ -2,12 +2,11 @@
 
 Skipped unless Debian's `chromium` and `chromium-driver` and the `selenium` package are installed (CI installs
 them; see the README). Chromium runs with flags that keep it from reaching for the network on an offline
-machine. `STEMLM_SCREENSHOT=docs/playground.png` makes the edit test save the page with the edit applied.
+machine. `scripts/playground_screenshot.py` drives the same page for the docs' screenshot.
 """
 
 from __future__ import annotations
 
-import os
 import shutil
 
 import pytest
@@ -94,7 +93,7 @@ def test_generate_streams_the_completion(browser, stem_site):
     set_value(browser, "max-new-tokens", "6")
     by_id(browser, "generate-btn").click()
     wait(browser, lambda d: by_id(d, "generate-output").get_attribute("data-done") == "1")
-    sampling = dict(max_new_tokens=6, greedy=True, temperature=0.8, top_k=0, top_p=1.0, seed=0)
+    sampling = dict(max_new_tokens=6, greedy=True, temperature=0.8, top_k=50, top_p=0.95, seed=0)
     expected = pg.tokenizer.decode(list(pg.stream(pg.encode(PROMPT), sampling)))
     completion = browser.find_element(By.CSS_SELECTOR, "#generate-output .completion").get_attribute("textContent")
     assert completion == expected
@@ -113,15 +112,15 @@ def test_edit_toggle_changes_the_output_not_the_prompt(browser, stem_site):
     assert not by_id(browser, "error").is_displayed(), by_id(browser, "error-text").text
     output = by_id(browser, "edit-output")
     assert output.get_attribute("data-state") == "on"
-    edited = (output.text, by_id(browser, "edit-output-top").text)
+    edited = (output.text, by_id(browser, "edit-top").text)
     edited_chips = [c.text.strip() for c in browser.find_elements(By.CSS_SELECTOR, "#edit-tokens .chip.edited")]
     assert edited_chips == [SOURCE]
-    if os.environ.get("STEMLM_SCREENSHOT"):
-        browser.save_screenshot(os.environ["STEMLM_SCREENSHOT"])
+    assert len(browser.find_elements(By.CSS_SELECTOR, ".top-table")) == 1  # one top-k table, not one per side
+    assert by_id(browser, "edit-top-title").text == "Next token: the 8 most likely with the edit"
 
     by_id(browser, "edit-toggle").click()
     wait(browser, lambda d: by_id(d, "edit-output").get_attribute("data-state") == "off")
-    plain = (by_id(browser, "edit-output").text, by_id(browser, "edit-output-top").text)
+    plain = (by_id(browser, "edit-output").text, by_id(browser, "edit-top").text)
     assert plain[0] != edited[0]  # the greedy continuation changes with this model (see conftest)
     assert plain[1] != edited[1]  # and so do the shown next-token probabilities
     assert by_id(browser, "prompt").get_attribute("value") == PROMPT
@@ -130,7 +129,7 @@ def test_edit_toggle_changes_the_output_not_the_prompt(browser, stem_site):
 
     by_id(browser, "edit-toggle").click()
     wait(browser, lambda d: by_id(d, "edit-output").get_attribute("data-state") == "on")
-    assert (by_id(browser, "edit-output").text, by_id(browser, "edit-output-top").text) == edited
+    assert (by_id(browser, "edit-output").text, by_id(browser, "edit-top").text) == edited
     assert by_id(browser, "before-text").text != by_id(browser, "after-text").text
 
 
@@ -183,7 +182,31 @@ def test_clicking_tokens_picks_the_source_span(browser, stem_site):
     assert [c.get_attribute("data-pos") for c in browser.find_elements(By.CSS_SELECTOR, ".chip.picked")] == [position]
     set_value(browser, "edit-target", TARGET)
     apply_edit(browser)
-    assert f"at positions {position}," in by_id(browser, "edit-summary").text
+    assert by_id(browser, "edit-summary").text.startswith(
+        f"Rows of {TARGET} at {SOURCE}'s token (position {position}), STEM layers 1 and 2; the largest change"
+    )
+
+
+def test_edit_choices_in_words_with_tooltips(browser, stem_site):
+    url, _ = stem_site
+    open_page(browser, url)
+    by_id(browser, "tab-edit").click()
+    pads = [o.text for o in Select(by_id(browser, "edit-pad")).options]
+    assert pads == [
+        "default: end-of-text row (saved edits: source's own row)",
+        "end-of-text row",
+        "source's own row",
+        "zero row",
+    ]
+    assert Select(by_id(browser, "edit-strategy")).first_selected_option.text == "automatic"
+    pad_tip = by_id(browser, "edit-pad-label").get_attribute("title")
+    assert pad_tip.endswith(
+        "a saved edit keeps the source's own row, since rewriting a padded token everywhere "
+        "would change every other word sharing it."
+    )
+    Select(by_id(browser, "edit-strategy")).select_by_value("left_pad")
+    strategy_tip = by_id(browser, "edit-strategy-label").get_attribute("title")
+    assert "target at the end, padding first (left_pad): longer source" in strategy_tip
 
 
 @pytest.mark.parametrize(

@@ -8,6 +8,23 @@ const state = {
   info: null, tokens: [], span: null, edit: null, nearest: new Map(), contribution: null, pendingSave: null,
 };
 const SHOWN_WORDS = 12; // words sharing a changed token listed inline; the rest behind "more"
+// Plain words for the edit module's strategies and pad rows (stemlm/edit/spans.py explains them): a short
+// label for the menu and a sentence for its tooltip. Every name the server lists must have one
+// (tests/serve/test_page.py).
+const STRATEGY_WORDS = {
+  auto: ["automatic", "token by token when the names are equally long; else the target repeated (longer source) or its last tokens (longer target)"],
+  one_to_one: ["token by token", "equal lengths only: the source's j-th token takes the target's j-th token's rows"],
+  left_pad: ["target at the end, padding first", "longer source: the target fills its last positions, the first ones get the padding row"],
+  right_pad: ["target at the start, padding after", "longer source: the target fills its first positions, the rest get the padding row"],
+  copy: ["target repeated", "longer source: the target's tokens repeated from the first position, no padding"],
+  subset: ["target's last tokens", "longer target: the source's positions take the target's last tokens"],
+  average: ["target averaged", "longer target: split into as many groups as the source has tokens; each position takes its group's mean row"],
+};
+const PAD_WORDS = {
+  eot: ["end-of-text row", "the row of <|endoftext|>, an entity-free row the model sees at every document boundary"],
+  source: ["source's own row", "padded positions keep the source token's own row"],
+  zero: ["zero row", "no STEM output at padded positions, a state the model never saw in training"],
+};
 
 function showError(message) {
   $("error-text").textContent = message;
@@ -71,9 +88,11 @@ async function loadInfo() {
   const stem = info.stem_layers.length ? `STEM layers ${info.stem_layers.join(", ")}` : "no STEM layers";
   $("model-info").textContent =
     `${info.checkpoint} · ffn=${info.ffn} · ${info.num_layers} layers · ${stem} · vocab ${info.vocab_size} · tables ${info.tables}`;
-  for (const s of info.strategies) $("edit-strategy").append(new Option(s, s));
-  $("edit-pad").append(new Option(`default (${info.default_pad}; saves: ${info.global_default_pad})`, ""));
-  for (const p of info.pads) $("edit-pad").append(new Option(p, p));
+  for (const s of info.strategies) $("edit-strategy").append(new Option(STRATEGY_WORDS[s][0], s));
+  const [editPad, savePad] = [PAD_WORDS[info.default_pad][0], PAD_WORDS[info.global_default_pad][0]];
+  $("edit-pad").append(new Option(`default: ${editPad} (saved edits: ${savePad})`, ""));
+  for (const p of info.pads) $("edit-pad").append(new Option(PAD_WORDS[p][0], p));
+  describeChoices();
   for (const name of info.entities) $("entities").append(new Option(name));
   for (const layer of info.stem_layers) {
     const label = el("label", "check");
@@ -222,6 +241,23 @@ $("see-btn").addEventListener("click", () => withBusy($("see-btn"), async () => 
 $("see-metric").addEventListener("change", drawHeatmap);
 
 // ----- edit: pick a span, apply, compare, toggle, save -----
+// The strategy and pad menus' tooltips: what each menu decides and what its chosen entry does.
+function describeChoices() {
+  const strategy = $("edit-strategy").value;
+  $("edit-strategy-label").title =
+    `Which target rows each source position takes when the two names have different numbers of tokens.\n` +
+    `${STRATEGY_WORDS[strategy][0]} (${strategy}): ${STRATEGY_WORDS[strategy][1]}.`;
+  const pad = $("edit-pad").value;
+  const chosen = pad
+    ? `${PAD_WORDS[pad][0]} (${pad}): ${PAD_WORDS[pad][1]}.`
+    : `default: ${PAD_WORDS[state.info.default_pad][1]}; a saved edit keeps the source's own row, since ` +
+      "rewriting a padded token everywhere would change every other word sharing it.";
+  $("edit-pad-label").title =
+    `The row that positions the target does not fill get (only "padding first" and "padding after" leave any).\n${chosen}`;
+}
+$("edit-strategy").addEventListener("change", describeChoices);
+$("edit-pad").addEventListener("change", describeChoices);
+
 async function refreshTokens() {
   if (!$("prompt").value.trim()) { $("edit-tokens").replaceChildren(); return; }
   const { tokens } = await api("/api/tokenize", { prompt: $("prompt").value });
@@ -264,27 +300,30 @@ function editRequest() {
   };
 }
 
-// One side's top-k next tokens: its probability (bar scaled to the table's largest), the other side's, and
-// the change the edit makes (edited minus before, whichever side is listed).
+// The one top-k table: the shown side's most likely next tokens, each with its probability before and with
+// the edit (bars scaled to the table's largest) and the change the edit makes.
+function probCell(p, scale) {
+  const cell = el("td", "prob");
+  const bar = el("span", "bar");
+  bar.style.width = `${Math.round((100 * p) / scale)}%`;
+  const track = el("span", "track");
+  track.append(bar);
+  cell.append(track, el("span", "num", prob(p)));
+  return cell;
+}
+
 function drawTop(box, top, editedSide) {
   const table = el("table", "top-table");
   const head = el("tr");
-  const labels = editedSide ? ["p edited", "p before"] : ["p before", "p edited"];
-  for (const h of ["token", ...labels, "change"]) head.append(el("th", "", h));
+  for (const h of ["token", "before", "with edit", "change"]) head.append(el("th", "", h));
   table.append(head);
   const scale = Math.max(...top.map((t) => Math.max(t.prob, t.other_prob)));
   for (const t of top) {
+    const [before, after] = editedSide ? [t.other_prob, t.prob] : [t.prob, t.other_prob];
+    const change = after - before;
     const tr = el("tr");
-    tr.append(el("td", "tok", shown(t.token)));
-    const p = el("td", "prob");
-    const bar = el("span", "bar");
-    bar.style.width = `${Math.round((100 * t.prob) / scale)}%`;
-    const track = el("span", "track");
-    track.append(bar);
-    p.append(track, el("span", "num", prob(t.prob)));
-    const change = editedSide ? t.prob - t.other_prob : t.other_prob - t.prob;
-    const delta = el("td", `num delta ${change > 0 ? "up" : change < 0 ? "down" : ""}`, `${change >= 0 ? "+" : "−"}${prob(Math.abs(change))}`);
-    tr.append(p, el("td", "num other", prob(t.other_prob)), delta);
+    tr.append(el("td", "tok", shown(t.token)), probCell(before, scale), probCell(after, scale));
+    tr.append(el("td", `num delta ${change > 0 ? "up" : change < 0 ? "down" : ""}`, `${change >= 0 ? "+" : "−"}${prob(Math.abs(change))}`));
     table.append(tr);
   }
   box.replaceChildren(table);
@@ -299,11 +338,10 @@ function drawEdit() {
   const out = $("edit-output");
   out.replaceChildren(el("span", "prompt-text", $("prompt").value), el("span", "completion", side.text));
   out.dataset.state = on ? "on" : "off";
-  drawTop($("edit-output-top"), side.top, on);
   $("before-text").textContent = result.before.text;
   $("after-text").textContent = result.after.text;
-  drawTop($("before-top"), result.before.top, false);
-  drawTop($("after-top"), result.after.top, true);
+  $("edit-top-title").textContent = `Next token: the ${side.top.length} most likely ${on ? "with the edit" : "before it"}`;
+  drawTop($("edit-top"), side.top, on);
   drawTokens();
 }
 
@@ -313,16 +351,33 @@ $("edit-btn").addEventListener("click", () => withBusy($("edit-btn"), async () =
   const result = await api("/api/edit", request);
   state.edit = result;
   state.tokens = result.tokens;
-  const what = result.positions.map((p) => shown(result.tokens[p].text)).join("");
-  $("edit-summary").textContent =
-    `"${what.trim()}" → "${request.target.trim()}" at positions ${result.positions.join(", ")}, ` +
-    `layers ${result.layers.join(", ") || "none"}${result.embed ? " + embedding" : ""}; ` +
-    `largest probability change ${result.max_abs_prob_change.toFixed(4)}`;
+  $("edit-summary").textContent = editSummary(result, request.target.trim());
   $("edit-toggle").disabled = false;
   $("edit-toggle").checked = true;
   drawEdit();
 }));
 $("edit-toggle").addEventListener("change", drawEdit);
+
+// "a, b and c"
+function inWords(items) {
+  return items.length < 2 ? items.join("") : `${items.slice(0, -1).join(", ")} and ${items[items.length - 1]}`;
+}
+
+// The edit in words: whose rows went where, e.g. "Rows of Germany at Spain's 2 tokens (positions 3 and 4),
+// STEM layers 1 and 3; …".
+function editSummary(result, target) {
+  const source = result.positions.map((p) => result.tokens[p].text).join("").trim();
+  const n = result.positions.length;
+  const plural = (word, count) => `${word}${count === 1 ? "" : "s"}`;
+  const parts = [];
+  if (result.layers.length) parts.push(`${plural("STEM layer", result.layers.length)} ${inWords(result.layers.map(String))}`);
+  if (result.embed) parts.push("the token embedding");
+  return (
+    `Rows of ${target} at ${source}'s ${n === 1 ? "token" : `${n} tokens`} ` +
+    `(${plural("position", n)} ${inWords(result.positions.map(String))}), ${inWords(parts)}; ` +
+    `the largest change in a next-token probability is ${result.max_abs_prob_change.toFixed(4)}.`
+  );
+}
 
 // ----- save: the CLI's rule (edit --save): tokens other words share are saved only once the user confirms -----
 function drawChangedTokens(changed) {
