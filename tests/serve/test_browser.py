@@ -8,6 +8,10 @@ machine. `scripts/playground_screenshot.py` drives the same page for the docs' s
 from __future__ import annotations
 
 import shutil
+import struct
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -278,3 +282,15 @@ def test_host_tables_show_cache_statistics(browser, stem_ckpt):
             assert f"hits {stats.hits} / {stats.unique_ids}" in text and f"misses {stats.misses}" in text
     finally:
         pg.close()
+
+
+def test_screenshot_script_writes_the_edited_page(stem_ckpt, tmp_path):
+    out = tmp_path / "page.png"
+    script = Path(__file__).resolve().parents[2] / "scripts" / "playground_screenshot.py"
+    done = subprocess.run(
+        [sys.executable, str(script), str(stem_ckpt), "--out", str(out)], capture_output=True, text=True
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith(f"wrote {out}: 'The capital of Spain is")
+    header = out.read_bytes()[:24]
+    assert header[:8] == b"\x89PNG\r\n\x1a\n" and struct.unpack(">I", header[16:20]) == (1280,)  # IHDR width
