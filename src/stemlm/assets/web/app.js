@@ -253,7 +253,7 @@ function describeChoices() {
     : `default: ${PAD_WORDS[state.info.default_pad][1]}; a saved edit keeps the source's own row, since ` +
       "rewriting a padded token everywhere would change every other word sharing it.";
   $("edit-pad-label").title =
-    `The row that positions the target does not fill get (only "padding first" and "padding after" leave any).\n${chosen}`;
+    `The row given to positions the target does not fill (only "padding first" and "padding after" leave any).\n${chosen}`;
 }
 $("edit-strategy").addEventListener("change", describeChoices);
 $("edit-pad").addEventListener("change", describeChoices);
