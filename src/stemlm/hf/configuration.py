@@ -1,8 +1,9 @@
 """`StemlmConfig`: the Hugging Face `PreTrainedConfig` twin of `stemlm.model.config.ModelConfig` (model_type "stemlm").
 
 It lets `AutoConfig.from_pretrained(folder)` read a stemlm checkpoint's config.json. The fields are the `ModelConfig`
-fields with the same defaults (read from it, so every kind's fields are there), plus `router_aux_loss_coef`, which
-only the HF wrapper uses: its `loss` is cross-entropy + `router_aux_loss_coef` · MoE auxiliary loss. All validation is
+fields with the same defaults (read from it, so every kind's fields are there), plus what only the HF wrapper uses:
+`router_aux_loss_coef` (its `loss` is cross-entropy + `router_aux_loss_coef` · MoE auxiliary loss), `use_cache` and
+the special token ids `bos_token_id`, `eos_token_id`, `pad_token_id` (read by `generate()`). All validation is
 `ModelConfig`'s, so a config that stemlm rejects is rejected here with the same message.
 Importing this module costs only `transformers.configuration_utils` (no torch model code); creating the first
 instance registers the model class with `AutoModelForCausalLM` (see `stemlm.hf.autoregister`).
@@ -35,6 +36,12 @@ class StemlmConfig(PreTrainedConfig):
     _fields(vars())  # the ModelConfig fields (shared and every kind's), never a hand copy
     # --- HF wrapper only (not part of ModelConfig) ---
     router_aux_loss_coef: float = 0.01  # Switch Transformers' alpha
+    # Declared as LlamaConfig declares them, so `generate()` finds them; None where the folder does not say
+    # (a stemlm checkpoint's config.json carries no tokenizer ids), as transformers' own defaults are.
+    use_cache: bool = True
+    pad_token_id: int | None = None
+    bos_token_id: int | None = None
+    eos_token_id: int | list[int] | None = None
 
     def __post_init__(self, **kwargs) -> None:
         super().__post_init__(**kwargs)

@@ -16,6 +16,14 @@ transformers 5 points handled here:
   recomputes the unsaved buffers (RoPE frequencies, hash-MoE assignment), which HF's loader leaves as
   uninitialised memory.
 - `_tied_weights_keys` is a dict {target: source}; HF ties only when `config.tie_word_embeddings` is set.
+- outputs as HF Llama gives them: `output_hidden_states` (keyword or config) returns the embeddings and every
+  layer's output, the last after the final norm; `output_attentions` (keyword or config) returns each layer's
+  weights from a math attention (`stemlm.model.attention.math_attention`) run for that call, as
+  `attn_implementation="eager"` does for every call; otherwise attention is SDPA and the forward is stemlm's
+  default one. Unset flags (`use_cache`, `return_dict`, ...) are read from the config; `return_dict=False` gives
+  the tuple. Gradient checkpointing (`gradient_checkpointing_enable()`) checkpoints each decoder layer.
+- `inputs_embeds` replaces `embed_tokens`; without `input_ids` only when no layer's kind reads the ids
+  (`Kind.reads_input_ids`: dense, moe, memory), since the others index tables or route by them.
 - labels follow HF: `labels` are the input ids (-100 = ignore), shifted by one here; `loss` is that mean
   cross-entropy plus `config.router_aux_loss_coef` · `aux_loss`, the summed MoE balancing (and z) losses,
   which is also returned on its own as `aux_loss` (None for kinds without a router).
@@ -38,6 +46,7 @@ from stemlm.errors import StemlmError
 from stemlm.hf.configuration import StemlmConfig
 from stemlm.model.attention import KVCache
 from stemlm.model.decoder import StemLM
+from stemlm.model.kinds.registry import get_kind
 
 
 @dataclass
@@ -73,7 +82,7 @@ class StemlmForCausalLM(PreTrainedModel, GenerationMixin):
     _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
     _no_split_modules = ["DecoderLayer"]
     _supports_sdpa = True  # our attention always runs scaled_dot_product_attention
-    supports_gradient_checkpointing = False
+    supports_gradient_checkpointing = True  # StemLM.forward checkpoints each layer (see DecoderStack)
 
     def __init__(self, config: StemlmConfig) -> None:
         if getattr(config, "stemlm_table_storage", None):  # transformers would load int8 codes as float weights
@@ -144,14 +153,21 @@ class StemlmForCausalLM(PreTrainedModel, GenerationMixin):
         labels: torch.LongTensor | None = None,
         use_cache: bool | None = None,
         past_key_values=None,
+        output_attentions: bool | None = None,
+        output_hidden_states: bool | None = None,
+        return_dict: bool | None = None,
         **kwargs,
-    ) -> StemlmCausalLMOutput:
-        """HF-style causal LM forward. `labels` are the input ids (shifted here); -100 marks ignored positions."""
-        if inputs_embeds is not None or input_ids is None:
-            raise StemlmError("stemlm models need input_ids (STEM tables are indexed by token id), not inputs_embeds")
-        for flag in ("output_attentions", "output_hidden_states"):
-            if kwargs.get(flag):
-                raise StemlmError(f"{flag}=True is not supported by stemlm models")
+    ) -> StemlmCausalLMOutput | tuple:
+        """HF-style causal LM forward. `labels` are the input ids (shifted here); -100 marks ignored positions.
+        Flags left None are read from the config, as in transformers."""
+        config = self.config
+        use_cache = config.use_cache if use_cache is None else use_cache
+        output_attentions = config.output_attentions if output_attentions is None else output_attentions
+        output_hidden_states = config.output_hidden_states if output_hidden_states is None else output_hidden_states
+        return_dict = config.return_dict if return_dict is None else return_dict
+        if self.model.gradient_checkpointing and self.training:
+            use_cache = False  # recomputing a layer would append its keys and values to the cache again
+        input_ids, embed_rows = self._inputs(input_ids, inputs_embeds)
         cache = cache if cache is not None else past_key_values
         if cache is not None and not isinstance(cache, KVCache):
             cache = _HFCacheView(cache)
@@ -167,9 +183,41 @@ class StemlmForCausalLM(PreTrainedModel, GenerationMixin):
             attention_mask=attention_mask,
             position_ids=position_ids,
             past_key_values=cache,
+            embed_rows=embed_rows,
+            output_hidden_states=bool(output_hidden_states),
+            # "eager" (attn_implementation="eager") runs the math attention even when the weights are not asked for.
+            output_attentions=bool(output_attentions) or config._attn_implementation == "eager",
         )
         loss = out.loss
         if loss is not None and out.aux_loss is not None:
-            loss = loss + self.config.router_aux_loss_coef * out.aux_loss
+            loss = loss + config.router_aux_loss_coef * out.aux_loss
         returned_cache = cache.cache if isinstance(cache, _HFCacheView) else cache
-        return StemlmCausalLMOutput(loss=loss, logits=out.logits, cache=returned_cache, aux_loss=out.aux_loss)
+        result = StemlmCausalLMOutput(
+            loss=loss,
+            logits=out.logits,
+            cache=returned_cache,
+            hidden_states=out.hidden_states,
+            attentions=out.attentions if output_attentions else None,
+            aux_loss=out.aux_loss,
+        )
+        return result if return_dict else result.to_tuple()
+
+    def _inputs(self, input_ids, inputs_embeds):
+        """(input_ids, embed_rows) for `StemLM.forward` from HF's pair of alternatives."""
+        if inputs_embeds is None:
+            if input_ids is None:
+                raise StemlmError("pass input_ids (or inputs_embeds, for kinds that do not read token ids)")
+            return input_ids, None
+        if input_ids is None:
+            config = self._stem.config
+            readers = sorted(
+                {f for i in range(config.num_hidden_layers) if get_kind(f := config.layer_ffn(i)).reads_input_ids()}
+            )
+            if readers:
+                raise StemlmError(
+                    f"inputs_embeds without input_ids: ffn={','.join(readers)} reads the token ids (its tables or "
+                    "routing are indexed by them); pass input_ids too"
+                )
+            # No layer reads the ids, so zeros stand in for them: they only give the forward its shape.
+            input_ids = torch.zeros(inputs_embeds.shape[:2], dtype=torch.long, device=inputs_embeds.device)
+        return input_ids, lambda ids: inputs_embeds

@@ -1,5 +1,8 @@
 """The shared decoder parts: RMSNorm, rotary position embeddings, grouped-query attention and the KV cache.
 
+Attention runs `scaled_dot_product_attention`; `math_attention` is the same formula written out, used only when
+a caller asks for the attention weights (Hugging Face's `output_attentions`).
+
 Numerics follow Hugging Face Llama (norm in fp32, `rotate_half` RoPE with fp32 frequencies) so a dense
 stemlm checkpoint gives the same logits as `transformers.LlamaForCausalLM` (tested to 1e-5 in fp32).
 """
@@ -146,9 +149,11 @@ class Attention(nn.Module):
         mask: torch.Tensor | None,
         cache: KVCache | None,
         values: Callable[[torch.Tensor], torch.Tensor] | None = None,
+        weights: list[torch.Tensor] | None = None,
     ) -> torch.Tensor:
         """`values`, when given, maps this call's value vectors [B, kv_heads, T, head_dim] to the ones attended to
-        and cached (a kind acting on attention's values, `Kind.acts_on_values`)."""
+        and cached (a kind acting on attention's values, `Kind.acts_on_values`). `weights`, when given, receives
+        this layer's attention weights [B, heads, T, past+T], computed by `math_attention` instead of SDPA."""
         B, T, _ = x.shape
         q = self.q_proj(x).view(B, T, self.num_heads, self.head_dim).transpose(1, 2)
         k = self.k_proj(x).view(B, T, self.num_kv_heads, self.head_dim).transpose(1, 2)
@@ -159,6 +164,12 @@ class Attention(nn.Module):
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if cache is not None:
             k, v = cache.update(self.layer_idx, k, v)
+        # mask None with T > 1 means a fresh causal prefill; a single new token attends to everything cached.
+        is_causal = mask is None and T > 1
+        if weights is not None:
+            y, w = math_attention(q, k, v, mask, is_causal)
+            weights.append(w)
+            return self.o_proj(y.transpose(1, 2).reshape(B, T, self.num_heads * self.head_dim))
         gqa = {}
         if self.num_kv_heads != self.num_heads:
             if SDPA_GQA:
@@ -166,10 +177,26 @@ class Attention(nn.Module):
             else:
                 repeat = self.num_heads // self.num_kv_heads
                 k, v = k.repeat_interleave(repeat, dim=1), v.repeat_interleave(repeat, dim=1)
-        # mask None with T > 1 means a fresh causal prefill; a single new token attends to everything cached.
-        is_causal = mask is None and T > 1
         y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal, **gqa)
         return self.o_proj(y.transpose(1, 2).reshape(B, T, self.num_heads * self.head_dim))
+
+
+def math_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, is_causal: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """SDPA written out (HF's eager attention: softmax in fp32), for callers that want the weights.
+
+    q [B, H, T, hd], k/v [B, kv_heads, S, hd], `mask` and `is_causal` as SDPA takes them. Returns the output
+    [B, H, T, hd] and the weights [B, H, T, S]; the output equals SDPA's to rounding, not bitwise."""
+    repeat = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(repeat, dim=1), v.repeat_interleave(repeat, dim=1)
+    scores = (q @ k.transpose(-1, -2)) * q.shape[-1] ** -0.5
+    if is_causal:
+        mask = torch.ones(q.shape[2], k.shape[2], dtype=torch.bool, device=q.device).tril()
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    w = scores.softmax(dim=-1, dtype=torch.float32).to(q.dtype)
+    return w @ v, w
 
 
 def build_attention_mask(

@@ -13,9 +13,11 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 
 import torch
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from stemlm.errors import StemlmError
 from stemlm.model.attention import Attention, KVCache, RMSNorm, RotaryEmbedding, build_attention_mask
@@ -39,6 +41,9 @@ class ModelOutput:
     aux_loss: torch.Tensor | None = None  # sum of MoE auxiliary losses (None for kinds without one)
     past_key_values: KVCache | None = None
     expert_counts: dict[int, torch.Tensor] = field(default_factory=dict)
+    # Only when asked (forward's output_hidden_states / output_attentions), in Hugging Face's layout:
+    hidden_states: tuple[torch.Tensor, ...] | None = None  # embeddings, layers 0..L-2 outputs, final-normed output
+    attentions: tuple[torch.Tensor, ...] | None = None  # per layer [B, heads, T, past+T] (math attention)
 
 
 def build_ffn(config: ModelConfig, layer_idx: int) -> nn.Module:
@@ -55,17 +60,22 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.acts_on_values = get_kind(config.layer_ffn(layer_idx)).acts_on_values
 
-    def forward(self, x, rope, mask, cache: KVCache | None, ctx: TokenContext) -> torch.Tensor:
+    def forward(self, x, rope, mask, cache: KVCache | None, ctx: TokenContext, weights=None) -> torch.Tensor:
         values = (lambda v: self.mlp.mix_values(v, ctx)) if self.acts_on_values else None
-        x = x + self.self_attn(self.input_layernorm(x), rope, mask, cache, values)
+        x = x + self.self_attn(self.input_layernorm(x), rope, mask, cache, values, weights)
         return x + self.mlp(self.post_attention_layernorm(x), ctx)
 
 
 class DecoderStack(nn.Module):
-    """Embeddings, blocks and final norm: HF's `model.` prefix."""
+    """Embeddings, blocks and final norm: HF's `model.` prefix.
+
+    `gradient_checkpointing` (off) makes `StemLM.forward` run each layer through `_gradient_checkpointing_func`
+    while training; the names are those Hugging Face's `gradient_checkpointing_enable()` sets."""
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
+        self.gradient_checkpointing = False
+        self._gradient_checkpointing_func = partial(checkpoint, use_reentrant=False)
         self.embed_tokens = token_table(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -102,6 +112,8 @@ class StemLM(nn.Module):
         embed_rows: EmbedRows | None = None,
         loss_chunk: int = 0,
         fused_loss: bool = False,
+        output_hidden_states: bool = False,
+        output_attentions: bool = False,
     ) -> ModelOutput:
         """Logits for `input_ids` [B, T]. `labels` [B, T] are the targets of each position (not shifted here);
         `attention_mask` [B, past + T] marks real tokens with 1 (left padding); `past_key_values` continues a
@@ -111,7 +123,10 @@ class StemLM(nn.Module):
         [B, T, hidden]`, when given, supplies the input embeddings instead of `embed_tokens` (editing from
         outside); the lm_head is unaffected even when tied. `loss_chunk` > 0 with `labels` computes the loss
         `loss_chunk` tokens at a time (`stemlm.model.loss`) and returns no logits (None); `fused_loss` then takes
-        the fused lm_head + cross-entropy (`stemlm.model.fused_loss`) instead of the recomputing checkpoints."""
+        the fused lm_head + cross-entropy (`stemlm.model.fused_loss`) instead of the recomputing checkpoints.
+        `output_hidden_states` and `output_attentions` return them as Hugging Face Llama does (see `ModelOutput`);
+        the attention weights come from `math_attention`, so that forward's logits equal the default's to rounding,
+        not bitwise."""
         check_token_ids(input_ids, self.config.vocab_size)
         if fused_loss and loss_chunk <= 0:
             raise StemlmError(f"fused_loss needs loss_chunk > 0 (tokens per chunk), got loss_chunk={loss_chunk}")
@@ -133,9 +148,19 @@ class StemLM(nn.Module):
         mask = build_attention_mask(T, past_len, attention_mask, input_ids.device)
         ctx = TokenContext(input_ids=input_ids, rows=checked_rows(rows))
         fill_lookup_context(ctx, self.ngram_hasher, attention_mask, cache, past_len)
+        hidden = [] if output_hidden_states else None
+        weights = [] if output_attentions else None
+        checkpointed = self.model.gradient_checkpointing and self.training
         for layer in self.model.layers:
-            x = layer(x, rope, mask, cache, ctx)
+            if hidden is not None:
+                hidden.append(x)
+            if checkpointed:
+                x = self.model._gradient_checkpointing_func(layer.__call__, x, rope, mask, cache, ctx, weights)
+            else:
+                x = layer(x, rope, mask, cache, ctx, weights)
         x = self.model.norm(x)
+        if hidden is not None:
+            hidden.append(x)  # HF Llama's convention: the last layer's output is given after the final norm
         if labels is not None and loss_chunk > 0 and fused_loss:
             logits, loss = None, fused_linear_cross_entropy(x, self.lm_head.weight, labels, loss_chunk)
         elif labels is not None and loss_chunk > 0:
@@ -144,7 +169,7 @@ class StemLM(nn.Module):
             logits = self.lm_head(x)
             loss = cross_entropy(logits, labels) if labels is not None else None
         aux = torch.stack(ctx.aux_losses).sum() if ctx.aux_losses else None
-        return ModelOutput(logits, loss, aux, cache, ctx.expert_counts)
+        return ModelOutput(logits, loss, aux, cache, ctx.expert_counts, _tuple_or_none(hidden), _tuple_or_none(weights))
 
     # ----- parameters -----
     def tables(self, family: str) -> dict[int, nn.Module]:
@@ -224,6 +249,10 @@ class StemLM(nn.Module):
 
     def num_parameters(self) -> int:
         return sum(p.numel() for p in self.parameters())  # parameters() yields a tied weight once
+
+
+def _tuple_or_none(items: list | None) -> tuple | None:
+    return None if items is None else tuple(items)
 
 
 def _normal_(param: torch.Tensor, std: float, generator: torch.Generator) -> None:

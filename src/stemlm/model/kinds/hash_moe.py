@@ -66,4 +66,5 @@ KIND = Kind(
     count=count,
     fields=(NUM_EXPERTS, MOE_INTERMEDIATE_SIZE),
     components=("moe_experts",),
+    routes_by_id=True,
 )

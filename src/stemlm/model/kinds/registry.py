@@ -128,9 +128,15 @@ class Kind:
     activation_elements: Callable[[Config], int] | None = None  # FFN values saved per token (memory plan)
     edit_note: str | None = None  # said with every row edit of such a model (what an edit does not change)
     resolved: Callable[[Config], dict[str, Any]] | None = None  # its None defaults resolved (config comparison)
+    routes_by_id: bool = False  # reads `ctx.input_ids` without a table (hash layers: the id picks the expert)
 
     def families(self) -> tuple[str, ...]:
         return tuple(dict.fromkeys(t.family for t in self.tables))
+
+    def reads_input_ids(self) -> bool:
+        """Whether the module needs the token ids, not only embeddings (Hugging Face's `inputs_embeds` alone).
+        The prefetched families are exactly those whose row ids are computed from the input ids."""
+        return self.routes_by_id or any(FAMILIES[t.family].prefetch for t in self.tables)
 
 
 _KINDS: dict[str, Kind] = {}
