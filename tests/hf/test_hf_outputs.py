@@ -1,7 +1,7 @@
 """Tests of the transformers conventions of `StemlmForCausalLM` (issue 24): the config's special token ids and
 `use_cache`, `generate()` stopping on EOS, `output_hidden_states` / `output_attentions` (checked against HF Llama
-on a dense folder), `return_dict=False`, `inputs_embeds` and gradient checkpointing. Tiny configs; run with
-`OMP_NUM_THREADS=1 python -m pytest tests/hf/test_hf_outputs.py -q -x`.
+on a dense folder), `return_dict=False`, `inputs_embeds`, gradient checkpointing and the base model
+(`StemlmModel`). Tiny configs; run with `OMP_NUM_THREADS=1 python -m pytest tests/hf/test_hf_outputs.py -q -x`.
 """
 
 from __future__ import annotations
@@ -10,10 +10,10 @@ import json
 
 import pytest
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache, LlamaForCausalLM
+from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, DynamicCache, LlamaForCausalLM
 
 from stemlm.errors import StemlmError
-from stemlm.hf import StemlmConfig
+from stemlm.hf import StemlmConfig, StemlmModel
 from tests.hf.test_hf import random_ids, saved_stemlm, tiny_config
 
 
@@ -184,3 +184,27 @@ def test_gradient_checkpointing_gives_the_same_gradients(tmp_path, kind):
     assert hf(ids, labels=ids).cache is None  # no cache while checkpointing a training forward
     hf.gradient_checkpointing_disable()
     assert not hf.is_gradient_checkpointing
+
+
+# ----------------------------------------------------------------------------------------------------------
+# the base model
+# ----------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("kind", ["stem", "dense"])
+def test_base_model_is_a_pretrained_model_sharing_the_weights(tmp_path, kind):
+    _, folder, hf = loaded(tmp_path, kind)
+    assert isinstance(hf.base_model, StemlmModel) and hf.base_model is hf.model
+    assert {n for n, _ in hf.named_parameters()} == {f"model.{n}" for n, _ in hf.model.named_parameters()} | (
+        {"lm_head.weight"}
+    )
+    ids = random_ids(2, 6, seed=19)
+    full = hf(ids, output_hidden_states=True)
+    base = AutoModel.from_pretrained(folder).eval()  # a causal-LM folder loads into the base model
+    assert isinstance(base, StemlmModel)
+    out = base(ids, output_hidden_states=True)
+    assert torch.equal(out.last_hidden_state, full.hidden_states[-1])
+    assert len(out.hidden_states) == 4 and isinstance(out.past_key_values, DynamicCache)
+    assert torch.equal(base(ids, return_dict=False)[0], out.last_hidden_state)
+    base.save_pretrained(tmp_path / "base")  # and a base-model folder loads into the causal LM, all but the head
+    again, info = AutoModelForCausalLM.from_pretrained(tmp_path / "base", output_loading_info=True)
+    assert info["missing_keys"] == {"lm_head.weight"}
+    assert torch.equal(again.model(ids).last_hidden_state, out.last_hidden_state)

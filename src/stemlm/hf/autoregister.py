@@ -6,7 +6,7 @@ Registering needs the two classes, and the model class needs transformers' model
 
 - `AutoConfig` learns "stemlm" right after `transformers.models.auto.configuration_auto` executes (cheap: the
   config class needs only `configuration_utils`, already loaded by then).
-- `AutoModelForCausalLM` learns it when both its module (`...auto.modeling_auto`) is loaded and a
+- `AutoModel` and `AutoModelForCausalLM` learn it when both their module (`...auto.modeling_auto`) is loaded and a
   `StemlmConfig` has been created, whichever comes last. Every Auto path reaches the model class through a
   config instance (`from_pretrained` reads config.json first, `from_config` takes one), so that is never late,
   and the model-code imports happen just when `from_pretrained` would make them anyway.
@@ -33,14 +33,15 @@ def register_config(configuration_auto) -> None:
 
 def register_model(modeling_auto) -> None:
     from stemlm.hf.configuration import StemlmConfig
-    from stemlm.hf.modeling import StemlmForCausalLM
+    from stemlm.hf.modeling import StemlmForCausalLM, StemlmModel
 
+    modeling_auto.AutoModel.register(StemlmConfig, StemlmModel, exist_ok=True)
     modeling_auto.AutoModelForCausalLM.register(StemlmConfig, StemlmForCausalLM, exist_ok=True)
     _state["model_registered"] = True
 
 
 def register() -> None:
-    """Register the stemlm classes with `AutoConfig` and `AutoModelForCausalLM` now (imports transformers)."""
+    """Register the stemlm classes with `AutoConfig`, `AutoModel`, `AutoModelForCausalLM` now (imports transformers)."""
     register_config(import_module(CONFIG_AUTO))
     register_model(import_module(MODEL_AUTO))
 

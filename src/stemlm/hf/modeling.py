@@ -39,7 +39,7 @@ from torch import nn
 from transformers import initialization as init
 from transformers.cache_utils import DynamicCache
 from transformers.generation import GenerationMixin
-from transformers.modeling_outputs import CausalLMOutputWithPast
+from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
 from transformers.modeling_utils import PreTrainedModel
 
 from stemlm.errors import StemlmError
@@ -75,53 +75,32 @@ class _HFCacheView:
         return self.cache.update(k, v, layer_idx)
 
 
-class StemlmForCausalLM(PreTrainedModel, GenerationMixin):
+class StemlmPreTrainedModel(PreTrainedModel):
+    """What the base model and the causal LM share: the config class, the weight init and the forward's inputs."""
+
     config_class = StemlmConfig
     base_model_prefix = "model"
     main_input_name = "input_ids"
-    _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
     _no_split_modules = ["DecoderLayer"]
     _supports_sdpa = True  # our attention always runs scaled_dot_product_attention
     supports_gradient_checkpointing = True  # StemLM.forward checkpoints each layer (see DecoderStack)
 
-    def __init__(self, config: StemlmConfig) -> None:
+    def _build_stem(self, config: StemlmConfig, stem: StemLM | None) -> StemLM:
         if getattr(config, "stemlm_table_storage", None):  # transformers would load int8 codes as float weights
             raise StemlmError(
                 "this checkpoint stores its tables compactly (stemlm convert --table-dtype); transformers cannot "
                 "read that layout: load it with stemlm, or write a plain copy with stemlm export CKPT --out DIR"
             )
-        super().__init__(config)
-        stem = StemLM(config.to_model_config())
+        stem = stem if stem is not None else StemLM(config.to_model_config())
         # Kept outside the module tree (plain attribute) so its parameters are registered once, under the
         # wrapper's `model.` / `lm_head.` names, which are the checkpoint names.
         object.__setattr__(self, "_stem", stem)
-        self.model = stem.model
-        self.lm_head = stem.lm_head
-        self.post_init()
+        return stem
 
     @property
     def stem(self) -> StemLM:
         """The wrapped stemlm model (shares every parameter with this wrapper)."""
         return self._stem
-
-    # ----- embeddings (used by HF's resize/tie helpers) -----
-    def get_input_embeddings(self) -> nn.Embedding:
-        return self.model.embed_tokens
-
-    def set_input_embeddings(self, value: nn.Embedding) -> None:
-        self.model.embed_tokens = value
-
-    def get_output_embeddings(self) -> nn.Linear:
-        return self.lm_head
-
-    def set_output_embeddings(self, value: nn.Linear) -> None:
-        self.lm_head = self._stem.lm_head = value
-
-    def resize_token_embeddings(self, *args, **kwargs):
-        raise StemlmError(
-            "resizing the vocabulary of a stemlm model is not supported: its STEM/PLE tables have one row per token "
-            "and the hash-MoE assignment depends on vocab_size; build a model with the new vocab_size instead"
-        )
 
     # ----- initialisation -----
     def _init_weights(self, module: nn.Module) -> None:
@@ -142,65 +121,39 @@ class StemlmForCausalLM(PreTrainedModel, GenerationMixin):
             elif std is not None:
                 init.normal_(param, std=std)
 
-    # ----- forward -----
-    def forward(
-        self,
-        input_ids: torch.LongTensor | None = None,
-        attention_mask: torch.Tensor | None = None,
-        position_ids: torch.LongTensor | None = None,
-        cache=None,
-        inputs_embeds: torch.Tensor | None = None,
-        labels: torch.LongTensor | None = None,
-        use_cache: bool | None = None,
-        past_key_values=None,
-        output_attentions: bool | None = None,
-        output_hidden_states: bool | None = None,
-        return_dict: bool | None = None,
-        **kwargs,
-    ) -> StemlmCausalLMOutput | tuple:
-        """HF-style causal LM forward. `labels` are the input ids (shifted here); -100 marks ignored positions.
-        Flags left None are read from the config, as in transformers."""
-        config = self.config
-        use_cache = config.use_cache if use_cache is None else use_cache
-        output_attentions = config.output_attentions if output_attentions is None else output_attentions
-        output_hidden_states = config.output_hidden_states if output_hidden_states is None else output_hidden_states
-        return_dict = config.return_dict if return_dict is None else return_dict
-        if self.model.gradient_checkpointing and self.training:
+    def _run(self, input_ids, inputs_embeds, attention_mask, position_ids, cache, flags, labels=None, head=True):
+        """`StemLM.forward` on HF's arguments; `flags` are the (use_cache, output_attentions, output_hidden_states)
+        already resolved against the config. Returns stemlm's output and the HF cache to hand back."""
+        use_cache, output_attentions, output_hidden_states = flags
+        if self._stem.model.gradient_checkpointing and self.training:
             use_cache = False  # recomputing a layer would append its keys and values to the cache again
         input_ids, embed_rows = self._inputs(input_ids, inputs_embeds)
-        cache = cache if cache is not None else past_key_values
         if cache is not None and not isinstance(cache, KVCache):
             cache = _HFCacheView(cache)
         if cache is None and use_cache:
             cache = _HFCacheView(DynamicCache())
-        targets = None
-        if labels is not None:
-            # HF convention: position t predicts labels[t + 1]; the last position has no target.
-            targets = F.pad(labels[:, 1:], (0, 1), value=-100)
         out = self._stem(
             input_ids,
-            labels=targets,
+            labels=labels,
             attention_mask=attention_mask,
             position_ids=position_ids,
             past_key_values=cache,
             embed_rows=embed_rows,
             output_hidden_states=bool(output_hidden_states),
             # "eager" (attn_implementation="eager") runs the math attention even when the weights are not asked for.
-            output_attentions=bool(output_attentions) or config._attn_implementation == "eager",
+            output_attentions=bool(output_attentions) or self.config._attn_implementation == "eager",
+            head=head,
         )
-        loss = out.loss
-        if loss is not None and out.aux_loss is not None:
-            loss = loss + config.router_aux_loss_coef * out.aux_loss
-        returned_cache = cache.cache if isinstance(cache, _HFCacheView) else cache
-        result = StemlmCausalLMOutput(
-            loss=loss,
-            logits=out.logits,
-            cache=returned_cache,
-            hidden_states=out.hidden_states,
-            attentions=out.attentions if output_attentions else None,
-            aux_loss=out.aux_loss,
-        )
-        return result if return_dict else result.to_tuple()
+        return out, (cache.cache if isinstance(cache, _HFCacheView) else cache)
+
+    def _flags(self, use_cache, output_attentions, output_hidden_states, return_dict):
+        """The flags a caller left None, read from the config as transformers does."""
+        config = self.config
+        return (
+            (config.use_cache if use_cache is None else use_cache),
+            (config.output_attentions if output_attentions is None else output_attentions),
+            (config.output_hidden_states if output_hidden_states is None else output_hidden_states),
+        ), (config.return_dict if return_dict is None else return_dict)
 
     def _inputs(self, input_ids, inputs_embeds):
         """(input_ids, embed_rows) for `StemLM.forward` from HF's pair of alternatives."""
@@ -221,3 +174,139 @@ class StemlmForCausalLM(PreTrainedModel, GenerationMixin):
             # No layer reads the ids, so zeros stand in for them: they only give the forward its shape.
             input_ids = torch.zeros(inputs_embeds.shape[:2], dtype=torch.long, device=inputs_embeds.device)
         return input_ids, lambda ids: inputs_embeds
+
+
+class StemlmModel(StemlmPreTrainedModel):
+    """The decoder without its head (HF's base model, `StemlmForCausalLM.model`): embeddings, layers, final norm.
+
+    Its children are the `StemLM`'s own `model.` modules (the same objects), so the causal LM's `model.` parameter
+    names are this model's names with the prefix, and a base-model folder loads into the causal LM."""
+
+    def __init__(self, config: StemlmConfig, stem: StemLM | None = None) -> None:
+        super().__init__(config)
+        stem = self._build_stem(config, stem)
+        self.embed_tokens = stem.model.embed_tokens
+        self.layers = stem.model.layers
+        self.norm = stem.model.norm
+        self.rotary_emb = stem.model.rotary_emb
+        self.post_init()
+
+    # HF's gradient_checkpointing_enable() sets these on every module that has them; StemLM.forward reads the stack's.
+    @property
+    def gradient_checkpointing(self) -> bool:
+        return self._stem.model.gradient_checkpointing
+
+    @gradient_checkpointing.setter
+    def gradient_checkpointing(self, value: bool) -> None:
+        self._stem.model.gradient_checkpointing = value
+
+    @property
+    def _gradient_checkpointing_func(self):
+        return self._stem.model._gradient_checkpointing_func
+
+    @_gradient_checkpointing_func.setter
+    def _gradient_checkpointing_func(self, value) -> None:
+        self._stem.model._gradient_checkpointing_func = value
+
+    def get_input_embeddings(self) -> nn.Embedding:
+        return self.embed_tokens
+
+    def set_input_embeddings(self, value: nn.Embedding) -> None:
+        self.embed_tokens = self._stem.model.embed_tokens = value
+
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.LongTensor | None = None,
+        past_key_values=None,
+        inputs_embeds: torch.Tensor | None = None,
+        use_cache: bool | None = None,
+        output_attentions: bool | None = None,
+        output_hidden_states: bool | None = None,
+        return_dict: bool | None = None,
+        **kwargs,
+    ) -> BaseModelOutputWithPast | tuple:
+        """The final-normed hidden states [B, T, hidden] (`last_hidden_state`), as HF's base models return."""
+        flags, return_dict = self._flags(use_cache, output_attentions, output_hidden_states, return_dict)
+        # The hidden states are always collected: the last one is the output (they are views kept alive anyway
+        # while training; a probe asks for them).
+        out, cache = self._run(
+            input_ids, inputs_embeds, attention_mask, position_ids, past_key_values, (flags[0], flags[1], True),
+            head=False,
+        )  # fmt: skip
+        result = BaseModelOutputWithPast(
+            last_hidden_state=out.hidden_states[-1],
+            past_key_values=cache,
+            hidden_states=out.hidden_states if flags[2] else None,
+            attentions=out.attentions if flags[1] else None,
+        )
+        return result if return_dict else result.to_tuple()
+
+
+class StemlmForCausalLM(StemlmPreTrainedModel, GenerationMixin):
+    _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
+
+    def __init__(self, config: StemlmConfig) -> None:
+        super().__init__(config)
+        stem = self._build_stem(config, None)
+        self.model = StemlmModel(config, stem)
+        self.lm_head = stem.lm_head
+        self.post_init()
+
+    # ----- embeddings (used by HF's resize/tie helpers) -----
+    def get_input_embeddings(self) -> nn.Embedding:
+        return self.model.embed_tokens
+
+    def set_input_embeddings(self, value: nn.Embedding) -> None:
+        self.model.set_input_embeddings(value)
+
+    def get_output_embeddings(self) -> nn.Linear:
+        return self.lm_head
+
+    def set_output_embeddings(self, value: nn.Linear) -> None:
+        self.lm_head = self._stem.lm_head = value
+
+    def resize_token_embeddings(self, *args, **kwargs):
+        raise StemlmError(
+            "resizing the vocabulary of a stemlm model is not supported: its STEM/PLE tables have one row per token "
+            "and the hash-MoE assignment depends on vocab_size; build a model with the new vocab_size instead"
+        )
+
+    # ----- forward -----
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.LongTensor | None = None,
+        cache=None,
+        inputs_embeds: torch.Tensor | None = None,
+        labels: torch.LongTensor | None = None,
+        use_cache: bool | None = None,
+        past_key_values=None,
+        output_attentions: bool | None = None,
+        output_hidden_states: bool | None = None,
+        return_dict: bool | None = None,
+        **kwargs,
+    ) -> StemlmCausalLMOutput | tuple:
+        """HF-style causal LM forward. `labels` are the input ids (shifted here); -100 marks ignored positions.
+        Flags left None are read from the config, as in transformers."""
+        flags, return_dict = self._flags(use_cache, output_attentions, output_hidden_states, return_dict)
+        targets = None
+        if labels is not None:
+            # HF convention: position t predicts labels[t + 1]; the last position has no target.
+            targets = F.pad(labels[:, 1:], (0, 1), value=-100)
+        cache = cache if cache is not None else past_key_values
+        out, cache = self._run(input_ids, inputs_embeds, attention_mask, position_ids, cache, flags, targets)
+        loss = out.loss
+        if loss is not None and out.aux_loss is not None:
+            loss = loss + self.config.router_aux_loss_coef * out.aux_loss
+        result = StemlmCausalLMOutput(
+            loss=loss,
+            logits=out.logits,
+            cache=cache,
+            hidden_states=out.hidden_states,
+            attentions=out.attentions if flags[1] else None,
+            aux_loss=out.aux_loss,
+        )
+        return result if return_dict else result.to_tuple()

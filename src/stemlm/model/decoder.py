@@ -114,6 +114,7 @@ class StemLM(nn.Module):
         fused_loss: bool = False,
         output_hidden_states: bool = False,
         output_attentions: bool = False,
+        head: bool = True,
     ) -> ModelOutput:
         """Logits for `input_ids` [B, T]. `labels` [B, T] are the targets of each position (not shifted here);
         `attention_mask` [B, past + T] marks real tokens with 1 (left padding); `past_key_values` continues a
@@ -126,7 +127,8 @@ class StemLM(nn.Module):
         the fused lm_head + cross-entropy (`stemlm.model.fused_loss`) instead of the recomputing checkpoints.
         `output_hidden_states` and `output_attentions` return them as Hugging Face Llama does (see `ModelOutput`);
         the attention weights come from `math_attention`, so that forward's logits equal the default's to rounding,
-        not bitwise."""
+        not bitwise. `head=False` stops after the final norm (logits None; with `output_hidden_states` that is
+        Hugging Face's base model)."""
         check_token_ids(input_ids, self.config.vocab_size)
         if fused_loss and loss_chunk <= 0:
             raise StemlmError(f"fused_loss needs loss_chunk > 0 (tokens per chunk), got loss_chunk={loss_chunk}")
@@ -161,7 +163,9 @@ class StemLM(nn.Module):
         x = self.model.norm(x)
         if hidden is not None:
             hidden.append(x)  # HF Llama's convention: the last layer's output is given after the final norm
-        if labels is not None and loss_chunk > 0 and fused_loss:
+        if not head:
+            logits, loss = None, None
+        elif labels is not None and loss_chunk > 0 and fused_loss:
             logits, loss = None, fused_linear_cross_entropy(x, self.lm_head.weight, labels, loss_chunk)
         elif labels is not None and loss_chunk > 0:
             logits, loss = None, chunked_cross_entropy(x, self.lm_head, labels, loss_chunk)
