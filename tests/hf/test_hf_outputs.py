@@ -104,7 +104,7 @@ def test_attentions_with_a_cache_and_from_the_config(tmp_path, kind):
     ids = random_ids(2, 7, seed=14)
     reference = hf(ids).logits
     first = hf(ids[:, :4], use_cache=True)
-    step = hf(ids[:, 4:], past_key_values=first.past_key_values, output_attentions=True)
+    step = hf(ids[:, 4:], cache=first.cache, output_attentions=True)
     torch.testing.assert_close(step.logits, reference[:, 4:], atol=1e-5, rtol=0)
     weights = step.attentions[1]
     assert weights.shape == (2, 4, 3, 7)
@@ -202,9 +202,18 @@ def test_base_model_is_a_pretrained_model_sharing_the_weights(tmp_path, kind):
     assert isinstance(base, StemlmModel)
     out = base(ids, output_hidden_states=True)
     assert torch.equal(out.last_hidden_state, full.hidden_states[-1])
-    assert len(out.hidden_states) == 4 and isinstance(out.past_key_values, DynamicCache)
+    assert len(out.hidden_states) == 4 and isinstance(out.cache, DynamicCache)
     assert torch.equal(base(ids, return_dict=False)[0], out.last_hidden_state)
     base.save_pretrained(tmp_path / "base")  # and a base-model folder loads into the causal LM, all but the head
     again, info = AutoModelForCausalLM.from_pretrained(tmp_path / "base", output_loading_info=True)
     assert info["missing_keys"] == {"lm_head.weight"}
     assert torch.equal(again.model(ids).last_hidden_state, out.last_hidden_state)
+
+
+def test_shift_labels_replace_labels(tmp_path):
+    _, _, hf = loaded(tmp_path, "stem")
+    ids = random_ids(2, 7, seed=20)
+    shifted = torch.nn.functional.pad(ids[:, 1:], (0, 1), value=-100)  # what labels=ids gives after the shift
+    assert torch.equal(hf(ids, shift_labels=shifted).loss, hf(ids, labels=ids).loss)
+    other = random_ids(2, 7, seed=21)
+    assert torch.equal(hf(ids, labels=other, shift_labels=shifted).loss, hf(ids, labels=ids).loss)

@@ -7,8 +7,9 @@ its parameter names are exactly the checkpoint names (`model.layers.0.mlp.stem_e
 
 transformers 5 points handled here:
 - the KV cache: `generate` hands `forward` an HF `Cache` (a `DynamicCache` by default) as `cache` (the old
-  name `past_key_values` is still accepted). `_HFCacheView` presents it through the two members our attention
-  uses, so HF keeps owning the cache (beam reordering, cropping) and our attention code stays unchanged.
+  name `past_key_values` is still accepted, with transformers' deprecation warning). `_HFCacheView` presents it
+  through the two members our attention uses, so HF keeps owning the cache (beam reordering, cropping) and our
+  attention code stays unchanged.
   Static (pre-allocated) caches are refused: our attention has no mask over unused cache slots.
 - weights: `_init_weights` runs only on modules whose tensors were not loaded (HF's `_is_hf_initialized` flag,
   honoured by `transformers.initialization`), gives each parameter the std of `StemLM.init_specs` (tables by
@@ -41,6 +42,7 @@ from transformers.cache_utils import DynamicCache
 from transformers.generation import GenerationMixin
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
 from transformers.modeling_utils import PreTrainedModel
+from transformers.utils.deprecation import deprecate_kwarg
 
 from stemlm.errors import StemlmError
 from stemlm.hf.configuration import StemlmConfig
@@ -214,12 +216,13 @@ class StemlmModel(StemlmPreTrainedModel):
     def set_input_embeddings(self, value: nn.Embedding) -> None:
         self.embed_tokens = self._stem.model.embed_tokens = value
 
+    @deprecate_kwarg("past_key_values", "5.40.0", new_name="cache")  # transformers' own schedule for the rename
     def forward(
         self,
         input_ids: torch.LongTensor | None = None,
         attention_mask: torch.Tensor | None = None,
         position_ids: torch.LongTensor | None = None,
-        past_key_values=None,
+        cache=None,
         inputs_embeds: torch.Tensor | None = None,
         use_cache: bool | None = None,
         output_attentions: bool | None = None,
@@ -232,12 +235,12 @@ class StemlmModel(StemlmPreTrainedModel):
         # The hidden states are always collected: the last one is the output (they are views kept alive anyway
         # while training; a probe asks for them).
         out, cache = self._run(
-            input_ids, inputs_embeds, attention_mask, position_ids, past_key_values, (flags[0], flags[1], True),
+            input_ids, inputs_embeds, attention_mask, position_ids, cache, (flags[0], flags[1], True),
             head=False,
         )  # fmt: skip
         result = BaseModelOutputWithPast(
             last_hidden_state=out.hidden_states[-1],
-            past_key_values=cache,
+            cache=cache,
             hidden_states=out.hidden_states if flags[2] else None,
             attentions=out.attentions if flags[1] else None,
         )
@@ -274,6 +277,7 @@ class StemlmForCausalLM(StemlmPreTrainedModel, GenerationMixin):
         )
 
     # ----- forward -----
+    @deprecate_kwarg("past_key_values", "5.40.0", new_name="cache")  # transformers' own schedule for the rename
     def forward(
         self,
         input_ids: torch.LongTensor | None = None,
@@ -283,20 +287,20 @@ class StemlmForCausalLM(StemlmPreTrainedModel, GenerationMixin):
         inputs_embeds: torch.Tensor | None = None,
         labels: torch.LongTensor | None = None,
         use_cache: bool | None = None,
-        past_key_values=None,
         output_attentions: bool | None = None,
         output_hidden_states: bool | None = None,
         return_dict: bool | None = None,
+        shift_labels: torch.LongTensor | None = None,
         **kwargs,
     ) -> StemlmCausalLMOutput | tuple:
         """HF-style causal LM forward. `labels` are the input ids (shifted here); -100 marks ignored positions.
-        Flags left None are read from the config, as in transformers."""
+        `shift_labels`, when given, are the targets already aligned with the positions (sequence-parallel
+        trainers shift before sharding) and replace `labels`. Flags left None are read from the config."""
         flags, return_dict = self._flags(use_cache, output_attentions, output_hidden_states, return_dict)
-        targets = None
-        if labels is not None:
+        targets = shift_labels
+        if labels is not None and shift_labels is None:
             # HF convention: position t predicts labels[t + 1]; the last position has no target.
             targets = F.pad(labels[:, 1:], (0, 1), value=-100)
-        cache = cache if cache is not None else past_key_values
         out, cache = self._run(input_ids, inputs_embeds, attention_mask, position_ids, cache, flags, targets)
         loss = out.loss
         if loss is not None and out.aux_loss is not None:
