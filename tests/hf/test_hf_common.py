@@ -11,7 +11,8 @@ Without `STEMLM_TRANSFORMERS_SDIST` (or with an sdist of another version) every 
 reason. The 5.x sdist ships `tests/test_modeling_common.py` and `tests/test_configuration_common.py` but not the
 modules they import (`tests/exporters/test_export.py`, `tests/generation/test_utils.py`,
 `tests/utils/test_configuration_utils.py`): empty mixins stand in for the first two, so the export and generation
-testers do not run here, and `ConfigTester.run_common_tests` is not run (its common kwargs are in the third).
+testers do not run here, and `ConfigTester`'s checks run one by one but for `check_config_arguments_init`, whose
+kwargs are in the third.
 """
 
 from __future__ import annotations
@@ -48,12 +49,16 @@ def _import_common():
         package.__path__ = [str(tests)]
         sys.modules[PACKAGE] = package
         # Stand-ins for the modules the sdist does not ship (see the docstring): mixins without tests.
-        stand_ins = (("exporters.test_export", "ExportTesterMixin"), ("generation.test_utils", "GenerationTesterMixin"))
-        for name, mixin in stand_ins:
+        stand_ins = (
+            ("exporters.test_export", "ExportTesterMixin", type("ExportTesterMixin", (), {})),
+            ("generation.test_utils", "GenerationTesterMixin", type("GenerationTesterMixin", (), {})),
+            ("utils.test_configuration_utils", "config_common_kwargs", None),  # only check_config_arguments_init
+        )
+        for name, attr, value in stand_ins:
             parent = f"{PACKAGE}.{name.split('.')[0]}"
             sys.modules.setdefault(parent, types.ModuleType(parent)).__path__ = []
             module = types.ModuleType(f"{PACKAGE}.{name}")
-            setattr(module, mixin, type(mixin, (), {}))
+            setattr(module, attr, value)
             sys.modules[module.__name__] = module
     try:
         return importlib.import_module(f"{PACKAGE}.test_modeling_common"), None
@@ -64,6 +69,19 @@ def _import_common():
 common, SKIP_REASON = _import_common()
 pytestmark = pytest.mark.skipif(common is None, reason=SKIP_REASON or "")
 ModelTesterMixin = common.ModelTesterMixin if common is not None else object
+
+# ConfigTester.run_common_tests, check by check, but check_config_arguments_init: its kwargs are not in the sdist.
+CONFIG_CHECKS = (
+    "create_and_test_config_common_properties",
+    "create_and_test_config_to_json_string",
+    "create_and_test_config_to_json_file",
+    "create_and_test_config_from_and_save_pretrained",
+    "create_and_test_config_from_and_save_pretrained_subfolder",
+    "create_and_test_config_from_and_save_pretrained_composite",
+    "create_and_test_config_with_num_labels",
+    "create_and_test_config_from_pretrained_custom_kwargs",
+    "check_config_can_be_init_without_params",
+)
 
 
 class StemlmModelTester:
@@ -142,3 +160,14 @@ class StemCommonTest(_CommonTests, unittest.TestCase):
 
     def test_inputs_embeds_matches_input_ids(self):
         self.skipTest("inputs_embeds without input_ids cannot index the STEM tables")
+
+
+@pytest.mark.parametrize("check", CONFIG_CHECKS)
+@pytest.mark.parametrize("ffn", ["dense", "stem"])
+def test_config_common(check, ffn):
+    # Its module imports tests/__init__.py as a transformers package (unused after that), a file the sdist lacks.
+    with mock.patch("transformers.utils.direct_transformers_import", lambda path: transformers):
+        config_tests = importlib.import_module(f"{PACKAGE}.test_configuration_common")
+    case = unittest.TestCase()
+    tester = config_tests.ConfigTester(case, config_class=StemlmConfig, hidden_size=40, ffn=ffn, stem_layers="all")
+    getattr(tester, check)()
