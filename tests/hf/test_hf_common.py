@@ -1,4 +1,4 @@
-"""transformers' own common model tests (`ModelTesterMixin`, `ConfigTester`) against a dense and a STEM config.
+"""transformers' own common model tests (`ModelTesterMixin`, `ConfigTester`) against every kind's config.
 
 The test files come from the transformers sdist of the installed version, never from this repository:
 
@@ -30,7 +30,8 @@ import transformers
 from transformers.models.auto import modeling_auto
 
 from stemlm.hf import StemlmConfig, StemlmForCausalLM, StemlmModel
-from stemlm.model.config import MODEL_TYPE
+from stemlm.model.config import FFN_KINDS, MODEL_TYPE
+from stemlm.model.kinds.registry import get_kind
 
 SDIST = Path(os.environ.get("STEMLM_TRANSFORMERS_SDIST", "/nonexistent"))
 PACKAGE = "transformers_sdist_tests"  # the sdist's tests/ folder, imported as a package under this name
@@ -105,6 +106,7 @@ class StemlmModelTester:
             max_position_embeddings=512,
             ffn=self.ffn,
             stem_layers="all",
+            memory_keys=16,  # memory's default (128² value rows) passes the testers' 1M-parameter cap
             pad_token_id=0,
             bos_token_id=1,
             eos_token_id=2,
@@ -147,23 +149,25 @@ class _CommonTests(ModelTesterMixin):
         self.skipTest("needs GradientCheckpointingLayer modules")
 
 
-class DenseCommonTest(_CommonTests, unittest.TestCase):
-    ffn = "dense"
-
-
-class StemCommonTest(_CommonTests, unittest.TestCase):
-    ffn = "stem"
-
-    # inputs_embeds without input_ids: STEM tables are indexed by token id, so that is refused by construction.
+class _ReadsIdsTests(_CommonTests):
+    # inputs_embeds without input_ids: the kind's tables or routing are indexed by token id (Kind.reads_input_ids),
+    # so that is refused by construction.
     def test_inputs_embeds(self):
-        self.skipTest("inputs_embeds without input_ids cannot index the STEM tables")
+        self.skipTest("inputs_embeds without input_ids: this kind reads the token ids")
 
     def test_inputs_embeds_matches_input_ids(self):
-        self.skipTest("inputs_embeds without input_ids cannot index the STEM tables")
+        self.skipTest("inputs_embeds without input_ids: this kind reads the token ids")
+
+
+# One test class per kind, found in the registry: DenseCommonTest, StemCommonTest, ...
+for _kind in FFN_KINDS:
+    _name = "".join(part.title() for part in _kind.split("_")) + "CommonTest"
+    _base = _ReadsIdsTests if get_kind(_kind).reads_input_ids() else _CommonTests
+    globals()[_name] = type(_name, (_base, unittest.TestCase), {"ffn": _kind})
 
 
 @pytest.mark.parametrize("check", CONFIG_CHECKS)
-@pytest.mark.parametrize("ffn", ["dense", "stem"])
+@pytest.mark.parametrize("ffn", FFN_KINDS)
 def test_config_common(check, ffn):
     # Its module imports tests/__init__.py as a transformers package (unused after that), a file the sdist lacks.
     with mock.patch("transformers.utils.direct_transformers_import", lambda path: transformers):
