@@ -24,7 +24,7 @@ transformers 5 points handled here:
   default one. Unset flags (`use_cache`, `return_dict`, ...) are read from the config; `return_dict=False` gives
   the tuple. Gradient checkpointing (`gradient_checkpointing_enable()`) checkpoints each decoder layer.
 - `inputs_embeds` replaces `embed_tokens`; without `input_ids` only when no layer's kind reads the ids
-  (`Kind.reads_input_ids`: dense, moe, memory), since the others index tables or route by them.
+  (`Kind.reads_input_ids` is false for all of them), since the others index tables or route by them.
 - labels follow HF: `labels` are the input ids (-100 = ignore), shifted by one here; `loss` is that mean
   cross-entropy plus `config.router_aux_loss_coef` · `aux_loss`, the summed MoE balancing (and z) losses,
   which is also returned on its own as `aux_loss` (None for kinds without a router).
