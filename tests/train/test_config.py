@@ -57,8 +57,8 @@ def test_overrides_parse_by_field_type():
     "item, fragment",
     [
         ("stepz=3", "unknown training config key 'stepz'"),
-        ("steps=three", "expects int"),
-        ("lr=fast", "expects float"),
+        ("steps=three", "expects an integer"),
+        ("lr=fast", "expects a number"),
         ("steps", "not of the form key=value"),
     ],
 )

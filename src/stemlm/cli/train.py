@@ -215,15 +215,9 @@ def split_overrides(items: list[str]) -> tuple[list[str], dict[str, str]]:
 
 def train_overrides(args) -> dict[str, Any]:
     """Training fields given on the command line (flags win over --set train.*)."""
-    from stemlm.train.config import parse_field
+    from stemlm.overrides import typed_overrides
 
-    _, values = split_overrides(args.overrides)
-    types = {f.name: str(f.type) for f in dataclasses.fields(TrainConfig)}
-    changes: dict[str, Any] = {}
-    for key, value in values.items():
-        if key not in types:
-            raise StemlmError(f"unknown training config key {key!r}; valid keys: {', '.join(sorted(types))}")
-        changes[key] = parse_field(key, value, types[key])
+    changes = typed_overrides(TrainConfig, split_overrides(args.overrides)[1], label="training config key")
     for _, field, _, _ in TRAIN_FLAGS:
         if getattr(args, field) is not None:
             changes[field] = getattr(args, field)

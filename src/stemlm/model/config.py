@@ -20,6 +20,7 @@ from typing import Any
 
 from stemlm.errors import StemlmError
 from stemlm.model.kinds.registry import all_kinds, kind_fields, kind_names
+from stemlm.overrides import apply_overrides
 
 FFN_KINDS = kind_names()
 # Kinds whose layers own a token-indexed table (they need the input ids at every position).
@@ -229,49 +230,7 @@ class ModelConfig:
 
     def with_overrides(self, overrides: dict[str, str] | list[str]) -> ModelConfig:
         """Apply `key=value` overrides (strings as typed on a command line), checking every key exists."""
-        if isinstance(overrides, list):
-            pairs = {}
-            for item in overrides:
-                if "=" not in item:
-                    raise StemlmError(f"override {item!r} is not of the form key=value")
-                key, value = item.split("=", 1)
-                pairs[key.strip().removeprefix("model.")] = value
-            overrides = pairs
-        fields = {f.name: f for f in dataclasses.fields(self)}
-        changes = {}
-        for key, raw in overrides.items():
-            if key not in fields or key == "model_type":
-                raise StemlmError(
-                    f"unknown config key {key!r}; valid keys: {', '.join(sorted(set(fields) - {'model_type'}))}"
-                )
-            changes[key] = _parse_value(raw, str(fields[key].type), key)
-        return self.replace(**changes)
+        return apply_overrides(self, overrides, prefix="model.", label="config key", fixed=("model_type",))
 
     def to_json(self) -> str:
         return json.dumps(self.to_hf_dict(), indent=2, sort_keys=True)
-
-
-def _parse_value(raw: Any, annotation: str, key: str) -> Any:
-    """Parse a command-line string by the field's declared type (`int | None` accepts "none")."""
-    if not isinstance(raw, str):
-        return raw
-    text = raw.strip()
-    kinds = [part.strip() for part in annotation.split("|")]
-    if "None" in kinds and text.lower() in ("none", "null"):
-        return None
-    if key == "stem_layers":
-        return [int(x) for x in text.split(",")] if text.replace(",", "").replace(" ", "").isdigit() else text
-    try:
-        if "bool" in kinds:
-            if text.lower() not in ("true", "false", "1", "0"):
-                raise ValueError
-            return text.lower() in ("true", "1")
-        if "int" in kinds:
-            return int(text)
-        if "float" in kinds:
-            return float(text)
-    except ValueError:
-        words = {"bool": "true or false", "int": "an integer", "float": "a number", "None": "none"}
-        expected = " or ".join(words.get(k, k) for k in kinds)
-        raise StemlmError(f"config key {key!r} expects {expected}, got {raw!r}") from None
-    return text

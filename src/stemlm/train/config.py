@@ -40,6 +40,7 @@ from typing import TYPE_CHECKING, Any
 from stemlm.errors import StemlmError
 from stemlm.model.config import ModelConfig
 from stemlm.model.kinds.registry import all_kinds
+from stemlm.overrides import apply_overrides
 
 if TYPE_CHECKING:  # torch and tokenizers load only when a run is resolved, so the CLI parser stays light
     from tokenizers import Tokenizer
@@ -265,43 +266,7 @@ class TrainConfig:
 
     def with_overrides(self, overrides: dict[str, Any] | list[str]) -> TrainConfig:
         """Apply overrides: a dict of typed values, or `key=value` strings (a `train.` prefix is allowed)."""
-        if isinstance(overrides, list):
-            pairs: dict[str, Any] = {}
-            for item in overrides:
-                if "=" not in item:
-                    raise StemlmError(f"override {item!r} is not of the form key=value")
-                key, value = item.split("=", 1)
-                pairs[key.strip().removeprefix("train.")] = value
-            overrides = pairs
-        fields = {f.name: f for f in dataclasses.fields(self)}
-        changes = {}
-        for key, value in overrides.items():
-            if key not in fields:
-                raise StemlmError(f"unknown training config key {key!r}; valid keys: {', '.join(sorted(fields))}")
-            changes[key] = parse_field(key, value, str(fields[key].type)) if isinstance(value, str) else value
-        return self.replace(**changes)
-
-
-def parse_field(key: str, raw: str, type_name: str) -> Any:
-    """Parse a command-line string for a field annotated `type_name` (e.g. "float | None", "list[str] | None")."""
-    optional = "None" in type_name
-    if optional and raw.strip().lower() in ("none", "null"):
-        return None
-    base = type_name.replace("| None", "").strip()
-    try:
-        if base == "bool":
-            if raw.lower() not in ("true", "false", "1", "0"):
-                raise ValueError
-            return raw.lower() in ("true", "1")
-        if base == "int":
-            return int(raw)
-        if base == "float":
-            return float(raw)
-        if base == "list[str]":
-            return [part for part in raw.split(",") if part]
-    except ValueError:
-        raise StemlmError(f"training config key {key!r} expects {type_name}, got {raw!r}") from None
-    return raw
+        return apply_overrides(self, overrides, prefix="train.", label="training config key")
 
 
 def _is_int(value: Any) -> bool:
