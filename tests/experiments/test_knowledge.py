@@ -9,7 +9,6 @@ import pytest
 
 from stemlm.cli.main import main
 from stemlm.data import load_corpus
-from stemlm.data.tokenizer import train_bpe
 from stemlm.data.worlds.facts import fact_prompts, load_countries
 from stemlm.errors import StemlmError
 from stemlm.experiments.knowledge import (
@@ -17,14 +16,10 @@ from stemlm.experiments.knowledge import (
     arm_plan,
     build_data,
     contrasts,
-    fact_recall,
-    greedy_matches,
     matched_steps,
     model_configs,
 )
 from stemlm.experiments.knowledge_report import markdown_table
-from stemlm.inference.generate import generate
-from stemlm.model import build_model
 from stemlm.model.accounting import training_flops_per_token
 
 
@@ -36,27 +31,6 @@ def test_matched_steps_equalise_training_flops():
     assert steps["dense"] == 250 and steps["stem"] > 250
     assert abs(steps["stem"] * stem - 250 * dense) <= stem / 2  # closest integer step count
     assert configs["stem"].special_layers == [1, 3] and configs["dense"].special_layers == []
-
-
-def test_greedy_matches_agree_with_generation(tiny_config):
-    model = build_model(tiny_config("stem"), seed=1).eval()
-    prompts = [[5, 9, 11], [7, 3], [100, 101, 102, 103]]
-    pairs = []
-    for p in prompts:
-        cont = generate(model, p, 3, greedy=True)
-        pairs.append((p, cont))
-        pairs.append((p, cont[:2] + [(cont[2] + 1) % 256]))  # last token wrong
-    assert greedy_matches(model, pairs, batch_size=2) == [True, False] * 3
-
-
-def test_fact_recall_on_a_model_that_knows_nothing(tiny_config):
-    texts = [p.prompt + p.answer for p in fact_prompts("train", ("capital",))]
-    tok = train_bpe(texts[:200], vocab_size=400)
-    model = build_model(tiny_config("dense", vocab_size=512), seed=0).eval()
-    result = fact_recall(model, tok, ("capital",))
-    assert result["train"]["prompts"] == len(fact_prompts("train", ("capital",)))
-    assert result["heldout"]["prompts"] == len(fact_prompts("heldout", ("capital",)))
-    assert result["train"]["recall"] == result["train"]["capital"] < 0.05  # a random model recalls ~nothing
 
 
 def test_build_data_mixture_split_and_tokenizer(tmp_path):

@@ -39,6 +39,7 @@ from tokenizers import Tokenizer
 from stemlm.data import EOT_TOKEN, embedded_texts, train_bpe
 from stemlm.data.worlds.facts import fact_documents, fact_prompts
 from stemlm.errors import StemlmError
+from stemlm.evaluation.recall import fact_recall
 from stemlm.experiments.folders import claim_out, start_unit
 from stemlm.experiments.stats import summarize_seeds
 from stemlm.model.accounting import active_parameters, total_parameters, training_flops_per_token
@@ -225,38 +226,6 @@ def train_arms(cfg, configs, plan, lrs, seed, tokenizer, data: Path, runs: Path)
 # ----------------------------------------------------------------------------------------------------------
 # evaluation
 # ----------------------------------------------------------------------------------------------------------
-@torch.no_grad()
-def greedy_matches(model, pairs: list[tuple[list[int], list[int]]], batch_size: int = 128) -> list[bool]:
-    """For each (prompt ids, answer ids): does greedy decoding reproduce the answer exactly? Teacher-forced
-    argmax over the answer positions, which is the greedy continuation as long as every token matches."""
-    device = next(model.parameters()).device
-    out = []
-    for start in range(0, len(pairs), batch_size):
-        chunk = pairs[start : start + batch_size]
-        width = max(len(p) + len(a) for p, a in chunk)
-        ids = torch.zeros(len(chunk), width, dtype=torch.long)
-        for b, (p, a) in enumerate(chunk):
-            ids[b, : len(p) + len(a)] = torch.tensor(p + a)
-        pred = model(ids.to(device)).logits.argmax(-1).cpu()
-        for b, (p, a) in enumerate(chunk):
-            out.append(bool((pred[b, len(p) - 1 : len(p) - 1 + len(a)] == torch.tensor(a)).all()))
-    return out
-
-
-def fact_recall(model, tokenizer: Tokenizer, relations: tuple[str, ...]) -> dict:
-    """Exact-match recall per template split and relation."""
-    result = {}
-    for split in ("train", "heldout"):
-        prompts = fact_prompts(split, relations)
-        pairs = [(tokenizer.encode(p.prompt).ids, tokenizer.encode(p.answer).ids) for p in prompts]
-        hits = greedy_matches(model, pairs)
-        result[split] = {"prompts": len(prompts), "recall": sum(hits) / len(hits)}
-        for rel in relations:
-            rel_hits = [h for h, p in zip(hits, prompts, strict=True) if p.relation == rel]
-            result[split][rel] = sum(rel_hits) / len(rel_hits) if rel_hits else None
-    return result
-
-
 def recall_chance(relations: tuple[str, ...]) -> float:
     """Chance of exact recall by a model that knows the answer set but not the facts: 1 / distinct answers
     (mean over relations), the rate of guessing uniformly among the relation's possible objects."""

@@ -1,4 +1,4 @@
-"""Tests for the torchrun helpers and the byte counter (single process; the 2-process path of
+"""Tests for the torchrun helpers, the failure line and the byte counter (single process; the 2-process path of
 `init_distributed` runs in test_sharded_tables.py). Run: `python -m pytest tests/train/parallel/test_launch.py -q`.
 """
 
@@ -13,6 +13,7 @@ import torch
 from stemlm.errors import StemlmError
 from stemlm.train.parallel.comm import CommCounter, all_to_all_rows, exchange_counts
 from stemlm.train.parallel.launch import init_distributed, local_batch_size, torchrun_command
+from stemlm.train.parallel.workers import failure_message
 
 
 def test_local_batch_size_keeps_the_global_batch():
@@ -56,8 +57,8 @@ def test_multi_node_command_uses_a_rendezvous():
 
 
 def test_slurm_tasks_become_ranks(monkeypatch):
-    from stemlm.cli.train_launch import distributed_worker
     from stemlm.train.parallel.launch import adopt_slurm_env
+    from stemlm.train.parallel.workers import distributed_worker
 
     for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
         monkeypatch.setenv(name, "")  # recorded, so the variables adopt_slurm_env sets are removed afterwards
@@ -72,3 +73,21 @@ def test_slurm_tasks_become_ranks(monkeypatch):
     monkeypatch.setenv("MASTER_PORT", "29500")
     assert distributed_worker()
     assert [os.environ[k] for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")] == ["9", "16", "1", "8"]
+
+
+TORCHRUN_TAIL = """Root Cause (first observed failure):
+[0]:
+  time      : 2026-11-29_11:17:43
+  rank      : 1 (local_rank: 1)
+  exitcode  : {code} (pid: 8407) {signal}
+  error_file: <N/A>
+"""
+
+
+def test_failure_line_names_the_rank_and_how_to_continue():
+    line = failure_message(TORCHRUN_TAIL.format(code=1, signal=""), 1, 2, "runs/x")
+    assert "rank 1 of 2 exited with code 1;" in line and line.endswith("stemlm train --resume runs/x --nproc 2")
+    assert "rank 1 of 2 exited with code -9 (killed by signal 9)" in failure_message(
+        TORCHRUN_TAIL.format(code=-9, signal="(SIGKILL)"), 1, 2, "runs/x"
+    )
+    assert "torchrun exited with code 1;" in failure_message("no summary", 1, 2, "runs/x")

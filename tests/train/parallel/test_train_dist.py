@@ -23,7 +23,7 @@ from safetensors.torch import load_file
 from stemlm.checkpoint.folder import read_state
 from stemlm.checkpoint.runs import resolve_checkpoint
 from stemlm.cli.main import build_parser, main
-from stemlm.cli.train_launch import failure_message, worker_argv
+from stemlm.cli.train_launch import worker_argv
 from stemlm.data import TokenDataset, load_corpus, load_tokenizer
 from stemlm.data.prepare import prepare
 from stemlm.errors import StemlmError
@@ -401,25 +401,6 @@ def test_worker_command_line_reproduces_the_flags():
     assert {k: v for k, v in vars(again).items() if k not in ignore} == {
         k: v for k, v in vars(args).items() if k not in ignore
     }
-
-
-TORCHRUN_TAIL = """Root Cause (first observed failure):
-[0]:
-  time      : 2026-11-29_11:17:43
-  rank      : 1 (local_rank: 1)
-  exitcode  : {code} (pid: 8407) {signal}
-  error_file: <N/A>
-"""
-
-
-def test_failure_line_names_the_rank_and_how_to_continue():
-    args = build_parser().parse_args(["train", "--nproc", "2", "--out", "runs/x"])
-    line = failure_message(TORCHRUN_TAIL.format(code=1, signal=""), 1, args)
-    assert "rank 1 of 2 exited with code 1;" in line and line.endswith("stemlm train --resume runs/x --nproc 2")
-    assert "rank 1 of 2 exited with code -9 (killed by signal 9)" in failure_message(
-        TORCHRUN_TAIL.format(code=-9, signal="(SIGKILL)"), 1, args
-    )
-    assert "torchrun exited with code 1;" in failure_message("no summary", 1, args)
 
 
 def test_batch_that_does_not_split_fails_before_starting_processes(capsys):
