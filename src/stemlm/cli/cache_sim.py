@@ -15,16 +15,15 @@ replayed tokens, so a large warm corpus turns LFU into a mostly static cache of 
 
 from __future__ import annotations
 
+import functools
 import sys
-import time
-from collections import Counter
 from pathlib import Path
 
 from stemlm.cli.common import add_json_flag, print_json
 from stemlm.errors import StemlmError
+from stemlm.offload.cache_sim import JSON_NAME, PNG_NAME
 
 DEFAULT_FRACTIONS = "0.01,0.05,0.1,0.2"
-JSON_NAME, PNG_NAME = "cache_sim.json", "cache_sim.png"
 
 
 def register(subparsers) -> None:
@@ -92,89 +91,9 @@ def _policies(text: str) -> list[str]:
     return names
 
 
-def _tokenizer_and_vocab(args):
-    from stemlm.checkpoint.folder import TOKENIZER_NAME, load_config
-    from stemlm.checkpoint.runs import resolve_checkpoint
-    from stemlm.data.tokenizer import get_tokenizer
-
-    if args.ckpt is None:
-        tok = get_tokenizer(args.tokenizer or "default")
-        return tok, tok.get_vocab_size(), args.tokenizer or "default"
-    folder = resolve_checkpoint(args.ckpt)
-    vocab = load_config(folder).vocab_size
-    if args.tokenizer is None and not (folder / TOKENIZER_NAME).is_file():
-        raise StemlmError(f"checkpoint {folder} has no {TOKENIZER_NAME}; name one with --tokenizer")
-    name = args.tokenizer or str(folder)
-    tok = get_tokenizer(name)
-    if tok.get_vocab_size() > vocab:
-        raise StemlmError(f"tokenizer {name} has {tok.get_vocab_size()} tokens, more than the model's {vocab}")
-    return tok, vocab, name
-
-
-def token_stream(tok, texts: list[str]) -> list[int]:
-    """Every text's ids followed by <|endoftext|> (when the tokenizer has it), as one stream."""
-    eot = tok.token_to_id("<|endoftext|>")
-    stream: list[int] = []
-    for encoding in tok.encode_batch(texts):
-        stream += encoding.ids + ([eot] if eot is not None else [])
-    return stream
-
-
-def simulate(stream, vocab, fractions, policies, warm_counts=None) -> dict:
-    from stemlm.offload.cache import replay, resolve_capacity
-
-    counts = Counter(stream)
-    ranked = sorted(counts.values(), reverse=True)
-    results, static = [], []
-    for fraction in fractions:
-        capacity = resolve_capacity(vocab, fraction=fraction)
-        static.append({"fraction": fraction, "capacity": capacity, "hit_rate": sum(ranked[:capacity]) / len(stream)})
-        for policy in policies:
-            stats = replay(stream, vocab, capacity, policy, warm_counts)
-            results.append(
-                {
-                    "policy": policy,
-                    "fraction": fraction,
-                    "capacity": capacity,
-                    "hits": stats.hits,
-                    "misses": stats.misses,
-                    "evictions": stats.evictions,
-                    "hit_rate": stats.hit_rate,
-                }
-            )
-    return {"tokens": len(stream), "distinct_tokens": len(counts), "results": results, "static_top": static}
-
-
-def plot(report: dict, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(6, 4))
-    for policy in dict.fromkeys(r["policy"] for r in report["results"]):
-        rows = [r for r in report["results"] if r["policy"] == policy]
-        ax.plot([100 * r["fraction"] for r in rows], [100 * r["hit_rate"] for r in rows], "o-", label=policy.upper())
-    ax.plot(
-        [100 * r["fraction"] for r in report["static_top"]],
-        [100 * r["hit_rate"] for r in report["static_top"]],
-        "k--",
-        label="best static (hindsight)",
-    )
-    ax.set_xlabel("cache size (% of vocabulary rows)")
-    ax.set_ylabel("hit rate (%)")
-    ax.set_title(f"STEM row cache, {report['tokens']:,} tokens, V={report['vocab_size']:,}")
-    ax.grid(alpha=0.3)
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-
-
 def run(args) -> int:
-    from stemlm.checkpoint.safe_write import AtomicFolder, check_target
-    from stemlm.data.corpus import embedded_texts
-    from stemlm.data.sources import read_texts
+    from stemlm.checkpoint.safe_write import check_target
+    from stemlm.offload.cache_sim import cache_sim_report, write_cache_sim
 
     out = Path(args.out) if args.out else None
     if out is None and args.ckpt is not None:
@@ -187,44 +106,16 @@ def run(args) -> int:
     fractions, policies = _floats(args.fractions), _policies(args.policy)
     if args.max_tokens is not None and args.max_tokens < 1:
         raise StemlmError("--max-tokens must be >= 1")
-    tok, vocab, tok_name = _tokenizer_and_vocab(args)
-    start = time.perf_counter()
-    stream = token_stream(tok, read_texts(args.data) if args.data else embedded_texts("heldout"))
-    stream = stream[: args.max_tokens]
-    if not stream:
-        raise StemlmError("the data encodes to no tokens")
-    warm = None
-    if args.warm is not None:
-        counts = Counter(token_stream(tok, read_texts(args.warm) if args.warm else embedded_texts("train")))
-        warm = [counts.get(t, 0) for t in range(vocab)]
-    print(f"cache-sim: replaying {len(stream):,} tokens (V={vocab:,}) ...", file=sys.stderr)
-    report = {
-        "tokenizer": tok_name,
-        "vocab_size": vocab,
-        "data": args.data or "embedded corpus, held-out split",
-        "warm": None if args.warm is None else (args.warm or "embedded corpus, train split"),
-        **simulate(stream, vocab, fractions, policies, warm),
-    }
-    if args.ckpt is not None:  # n-gram kinds: the n-gram row cache too (fractions of its rows, no warm start)
-        from stemlm.checkpoint.folder import load_config
-        from stemlm.checkpoint.runs import resolve_checkpoint
-        from stemlm.offload.ngram_sim import simulate_ngram
-
-        ngram = simulate_ngram(load_config(resolve_checkpoint(args.ckpt)), stream, fractions, policies)
-        if ngram is not None:
-            report["ngram"] = ngram
-    report["seconds"] = time.perf_counter() - start
+    log = functools.partial(print, file=sys.stderr)
+    sources = (args.ckpt, args.tokenizer, args.data, args.warm)
+    report = cache_sim_report(*sources, fractions, policies, args.max_tokens, log)
     if out is not None:
-        from stemlm.checkpoint.folder import write_json
-
         report["out"] = str(out)
-        with AtomicFolder(out, **guard) as tmp:
-            write_json(tmp / JSON_NAME, report)
-            plot(report, tmp / PNG_NAME)
+        write_cache_sim(report, out, **guard)
     if args.json:
         print_json(report)
         return 0
-    print(f"{report['tokens']:,} tokens, {report['distinct_tokens']:,} distinct, vocabulary {vocab:,}")
+    print(f"{report['tokens']:,} tokens, {report['distinct_tokens']:,} distinct, vocabulary {report['vocab_size']:,}")
     print(f"{'policy':<8}{'fraction':>9}{'rows':>8}{'hit rate':>10}")
     for r in report["results"]:
         print(f"{r['policy']:<8}{r['fraction']:>9g}{r['capacity']:>8}{100 * r['hit_rate']:>9.1f}%")

@@ -1,0 +1,159 @@
+"""The hot-row cache on real text: replay a token stream through each policy and size, write the hit-rate curve.
+
+`cache_sim_report(...)` is `stemlm cache-sim`: the tokenizer and vocabulary size come from a checkpoint (or a
+named tokenizer), the texts are tokenized and joined with <|endoftext|> (`token_stream`) and replayed one token
+per step, as in decoding (`simulate`, through `stemlm.offload.cache.replay`). Each cache size is a fraction of the
+vocabulary; `static_top` is the hit rate of the best fixed cache in hindsight (the stream's own most frequent
+ids). A warm start seeds the cache with token counts of other text, which weigh like replayed tokens. With a
+checkpoint of an n-gram kind, the n-gram row cache is simulated too (`stemlm.offload.ngram_sim`).
+`write_cache_sim` writes the JSON and the PNG (`plot_hit_rates`) atomically.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from collections.abc import Callable
+from pathlib import Path
+
+from stemlm.errors import StemlmError
+
+JSON_NAME, PNG_NAME = "cache_sim.json", "cache_sim.png"
+
+
+def replay_tokenizer(ckpt: str | None, tokenizer: str | None):
+    """(tokenizer, vocabulary size, tokenizer name): CKPT's (or `tokenizer`, checked to fit CKPT's vocabulary),
+    else the named tokenizer ("default" when none is named)."""
+    from stemlm.checkpoint.folder import TOKENIZER_NAME, load_config
+    from stemlm.checkpoint.runs import resolve_checkpoint
+    from stemlm.data.tokenizer import get_tokenizer
+
+    if ckpt is None:
+        tok = get_tokenizer(tokenizer or "default")
+        return tok, tok.get_vocab_size(), tokenizer or "default"
+    folder = resolve_checkpoint(ckpt)
+    vocab = load_config(folder).vocab_size
+    if tokenizer is None and not (folder / TOKENIZER_NAME).is_file():
+        raise StemlmError(f"checkpoint {folder} has no {TOKENIZER_NAME}; name one with --tokenizer")
+    name = tokenizer or str(folder)
+    tok = get_tokenizer(name)
+    if tok.get_vocab_size() > vocab:
+        raise StemlmError(f"tokenizer {name} has {tok.get_vocab_size()} tokens, more than the model's {vocab}")
+    return tok, vocab, name
+
+
+def token_stream(tok, texts: list[str]) -> list[int]:
+    """Every text's ids followed by <|endoftext|> (when the tokenizer has it), as one stream."""
+    eot = tok.token_to_id("<|endoftext|>")
+    stream: list[int] = []
+    for encoding in tok.encode_batch(texts):
+        stream += encoding.ids + ([eot] if eot is not None else [])
+    return stream
+
+
+def simulate(stream, vocab, fractions, policies, warm_counts=None) -> dict:
+    """Hits, misses and evictions of each (policy, fraction of `vocab`), and the best static cache's hit rate."""
+    from stemlm.offload.cache import replay, resolve_capacity
+
+    counts = Counter(stream)
+    ranked = sorted(counts.values(), reverse=True)
+    results, static = [], []
+    for fraction in fractions:
+        capacity = resolve_capacity(vocab, fraction=fraction)
+        static.append({"fraction": fraction, "capacity": capacity, "hit_rate": sum(ranked[:capacity]) / len(stream)})
+        for policy in policies:
+            stats = replay(stream, vocab, capacity, policy, warm_counts)
+            results.append(
+                {
+                    "policy": policy,
+                    "fraction": fraction,
+                    "capacity": capacity,
+                    "hits": stats.hits,
+                    "misses": stats.misses,
+                    "evictions": stats.evictions,
+                    "hit_rate": stats.hit_rate,
+                }
+            )
+    return {"tokens": len(stream), "distinct_tokens": len(counts), "results": results, "static_top": static}
+
+
+def cache_sim_report(
+    ckpt: str | None,
+    tokenizer: str | None,
+    data: list[str] | None,
+    warm: list[str] | None,
+    fractions: list[float],
+    policies: list[str],
+    max_tokens: int | None = None,
+    log: Callable[[str], None] = lambda message: None,
+) -> dict:
+    """The replay of `data` (default: the embedded corpus's held-out split), warm-started from the token counts
+    of `warm` when given ([]: the embedded corpus's train split); the dict `stemlm cache-sim --json` prints."""
+    from stemlm.data.corpus import embedded_texts
+    from stemlm.data.sources import read_texts
+
+    tok, vocab, tok_name = replay_tokenizer(ckpt, tokenizer)
+    start = time.perf_counter()
+    stream = token_stream(tok, read_texts(data) if data else embedded_texts("heldout"))
+    stream = stream[:max_tokens]
+    if not stream:
+        raise StemlmError("the data encodes to no tokens")
+    warm_counts = None
+    if warm is not None:
+        counts = Counter(token_stream(tok, read_texts(warm) if warm else embedded_texts("train")))
+        warm_counts = [counts.get(t, 0) for t in range(vocab)]
+    log(f"cache-sim: replaying {len(stream):,} tokens (V={vocab:,}) ...")
+    report = {
+        "tokenizer": tok_name,
+        "vocab_size": vocab,
+        "data": data or "embedded corpus, held-out split",
+        "warm": None if warm is None else (warm or "embedded corpus, train split"),
+        **simulate(stream, vocab, fractions, policies, warm_counts),
+    }
+    if ckpt is not None:  # n-gram kinds: the n-gram row cache too (fractions of its rows, no warm start)
+        from stemlm.checkpoint.folder import load_config
+        from stemlm.checkpoint.runs import resolve_checkpoint
+        from stemlm.offload.ngram_sim import simulate_ngram
+
+        ngram = simulate_ngram(load_config(resolve_checkpoint(ckpt)), stream, fractions, policies)
+        if ngram is not None:
+            report["ngram"] = ngram
+    report["seconds"] = time.perf_counter() - start
+    return report
+
+
+def write_cache_sim(report: dict, out: Path, **guard) -> None:
+    """`out`/cache_sim.json and cache_sim.png, written atomically (`guard`: `AtomicFolder`'s refusal rules)."""
+    from stemlm.checkpoint.folder import write_json
+    from stemlm.checkpoint.safe_write import AtomicFolder
+
+    with AtomicFolder(out, **guard) as tmp:
+        write_json(tmp / JSON_NAME, report)
+        plot_hit_rates(report, tmp / PNG_NAME)
+
+
+def plot_hit_rates(report: dict, path: Path) -> None:
+    """Hit rate against cache size, one line per policy and the best static cache dashed."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for policy in dict.fromkeys(r["policy"] for r in report["results"]):
+        rows = [r for r in report["results"] if r["policy"] == policy]
+        ax.plot([100 * r["fraction"] for r in rows], [100 * r["hit_rate"] for r in rows], "o-", label=policy.upper())
+    ax.plot(
+        [100 * r["fraction"] for r in report["static_top"]],
+        [100 * r["hit_rate"] for r in report["static_top"]],
+        "k--",
+        label="best static (hindsight)",
+    )
+    ax.set_xlabel("cache size (% of vocabulary rows)")
+    ax.set_ylabel("hit rate (%)")
+    ax.set_title(f"STEM row cache, {report['tokens']:,} tokens, V={report['vocab_size']:,}")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

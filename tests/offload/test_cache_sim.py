@@ -1,0 +1,42 @@
+"""The cache simulation of `stemlm cache-sim` as a library (stemlm.offload.cache_sim): the token stream joins
+documents with <|endoftext|>, every policy's counts equal the plain reference cache, the static line is the
+stream's own top ids, and the report and its files come out of the library without the CLI."""
+
+from __future__ import annotations
+
+import json
+
+from stemlm.data.tokenizer import get_tokenizer
+from stemlm.offload.cache_sim import JSON_NAME, PNG_NAME, cache_sim_report, simulate, token_stream, write_cache_sim
+
+
+def test_stream_joins_documents_with_the_end_of_text_id():
+    tok = get_tokenizer("default")
+    eot = tok.token_to_id("<|endoftext|>")
+    stream = token_stream(tok, ["one two", "three"])
+    assert stream == tok.encode("one two").ids + [eot] + tok.encode("three").ids + [eot]
+
+
+def test_simulate_matches_the_reference_and_the_static_top(reference_sim):
+    stream = [1, 2, 1, 3, 1, 2, 4, 5, 1, 2] * 3
+    report = simulate(stream, 10, [0.2], ["lfu", "lru"])
+    assert report["tokens"] == 30 and report["distinct_tokens"] == 5
+    for row in report["results"]:
+        expected, _ = reference_sim([[t] for t in stream], row["capacity"], row["policy"])
+        assert (row["hits"], row["misses"], row["evictions"]) == (
+            expected["hits"],
+            expected["misses"],
+            expected["evictions"],
+        )
+    assert report["static_top"] == [{"fraction": 0.2, "capacity": 2, "hit_rate": (12 + 9) / 30}]
+
+
+def test_report_and_files_without_a_checkpoint(tmp_path):
+    data = tmp_path / "a.txt"
+    data.write_text("The capital of Spain is Madrid. " * 20)
+    report = cache_sim_report(None, "default", [str(data)], [], [0.01, 0.1], ["lfu"], max_tokens=50)
+    assert report["tokens"] == 50 and report["tokenizer"] == "default" and "ngram" not in report
+    assert report["warm"] == "embedded corpus, train split" and len(report["results"]) == 2
+    write_cache_sim(report, tmp_path / "out", producer="test", force=False, sources=[])
+    assert json.loads((tmp_path / "out" / JSON_NAME).read_text())["results"] == report["results"]
+    assert (tmp_path / "out" / PNG_NAME).stat().st_size > 1000
