@@ -29,6 +29,7 @@ from tokenizers import Tokenizer
 from stemlm.checkpoint.folder import CONFIG_NAME, TOKENIZER_NAME, WEIGHTS_NAME, load_config, read_state, weight_files
 from stemlm.checkpoint.sharded import is_sharded
 from stemlm.errors import StemlmError
+from stemlm.model.config import ModelConfig
 from stemlm.model.decoder import StemLM
 from stemlm.runtime import check_device
 
@@ -240,3 +241,26 @@ def fill_model(
     model.tie_weights()
     model.reset_buffers(device)
     return model
+
+
+def load_model_config(path: str | Path) -> ModelConfig:
+    """A config from a checkpoint or run folder, or a JSON file (a model config, or {"model": {...}})."""
+    p = Path(path)
+    if p.is_dir() and (p / "run_config.json").is_file() and not (p / "config.json").is_file():
+        p = p / "run_config.json"  # a training run folder: its resolved config (model section nested)
+    elif p.is_dir():
+        p = resolve_checkpoint(p) / "config.json"
+    if not p.is_file():
+        raise StemlmError(f"{path} is neither a config.json file nor a folder holding one")
+    try:
+        data = json.loads(p.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise StemlmError(f"{p} is not valid JSON ({exc})") from None
+    if isinstance(data, dict) and isinstance(data.get("model"), dict) and "hidden_size" not in data:
+        data = data["model"]  # a run config with the model section nested
+    if not isinstance(data, dict):
+        raise StemlmError(f"{p} does not hold a JSON object")
+    try:
+        return ModelConfig.from_dict(data)
+    except TypeError as exc:
+        raise StemlmError(f"{p} is not a stemlm model config ({exc})") from None

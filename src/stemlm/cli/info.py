@@ -11,15 +11,11 @@ conventions). `--verify` also builds the model on the meta device (no memory) an
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
-from typing import Any
-
 from stemlm.cli.common import add_json_flag, print_json
 from stemlm.errors import StemlmError
-from stemlm.model.accounting import ATTENTION_MODES, DTYPE_BYTES, active_parameters, summarize, total_parameters
+from stemlm.model.accounting import ATTENTION_MODES, DTYPE_BYTES, summarize
 from stemlm.model.config import FFN_KINDS, ModelConfig
-from stemlm.model.presets import get_preset, list_presets, preset_source
+from stemlm.model.presets import get_preset, preset_source
 
 DEFAULT_SEQ_LEN = 2048
 
@@ -86,36 +82,13 @@ def add_memory_flags(parser) -> None:
     )
 
 
-def load_config_file(path: str) -> ModelConfig:
-    """A config from a checkpoint or run folder, or a JSON file (a model config, or {"model": {...}})."""
-    p = Path(path)
-    if p.is_dir() and (p / "run_config.json").is_file() and not (p / "config.json").is_file():
-        p = p / "run_config.json"  # a training run folder: its resolved config (model section nested)
-    elif p.is_dir():
-        from stemlm.checkpoint.runs import resolve_checkpoint
-
-        p = resolve_checkpoint(p) / "config.json"
-    if not p.is_file():
-        raise StemlmError(f"{path} is neither a config.json file nor a folder holding one")
-    try:
-        data = json.loads(p.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise StemlmError(f"{p} is not valid JSON ({exc})") from None
-    if isinstance(data, dict) and isinstance(data.get("model"), dict) and "hidden_size" not in data:
-        data = data["model"]  # a run config with the model section nested
-    if not isinstance(data, dict):
-        raise StemlmError(f"{p} does not hold a JSON object")
-    try:
-        return ModelConfig.from_dict(data)
-    except TypeError as exc:
-        raise StemlmError(f"{p} is not a stemlm model config ({exc})") from None
-
-
 def resolve(args) -> tuple[str, ModelConfig]:
     if args.preset:
         name, config = args.preset, get_preset(args.preset)
     elif args.config:
-        name, config = args.config, load_config_file(args.config)
+        from stemlm.checkpoint.runs import load_model_config
+
+        name, config = args.config, load_model_config(args.config)
     else:
         raise StemlmError("give --preset NAME, --config PATH or --list-presets")
     if args.ffn:
@@ -123,15 +96,6 @@ def resolve(args) -> tuple[str, ModelConfig]:
     if args.overrides:
         config = config.with_overrides(args.overrides)
     return name, config
-
-
-def verify_on_meta(config: ModelConfig) -> int:
-    from stemlm.model import build_model  # imports torch; only needed here
-
-    built = build_model(config, device="meta").num_parameters()
-    if built != total_parameters(config):
-        raise RuntimeError(f"accounting says {total_parameters(config)} parameters, the meta model has {built}")
-    return built
 
 
 def run(args) -> int:
@@ -150,6 +114,8 @@ def run(args) -> int:
     if args.preset:
         summary["source"] = preset_source(args.preset)
     if args.verify:
+        from stemlm.model.accounting_report import verify_on_meta
+
         summary["verified_parameters_on_meta"] = verify_on_meta(config)
     if args.memory:
         from stemlm.train.memory_plan import memory_plan
@@ -167,7 +133,14 @@ def run(args) -> int:
     if args.json:
         print_json(summary)
     else:
-        print(render(config, summary))
+        from stemlm.model.accounting_report import render_summary
+
+        text = render_summary(config, summary)
+        if "memory" in summary:
+            from stemlm.train.memory_plan import render_memory
+
+            text += "\n\n" + "\n".join(render_memory(summary["memory"]))
+        print(text)
         if args.verify:
             print(
                 f"verified: the model built on the meta device has {summary['verified_parameters_on_meta']:,} "
@@ -177,19 +150,9 @@ def run(args) -> int:
 
 
 def list_all(as_json: bool) -> int:
-    rows = []
-    for name in list_presets():
-        c = get_preset(name)
-        rows.append(
-            {
-                "name": name,
-                "ffn": c.ffn,
-                "layers": c.num_hidden_layers,
-                "hidden_size": c.hidden_size,
-                "total": total_parameters(c),
-                "active_backbone": active_parameters(c)["backbone"],
-            }
-        )
+    from stemlm.model.accounting_report import human, preset_rows
+
+    rows = preset_rows()
     if as_json:
         print_json({"presets": rows})
     else:
@@ -200,90 +163,3 @@ def list_all(as_json: bool) -> int:
                 f"{human(r['total']):>10}{human(r['active_backbone']):>10}"
             )
     return 0
-
-
-# ----------------------------------------------------------------------------------------------------------
-# the readable table
-# ----------------------------------------------------------------------------------------------------------
-def human(n: float, unit: str = "") -> str:
-    """6.67B (a count) or, with a unit, 2.30 GB / 2.44 GFLOPs."""
-    scales = ("T", "G", "M", "k") if unit else ("T", "B", "M", "k")
-    for scale, suffix in zip((1e12, 1e9, 1e6, 1e3), scales, strict=True):
-        if abs(n) >= scale:
-            return f"{n / scale:.2f}{' ' if unit else ''}{suffix}{unit}"
-    return f"{n:.0f}{' ' if unit else ''}{unit}"
-
-
-def render(config: ModelConfig, s: dict[str, Any]) -> str:
-    p, f, dec = s["parameters"], s["flops"], s["decode"]
-    special = ",".join(map(str, s["special_layers"])) or "none"
-    lines = [
-        f"{s['model']}: ffn {config.ffn} in layers [{special}] of {config.num_hidden_layers}; d {config.hidden_size}, "
-        f"d_ff {config.intermediate_size}, heads {config.num_attention_heads}/{config.kv_heads} x {config.head_size}, "
-        f"vocab {config.vocab_size}, {'tied' if config.tie_word_embeddings else 'untied'} embeddings",
-        *([f"source: {s['source']}"] if "source" in s else []),
-        "",
-        "parameters",
-    ]
-    lines += [f"  {k:<28}{v:>16,}  {100 * v / p['total']:5.1f}%" for k, v in p["components"].items() if v]
-    lines += [
-        f"  {'total':<28}{p['total']:>16,}  ({human(p['total'])})",
-        f"  {'active / token (backbone)':<28}{p['active_backbone']:>16,}  ({human(p['active_backbone'])}; "
-        "no tables, embedding in full)",
-        f"  {'active incl. looked-up rows':<28}{p['active_with_rows']:>16,}  (+{p['rows_per_token']:,} table entries)",
-        "",
-        f"forward FLOPs per token at L={s['seq_len']} ({s['attention']} attention; 2 x MACs, lookups are free)",
-    ]
-    forward = f["forward_per_token"]
-    lines += [f"  {k:<28}{human(v, 'FLOPs'):>16}" for k, v in forward.items() if v and k != "total"]
-    training = human(f["training_per_token"], "FLOPs")
-    lines.append(f"  {'total':<28}{human(forward['total'], 'FLOPs'):>16}  (training ~3x: {training})")
-    if config.ffn != "dense":
-        lines.append(f"  {'saving vs dense twin':<28}{100 * f['saving_vs_dense_twin']:>15.2f}%")
-    lines += [
-        "",
-        f"decode, batch 1, context {dec['context_len']}, {s['dtype']}",
-        f"  {'FLOPs / token':<28}{human(dec['flops_per_token'], 'FLOPs'):>16}",
-        f"  {'parameters read':<28}{dec['params_touched']:>16,}",
-    ]
-    for label, key in (("weight bytes", "weights"), ("KV cache bytes", "kv_cache")):
-        n = dec["bytes_per_token"][key]
-        lines.append(f"  {label:<28}{n:>16,}  ({human(n, 'B')})")
-    if "stem" in s:
-        st = s["stem"]
-        lines += [
-            "",
-            "STEM layer vs its dense twin (forward FLOPs)",
-            f"  {'exact saving (this config)':<28}{st['layer_saving_fraction']:>16.4f}",
-            f"  {'seed d_ff/(4d+2L+3d_ff)':<28}{st['seed_saving_fraction']:>16.4f}  (MHA, full attention scores)",
-        ]
-    if "paper" in s:
-        lines += ["", *render_paper(s["paper"])]
-    if "memory" in s:
-        lines += ["", *render_memory(s["memory"])]
-    return "\n".join(lines)
-
-
-def render_memory(m: dict[str, Any]) -> list[str]:
-    lines = [
-        f"training memory per rank: {m['nproc']} ranks, {m['parallel']}, tables {m['table_optim']}, "
-        f"{m['micro_batch_tokens_per_rank']:,} tokens per micro-batch (fp32 weights, grads, moments, activations)"
-    ]
-    for key, n in m["bytes_per_rank"].items():
-        lines.append(f"  {key:<28}{'n/a' if n is None else human(n, 'B'):>16}")
-    lines.append(f"  {'checkpoint model file':<28}{human(m['checkpoint_bytes']['model_fp32'], 'B'):>16}")
-    lines.append(f"  {'checkpoint optimizer (all)':<28}{human(m['checkpoint_bytes']['optimizer_all_ranks'], 'B'):>16}")
-    return lines
-
-
-def render_paper(c: dict[str, Any]) -> list[str]:
-    paper, ours, conv = c["paper"], c["ours"], c["paper_convention"]
-    return [
-        f"vs the paper ({c['preset']})          paper       ours   ours in the paper's convention",
-        f"  total parameters          {paper['total_b']:>8.2f}B {ours['total'] / 1e9:>9.2f}B"
-        f"   {conv['total'] / 1e9:.2f}B",
-        f"  active parameters         {paper['active_b']:>8.2f}B {ours['active_backbone'] / 1e9:>9.2f}B",
-        f"  GFLOPs / token            {paper['gflops_per_token']:>9.2f} {ours['gflops_per_token_matmuls_only']:>10.2f}"
-        f"    {conv['gflops_per_token']:.2f}   (ours: matmuls only, without attention scores)",
-        f"  why: {c['explanation']}",
-    ]

@@ -143,3 +143,18 @@ def memory_plan(
     }  # fmt: skip
     plan["bytes_per_rank"]["total"] = sum(v for v in plan["bytes_per_rank"].values() if v is not None)
     return plan
+
+
+def render_memory(m: dict[str, Any]) -> list[str]:
+    """The lines `stemlm info --memory` prints for a `memory_plan` result."""
+    from stemlm.model.accounting_report import human
+
+    lines = [
+        f"training memory per rank: {m['nproc']} ranks, {m['parallel']}, tables {m['table_optim']}, "
+        f"{m['micro_batch_tokens_per_rank']:,} tokens per micro-batch (fp32 weights, grads, moments, activations)"
+    ]
+    for key, n in m["bytes_per_rank"].items():
+        lines.append(f"  {key:<28}{'n/a' if n is None else human(n, 'B'):>16}")
+    lines.append(f"  {'checkpoint model file':<28}{human(m['checkpoint_bytes']['model_fp32'], 'B'):>16}")
+    lines.append(f"  {'checkpoint optimizer (all)':<28}{human(m['checkpoint_bytes']['optimizer_all_ranks'], 'B'):>16}")
+    return lines

@@ -1,0 +1,34 @@
+"""The accounting as text (stemlm.model.accounting_report): the table's lines carry the summary's figures, the
+preset list sizes every preset, and the meta-device check agrees with the arithmetic."""
+
+from __future__ import annotations
+
+from stemlm.model.accounting import summarize, total_parameters
+from stemlm.model.accounting_report import human, preset_rows, render_summary, verify_on_meta
+from stemlm.model.presets import get_preset, list_presets
+
+
+def test_human_prefixes():
+    assert (human(6.67e9), human(2.3e9, "B"), human(512), human(1500, "FLOPs")) == (
+        "6.67B",
+        "2.30 GB",
+        "512",
+        "1.50 kFLOPs",
+    )
+
+
+def test_table_names_the_model_and_its_totals():
+    config = get_preset("tiny")
+    summary = {"model": "tiny", **summarize(config, 256)}
+    lines = render_summary(config, summary).splitlines()
+    assert lines[0].startswith(f"tiny: ffn stem in layers [{','.join(map(str, config.special_layers))}] of 4")
+    total = summary["parameters"]["total"]
+    assert any(line.split()[:2] == ["total", f"{total:,}"] for line in lines)
+    assert "forward FLOPs per token at L=256 (causal attention; 2 x MACs, lookups are free)" in lines
+
+
+def test_preset_rows_and_meta_count():
+    rows = preset_rows()
+    assert [r["name"] for r in rows] == list(list_presets())
+    tiny = get_preset("tiny")
+    assert next(r for r in rows if r["name"] == "tiny")["total"] == total_parameters(tiny) == verify_on_meta(tiny)
