@@ -21,9 +21,6 @@ import sys
 from stemlm.cli.common import add_json_flag, print_json
 from stemlm.errors import StemlmError
 
-EOT_TOKEN = "<|endoftext|>"
-SHOWN_WORDS = 12  # words sharing a changed token, shown per token in text output
-
 
 def load_for_edit(ckpt: str):
     from stemlm.checkpoint.runs import load_checkpoint
@@ -44,40 +41,9 @@ def _save_sources(args) -> tuple:
     return sources
 
 
-def parse_layers(spec: str | None, model) -> list[int] | None:
-    from stemlm.model.config import resolve_layer_spec
-
-    if spec is None or spec.strip().lower() == "all":
-        return None
-    return resolve_layer_spec(spec, model.config.num_hidden_layers)
-
-
-def _view(model, tokenizer, prompt_ids, hooks, max_new_tokens: int, top_k: int) -> dict:
-    """Greedy completion and the top-k next-token probabilities under `hooks` (applied at prefill)."""
-    import torch
-
-    from stemlm.edit.positional import greedy_generate
-
-    with torch.no_grad():
-        logits = model(torch.tensor([prompt_ids]), rows=hooks[0], embed_rows=hooks[1]).logits[0, -1]
-    probs = logits.float().softmax(-1)
-    top = torch.topk(probs, min(top_k, probs.numel()))
-    eos = tokenizer.token_to_id(EOT_TOKEN)
-    ids = greedy_generate(model, prompt_ids, max_new_tokens, prefill=hooks, eos_id=eos)
-    return {
-        "completion": tokenizer.decode(ids),
-        "top_k": [
-            {"token": tokenizer.decode([int(i)]), "id": int(i), "prob": float(p)}
-            for p, i in zip(top.values, top.indices, strict=True)
-        ],
-    }
-
-
 def run(args) -> int:
-    from stemlm.edit.positional import edit_hooks, edit_note, make_edit
-    from stemlm.edit.shared_tokens import check_shared_subwords
-    from stemlm.edit.spans import DEFAULT_PAD, GLOBAL_DEFAULT_PAD, check_distinct
-    from stemlm.edit.table_edits import TableEditor
+    from stemlm.edit.session import EditOptions, render_edit, run_edit
+    from stemlm.edit.spans import check_distinct
 
     if args.inject is None and args.source is None:
         raise StemlmError("pass --source ENTITY (the name in the text) or --inject TOKEN, with --target ENTITY")
@@ -85,91 +51,23 @@ def run(args) -> int:
         raise StemlmError("--inject and --source are exclusive: inject gives a token rows, --source edits a name")
     if args.top_k < 1 or args.max_new_tokens < 0:
         raise StemlmError(f"--top-k must be >= 1 and --max-new-tokens >= 0 (got {args.top_k}, {args.max_new_tokens})")
-    positional = args.save is None and args.inject is None
-    if positional and args.prompt is None:
+    options = EditOptions.from_args(args)
+    if options.positional and args.prompt is None:
         raise StemlmError('a positional edit needs --prompt, e.g. --prompt "Country: Spain. Capital:"')
     if args.source is not None:
         check_distinct(args.source, args.target)
     sources = _save_sources(args)
     model, tokenizer = load_for_edit(args.ckpt)
-    layers = parse_layers(args.layers, model)
-    args.rows = args.rows or ("both" if args.inject is not None else "stem")
-    args.pad = args.pad or (DEFAULT_PAD if positional else GLOBAL_DEFAULT_PAD)
-    report: dict = {
-        "mode": "positional" if positional else "inject" if args.inject else "global",
-        "target": args.target,
-        "strategy": args.strategy,
-        "pad": args.pad,
-        "rows": args.rows,
-    }
-    prompt_ids = tokenizer.encode(args.prompt).ids if args.prompt is not None else None
-    if prompt_ids is not None and not prompt_ids:
-        raise StemlmError("the prompt encodes to no tokens; pass some text")
-    if positional:
-        edit = make_edit(
-            model,
-            tokenizer,
-            prompt_ids,
-            args.source,
-            args.target,
-            strategy=args.strategy,
-            pad=args.pad,
-            layers=layers,
-            rows=args.rows,
-        )
-        report.update(source=args.source, positions=list(edit.positions), layers=list(edit.layers))
-        before = _view(model, tokenizer, prompt_ids, (None, None), args.max_new_tokens, args.top_k)
-        after = _view(model, tokenizer, prompt_ids, edit_hooks(model, edit), args.max_new_tokens, args.top_k)
-    else:
-        before = _maybe_view(model, tokenizer, prompt_ids, args)
-        editor = TableEditor(model, tokenizer)
-        if args.inject is not None:
-            record = editor.inject(args.inject, args.target, strategy=args.strategy, layers=layers, rows=args.rows)
-            prompt_ids = tokenizer.encode(args.prompt).ids if args.prompt is not None else None  # new token now
-        else:
-            record = editor.edit(
-                args.source, args.target, strategy=args.strategy, pad=args.pad, layers=layers, rows=args.rows
-            )
-        report["edit"] = record.description
-        after = _maybe_view(model, tokenizer, prompt_ids, args)
-        if args.save is not None:
-            check_shared_subwords(record.description, args.allow_shared_subwords)
-            report["saved"] = str(editor.save(args.save, force=args.force, sources=sources))
-    report.update(prompt=args.prompt, before=before, after=after)
-    if edit_note(model):
-        report["note"] = edit_note(model)
+    report = run_edit(model, tokenizer, options, sources)
     if args.json:
         print_json(report)
-    else:
-        _print(report)
-    return 0
-
-
-def _maybe_view(model, tokenizer, prompt_ids, args) -> dict | None:
-    if prompt_ids is None:
-        return None
-    return _view(model, tokenizer, prompt_ids, (None, None), args.max_new_tokens, args.top_k)
-
-
-def _print(report: dict) -> None:
-    what = report.get("source") or (report.get("edit") or {}).get("token") or (report.get("edit") or {}).get("source")
-    print(f"{report['mode']} edit: {what!r} -> rows of {report['target']!r} ({report['rows']}, {report['strategy']})")
-    for name in ("before", "after"):
-        view = report[name]
-        if view is None:
-            continue
-        print(f"{name:>6}: {report['prompt']}{view['completion']!r}")
-        print("        " + "  ".join(f"{t['token']!r} {t['prob']:.3f}" for t in view["top_k"]))
-    for token in (report.get("edit") or {}).get("changed_tokens", []):
-        words = token["shared_with"]
-        shown = ", ".join(words[:SHOWN_WORDS]) + (
-            f", ... ({len(words)} in all; --json lists them)" if len(words) > SHOWN_WORDS else ""
-        )
-        print(f"rows changed: {token['token']!r} (id {token['id']}); also in: {shown or 'no other word'}")
+        return 0
+    print(render_edit(report))
     if "saved" in report:
         print(f"saved the edited checkpoint to {report['saved']}", file=sys.stderr)
     if "note" in report:
         print(f"note: {report['note']}", file=sys.stderr)
+    return 0
 
 
 def add_edit_flags(p, with_rows: bool = True) -> None:
@@ -226,23 +124,14 @@ def register(subparsers) -> None:
     p.set_defaults(func=run)
 
 
-def _variants(spec: str, model) -> list[str]:
-    if spec == "auto":
-        return ["stem", "embed", "both"] if model.stem_tables() else ["embed"]
-    variants = [v.strip() for v in spec.split(",") if v.strip()]
-    for v in variants:
-        if v not in ("stem", "embed", "both"):
-            raise StemlmError(f"unknown variant {v!r} in --variants; use a comma list of stem, embed, both")
-    return variants
-
-
 def run_eval(args) -> int:
     import json
 
     from stemlm.checkpoint.safe_write import check_file_target, write_output_file
     from stemlm.data.worlds.facts import RELATIONS, edit_records
-    from stemlm.edit.evaluate import evaluate_edits
+    from stemlm.edit.evaluate import edit_variants, evaluate_edits
     from stemlm.edit.report import format_edit_table
+    from stemlm.edit.session import parse_layers
 
     if args.relation not in RELATIONS:
         raise StemlmError(f"unknown relation {args.relation!r}; choose one of {', '.join(RELATIONS)}")
@@ -264,7 +153,7 @@ def run_eval(args) -> int:
     )
     results: dict = {"checkpoint": args.ckpt, "relation": args.relation, "seed": args.seed, "variants": {}}
     cache: dict = {}  # unedited scores and generations, shared by every variant of this model
-    for variant in _variants(args.variants, model):
+    for variant in edit_variants(args.variants, model):
         print(f"evaluating {variant} rows on {len(records)} records ...", file=sys.stderr)
         chosen = layers if variant != "embed" else None
         results["variants"][variant] = evaluate_edits(

@@ -378,3 +378,14 @@ def evaluate_edits(
     if details:
         result["details"] = per_record
     return result
+
+
+def edit_variants(spec: str, model: StemLM) -> list[str]:
+    """The row kinds `stemlm eval edits --variants` names (auto: all three for a STEM model, embed for dense)."""
+    if spec == "auto":
+        return ["stem", "embed", "both"] if model.stem_tables() else ["embed"]
+    variants = [v.strip() for v in spec.split(",") if v.strip()]
+    for v in variants:
+        if v not in ("stem", "embed", "both"):
+            raise StemlmError(f"unknown variant {v!r} in --variants; use a comma list of stem, embed, both")
+    return variants

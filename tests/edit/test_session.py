@@ -1,0 +1,41 @@
+"""One edit through the library (stemlm.edit.session), as `stemlm edit` makes it: a positional edit changes the
+view after and not before, the global one refuses shared sub-words unless allowed, and the text lists both sides."""
+
+from __future__ import annotations
+
+import pytest
+
+from stemlm.edit.evaluate import edit_variants
+from stemlm.edit.session import EditOptions, parse_layers, render_edit, run_edit
+from stemlm.errors import StemlmError
+
+PROMPT = "The capital of Spain is"
+
+
+def test_positional_edit_report(edit_model, fact_tokenizer):
+    model = edit_model()
+    options = EditOptions("Germany", source="Spain", prompt=PROMPT, max_new_tokens=3, top_k=2)
+    report = run_edit(model, fact_tokenizer, options)
+    assert (report["mode"], report["rows"], report["pad"]) == ("positional", "stem", "eot")
+    assert report["positions"] and len(report["before"]["top_k"]) == 2
+    other = EditOptions("France", source="Spain", prompt=PROMPT, max_new_tokens=3, top_k=2)
+    plain = run_edit(model, fact_tokenizer, other)
+    assert plain["before"] == report["before"]  # the unedited view does not depend on the edit
+    lines = render_edit(report).splitlines()
+    assert lines[0] == "positional edit: 'Spain' -> rows of 'Germany' (stem, auto)"
+    assert lines[1].startswith("before: The capital of Spain is") and lines[3].startswith(" after: ")
+
+
+def test_inject_without_a_prompt_has_no_views(edit_model, fact_tokenizer):
+    report = run_edit(edit_model(), fact_tokenizer, EditOptions("France", inject="Zorbia"))
+    assert (report["mode"], report["rows"], report["before"], report["after"]) == ("inject", "both", None, None)
+
+
+def test_layers_and_variants(edit_model):
+    model = edit_model()
+    assert parse_layers(None, model) is None and parse_layers("all", model) is None
+    assert parse_layers("0,2", model) == [0, 2]
+    assert edit_variants("auto", model) == ["stem", "embed", "both"]
+    assert edit_variants("auto", edit_model("dense")) == ["embed"]
+    with pytest.raises(StemlmError, match="unknown variant 'rows'"):
+        edit_variants("stem,rows", model)
