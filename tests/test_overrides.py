@@ -36,6 +36,8 @@ class Options:
         ("a.txt, b.txt,", "list[str] | None", ["a.txt", "b.txt"]),
         ("1e-3,3e-3", "tuple[float, ...]", (1e-3, 3e-3)),
         ("dense, stem", "tuple[str, ...]", ("dense", "stem")),
+        ("128,256", "tuple[int, ...]", (128, 256)),
+        ("none", "tuple[float, ...]", ()),
         ("<|x|>", "str", "<|x|>"),
         (5, "str", 5),  # typed values pass as they are
     ],

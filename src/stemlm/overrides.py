@@ -1,11 +1,12 @@
 """`key=value` overrides of any config dataclass, each value parsed by its field's annotation.
 
 The one parser behind `--set model.<field>=V` / `train.<field>=V` (`ModelConfig.with_overrides`,
-`TrainConfig.with_overrides`) and the experiments' `--set <field>=V`. A value is read by the field's declared
-type: `int`, `float`, `bool` (true/false/1/0), `... | None` (also "none" or "null"), comma lists
-(`list[str]`, `tuple[str, ...]`, `tuple[float, ...]`), and `str | list[int]` (a comma list of integers, else
-the text, as `stem_layers` takes); any other annotation keeps the text. A value that is not a string (a dict
-of typed values) is taken as it is; the dataclass's own validation runs on the result.
+`TrainConfig.with_overrides`) and the experiments' flags and `--set <field>=V` (stemlm.experiments.contract).
+A value is read by the field's declared type: `int`, `float`, `bool` (true/false/1/0), `... | None` (also
+"none" or "null"), comma lists (`list[str]`, `tuple[str, ...]`, `tuple[int, ...]`, `tuple[float, ...]`;
+"none" is an empty one), and `str | list[int]` (a comma list of integers, else the text, as `stem_layers`
+takes); any other annotation keeps the text. A value that is not a string (a dict of typed values) is taken
+as it is; the dataclass's own validation runs on the result.
 """
 
 from __future__ import annotations
@@ -16,8 +17,8 @@ from typing import Any
 from stemlm.errors import StemlmError
 
 WORDS = {"bool": "true or false", "int": "an integer", "float": "a number", "None": "none"}
-LISTS = {"list[str]": str, "tuple[str, ...]": str, "tuple[float, ...]": float, "list[int]": int}
-TUPLES = ("tuple[str, ...]", "tuple[float, ...]")
+LISTS = {"list[str]": str, "tuple[str, ...]": str, "tuple[float, ...]": float, "list[int]": int, "tuple[int, ...]": int}
+TUPLES = ("tuple[str, ...]", "tuple[float, ...]", "tuple[int, ...]")
 
 
 def split_pairs(items: list[str], prefix: str = "") -> dict[str, str]:
@@ -52,6 +53,8 @@ def parse_value(raw: Any, annotation: str, key: str, label: str = "config key") 
         if listed == "list[int]" and "str" in kinds and not text.replace(",", "").replace(" ", "").isdigit():
             return raw  # a spec such as "odd" or "every:2"
         if listed is not None:
+            if text.lower() == "none":
+                return () if listed in TUPLES else []
             items = [LISTS[listed](part.strip()) for part in text.split(",") if part.strip()]
             return tuple(items) if listed in TUPLES else items
     except ValueError:

@@ -91,4 +91,4 @@ def test_bio_cli_two_seeds_json(tmp_path, capsys):
     assert main(["experiment", "bio", "--out", str(out), *TINY, "--set", "people=10"]) == 2  # never overwrites
     assert "other settings" in capsys.readouterr().err
     assert main(["experiment", "bio", "--set", "people=x", "--out", str(tmp_path / "b")]) == 2
-    assert "not a valid int" in capsys.readouterr().err
+    assert "expects an integer" in capsys.readouterr().err

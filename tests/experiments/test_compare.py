@@ -7,10 +7,12 @@ import json
 
 import pytest
 
+from stemlm.cli.main import build_parser
 from stemlm.data.tokenizer import default_tokenizer
 from stemlm.errors import StemlmError
 from stemlm.experiments.compare import CompareConfig, model_configs, parse_budget, plan_steps, seed_entry
 from stemlm.experiments.compare_report import ACC_TASKS, summarize_kind
+from stemlm.experiments.contract import resolve_options
 from stemlm.model.accounting import prefill_flops
 
 TOK = default_tokenizer()
@@ -123,16 +125,14 @@ def test_summary_rows_and_seed_entry():
 
 
 def test_quick_flags_lie_under_given_flags():
-    import argparse
+    from stemlm.experiments.compare import EXPERIMENT, QUICK
 
-    from stemlm.experiments.compare import QUICK, add_arguments, config_from_args
-
-    parser = argparse.ArgumentParser()
-    add_arguments(parser)
-    cfg = config_from_args(parser.parse_args(["--quick", "--budget", "7", "--kinds", "dense,stem"]))
+    cfg = resolve_options(EXPERIMENT, {"budget": "7", "kinds": ("dense", "stem"), "seeds": None}, quick=True)
     assert cfg.budget == "7" and cfg.seeds == QUICK["seeds"] and cfg.lr_sweep == () and cfg.kinds == ("dense", "stem")
-    assert config_from_args(parser.parse_args([])) == CompareConfig()
-    assert config_from_args(parser.parse_args(["--lr-sweep", "none"])).lr_sweep == ()
+    assert resolve_options(EXPERIMENT, {}) == CompareConfig()
+    parser = build_parser()
+    args = parser.parse_args(["experiment", "compare", "--lr-sweep", "none", "--set", "ple_dim=8", "--kinds", "a,b"])
+    assert (args.lr_sweep, args.model_overrides, args.kinds, args.budget) == ((), ["ple_dim=8"], ("a", "b"), None)
     tokens = CompareConfig(budget="5000", kinds=("dense", "stem"), **SMALL)
     configs = model_configs(tokens, TOK)
     assert plan_steps(tokens, configs, "tokens") == {"dense": 5000, "stem": 5000}

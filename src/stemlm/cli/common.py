@@ -72,13 +72,16 @@ def add_inference_flags(p, table_choices=("resident", "host", "mmap")) -> None:
     add_table_flags(p)
 
 
-def register_group(subparsers, name: str, entries: list[str], help_text: str, description: str):
-    """A command whose sub-commands come from `entries` ("module:function"); prints its help when none is given."""
+def register_group(subparsers, name: str, entries: list, help_text: str, description: str):
+    """A command whose sub-commands come from `entries` ("module:function", or a function), each adding one
+    parser to the group; prints its help when no sub-command is given."""
     parser = subparsers.add_parser(name, help=help_text, description=description)
     group = parser.add_subparsers(dest=f"{name}_command", metavar="SUBCOMMAND")
     for entry in entries:
-        module, function = entry.split(":")
-        getattr(importlib.import_module(module), function)(group)
+        if isinstance(entry, str):
+            module, function = entry.split(":")
+            entry = getattr(importlib.import_module(module), function)
+        entry(group)
 
     def show_help(args) -> int:
         parser.print_help()

@@ -33,7 +33,7 @@ import math
 import random
 import time
 from concurrent.futures import ProcessPoolExecutor
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, field, fields
 from multiprocessing import get_context
 from pathlib import Path
 
@@ -43,6 +43,7 @@ from stemlm.data import EOT_TOKEN, embedded_texts, train_bpe
 from stemlm.data.worlds import bio
 from stemlm.edit.evaluate import score_items
 from stemlm.errors import StemlmError
+from stemlm.experiments.contract import Experiment, flag, results_file
 from stemlm.experiments.folders import claim_out, start_unit
 from stemlm.experiments.knowledge import train_in_worker
 from stemlm.experiments.stats import summarize_seeds
@@ -52,7 +53,10 @@ from stemlm.model.config import ModelConfig
 
 @dataclass
 class BioConfig:
-    out: str = "runs/bio"
+    out: str = field(
+        default="runs/bio",
+        metadata=flag("output folder; seeds already there with the same settings are reused", metavar="OUT"),
+    )
     people: int = 100
     bios_per_person: int = 6  # distinct biographies per person (the paper's multi-bio augmentation)
     qa_repeats: int = 2  # QA documents per QA-trained person
@@ -67,12 +71,21 @@ class BioConfig:
     batch_size: int = 16
     dense_steps: int = 400  # the STEM run gets the steps that match this run's training FLOPs
     lr: float = 3e-3
-    parallel: bool = True  # train the two models in two processes (one thread each)
+    parallel: bool = field(  # train the two models in two processes (one thread each)
+        default=True, metadata=flag("train the two models one after the other", name="--serial", const=False)
+    )
 
 
-def quick(cfg: BioConfig) -> BioConfig:
-    """The reduced budget of `--quick`: fewer people and steps (for CI and first tries; near chance)."""
-    return replace(cfg, people=60, bios_per_person=3, dense_steps=80, corpus_chars=8_000)
+# The reduced budget of `--quick`: fewer people and steps (for CI and first tries; near chance).
+QUICK = dict(people=60, bios_per_person=3, dense_steps=80, corpus_chars=8_000)
+
+
+@dataclass
+class BioOptions(BioConfig):
+    """The command's options: the config and the number of seeds (kept out of the config, which a seed's saved
+    settings are compared against)."""
+
+    seeds: int = field(default=2, metadata=flag("seeds 0..N-1", metavar="N"))
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -244,3 +257,26 @@ def run_bio(cfg: BioConfig, seeds: int = 2, log=print) -> dict:
 
     (out / "results.md").write_text(markdown(results))
     return results
+
+
+def run_command(options: BioOptions, log) -> dict:
+    """`stemlm experiment bio`: the config's sizes checked, then `run_bio` over `options.seeds` seeds."""
+    cfg = BioConfig(**{f.name: getattr(options, f.name) for f in fields(BioConfig)})
+    if cfg.people < 4 or cfg.dense_steps < 1 or cfg.bios_per_person < 1:
+        raise StemlmError("people must be >= 4, dense_steps and bios_per_person >= 1")
+    return run_bio(cfg, seeds=options.seeds, log=log)
+
+
+EXPERIMENT = Experiment(
+    name="bio",
+    help="synthetic biographies: memorisation vs extraction on held-out people, dense vs STEM",
+    description="Train dense and STEM models at matched FLOPs on synthetic biographies (QA for half the "
+    "people), then measure memorisation, QA extraction on the held-out half against chance, and knowledge "
+    "bits per parameter, over several seeds.",
+    options=BioOptions,
+    run=run_command,
+    text=results_file("results.md"),
+    quick=QUICK,
+    settable=True,
+    fixed=("out",),
+)

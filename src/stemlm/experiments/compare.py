@@ -26,7 +26,6 @@ Writes OUT/results.json, OUT/report.md, OUT/loss_vs_flops.png, OUT/accuracy.png 
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import hashlib
 import json
@@ -42,49 +41,92 @@ from typing import Any
 
 from stemlm.errors import StemlmError
 from stemlm.experiments.compare_report import summarize_kind, write_report
+from stemlm.experiments.contract import Experiment, flag, positive_lrs, results_file
 from stemlm.experiments.folders import claim_out, start_unit
 from stemlm.model.config import FFN_KINDS, ModelConfig
+
+# Controls trained like a kind: name -> (FFN kind, TrainConfig overrides). Add a control here.
+VARIANTS: dict[str, tuple[str, dict]] = {"dense_embed": ("dense", {"embed_like_tables": True})}
 
 
 @dataclass
 class CompareConfig:
-    out: str = "runs/compare"
-    kinds: tuple[str, ...] = ("dense", "stem", "moe", "hash_moe", "ple")
-    budget: str = "200"  # steps of the reference kind, or training FLOPs (see parse_budget)
-    match: str = "both"  # flops | tokens (alias: active) | both
-    seeds: int = 3
+    out: str = field(default="runs/compare", metadata=flag("report folder", metavar="DIR"))
+    kinds: tuple[str, ...] = field(
+        default=("dense", "stem", "moe", "hash_moe", "ple"),
+        metadata=flag(f"kinds to compare, from {', '.join((*FFN_KINDS, *VARIANTS))}", metavar="K1,K2"),
+    )
+    budget: str = field(  # steps of the reference kind, or training FLOPs (see parse_budget)
+        default="200",
+        metadata=flag(
+            "steps of the reference kind (dense, else the first), or training FLOPs if >= 1e9", metavar="STEPS|FLOPS"
+        ),
+    )
+    match: str = field(
+        default="both",
+        metadata=flag(
+            "flops: each kind gets the steps that spend the budget; tokens (or active): the same steps for all; "
+            "both: report both",
+            choices=("flops", "tokens", "active", "both"),
+        ),
+    )
+    seeds: int = field(
+        default=3, metadata=flag("final seeds (seed, seed+1, ...); mean and 95%% t interval over them", metavar="N")
+    )
     # --- the shared backbone (every kind: this config with ffn=<kind>) ---
-    preset: str | None = None  # a model preset's shape (stemlm.model.presets) instead of the size fields below
-    hidden_size: int = 128
-    intermediate_size: int = 384
-    num_hidden_layers: int = 4
+    preset: str | None = field(  # a model preset's shape (stemlm.model.presets) instead of the size fields below
+        default=None, metadata=flag("take the backbone shape from this preset (stemlm info --presets), e.g. for GPU")
+    )
+    hidden_size: int = field(default=128, metadata=flag("backbone width", metavar="D"))
+    intermediate_size: int = field(default=384, metadata=flag("FFN width d_ff", metavar="F"))
+    num_hidden_layers: int = field(default=4, metadata=flag("decoder layers", name="--layers", metavar="N"))
     num_attention_heads: int = 4
     max_position_embeddings: int = 512
-    stem_layers: str = "odd"  # the layers that get the kind's FFN; the others stay dense
+    stem_layers: str = field(
+        default="odd", metadata=flag("layers given the kind's FFN, the others stay dense", metavar="SPEC")
+    )
     num_experts: int = 4
     ple_dim: int = 64
-    model_overrides: list[str] = field(default_factory=list)  # "key=value" applied to every kind
+    model_overrides: list[str] = field(  # "key=value" applied to every kind
+        default_factory=list,
+        metadata=flag(
+            "override a model config field for every kind (repeatable)", name="--set", metavar="KEY=VALUE", append=True
+        ),
+    )
     # --- training ---
-    seq_len: int = 256
-    batch_size: int = 8
-    lr: float = 3e-3  # every kind's lr when there is no sweep
-    lr_sweep: tuple[float, ...] = (1e-3, 3e-3, 1e-2)  # per kind; () skips the sweep
+    seq_len: int = field(default=256, metadata=flag("training sequence length", metavar="L"))
+    batch_size: int = field(default=8, metadata=flag("sequences per step", metavar="B"))
+    lr: float = field(default=3e-3, metadata=flag("peak learning rate when there is no sweep"))
+    lr_sweep: tuple[float, ...] = field(  # per kind; () skips the sweep
+        default=(1e-3, 3e-3, 1e-2),
+        metadata=flag(
+            "lrs each kind is tuned over on the sweep seed; 'none': no sweep", metavar="LR1,LR2", parse=positive_lrs
+        ),
+    )
     sweep_seed: int = 1000
-    seed: int = 0  # the first final seed; seed i of --seeds N is seed + i
-    device: str = "cpu"  # cpu | cuda | auto (the trainer's choice)
-    workers: int = 2  # kinds trained at once (one thread each); 1 trains in this process
+    seed: int = field(  # seed i of --seeds N is seed + i
+        default=0, metadata=flag("first final seed (data, initialisation and evaluation sampling)")
+    )
+    device: str = field(default="cpu", metadata=flag("training and evaluation device", choices=("cpu", "cuda", "auto")))
+    workers: int = field(
+        default=2, metadata=flag("runs trained at once, one thread each; 1 trains in this process", metavar="N")
+    )
     # --- data mixture ---
-    corpus_chars: int = 2_000_000
-    fact_repeats: int = 4
-    passkey_docs: int = 1500
+    corpus_chars: int = field(
+        default=2_000_000, metadata=flag("characters of the embedded corpus in the mixture", metavar="N")
+    )
+    fact_repeats: int = field(default=4, metadata=flag("repeats of each fact statement in the mixture", metavar="N"))
+    passkey_docs: int = field(default=1500, metadata=flag("passkey-retrieval documents in the mixture", metavar="N"))
     passkey_lengths: tuple[int, ...] = (128, 160, 192)  # well under seq_len: most windows hold whole documents
     passkey_needles: tuple[int, ...] = (1, 2)
     # --- evaluation ---
-    eval_limit: int | None = 100  # examples per lm-eval task (None: all)
-    ppl_tokens: int = 30_000  # held-out tokens scored for the loss
-    niah_lengths: tuple[int, ...] = (128, 256, 512)  # 512 is past the training length
+    eval_limit: int | None = field(default=100, metadata=flag("examples per lm-eval task (none: all)", metavar="N"))
+    ppl_tokens: int = field(default=30_000, metadata=flag("held-out tokens scored for the loss", metavar="N"))
+    niah_lengths: tuple[int, ...] = field(  # 512 is past the training length
+        default=(128, 256, 512), metadata=flag("needle-in-a-haystack context lengths", metavar="L1,L2")
+    )
     niah_depths: tuple[float, ...] = (0.0, 0.5, 1.0)
-    niah_samples: int = 4
+    niah_samples: int = field(default=4, metadata=flag("needle-in-a-haystack samples per cell", metavar="N"))
     niah_digits: int = 4
 
     def digest(self) -> str:
@@ -93,8 +135,6 @@ class CompareConfig:
         return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:16]
 
 
-# Controls trained like a kind: name -> (FFN kind, TrainConfig overrides). Add a control here.
-VARIANTS: dict[str, tuple[str, dict]] = {"dense_embed": ("dense", {"embed_like_tables": True})}
 # The reduced budget of `--quick` (2 seeds of dense,stem: 180 s measured on 2 nearly idle cores; see the README).
 QUICK = dict(
     seeds=2,
@@ -459,103 +499,24 @@ def run_compare(cfg: CompareConfig, log=lambda msg: print(msg, file=sys.stderr))
     return report
 
 
-def _csv(kind: type):
-    def parse(text: str) -> tuple:
-        try:
-            return tuple(kind(v) for v in text.split(",") if v.strip())
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of {kind.__name__}") from None
-
-    return parse
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """The experiment's flags (used by `stemlm experiment compare` and `python -m stemlm.experiments.compare`).
-
-    Every flag's parser default is None (the help shows the config default), so `config_from_args` can tell a
-    given flag from an absent one and lay given flags over `--quick`'s budget."""
-    d = CompareConfig()
-
-    def add(flag: str, help_text: str, **kw: Any) -> None:
-        dest = kw.get("dest") or flag[2:].replace("-", "_")
-        default = getattr(d, dest)
-        shown = ",".join(map(str, default)) if isinstance(default, tuple) else default
-        quick = QUICK.get(dest)
-        quick = (
-            "" if quick is None else f"; --quick: {','.join(map(str, quick)) if isinstance(quick, tuple) else quick}"
-        )
-        text = f"{help_text} (default: {shown}{quick})" if shown != [] else help_text
-        parser.add_argument(flag, help=text, default=[] if kw.get("action") == "append" else None, **kw)
-
-    add("--kinds", f"kinds to compare, from {', '.join(kind_names())}", type=_csv(str), metavar="K1,K2")
-    add("--seeds", "final seeds (seed, seed+1, ...); mean and 95%% t interval over them", type=int, metavar="N")
-    parser.add_argument(
-        "--quick",
-        action="store_true",
-        help="reduced budget for CI and first tries (the --quick values below); given flags still apply",
-    )
-    add(
-        "--budget",
-        "steps of the reference kind (dense, else the first), or training FLOPs if >= 1e9",
-        metavar="STEPS|FLOPS",
-    )
-    add(
-        "--match",
-        "flops: each kind gets the steps that spend the budget; tokens (or active): the same steps for all; "
-        "both: report both",
-        choices=("flops", "tokens", "active", "both"),
-    )
-    add("--out", "report folder", metavar="DIR")
-    add("--preset", "take the backbone shape from this preset (stemlm info --presets), e.g. for GPU scale-up")
-    add("--hidden-size", "backbone width", type=int, metavar="D")
-    add("--intermediate-size", "FFN width d_ff", type=int, metavar="F")
-    add("--layers", "decoder layers", dest="num_hidden_layers", type=int, metavar="N")
-    add("--stem-layers", "layers given the kind's FFN, the others stay dense", metavar="SPEC")
-    add(
-        "--set",
-        "override a model config field for every kind (repeatable)",
-        dest="model_overrides",
-        action="append",
-        metavar="KEY=VALUE",
-    )
-    add("--seq-len", "training sequence length", type=int, metavar="L")
-    add("--batch-size", "sequences per step", type=int, metavar="B")
-    add("--lr", "peak learning rate when there is no sweep", type=float)
-    add("--lr-sweep", "lrs each kind is tuned over on the sweep seed; 'none': no sweep", type=_lrs, metavar="LR1,LR2")
-    add("--seed", "first final seed (data, initialisation and evaluation sampling)", type=int)
-    add("--device", "training and evaluation device", choices=("cpu", "cuda", "auto"))
-    add("--workers", "runs trained at once, one thread each; 1 trains in this process", type=int, metavar="N")
-    add("--corpus-chars", "characters of the embedded corpus in the mixture", type=int, metavar="N")
-    add("--fact-repeats", "repeats of each fact statement in the mixture", type=int, metavar="N")
-    add("--passkey-docs", "passkey-retrieval documents in the mixture", type=int, metavar="N")
-    add("--eval-limit", "examples per lm-eval task", type=int, metavar="N")
-    add("--ppl-tokens", "held-out tokens scored for the loss", type=int, metavar="N")
-    add("--niah-lengths", "needle-in-a-haystack context lengths", type=_csv(int), metavar="L1,L2")
-    add("--niah-samples", "needle-in-a-haystack samples per cell", type=int, metavar="N")
-
-
-def _lrs(text: str) -> tuple[float, ...]:
-    if text.strip().lower() == "none":
-        return ()
-    values = _csv(float)(text)
-    if not values or any(not v > 0 for v in values):
-        raise argparse.ArgumentTypeError(f"{text!r}: learning rates must be positive (or 'none')")
-    return values
-
-
-def config_from_args(args: argparse.Namespace) -> CompareConfig:
-    """`--quick`'s budget (when given), then every flag that was given."""
-    names = {f.name for f in dataclasses.fields(CompareConfig)}
-    values = dict(QUICK) if getattr(args, "quick", False) else {}
-    values.update({k: v for k, v in vars(args).items() if k in names and v is not None and v != []})
-    if values.get("preset"):
+def run_command(cfg: CompareConfig, log) -> dict:
+    """`stemlm experiment compare`: an unknown preset fails before any data is written."""
+    if cfg.preset:
         from stemlm.model.presets import get_preset
 
-        get_preset(values["preset"])  # an unknown name fails here, before any data is written
-    return CompareConfig(**values)
+        get_preset(cfg.preset)
+    return run_compare(cfg, log)
 
 
-if __name__ == "__main__":
-    parser = argparse.ArgumentParser(description="dense / STEM / MoE / hash-MoE / PLE side by side")
-    add_arguments(parser)
-    run_compare(config_from_args(parser.parse_args()))
+EXPERIMENT = Experiment(
+    name="compare",
+    help="dense vs STEM vs MoE vs hash-MoE vs PLE over seeds, at matched FLOPs and matched tokens",
+    description="Train each FFN kind on the same data, tokenizer and seed at a matched training budget, "
+    "evaluate each (held-out loss, lm-eval tasks, needle in a haystack) and write a report folder.",
+    options=CompareConfig,
+    run=run_command,
+    text=results_file("report.md"),
+    json=lambda cfg, report: {"out": cfg.out, **report},
+    done=lambda cfg, report: f"report folder: {cfg.out} ({report['wall_s']:.0f} s)",
+    quick=QUICK,
+)

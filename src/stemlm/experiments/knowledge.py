@@ -40,6 +40,7 @@ from stemlm.data import EOT_TOKEN, embedded_texts, train_bpe
 from stemlm.data.worlds.facts import fact_documents, fact_prompts
 from stemlm.errors import StemlmError
 from stemlm.evaluation.recall import fact_recall
+from stemlm.experiments.contract import Experiment, flag, positive_lrs, results_file
 from stemlm.experiments.folders import claim_out, start_unit
 from stemlm.experiments.stats import summarize_seeds
 from stemlm.model.accounting import active_parameters, total_parameters, training_flops_per_token
@@ -62,32 +63,52 @@ CONTRASTS = (
 
 @dataclass
 class KnowledgeConfig:
-    out: str = "runs/knowledge"
-    seeds: int = 3
+    out: str = field(default="runs/knowledge", metadata=flag("output folder for runs, results.json, results.md"))
+    seeds: int = field(default=3, metadata=flag("final seeds, seed..seed+N-1", metavar="N"))
     arms: tuple[str, ...] = tuple(ARMS)
     relations: tuple[str, ...] = ("capital",)  # facts trained (and recall measured); edits use `edit_relation`
     edit_relation: str = "capital"
     fact_repeats: int = 30  # each training statement this many times (4 templates -> 120 exposures per fact)
     corpus_chars: int = 300_000  # characters of the embedded corpus mixed in (about 30% of the tokens)
     vocab_size: int = 3072
-    preset: str | None = None  # a model preset's shape (stemlm.model.presets) instead of the four fields below
+    # a model preset's shape (stemlm.model.presets) instead of the four fields below
+    preset: str | None = field(default=None, metadata=flag("take the model shape from this preset, for scale-up runs"))
     hidden_size: int = 128
     intermediate_size: int = 384
     num_hidden_layers: int = 4
     num_attention_heads: int = 4
     stem_layers: str = "odd"
     seq_len: int = 64
-    batch_size: int = 16  # more, smaller steps: 16 x 320 recalled 75% (dense) where 32 x 160 recalled 1%
-    dense_steps: int = 320  # the reference budget; the other arms match its FLOPs or its tokens
+    # more, smaller steps: 16 x 320 recalled 75% (dense) where 32 x 160 recalled 1%
+    batch_size: int = field(default=16, metadata=flag("sequences per step", metavar="B"))
+    dense_steps: int = field(  # the reference budget; the other arms match its FLOPs or its tokens
+        default=320,
+        metadata=flag(
+            "dense training steps (the reference budget); STEM gets the FLOP-matched count and a token-matched run",
+            name="--steps",
+            metavar="N",
+        ),
+    )
     lr: float = 3e-3  # every arm's lr when there is no sweep
-    lr_sweep: tuple[float, ...] = (1e-3, 3e-3, 1e-2)  # per lr family; () skips the sweep
+    lr_sweep: tuple[float, ...] = field(  # per lr family; () skips the sweep
+        default=(1e-3, 3e-3, 1e-2),
+        metadata=flag(
+            "lrs each lr family is tuned over on the sweep seed; 'none' skips the sweep",
+            metavar="LR1,LR2,..",
+            parse=positive_lrs,
+        ),
+    )
     sweep_seed: int = 1000  # the seed of the sweep's runs (never a final seed)
     seed: int = 0  # the first final seed; seed i of --seeds N is seed + i
-    device: str = "cpu"  # cpu | cuda | auto (the trainer's choice)
-    edit_records: int = 100
+    device: str = field(default="cpu", metadata=flag("training device", choices=("cpu", "cuda", "auto")))
+    edit_records: int = field(default=100, metadata=flag("edit records per seed", name="--records", metavar="N"))
     fluency_records: int = 10
-    parallel: bool = True  # train two arms at once in two processes (one thread each)
-    diagnostics: bool = True
+    parallel: bool = field(  # train two arms at once in two processes (one thread each)
+        default=True, metadata=flag("train the arms one after the other", name="--serial", const=False)
+    )
+    diagnostics: bool = field(
+        default=True, metadata=flag("skip the per-layer / strategy diagnostics", name="--no-diagnostics", const=False)
+    )
     extra: dict = field(default_factory=dict)
 
 
@@ -365,3 +386,28 @@ def run_knowledge(cfg: KnowledgeConfig, log=print) -> dict:
     }
     write_report(results, out)
     return results
+
+
+def run_command(cfg: KnowledgeConfig, log) -> dict:
+    """`stemlm experiment knowledge`: an unknown preset fails before any data is written."""
+    if cfg.preset:
+        from stemlm.model.presets import get_preset
+
+        get_preset(cfg.preset)
+    return run_knowledge(cfg, log=log)
+
+
+JSON_KEYS = ("config", "interval", "recall_chance", "lrs", "sweep", "per_seed", "summary", "wall_s")
+EXPERIMENT = Experiment(
+    name="knowledge",
+    help="dense vs STEM at matched FLOPs: fact recall and edit metrics",
+    description="Train dense and STEM models on the fact world mixed with the embedded "
+    "corpus at matched training FLOPs, then measure fact recall and edits.",
+    options=KnowledgeConfig,
+    run=run_command,
+    text=results_file("results.md"),
+    json=lambda cfg, results: {k: results[k] for k in JSON_KEYS},
+    quick=QUICK,
+    settable=True,
+    fixed=("extra",),
+)

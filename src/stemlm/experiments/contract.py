@@ -1,0 +1,129 @@
+"""How an experiment registers: one typed options dataclass with the help in its field metadata, and `run`.
+
+Each experiment module exposes `EXPERIMENT = Experiment(...)`; `stemlm experiment <name>` is built from it
+(stemlm.cli.experiment), so adding an experiment is writing its module and naming it in the CLI's list:
+
+- `options`: a dataclass whose fields are the experiment's settings; a field declared with
+  `field(default=..., metadata=flag("help"))` becomes a command-line flag (`--field-name`, or `name=`), its
+  value parsed by the field's annotation (`stemlm.overrides`), the help followed by the default and `--quick`'s
+  value; `flag(..., const=V)` makes a switch that sets V, `flag(..., append=True)` a repeatable flag;
+- `quick`: the values of `--quick`, a reduced budget for CI and first tries;
+- `fixed`: with `settable`, `--set KEY=VALUE` reaches every field but these;
+- `run(options, log)`: trains, evaluates, writes the results folder and returns the results;
+  `json(options, results)` is what `--json` prints, `text(options, results)` what is printed otherwise, and
+  `done(options, results)` an optional closing line for stderr.
+
+`resolve_options` lays the values over each other in one order: defaults, `--quick`, `--set`, given flags.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from stemlm.errors import StemlmError
+from stemlm.overrides import parse_value, typed_overrides
+
+UNSET = object()
+
+
+def flag(
+    help: str,
+    *,
+    name: str | None = None,
+    metavar: str | None = None,
+    choices: tuple | None = None,
+    const: Any = UNSET,
+    append: bool = False,
+    parse: Callable[[str], Any] | None = None,
+) -> dict:
+    """Field metadata that makes the field a command-line flag (see the module docstring)."""
+    return {"flag": Flag(help, name, metavar, choices, const, append, parse)}
+
+
+@dataclass(frozen=True)
+class Flag:
+    help: str
+    name: str | None = None  # default: --<field name with dashes>
+    metavar: str | None = None
+    choices: tuple | None = None
+    const: Any = UNSET  # a switch that sets this value
+    append: bool = False  # repeatable; the values form a list
+    parse: Callable[[str], Any] | None = None  # default: by the field's annotation
+
+
+@dataclass(frozen=True)
+class Experiment:
+    name: str
+    help: str
+    description: str
+    options: type
+    run: Callable[[Any, Callable[[str], None]], dict]
+    text: Callable[[Any, dict], str]
+    json: Callable[[Any, dict], dict] = lambda options, results: results
+    done: Callable[[Any, dict], str] | None = None
+    quick: dict = field(default_factory=dict)
+    settable: bool = False
+    fixed: tuple[str, ...] = ()
+
+
+def flags(experiment: Experiment) -> list[tuple[str, dataclasses.Field, Flag]]:
+    """(flag name, field, Flag) of every field that is a flag, in field order."""
+    found = []
+    for f in dataclasses.fields(experiment.options):
+        spec = f.metadata.get("flag")
+        if spec is not None:
+            found.append((spec.name or "--" + f.name.replace("_", "-"), f, spec))
+    return found
+
+
+def parse_flag(f: dataclasses.Field, spec: Flag, text: str) -> Any:
+    """A flag's value from its text: the flag's own parser, else the field's annotation."""
+    return spec.parse(text) if spec.parse else parse_value(text, str(f.type), f.name, "option")
+
+
+def shown(value: Any) -> str:
+    """A default as typed on the command line: a comma list, or "none" for an empty one."""
+    if isinstance(value, (tuple, list)):
+        return ",".join(map(str, value)) or "none"
+    return str(value)
+
+
+def flag_help(experiment: Experiment, f: dataclasses.Field, spec: Flag) -> str:
+    """The flag's help followed by the default and --quick's value (a switch shows neither)."""
+    if spec.const is not UNSET:
+        return spec.help
+    default = getattr(experiment.options(), f.name)
+    quick = f"; --quick: {shown(experiment.quick[f.name])}" if f.name in experiment.quick else ""
+    return spec.help if spec.append else f"{spec.help} (default: {shown(default)}{quick})"
+
+
+def resolve_options(experiment: Experiment, given: dict[str, Any], quick: bool = False, sets: list[str] = ()):
+    """The options: defaults, then `--quick`'s values, then `--set KEY=VALUE` items, then the given flags (None:
+    not given)."""
+    values = dict(experiment.quick) if quick else {}
+    label = f"{experiment.name} option"
+    values.update(typed_overrides(experiment.options, list(sets), label=label, fixed=experiment.fixed))
+    values.update({k: v for k, v in given.items() if v is not None})
+    return experiment.options(**values)
+
+
+def positive_lrs(text: str) -> tuple[float, ...]:
+    """A comma list of learning rates (each > 0), or "none" for no sweep."""
+    if text.strip().lower() == "none":
+        return ()
+    try:
+        values = tuple(float(v) for v in text.split(",") if v.strip())
+    except ValueError:
+        raise StemlmError(f"{text!r} is not a comma-separated list of numbers (or 'none')") from None
+    if not values or any(not v > 0 for v in values):
+        raise StemlmError(f"{text!r}: learning rates must be positive (or 'none')")
+    return values
+
+
+def results_file(name: str) -> Callable[[Any, dict], str]:
+    """A `text` that prints the results folder's `name` (e.g. results.md)."""
+    return lambda options, results: Path(options.out, name).read_text()

@@ -1,0 +1,59 @@
+"""The experiment contract (stemlm.experiments.contract): flags come from the options' field metadata, values lie
+over each other as defaults < --quick < --set < flags, and every registered experiment builds its subcommand."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import pytest
+
+from stemlm.cli.experiment import EXPERIMENTS
+from stemlm.cli.main import build_parser
+from stemlm.errors import StemlmError
+from stemlm.experiments.contract import Experiment, flag, flag_help, flags, positive_lrs, resolve_options
+
+
+@dataclass
+class Options:
+    out: str = field(default="runs/x", metadata=flag("output folder"))
+    steps: int = field(default=10, metadata=flag("steps", name="--budget", metavar="N"))
+    serial: bool = field(default=False, metadata=flag("one at a time", const=True))
+    lrs: tuple[float, ...] = field(default=(0.1,), metadata=flag("lrs", parse=positive_lrs))
+    width: int = 8  # no flag: reached by --set only
+
+
+EXAMPLE = Experiment("x", "h", "d", Options, run=lambda o, log: {}, text=lambda o, r: "", quick={"steps": 2})
+
+
+def test_flags_and_their_help():
+    assert [name for name, _, _ in flags(EXAMPLE)] == ["--out", "--budget", "--serial", "--lrs"]
+    specs = {name: (f, spec) for name, f, spec in flags(EXAMPLE)}
+    assert flag_help(EXAMPLE, *specs["--budget"]) == "steps (default: 10; --quick: 2)"
+    assert flag_help(EXAMPLE, *specs["--serial"]) == "one at a time"
+
+
+def test_values_lie_in_one_order():
+    assert resolve_options(EXAMPLE, {}) == Options()
+    assert resolve_options(EXAMPLE, {"steps": None}, quick=True).steps == 2
+    assert resolve_options(EXAMPLE, {}, quick=True, sets=["steps=5", "width=3"]) == Options(steps=5, width=3)
+    assert resolve_options(EXAMPLE, {"steps": 7}, quick=True, sets=["steps=5"]).steps == 7
+    with pytest.raises(StemlmError, match="unknown x option 'depth'"):
+        resolve_options(EXAMPLE, {}, sets=["depth=1"])
+
+
+def test_learning_rate_lists():
+    assert positive_lrs("none") == () and positive_lrs("1e-3, 3e-3") == (1e-3, 3e-3)
+    with pytest.raises(StemlmError, match="must be positive"):
+        positive_lrs("0,1")
+
+
+@pytest.mark.parametrize("module", EXPERIMENTS)
+def test_every_experiment_builds_its_subcommand(module):
+    import importlib
+
+    experiment = importlib.import_module(module).EXPERIMENT
+    args = build_parser().parse_args(["experiment", experiment.name, *(["--quick"] if experiment.quick else [])])
+    assert args.func.args == (experiment,)
+    given = {f.name: getattr(args, f.name) for _, f, _ in flags(experiment)}
+    assert all(v is None for v in given.values())  # nothing given: the options' defaults (and --quick) decide
+    assert resolve_options(experiment, given) == experiment.options()
