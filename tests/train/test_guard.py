@@ -4,7 +4,6 @@ same command resumes (configs compared resolved)."""
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import shutil
@@ -15,11 +14,11 @@ import torch
 
 from stemlm.checkpoint.folder import save_pretrained
 from stemlm.checkpoint.safe_write import AtomicFolder
-from stemlm.cli.train import requested_model
 from stemlm.errors import StemlmError
 from stemlm.model import build_model
 from stemlm.train import Trainer
 from stemlm.train.guard import check_run_dir
+from stemlm.train.setup import RunRequest, requested_model
 from stemlm.train.state import read_resumable_state
 from tests.train.test_trainer import train_records
 
@@ -140,6 +139,6 @@ def test_hand_edited_trainer_state_is_one_line(tmp_path, make_train_config, make
 
 
 def test_stem_layers_validated_against_the_final_config():
-    args = argparse.Namespace(preset="tiny", ffn=None, stem_layers="5", overrides=["model.num_hidden_layers=6"])
-    config, _ = requested_model(args, None)
+    request = RunRequest(preset="tiny", stem_layers="5", model_sets=["model.num_hidden_layers=6"])
+    config, _ = requested_model(request, None)
     assert config.num_hidden_layers == 6 and config.special_layers == [5]

@@ -11,6 +11,8 @@ import json
 import sys
 from typing import Any
 
+from stemlm.runtime import TABLE_PLACEMENTS, placement_choices
+
 
 def print_json(obj: Any) -> None:
     """Print exactly one JSON object on stdout (the `--json` contract of every reporting subcommand)."""
@@ -28,7 +30,8 @@ def add_table_flags(p) -> None:
     (`stemlm.inference.load.InferenceOptions`)."""
     p.add_argument(
         "--tables",
-        choices=("resident", "host", "mmap"),
+        choices=placement_choices(TABLE_PLACEMENTS),
+        metavar="{resident,host,mmap}",
         default="resident",
         help="where the STEM tables live: on the device (default), in host memory, or memory-mapped "
         "from the checkpoint file; host and mmap serve rows through a device cache",
@@ -59,7 +62,7 @@ def add_table_flags(p) -> None:
     )
 
 
-def add_inference_flags(p, table_choices=("resident", "host", "mmap")) -> None:
+def add_inference_flags(p) -> None:
     """--device, --dtype and the table flags: the options of `stemlm.inference.load.load_inference`."""
     p.add_argument("--device", default="cpu", help="torch device to run on, e.g. cpu or cuda (default cpu)")
     p.add_argument(

@@ -22,7 +22,8 @@ from typing import Any
 
 from stemlm.cli.common import add_json_flag, print_json
 from stemlm.errors import StemlmError
-from stemlm.model.config import FFN_KINDS, ModelConfig
+from stemlm.model.config import FFN_KINDS
+from stemlm.runtime import TRAINING_PLACEMENTS, placement_choices
 from stemlm.train.config import TrainConfig
 
 DEFAULT_SAMPLE_PROMPT = "The king"
@@ -121,7 +122,8 @@ def register(subparsers) -> None:
     )
     parser.add_argument(
         "--tables",
-        choices=("device", "host"),
+        choices=placement_choices(TRAINING_PLACEMENTS),
+        metavar="{device,host}",
         help="where the STEM tables and their optimizer state live while training: device (default) or host "
         "(rows gathered to the device ahead of each step, row-sparse update on the host; see "
         "stemlm.train.tables.host)",
@@ -250,67 +252,29 @@ def _parse_table_lr(text: str) -> dict[str, Any]:
         raise StemlmError(f"--table-lr {text!r}: pass a number (e.g. 3e-3) or a multiple of --lr (e.g. x10)") from None
 
 
-def requested_model(args, base: ModelConfig | None) -> tuple[ModelConfig | None, bool]:
-    """The model config the flags ask for (None if no model flag was given) and whether vocab_size was set."""
-    from stemlm.model.presets import get_preset
+def run_request(args):
+    """The parsed flags as a `stemlm.train.setup.RunRequest`."""
+    from stemlm.train.setup import RunRequest
 
-    model_sets, _ = split_overrides(args.overrides)
-    if not (args.preset or args.ffn or args.stem_layers or model_sets):
-        return None, False
-    config = get_preset(args.preset) if args.preset else (base or get_preset("tiny"))
-    flags = [f"ffn={args.ffn}"] * bool(args.ffn) + [f"stem_layers={args.stem_layers}"] * bool(args.stem_layers)
-    config = config.with_overrides(flags + model_sets)  # one change, validated once: the final config counts
-    return config, any(item.split("=", 1)[0] == "model.vocab_size" for item in model_sets)
-
-
-def build_trainer(args):
-    """A fresh, resumed or initialised `Trainer` from the parsed arguments."""
-    from stemlm.checkpoint.folder import load_config
-    from stemlm.checkpoint.runs import resolve_checkpoint
-    from stemlm.data import get_tokenizer
-    from stemlm.train.config import check_vocab
-    from stemlm.train.data import resolve_tokenizer
-    from stemlm.train.parallel.workers import trainer_class
-    from stemlm.train.recipes import train_config
-
-    trainer_cls = trainer_class()  # DistributedTrainer in a torchrun worker, else Trainer
-
-    changes = train_overrides(args)
-    tokenizer = get_tokenizer(args.tokenizer) if args.tokenizer else None
-    progress = not args.no_progress
-    if args.resume:
-        if args.init_from:
-            raise StemlmError("--resume and --init-from cannot be combined: a resumed run has its own weights")
-        run_config = load_config(resolve_checkpoint(args.resume))
-        model, vocab_set = requested_model(args, run_config)
-        if model is not None and not vocab_set:
-            model = model.replace(vocab_size=run_config.vocab_size)  # vocab follows the tokenizer, checked apart
-        changes.pop("tokenizer", None)
-        return trainer_cls.resume(
-            args.resume, model_config=model, tokenizer=tokenizer, overrides=changes, progress=progress
-        )
-    if args.init_from:
-        changes.setdefault("preset", os.path.basename(os.path.normpath(args.init_from)))
-        model, _ = requested_model(args, load_config(args.init_from))
-        return trainer_cls(model, train_config(changes), tokenizer=tokenizer, progress=progress)
-    cfg = train_config(changes)
-    model, vocab_set = requested_model(args, None)
-    if model is None:
-        from stemlm.model.presets import get_preset
-
-        model = get_preset(cfg.preset)
-    tokenizer = tokenizer or resolve_tokenizer(cfg)  # default, or a prepared --data folder's own
-    # The tiny default follows the tokenizer; a named preset or an explicit vocab_size is never resized silently.
-    explicit = bool(args.preset) or vocab_set
-    requested = f"preset {args.preset}" if args.preset else "model.vocab_size"
-    model = check_vocab(model, tokenizer, requested=requested, vocab_set=vocab_set, fit=args.fit_vocab or not explicit)
-    return trainer_cls(model, cfg, tokenizer=tokenizer, progress=progress)
+    return RunRequest(
+        changes=train_overrides(args),
+        preset=args.preset,
+        ffn=args.ffn,
+        stem_layers=args.stem_layers,
+        model_sets=split_overrides(args.overrides)[0],
+        fit_vocab=args.fit_vocab,
+        tokenizer=args.tokenizer,
+        resume=args.resume,
+        init_from=args.init_from,
+        progress=not args.no_progress,
+    )
 
 
 def run(args) -> int:
     from stemlm.cli.train_launch import launch_workers
     from stemlm.train.parallel.workers import default_threads, distributed_worker
     from stemlm.train.report import final_report, render_report
+    from stemlm.train.setup import build_trainer
 
     if args.sample_tokens < 0:
         raise StemlmError(f"--sample-tokens must be >= 0 (0 skips the sample), got {args.sample_tokens}")
@@ -327,7 +291,7 @@ def run(args) -> int:
 
     threads = torch.get_num_threads()
     try:
-        trainer = build_trainer(args)
+        trainer = build_trainer(run_request(args))
         torch.set_num_threads(trainer.cfg.threads or default_threads())
         result = trainer.fit()
         if distributed_worker():

@@ -36,7 +36,7 @@ COMPUTE_DTYPES = ("auto", "fp32", "bf16")
 
 @dataclass
 class InferenceOptions:
-    tables: str = "resident"
+    tables: str = "device"  # a placement of stemlm.runtime.TABLE_PLACEMENTS ("resident" is "device")
     table_dtype: str | None = None
     cache_rows: int | None = None
     cache_fraction: float | None = None
@@ -108,14 +108,13 @@ def bind_forward(model, rows=None, amp: torch.dtype = torch.float32) -> None:
 def load_inference(path: str | Path, options: InferenceOptions | None = None, *, need_tokenizer: str | None = None):
     """A CKPT argument loaded for inference with `options` (see the module docstring) as a `Loaded`."""
     from stemlm.checkpoint.runs import load_checkpoint, resolve_checkpoint
-    from stemlm.runtime import check_device
+    from stemlm.runtime import DEVICE, check_device, table_placement
 
     opts = options or InferenceOptions()
     device = check_device(opts.device)
     amp = autocast_dtype(opts.dtype, device)
-    if opts.tables not in ("resident", "host", "mmap"):
-        raise StemlmError(f"unknown table placement {opts.tables!r}; choose resident, host or mmap")
-    if opts.tables == "resident":
+    placement = table_placement(opts.tables)
+    if placement == DEVICE:
         if opts.cache_rows is not None or opts.cache_fraction is not None:
             raise StemlmError("--cache-rows / --cache-fraction need --tables host or --tables mmap")
         model, tokenizer = load_checkpoint(path, device=device, need_tokenizer=need_tokenizer)
@@ -127,7 +126,7 @@ def load_inference(path: str | Path, options: InferenceOptions | None = None, *,
 
     offloaded, tokenizer = open_checkpoint(
         path,
-        opts.tables,
+        placement,
         cache_rows=opts.cache_rows,
         cache_fraction=opts.cache_fraction,
         policy=opts.cache_policy,

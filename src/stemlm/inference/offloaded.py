@@ -28,6 +28,7 @@ from stemlm.offload.families import OffloadProviders, load_offloaded_model
 from stemlm.offload.lookup_rows import LookupRows, MemoryFetcher
 from stemlm.offload.prefetch import RowPipeline
 from stemlm.offload.providers import TableProvider, device_parameter_bytes
+from stemlm.runtime import DEVICE, table_placement
 
 DEFAULT_PREFILL_CHUNK = 256
 DEFAULT_CACHE_FRACTION = 0.2  # the operating point of the paper's blog (">80% hits with LFU")
@@ -216,7 +217,7 @@ class OffloadedLM:
         model.eval()
         caches: dict[str, RowCache | None] = {"token": None, "ngram": None}
         memory: dict[int, RowCache] = {}
-        if tables != "resident":
+        if table_placement(tables) != DEVICE:
             if cache_rows is None and cache_fraction is None:
                 cache_fraction = DEFAULT_CACHE_FRACTION
 

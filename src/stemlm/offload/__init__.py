@@ -18,7 +18,6 @@ _EXPORTS = {
     "RowCache": "stemlm.offload.cache",
     "resolve_capacity": "stemlm.offload.cache",
     "RowPipeline": "stemlm.offload.prefetch",
-    "TABLE_MODES": "stemlm.offload.providers",
     "HostProvider": "stemlm.offload.providers",
     "MmapProvider": "stemlm.offload.providers",
     "ResidentProvider": "stemlm.offload.providers",

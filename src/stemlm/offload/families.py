@@ -10,8 +10,9 @@ A kind declares which family each of its tables is in; the family decides how it
   fetched before the layer runs and every layer reads different ids: one provider and cache per layer,
   fetched on demand on the critical path of the forward (see `stemlm.offload.lookup_rows`).
 
-`load_offloaded_model(dir, "host" | "mmap" | "resident")` loads the backbone onto the device and leaves every
-offloaded table a meta placeholder; `resident` loads everything and returns no providers but the token one.
+`load_offloaded_model(dir, "host" | "mmap" | "device")` (a `stemlm.runtime` table placement; "resident" is
+"device") loads the backbone onto the device and leaves every offloaded table a meta placeholder; `device` loads
+everything and returns no providers but the token one (kind "resident").
 """
 
 from __future__ import annotations
@@ -29,7 +30,6 @@ from stemlm.model.decoder import StemLM
 from stemlm.model.kinds.registry import FAMILIES
 from stemlm.offload.compact import CompactMmapProvider, CompactProvider, RowSource
 from stemlm.offload.providers import (
-    TABLE_MODES,
     HostProvider,
     MmapProvider,
     ResidentProvider,
@@ -38,6 +38,7 @@ from stemlm.offload.providers import (
     checked_tables,
     checkpoint_entries,
 )
+from stemlm.runtime import DEVICE, table_placement
 
 
 @dataclass
@@ -75,15 +76,14 @@ def load_offloaded_model(
     (`stemlm.offload.compact`): host tables are converted to it on load, mmap tables are read in the format
     the file has (another one is refused: `stemlm convert CKPT --table-dtype` stores them so), resident
     tables are rounded through it and held in the model's dtype (no memory saved)."""
-    if tables not in TABLE_MODES:
-        raise StemlmError(f"unknown table placement {tables!r}; choose one of {', '.join(TABLE_MODES)}")
+    tables = table_placement(tables)
     if table_dtype is not None:
         check_table_dtype(table_dtype)
     device = torch.device(device)
     storage = read_storage(directory)
     stored = storage["dtype"] if storage else "fp32"
     want = table_dtype or stored
-    if tables == "resident":
+    if tables == DEVICE:
         model = from_pretrained(directory, device=device, dtype=dtype)
         if want != stored:
             round_tables(model, want)

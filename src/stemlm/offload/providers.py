@@ -233,9 +233,6 @@ class MmapProvider(TableProvider):
 # ----------------------------------------------------------------------------------------------------------
 # loading a checkpoint with its tables placed
 # ----------------------------------------------------------------------------------------------------------
-TABLE_MODES = ("resident", "host", "mmap")
-
-
 def device_parameter_bytes(model: torch.nn.Module) -> int:
     """Bytes of the parameters that are really allocated (meta placeholders excluded; tied weights once)."""
     return sum(p.numel() * p.element_size() for p in model.parameters() if not p.is_meta)

@@ -41,6 +41,7 @@ from stemlm.errors import StemlmError
 from stemlm.model.config import ModelConfig
 from stemlm.model.kinds.registry import all_kinds
 from stemlm.overrides import apply_overrides
+from stemlm.runtime import SYNONYMS, TRAINING_PLACEMENTS
 
 if TYPE_CHECKING:  # torch and tokenizers load only when a run is resolved, so the CLI parser stays light
     from tokenizers import Tokenizer
@@ -63,7 +64,6 @@ FACT_COUNTRIES = (
 )
 DEVICES = ("auto", "cpu", "cuda")
 PARALLEL = ("ddp", "fsdp")
-TABLE_PLACES = ("device", "host")
 KEEP_OPTIMIZER = ("newest", "all")
 SAMPLING = ("auto", "epoch", "uniform")
 
@@ -144,6 +144,7 @@ class TrainConfig:
     dist_timeout: float = 300.0  # seconds a rank waits in a collective for a stalled peer before failing
 
     def __post_init__(self) -> None:
+        self.tables = SYNONYMS.get(self.tables, self.tables)  # "resident" is "device" (stemlm.runtime)
         self.validate()
 
     @property
@@ -222,7 +223,10 @@ class TrainConfig:
         need(self.dtype in DTYPES, f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
         need(self.device in DEVICES, f"device must be one of {', '.join(DEVICES)}, got {self.device!r}")
         need(self.trainable in TRAINABLE, f"trainable must be one of {', '.join(TRAINABLE)}, got {self.trainable!r}")
-        need(self.tables in TABLE_PLACES, f"tables must be one of {', '.join(TABLE_PLACES)}, got {self.tables!r}")
+        need(
+            self.tables in TRAINING_PLACEMENTS,
+            f"tables must be one of {', '.join(TRAINING_PLACEMENTS)}, got {self.tables!r}",
+        )
         need(
             self.tables == "device" or self.table_optim in ("lazy_adamw", "rowwise_adagrad"),
             f"tables=host needs a row-sparse table optimizer (lazy_adamw or rowwise_adagrad), got {self.table_optim!r}",

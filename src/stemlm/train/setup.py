@@ -1,0 +1,85 @@
+"""A training run from what a command asked for: the model config it trains, and a fresh, resumed or initialised
+trainer.
+
+`RunRequest` holds the model choices (a preset, the FFN kind and its layers, `model.<field>=V` overrides,
+`--fit-vocab`), the typed `TrainConfig` changes, the tokenizer, and where the weights come from (`resume` a run,
+`init_from` a checkpoint, or fresh); `build_trainer(request)` resolves it: a resumed run keeps its vocabulary,
+an initialised one its checkpoint's config, and a fresh one's vocabulary is checked against the tokenizer
+(`stemlm.train.config.check_vocab`: the tiny default follows it, a named preset is never resized silently).
+`stemlm train` builds the request from its flags (stemlm.cli.train).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+from stemlm.errors import StemlmError
+from stemlm.model.config import ModelConfig
+from stemlm.model.presets import get_preset
+
+
+@dataclass
+class RunRequest:
+    changes: dict[str, Any] = field(default_factory=dict)  # TrainConfig fields given, typed
+    preset: str | None = None  # a named model preset (also names the run folder)
+    ffn: str | None = None  # the FFN kind of the selected layers
+    stem_layers: str | None = None  # the layers of that kind (a layer spec)
+    model_sets: list[str] = field(default_factory=list)  # "model.<field>=V" overrides
+    fit_vocab: bool = False  # resize vocab_size to the tokenizer
+    tokenizer: str | None = None  # default | gpt2 | a path; None: the run's, the checkpoint's or the default
+    resume: str | None = None  # continue this run (or this checkpoint of a run)
+    init_from: str | None = None  # start from this model checkpoint's weights
+    progress: bool = True  # the progress bar
+
+
+def requested_model(r: RunRequest, base: ModelConfig | None) -> tuple[ModelConfig | None, bool]:
+    """The model config the request asks for (None if it names no model choice) and whether vocab_size was set."""
+    if not (r.preset or r.ffn or r.stem_layers or r.model_sets):
+        return None, False
+    config = get_preset(r.preset) if r.preset else (base or get_preset("tiny"))
+    flags = [f"ffn={r.ffn}"] * bool(r.ffn) + [f"stem_layers={r.stem_layers}"] * bool(r.stem_layers)
+    config = config.with_overrides(flags + r.model_sets)  # one change, validated once: the final config counts
+    return config, any(item.split("=", 1)[0] == "model.vocab_size" for item in r.model_sets)
+
+
+def build_trainer(r: RunRequest):
+    """A fresh, resumed or initialised trainer (`DistributedTrainer` in a torchrun worker, else `Trainer`)."""
+    from stemlm.checkpoint.folder import load_config
+    from stemlm.checkpoint.runs import resolve_checkpoint
+    from stemlm.data import get_tokenizer
+    from stemlm.train.config import check_vocab
+    from stemlm.train.data import resolve_tokenizer
+    from stemlm.train.parallel.workers import trainer_class
+    from stemlm.train.recipes import train_config
+
+    trainer_cls = trainer_class()
+    changes = dict(r.changes)
+    tokenizer = get_tokenizer(r.tokenizer) if r.tokenizer else None
+    progress = r.progress
+    if r.resume:
+        if r.init_from:
+            raise StemlmError("--resume and --init-from cannot be combined: a resumed run has its own weights")
+        run_config = load_config(resolve_checkpoint(r.resume))
+        model, vocab_set = requested_model(r, run_config)
+        if model is not None and not vocab_set:
+            model = model.replace(vocab_size=run_config.vocab_size)  # vocab follows the tokenizer, checked apart
+        changes.pop("tokenizer", None)
+        return trainer_cls.resume(
+            r.resume, model_config=model, tokenizer=tokenizer, overrides=changes, progress=progress
+        )
+    if r.init_from:
+        changes.setdefault("preset", os.path.basename(os.path.normpath(r.init_from)))
+        model, _ = requested_model(r, load_config(r.init_from))
+        return trainer_cls(model, train_config(changes), tokenizer=tokenizer, progress=progress)
+    cfg = train_config(changes)
+    model, vocab_set = requested_model(r, None)
+    if model is None:
+        model = get_preset(cfg.preset)
+    tokenizer = tokenizer or resolve_tokenizer(cfg)  # default, or a prepared --data folder's own
+    # The tiny default follows the tokenizer; a named preset or an explicit vocab_size is never resized silently.
+    explicit = bool(r.preset) or vocab_set
+    requested = f"preset {r.preset}" if r.preset else "model.vocab_size"
+    model = check_vocab(model, tokenizer, requested=requested, vocab_set=vocab_set, fit=r.fit_vocab or not explicit)
+    return trainer_cls(model, cfg, tokenizer=tokenizer, progress=progress)
