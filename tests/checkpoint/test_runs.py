@@ -102,3 +102,18 @@ def test_tokenizer_larger_than_model_vocab_is_refused(tmp_path, model):
     default_tokenizer().save(str(ckpt / "tokenizer.json"))  # 8192 tokens for a 64-token model
     with pytest.raises(StemlmError, match="8192 tokens but the model's vocab_size is 64"):
         load_checkpoint(ckpt)
+
+
+def test_export_model_writes_a_plain_folder_and_refuses_its_source(tmp_path):
+    from stemlm.checkpoint.folder import save_pretrained
+    from stemlm.checkpoint.runs import export_model, from_pretrained
+    from stemlm.model import build_model
+    from tests.conftest import make_tiny_config
+
+    model = build_model(make_tiny_config("stem"), seed=0)
+    save_pretrained(model, tmp_path / "ckpt")
+    summary = export_model(tmp_path / "ckpt", tmp_path / "out", force=False, producer="test export")
+    assert summary["sharded"] is False and summary["parameters"] == model.num_parameters()
+    assert from_pretrained(tmp_path / "out").num_parameters() == model.num_parameters()
+    with pytest.raises(StemlmError):
+        export_model(tmp_path / "ckpt", tmp_path / "ckpt", force=True, producer="test export")

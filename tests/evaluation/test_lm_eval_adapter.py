@@ -256,3 +256,16 @@ def test_cli_text_shows_n_stderr_and_chance(tiny_ckpt, capsys):
     assert main(["eval", "lm", str(tiny_ckpt), "--tasks", "stemlm_facts_capital", "--limit", "4"]) == 0
     out = capsys.readouterr().out
     assert "stemlm_facts_capital  n    4  acc " in out and " ± " in out and "(chance 0.250)" in out
+
+
+def test_rendered_table_aligns_tasks_and_ends_with_the_legend():
+    from stemlm.evaluation.lm_eval_adapter import render_task_report
+
+    report = {
+        "a": {"n": 4, "chance": 0.25, "metrics": {"acc": {"value": 0.5, "stderr": 0.2887}}},
+        "longer": {"n": 10, "chance": None, "metrics": {"bits_per_byte": {"value": 1.25, "stderr": None}}},
+    }
+    lines = render_task_report(report).splitlines()
+    assert lines[0] == "a       n    4  acc 0.5000 ± 0.2887  (chance 0.250)"
+    assert lines[1] == "longer  n   10  bits_per_byte 1.2500  (chance n/a)"
+    assert lines[2].startswith("± is one standard error")

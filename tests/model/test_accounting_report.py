@@ -32,3 +32,11 @@ def test_preset_rows_and_meta_count():
     assert [r["name"] for r in rows] == list(list_presets())
     tiny = get_preset("tiny")
     assert next(r for r in rows if r["name"] == "tiny")["total"] == total_parameters(tiny) == verify_on_meta(tiny)
+
+
+def test_preset_table_has_a_row_per_preset():
+    from stemlm.model.accounting_report import render_presets
+
+    lines = render_presets(preset_rows()).splitlines()
+    assert lines[0].split() == ["preset", "ffn", "layers", "d", "total", "active"]
+    assert [line.split()[0] for line in lines[1:]] == list(list_presets())

@@ -40,3 +40,13 @@ def test_report_and_files_without_a_checkpoint(tmp_path):
     write_cache_sim(report, tmp_path / "out", producer="test", force=False, sources=[])
     assert json.loads((tmp_path / "out" / JSON_NAME).read_text())["results"] == report["results"]
     assert (tmp_path / "out" / PNG_NAME).stat().st_size > 1000
+
+
+def test_rendered_table_has_a_row_per_policy_and_size():
+    from stemlm.offload.cache_sim import render_hit_rates
+
+    report = {"vocab_size": 10, **simulate([1, 2, 1, 3] * 5, 10, [0.1, 0.2], ["lfu"])}
+    lines = render_hit_rates(report).splitlines()
+    assert lines[0] == "20 tokens, 3 distinct, vocabulary 10"
+    assert lines[2] == f"lfu     {0.1:>9g}{1:>8}{100 * report['results'][0]['hit_rate']:>9.1f}%"
+    assert [line.split()[0] for line in lines[2:]] == ["lfu", "lfu", "static", "static"]

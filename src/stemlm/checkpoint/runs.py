@@ -264,3 +264,32 @@ def load_model_config(path: str | Path) -> ModelConfig:
         return ModelConfig.from_dict(data)
     except TypeError as exc:
         raise StemlmError(f"{p} is not a stemlm model config ({exc})") from None
+
+
+def export_model(ckpt: str | Path, out: str | Path, *, force: bool, producer: str) -> dict:
+    """Write a (sharded or plain) training checkpoint as a plain model folder at `out`, every file first
+    re-hashed against the checkpoint's manifest; the summary `stemlm export --json` prints."""
+    from stemlm.checkpoint.folder import save_pretrained
+    from stemlm.checkpoint.safe_write import check_target, verify_folder
+    from stemlm.checkpoint.sharded import sharded_metadata
+
+    folder = resolve_checkpoint(ckpt)
+    sources = (ckpt, folder)
+    check_target(out, producer=producer, force=force, sources=sources)  # before any reading
+    sharded = is_sharded(folder)
+    if sharded:
+        sharded_metadata(folder, verify=True)  # every file re-hashed against the manifest before anything is read
+    elif Path(folder, "stemlm-manifest.json").is_file():
+        result = verify_folder(folder)
+        if not result["ok"]:
+            bad = result["changed"] + result["missing"]
+            raise StemlmError(f"{folder}: {len(bad)} files fail verification against its manifest: {', '.join(bad)}")
+    model, tokenizer = load_checkpoint(folder)
+    written = save_pretrained(model, out, tokenizer, force=force, sources=sources, producer=producer)
+    return {
+        "out": str(written),
+        "source": str(folder),
+        "sharded": sharded,
+        "parameters": model.num_parameters(),
+        "tokenizer": tokenizer is not None,
+    }

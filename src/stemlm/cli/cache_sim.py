@@ -93,7 +93,7 @@ def _policies(text: str) -> list[str]:
 
 def run(args) -> int:
     from stemlm.checkpoint.safe_write import check_target
-    from stemlm.offload.cache_sim import cache_sim_report, write_cache_sim
+    from stemlm.offload.cache_sim import cache_sim_report, render_hit_rates, write_cache_sim
 
     out = Path(args.out) if args.out else None
     if out is None and args.ckpt is not None:
@@ -115,17 +115,7 @@ def run(args) -> int:
     if args.json:
         print_json(report)
         return 0
-    print(f"{report['tokens']:,} tokens, {report['distinct_tokens']:,} distinct, vocabulary {report['vocab_size']:,}")
-    print(f"{'policy':<8}{'fraction':>9}{'rows':>8}{'hit rate':>10}")
-    for r in report["results"]:
-        print(f"{r['policy']:<8}{r['fraction']:>9g}{r['capacity']:>8}{100 * r['hit_rate']:>9.1f}%")
-    for r in report["static_top"]:
-        print(f"{'static':<8}{r['fraction']:>9g}{r['capacity']:>8}{100 * r['hit_rate']:>9.1f}%")
-    if "ngram" in report:
-        ng = report["ngram"]
-        print(f"n-gram rows: {ng['rows']:,}, {ng['keys_per_token']} ids per token, {ng['distinct_ids']:,} distinct")
-        for r in ng["results"]:
-            print(f"{r['policy']:<8}{r['fraction']:>9g}{r['capacity']:>8}{100 * r['hit_rate']:>9.1f}%")
+    print(render_hit_rates(report))
     if out is not None:
         print(f"wrote {out / JSON_NAME} and {out / PNG_NAME}", file=sys.stderr)
     return 0

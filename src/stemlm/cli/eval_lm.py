@@ -64,7 +64,13 @@ def register_eval(subparsers) -> None:
 
 def run(args) -> int:
     from stemlm.checkpoint.safe_write import check_file_target, write_output_file
-    from stemlm.evaluation.lm_eval_adapter import StemlmLM, run_lm_eval, summarize_results, task_report
+    from stemlm.evaluation.lm_eval_adapter import (
+        StemlmLM,
+        render_task_report,
+        run_lm_eval,
+        summarize_results,
+        task_report,
+    )
 
     if args.out:
         check_file_target(args.out, force=args.force)  # before the (long) evaluation
@@ -103,16 +109,7 @@ def run(args) -> int:
             }
         )
         return 0
-    report = task_report(results)
-    width = max(len(t) for t in report)
-    for task, r in report.items():
-        cells = [
-            f"{k} {m['value']:.4f}" + (f" ± {m['stderr']:.4f}" if m["stderr"] is not None else "")
-            for k, m in r["metrics"].items()
-        ]
-        chance = "n/a" if r["chance"] is None else f"{r['chance']:.3f}"
-        print(f"{task:<{width}}  n {r['n']:>4}  " + "  ".join(cells) + f"  (chance {chance})")
-    print("± is one standard error of the mean over the n examples; chance = uniform guessing among the choices")
+    print(render_task_report(task_report(results)))
     if args.out:
         print(f"full results: {args.out}", file=sys.stderr)
     return 0

@@ -15,10 +15,8 @@ earlier `stemlm export` output. Memory: the whole model once, in fp32 as trained
 from __future__ import annotations
 
 import sys
-from pathlib import Path
 
 from stemlm.cli.common import add_json_flag, print_json
-from stemlm.errors import StemlmError
 
 EXPORT_PRODUCER = "stemlm export"
 
@@ -38,34 +36,13 @@ def register(subparsers) -> None:
 
 
 def run(args) -> int:
-    from stemlm.checkpoint.folder import save_pretrained
-    from stemlm.checkpoint.runs import load_checkpoint, resolve_checkpoint
-    from stemlm.checkpoint.safe_write import check_target, verify_folder
-    from stemlm.checkpoint.sharded import is_sharded, sharded_metadata
+    from stemlm.checkpoint.runs import export_model
 
-    ckpt = resolve_checkpoint(args.ckpt)
-    sources = (args.ckpt, ckpt)
-    check_target(args.out, producer=EXPORT_PRODUCER, force=args.force, sources=sources)  # before any reading
-    sharded = is_sharded(ckpt)
-    if sharded:
-        sharded_metadata(ckpt, verify=True)  # every file re-hashed against the manifest before anything is read
-    elif Path(ckpt, "stemlm-manifest.json").is_file():
-        result = verify_folder(ckpt)
-        if not result["ok"]:
-            bad = result["changed"] + result["missing"]
-            raise StemlmError(f"{ckpt}: {len(bad)} files fail verification against its manifest: {', '.join(bad)}")
-    model, tokenizer = load_checkpoint(ckpt)
-    out = save_pretrained(model, args.out, tokenizer, force=args.force, sources=sources, producer=EXPORT_PRODUCER)
-    summary = {
-        "out": str(out),
-        "source": str(ckpt),
-        "sharded": sharded,
-        "parameters": model.num_parameters(),
-        "tokenizer": tokenizer is not None,
-    }
+    summary = export_model(args.ckpt, args.out, force=args.force, producer=EXPORT_PRODUCER)
     if args.json:
         print_json(summary)
     else:
-        kind = "sharded checkpoint" if sharded else "checkpoint"
-        print(f"wrote model folder {out} from {kind} {ckpt} ({summary['parameters']:,} parameters)", file=sys.stderr)
+        kind = "sharded checkpoint" if summary["sharded"] else "checkpoint"
+        size = f"{summary['parameters']:,} parameters"
+        print(f"wrote model folder {summary['out']} from {kind} {summary['source']} ({size})", file=sys.stderr)
     return 0

@@ -150,16 +150,11 @@ def run(args) -> int:
 
 
 def list_all(as_json: bool) -> int:
-    from stemlm.model.accounting_report import human, preset_rows
+    from stemlm.model.accounting_report import preset_rows, render_presets
 
     rows = preset_rows()
     if as_json:
         print_json({"presets": rows})
     else:
-        print(f"{'preset':<24}{'ffn':<10}{'layers':>7}{'d':>6}{'total':>10}{'active':>10}")
-        for r in rows:
-            print(
-                f"{r['name']:<24}{r['ffn']:<10}{r['layers']:>7}{r['hidden_size']:>6}"
-                f"{human(r['total']):>10}{human(r['active_backbone']):>10}"
-            )
+        print(render_presets(rows))
     return 0

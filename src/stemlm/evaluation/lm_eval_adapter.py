@@ -285,6 +285,21 @@ def task_report(results: dict[str, Any]) -> dict[str, dict[str, Any]]:
     return report
 
 
+def render_task_report(report: dict[str, dict[str, Any]]) -> str:
+    """The table `stemlm eval lm` prints for a `task_report`: a line per task, each metric with its standard error."""
+    width = max(len(t) for t in report)
+    lines = []
+    for task, r in report.items():
+        cells = [
+            f"{k} {m['value']:.4f}" + (f" ± {m['stderr']:.4f}" if m["stderr"] is not None else "")
+            for k, m in r["metrics"].items()
+        ]
+        chance = "n/a" if r["chance"] is None else f"{r['chance']:.3f}"
+        lines.append(f"{task:<{width}}  n {r['n']:>4}  " + "  ".join(cells) + f"  (chance {chance})")
+    lines.append("± is one standard error of the mean over the n examples; chance = uniform guessing among the choices")
+    return "\n".join(lines)
+
+
 def summarize_results(results: dict[str, Any]) -> dict[str, dict[str, float]]:
     """{task: {metric: value}} from lm-eval's results, dropping stderr entries and the filter suffix."""
     summary = {}

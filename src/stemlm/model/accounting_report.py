@@ -33,6 +33,17 @@ def preset_rows() -> list[dict[str, Any]]:
     return rows
 
 
+def render_presets(rows: list[dict[str, Any]]) -> str:
+    """The table `stemlm info --list-presets` prints for `preset_rows()`."""
+    lines = [f"{'preset':<24}{'ffn':<10}{'layers':>7}{'d':>6}{'total':>10}{'active':>10}"]
+    for r in rows:
+        lines.append(
+            f"{r['name']:<24}{r['ffn']:<10}{r['layers']:>7}{r['hidden_size']:>6}"
+            f"{human(r['total']):>10}{human(r['active_backbone']):>10}"
+        )
+    return "\n".join(lines)
+
+
 def verify_on_meta(config: ModelConfig) -> int:
     """Build the model on the meta device (no memory) and check its parameter count against the accounting."""
     from stemlm.model import build_model  # imports torch; only needed here

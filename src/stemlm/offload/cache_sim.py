@@ -122,6 +122,24 @@ def cache_sim_report(
     return report
 
 
+def render_hit_rates(report: dict) -> str:
+    """The table `stemlm cache-sim` prints: a row per policy and size, the static reference, the n-gram cache."""
+    row = "{:<8}{:>9g}{:>8}{:>9.1f}%"
+    lines = [
+        f"{report['tokens']:,} tokens, {report['distinct_tokens']:,} distinct, vocabulary {report['vocab_size']:,}",
+        f"{'policy':<8}{'fraction':>9}{'rows':>8}{'hit rate':>10}",
+    ]
+    lines += [row.format(r["policy"], r["fraction"], r["capacity"], 100 * r["hit_rate"]) for r in report["results"]]
+    lines += [row.format("static", r["fraction"], r["capacity"], 100 * r["hit_rate"]) for r in report["static_top"]]
+    if "ngram" in report:
+        ng = report["ngram"]
+        lines.append(
+            f"n-gram rows: {ng['rows']:,}, {ng['keys_per_token']} ids per token, {ng['distinct_ids']:,} distinct"
+        )
+        lines += [row.format(r["policy"], r["fraction"], r["capacity"], 100 * r["hit_rate"]) for r in ng["results"]]
+    return "\n".join(lines)
+
+
 def write_cache_sim(report: dict, out: Path, **guard) -> None:
     """`out`/cache_sim.json and cache_sim.png, written atomically (`guard`: `AtomicFolder`'s refusal rules)."""
     from stemlm.checkpoint.folder import write_json
