@@ -66,3 +66,14 @@ def test_apply_with_prefix_and_fixed_fields():
 def test_errors_name_the_key_and_the_expected_type(item, message):
     with pytest.raises(StemlmError, match=message):
         typed_overrides(Options, [item], label="option", fixed=("kind",))
+
+
+def test_one_flag_routes_items_to_their_config():
+    from stemlm.overrides import split_sections
+
+    routed = split_sections(["model.hidden_size=64", "train.steps=3", "model.ffn=moe"], ("model", "train"))
+    assert routed == {"model": ["model.hidden_size=64", "model.ffn=moe"], "train": ["train.steps=3"]}
+    with pytest.raises(StemlmError, match="'steps' is not of the form model.<field>=VALUE or train.<field>=VALUE"):
+        split_sections(["steps"], ("model", "train"))
+    with pytest.raises(StemlmError, match=r"'steps=3': prefix the key with model. or train. \(e.g. model.steps=3\)"):
+        split_sections(["steps=3"], ("model", "train"))

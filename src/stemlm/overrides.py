@@ -32,6 +32,23 @@ def split_pairs(items: list[str], prefix: str = "") -> dict[str, str]:
     return pairs
 
 
+def split_sections(items: list[str], sections: tuple[str, ...], flag: str = "--set") -> dict[str, list[str]]:
+    """`key=value` items routed by the prefix of their key ({"model": ["model.x=1"], "train": [...]}): one flag
+    that reaches several configs; an item without "=" or a known prefix is an error naming the flag."""
+    routed: dict[str, list[str]] = {section: [] for section in sections}
+    forms = " or ".join(f"{section}.<field>=VALUE" for section in sections)
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise StemlmError(f"{flag} {item!r} is not of the form {forms}")
+        section = key.split(".", 1)[0] if "." in key else None
+        if section not in routed:
+            prefixes = " or ".join(f"{section}." for section in sections)
+            raise StemlmError(f"{flag} {item!r}: prefix the key with {prefixes} (e.g. {sections[0]}.{key}={value})")
+        routed[section].append(item)
+    return routed
+
+
 def parse_value(raw: Any, annotation: str, key: str, label: str = "config key") -> Any:
     """`raw` (a command-line string) as a value of a field annotated `annotation` (e.g. "int | None")."""
     if not isinstance(raw, str):

@@ -221,3 +221,21 @@ def test_bad_prompts(stem):
 def test_grad_mode_untouched_between_tokens(stem):
     for _ in stream_tokens(stem, PROMPT, 3, seed=0):
         assert torch.is_grad_enabled()
+
+
+def test_prompt_from_text_or_ids_and_the_timed_stream(tiny_config):
+    import pytest
+
+    from stemlm.data.tokenizer import default_tokenizer
+    from stemlm.errors import StemlmError
+    from stemlm.inference.generate import TimedTokens, encode_prompt
+
+    tok = default_tokenizer()
+    assert encode_prompt(tok, 8192, text="The king") == tok.encode("The king").ids
+    assert encode_prompt(None, 10, ids="1, 2,3") == [1, 2, 3]
+    for kw, message in ((dict(ids="1,10"), "out of vocabulary"), (dict(), "exactly one"), (dict(ids="a"), "integers")):
+        with pytest.raises(StemlmError, match=message):
+            encode_prompt(None, 10, **kw)
+    timed = TimedTokens(iter([5, 6, 7]))
+    assert list(timed) == [5, 6, 7] == timed.ids
+    assert timed.first is not None and timed.first <= timed.seconds and timed.rate > 0

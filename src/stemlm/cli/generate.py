@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import functools
 import sys
-import time
 
 from stemlm.cli.common import add_inference_flags, add_json_flag, print_json
 from stemlm.errors import StemlmError
@@ -25,34 +24,8 @@ EOT_TOKEN = "<|endoftext|>"
 DEFAULT_TEMPERATURE, DEFAULT_TOP_K, DEFAULT_TOP_P = 0.8, 50, 0.95
 
 
-def parse_ids(text: str, vocab_size: int) -> list[int]:
-    try:
-        ids = [int(part) for part in text.replace(" ", "").split(",") if part]
-    except ValueError:
-        raise StemlmError(f"--ids {text!r} is not a comma-separated list of integers") from None
-    if not ids:
-        raise StemlmError("--ids is empty: pass at least one token id")
-    for i in ids:
-        if not 0 <= i < vocab_size:
-            raise StemlmError(f"--ids: token id {i} is out of vocabulary (valid ids: 0..{vocab_size - 1})")
-    return ids
-
-
-def _prompt_ids(args, model, tokenizer) -> list[int]:
-    if (args.prompt is None) == (args.ids is None):
-        raise StemlmError('pass exactly one of a prompt text or --ids (e.g. stemlm generate CKPT "Once upon")')
-    if args.ids is not None:
-        return parse_ids(args.ids, model.config.vocab_size)
-    if tokenizer is None:
-        raise StemlmError("this checkpoint has no tokenizer.json to encode the prompt; pass raw ids with --ids")
-    ids = tokenizer.encode(args.prompt).ids
-    if not ids:
-        raise StemlmError("the prompt encodes to no tokens; pass some text")
-    return ids
-
-
 def run(args) -> int:
-    from stemlm.inference.generate import IncrementalDecoder, stream_tokens
+    from stemlm.inference.generate import IncrementalDecoder, TimedTokens, encode_prompt, stream_tokens
     from stemlm.inference.load import InferenceOptions, load_inference
 
     if args.prompt == "-":
@@ -69,7 +42,7 @@ def run(args) -> int:
         if args.prompt is None:
             raise StemlmError("--chat needs a prompt text (the user message), not --ids")
         args.prompt, eos_token = chat.render(args.prompt), chat.eos_token or EOT_TOKEN
-    prompt_ids = _prompt_ids(args, model, tokenizer)
+    prompt_ids = encode_prompt(tokenizer, model.config.vocab_size, args.prompt, args.ids)
     eos_id = None if args.ignore_eos or tokenizer is None else tokenizer.token_to_id(eos_token)
     tokens = (offloaded.stream if offloaded else functools.partial(stream_tokens, model))(
         prompt_ids,
@@ -85,18 +58,12 @@ def run(args) -> int:
     out = sys.stdout
     if args.echo and not args.json:
         out.write(tokenizer.decode(prompt_ids) if tokenizer is not None else " ".join(map(str, prompt_ids)) + " ")
-    new_ids: list[int] = []
-    start = time.perf_counter()
-    first = None
-    for token in tokens:
-        if first is None:
-            first = time.perf_counter() - start
-        new_ids.append(token)
+    timed = TimedTokens(tokens)
+    for token in timed:
         if not args.json:
             out.write(decoder.push(token) if decoder else f"{token} ")
             out.flush()
-    seconds = time.perf_counter() - start
-    rate = len(new_ids) / seconds if seconds > 0 else 0.0
+    new_ids, seconds, rate = timed.ids, timed.seconds, timed.rate
     completion = tokenizer.decode(new_ids) if tokenizer is not None else None
     if args.json:
         print_json(
@@ -107,7 +74,7 @@ def run(args) -> int:
                 "token_ids": new_ids,
                 "num_new_tokens": len(new_ids),
                 "seconds": seconds,
-                "time_to_first_token_s": first,
+                "time_to_first_token_s": timed.first,
                 "tokens_per_s": rate,
                 "autocast_dtype": str(amp).removeprefix("torch."),
                 **({"tables": offloaded.report()} if offloaded else {}),

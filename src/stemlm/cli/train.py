@@ -244,45 +244,15 @@ SWITCHES = [  # TrainConfig's bool fields: None on the namespace = not given
 ]
 
 
-def split_overrides(items: list[str]) -> tuple[list[str], dict[str, str]]:
-    """`--set` items into (model `key=value` list, train {key: value}); a missing prefix is an error."""
-    model, train = [], {}
-    for item in items:
-        key, sep, value = item.partition("=")
-        if not sep:
-            raise StemlmError(f"--set {item!r} is not of the form model.<field>=VALUE or train.<field>=VALUE")
-        if key.startswith("model."):
-            model.append(item)
-        elif key.startswith("train."):
-            train[key.removeprefix("train.")] = value
-        else:
-            raise StemlmError(f"--set {item!r}: prefix the key with model. or train. (e.g. model.{key}={value})")
-    return model, train
-
-
 def train_overrides(args) -> dict[str, Any]:
     """Training fields given on the command line (flags win over --set train.*)."""
-    from stemlm.overrides import typed_overrides
+    from stemlm.overrides import split_sections, typed_overrides
 
-    changes = typed_overrides(TrainConfig, split_overrides(args.overrides)[1], label="training config key")
-    for _, field, _, _ in TRAIN_FLAGS:
-        if getattr(args, field) is not None:
-            changes[field] = getattr(args, field)
-    for field in (
-        "table_optim",
-        "tables",
-        "dtype",
-        "device",
-        "data",
-        "preset",
-        "parallel",
-        "activation_checkpointing",
-        "compile",
-        "profile",
-        "memory_snapshot",
-    ):
-        if getattr(args, field) is not None:
-            changes[field] = getattr(args, field)
+    items = split_sections(args.overrides, ("model", "train"))["train"]
+    changes = typed_overrides(TrainConfig, items, prefix="train.", label="training config key")
+    for f in dataclasses.fields(TrainConfig):  # a flag's dest is its field; --table-lr is parsed below
+        if f.name != "table_lr" and getattr(args, f.name, None) is not None:
+            changes[f.name] = getattr(args, f.name)
     if args.table_lr is not None:
         changes.update(_parse_table_lr(args.table_lr))
     return changes
@@ -299,6 +269,7 @@ def _parse_table_lr(text: str) -> dict[str, Any]:
 
 def run_request(args):
     """The parsed flags as a `stemlm.train.setup.RunRequest`."""
+    from stemlm.overrides import split_sections
     from stemlm.train.setup import RunRequest
 
     return RunRequest(
@@ -306,7 +277,7 @@ def run_request(args):
         preset=args.preset,
         ffn=args.ffn,
         stem_layers=args.stem_layers,
-        model_sets=split_overrides(args.overrides)[0],
+        model_sets=split_sections(args.overrides, ("model", "train"))["model"],
         fit_vocab=args.fit_vocab,
         tokenizer=args.tokenizer,
         resume=args.resume,

@@ -3,7 +3,8 @@
 The pieces are separate so other code can reuse them: `top_k_filter` / `top_p_filter` / `sample_token` turn
 one row of logits into a token id with torch ops and a seeded `torch.Generator`; `stream_tokens` is the
 generator that yields each new token id the moment it is sampled (before the next forward runs), and
-`generate` collects them into a list, calling an optional `on_token(token_id)` hook on the way.
+`generate` collects them into a list, calling an optional `on_token(token_id)` hook on the way; `TimedTokens`
+times a stream as `stemlm generate` reports it, and `encode_prompt` turns a prompt text or typed ids into ids.
 
     from stemlm.inference.generate import generate
     new_ids = generate(model, [1, 2, 3], max_new_tokens=20, temperature=0.8, top_p=0.9, seed=0)
@@ -19,6 +20,7 @@ output reach the model's `max_position_embeddings`.
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -31,7 +33,17 @@ from stemlm.model.ffn import Rows
 
 EmbedRows = Callable[[torch.Tensor], torch.Tensor]  # input_ids [B, T] -> embeddings [B, T, d], as in StemLM.forward
 
-__all__ = ["IncrementalDecoder", "generate", "sample_token", "stream_tokens", "top_k_filter", "top_p_filter"]
+__all__ = [
+    "IncrementalDecoder",
+    "TimedTokens",
+    "encode_prompt",
+    "generate",
+    "parse_ids",
+    "sample_token",
+    "stream_tokens",
+    "top_k_filter",
+    "top_p_filter",
+]
 
 
 def top_k_filter(logits: torch.Tensor, k: int) -> torch.Tensor:
@@ -208,3 +220,53 @@ class IncrementalDecoder:
     def _advance(self, text: str) -> str:
         piece, self.printed = text[len(self.printed) :], text
         return piece
+
+
+def parse_ids(text: str, vocab_size: int) -> list[int]:
+    """Token ids typed as "464,3139,286", each checked against the vocabulary."""
+    try:
+        ids = [int(part) for part in text.replace(" ", "").split(",") if part]
+    except ValueError:
+        raise StemlmError(f"--ids {text!r} is not a comma-separated list of integers") from None
+    if not ids:
+        raise StemlmError("--ids is empty: pass at least one token id")
+    for i in ids:
+        if not 0 <= i < vocab_size:
+            raise StemlmError(f"--ids: token id {i} is out of vocabulary (valid ids: 0..{vocab_size - 1})")
+    return ids
+
+
+def encode_prompt(tokenizer, vocab_size: int, text: str | None = None, ids: str | None = None) -> list[int]:
+    """The prompt's ids from exactly one of a text (encoded with `tokenizer`) or typed ids (`parse_ids`)."""
+    if (text is None) == (ids is None):
+        raise StemlmError('pass exactly one of a prompt text or --ids (e.g. stemlm generate CKPT "Once upon")')
+    if ids is not None:
+        return parse_ids(ids, vocab_size)
+    if tokenizer is None:
+        raise StemlmError("this checkpoint has no tokenizer.json to encode the prompt; pass raw ids with --ids")
+    encoded = tokenizer.encode(text).ids
+    if not encoded:
+        raise StemlmError("the prompt encodes to no tokens; pass some text")
+    return encoded
+
+
+class TimedTokens:
+    """Iterates `tokens` (e.g. `stream_tokens(...)`), keeping the ids, the time to the first one and the total
+    seconds (the consumer's time between tokens included, as a user waiting for them sees it)."""
+
+    def __init__(self, tokens: Iterator[int]) -> None:
+        self.tokens, self.ids, self.first, self.seconds = tokens, [], None, 0.0
+
+    def __iter__(self) -> Iterator[int]:
+        start = time.perf_counter()
+        for token in self.tokens:
+            if self.first is None:
+                self.first = time.perf_counter() - start
+            self.ids.append(token)
+            yield token
+        self.seconds = time.perf_counter() - start
+
+    @property
+    def rate(self) -> float:
+        """Tokens per second."""
+        return len(self.ids) / self.seconds if self.seconds > 0 else 0.0
