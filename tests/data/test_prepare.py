@@ -140,3 +140,14 @@ def test_cli_prepare_and_errors(tmp_path, corpus, tok, capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and err == [f"stemlm data: error: {tmp_path / 'bad.jsonl'} line 1: expected a JSON object "
                                  "with a string 'text' field"]  # fmt: skip
+
+
+def test_summary_of_a_prepared_folder(tmp_path, corpus, tok):
+    from stemlm.data.prepare import prepare_summary, render_prepare_summary
+
+    manifest = prepare([corpus], tok, tmp_path / "shards", heldout_fraction=0.3, progress=False)
+    report = prepare_summary(manifest, "shards", 0.5)
+    splits = manifest["splits"]
+    assert report["train"] == {k: splits["train"][k] for k in ("documents", "tokens")} and report["seconds"] == 0.5
+    tokens = splits["train"]["tokens"] + splits["heldout"]["tokens"]
+    assert render_prepare_summary(report, 0.5).endswith(f"{tokens / 0.5:,.0f} tokens/s")

@@ -48,7 +48,7 @@ def register(subparsers) -> None:
 
 def run_prepare(args) -> int:
     from stemlm.data import get_tokenizer
-    from stemlm.data.prepare import prepare
+    from stemlm.data.prepare import prepare, prepare_summary, render_prepare_summary
 
     start = time.perf_counter()
     manifest = prepare(
@@ -62,25 +62,11 @@ def run_prepare(args) -> int:
         progress=not args.no_progress,
     )
     seconds = time.perf_counter() - start
-    splits = manifest["splits"]
-    report = {
-        "out": args.out,
-        "files": len(manifest["sources"]),
-        "train": {k: splits["train"][k] for k in ("documents", "tokens")},
-        "heldout": {k: splits["heldout"][k] for k in ("documents", "tokens")},
-        "dtype": manifest["dtype"],
-        "tokenizer": manifest["tokenizer"],
-        "seconds": round(seconds, 2),
-    }
+    report = prepare_summary(manifest, args.out, seconds)
     if args.json:
         print_json(report)
     else:
-        train, held = splits["train"], splits["heldout"]
-        print(
-            f"{args.out}: {report['files']} files, {train['documents']:,} + {held['documents']:,} documents "
-            f"(train + held-out), {train['tokens']:,} + {held['tokens']:,} tokens ({manifest['dtype']}), "
-            f"{(train['tokens'] + held['tokens']) / max(seconds, 1e-9):,.0f} tokens/s"
-        )
+        print(render_prepare_summary(report, seconds))
     return 0
 
 

@@ -344,3 +344,27 @@ def _assemble(
         f.flush()
         os.fsync(f.fileno())
     return manifest
+
+
+def prepare_summary(manifest: dict[str, Any], out: str, seconds: float) -> dict[str, Any]:
+    """What `stemlm data prepare --json` prints for a written folder's manifest."""
+    splits = manifest["splits"]
+    return {
+        "out": out,
+        "files": len(manifest["sources"]),
+        "train": {k: splits["train"][k] for k in ("documents", "tokens")},
+        "heldout": {k: splits["heldout"][k] for k in ("documents", "tokens")},
+        "dtype": manifest["dtype"],
+        "tokenizer": manifest["tokenizer"],
+        "seconds": round(seconds, 2),
+    }
+
+
+def render_prepare_summary(r: dict[str, Any], seconds: float) -> str:
+    """The line `stemlm data prepare` prints: files, documents and tokens per split, tokens per second."""
+    train, held = r["train"], r["heldout"]
+    return (
+        f"{r['out']}: {r['files']} files, {train['documents']:,} + {held['documents']:,} documents "
+        f"(train + held-out), {train['tokens']:,} + {held['tokens']:,} tokens ({r['dtype']}), "
+        f"{(train['tokens'] + held['tokens']) / max(seconds, 1e-9):,.0f} tokens/s"
+    )
