@@ -39,3 +39,14 @@ def test_layers_and_variants(edit_model):
     assert edit_variants("auto", edit_model("dense")) == ["embed"]
     with pytest.raises(StemlmError, match="unknown variant 'rows'"):
         edit_variants("stem,rows", model)
+
+
+def test_variants_share_the_unedited_scores(edit_model, fact_tokenizer):
+    from stemlm.data.worlds.facts import edit_records
+    from stemlm.edit.evaluate import evaluate_edits, evaluate_variants
+
+    model, records, logged = edit_model(), edit_records("capital", 3, seed=0), []
+    settings = dict(fluency_tokens=0)
+    results = evaluate_variants(model, fact_tokenizer, records, ["stem", "embed"], log=logged.append, **settings)
+    assert list(results) == ["stem", "embed"] and len(logged) == 2
+    assert results["embed"] == evaluate_edits(model, fact_tokenizer, records, rows="embed", **settings)

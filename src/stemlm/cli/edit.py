@@ -16,33 +16,15 @@ as `register_eval`) measures edits over many facts.
 
 from __future__ import annotations
 
+import functools
 import sys
 
 from stemlm.cli.common import add_json_flag, print_json
 from stemlm.errors import StemlmError
 
 
-def load_for_edit(ckpt: str):
-    from stemlm.checkpoint.runs import load_checkpoint
-
-    return load_checkpoint(ckpt, need_tokenizer="editing (finding entity names)")
-
-
-def _save_sources(args) -> tuple:
-    """The folders --save must never replace (the CKPT argument and what it resolves to); checked before loading."""
-    if args.save is None:
-        return ()
-    from stemlm.checkpoint.runs import resolve_checkpoint
-    from stemlm.checkpoint.safe_write import check_target
-    from stemlm.edit.table_edits import EDIT_PRODUCER
-
-    sources = (args.ckpt, resolve_checkpoint(args.ckpt))
-    check_target(args.save, producer=EDIT_PRODUCER, force=args.force, sources=sources, flag="--save")
-    return sources
-
-
 def run(args) -> int:
-    from stemlm.edit.session import EditOptions, render_edit, run_edit
+    from stemlm.edit.session import EditOptions, load_for_edit, render_edit, run_edit, save_sources
     from stemlm.edit.spans import check_distinct
 
     if args.inject is None and args.source is None:
@@ -56,7 +38,7 @@ def run(args) -> int:
         raise StemlmError('a positional edit needs --prompt, e.g. --prompt "Country: Spain. Capital:"')
     if args.source is not None:
         check_distinct(args.source, args.target)
-    sources = _save_sources(args)
+    sources = save_sources(args.ckpt, args.save, args.force)
     model, tokenizer = load_for_edit(args.ckpt)
     report = run_edit(model, tokenizer, options, sources)
     if args.json:
@@ -129,9 +111,9 @@ def run_eval(args) -> int:
 
     from stemlm.checkpoint.safe_write import check_file_target, write_output_file
     from stemlm.data.worlds.facts import RELATIONS, edit_records
-    from stemlm.edit.evaluate import edit_variants, evaluate_edits
+    from stemlm.edit.evaluate import edit_variants, evaluate_edits, evaluate_variants
     from stemlm.edit.report import format_edit_table
-    from stemlm.edit.session import parse_layers
+    from stemlm.edit.session import load_for_edit, parse_layers
 
     if args.relation not in RELATIONS:
         raise StemlmError(f"unknown relation {args.relation!r}; choose one of {', '.join(RELATIONS)}")
@@ -151,16 +133,12 @@ def run_eval(args) -> int:
         fluency_tokens=args.fluency_tokens,
         fluency_records=args.fluency_records,
     )
-    results: dict = {"checkpoint": args.ckpt, "relation": args.relation, "seed": args.seed, "variants": {}}
-    cache: dict = {}  # unedited scores and generations, shared by every variant of this model
-    for variant in edit_variants(args.variants, model):
-        print(f"evaluating {variant} rows on {len(records)} records ...", file=sys.stderr)
-        chosen = layers if variant != "embed" else None
-        results["variants"][variant] = evaluate_edits(
-            model, tokenizer, records, rows=variant, layers=chosen, cache=cache, **settings
-        )
+    log = functools.partial(print, file=sys.stderr)
+    variants = edit_variants(args.variants, model)
+    results = {"checkpoint": args.ckpt, "relation": args.relation, "seed": args.seed}
+    results["variants"] = evaluate_variants(model, tokenizer, records, variants, layers=layers, log=log, **settings)
     if args.dense is not None:
-        print(f"evaluating the dense control {args.dense} (embedding rows) ...", file=sys.stderr)
+        log(f"evaluating the dense control {args.dense} (embedding rows) ...")
         dense, dense_tok = load_for_edit(args.dense)
         results["variants"]["dense-embed"] = evaluate_edits(dense, dense_tok, records, rows="embed", **settings)
     if args.out:

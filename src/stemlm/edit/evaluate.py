@@ -389,3 +389,17 @@ def edit_variants(spec: str, model: StemLM) -> list[str]:
         if v not in ("stem", "embed", "both"):
             raise StemlmError(f"unknown variant {v!r} in --variants; use a comma list of stem, embed, both")
     return variants
+
+
+def evaluate_variants(model, tokenizer, records, variants: list[str], *, layers=None, log=print, **settings) -> dict:
+    """`evaluate_edits` for each row kind of `variants` ({variant: summary}), the unedited scores computed once;
+    `layers` selects the table layers of the stem and both variants (embedding rows have no layer)."""
+    cache: dict = {}  # unedited scores and generations, shared by every variant of this model
+    results = {}
+    for variant in variants:
+        log(f"evaluating {variant} rows on {len(records)} records ...")
+        chosen = layers if variant != "embed" else None
+        results[variant] = evaluate_edits(
+            model, tokenizer, records, rows=variant, layers=chosen, cache=cache, **settings
+        )
+    return results

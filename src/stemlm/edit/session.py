@@ -43,6 +43,27 @@ class EditOptions:
         return self.save is None and self.inject is None
 
 
+def load_for_edit(ckpt: str):
+    """(model, tokenizer) of a CKPT argument; editing needs the tokenizer to find entity names."""
+    from stemlm.checkpoint.runs import load_checkpoint
+
+    return load_checkpoint(ckpt, need_tokenizer="editing (finding entity names)")
+
+
+def save_sources(ckpt: str, save: str | None, force: bool) -> tuple:
+    """The folders a save to `save` must never replace (CKPT and what it resolves to), the target checked now,
+    before loading; () without a save."""
+    if save is None:
+        return ()
+    from stemlm.checkpoint.runs import resolve_checkpoint
+    from stemlm.checkpoint.safe_write import check_target
+    from stemlm.edit.table_edits import EDIT_PRODUCER
+
+    sources = (ckpt, resolve_checkpoint(ckpt))
+    check_target(save, producer=EDIT_PRODUCER, force=force, sources=sources, flag="--save")
+    return sources
+
+
 def parse_layers(spec: str | None, model) -> list[int] | None:
     """The layers a `--layers` spec names (None, "all": every table layer)."""
     from stemlm.model.config import resolve_layer_spec
