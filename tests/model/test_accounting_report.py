@@ -40,3 +40,18 @@ def test_preset_table_has_a_row_per_preset():
     lines = render_presets(preset_rows()).splitlines()
     assert lines[0].split() == ["preset", "ffn", "layers", "d", "total", "active"]
     assert [line.split()[0] for line in lines[1:]] == list(list_presets())
+
+
+def test_context_length_defaults_and_limits():
+    import pytest
+
+    from stemlm.errors import StemlmError
+    from stemlm.model.accounting_report import DEFAULT_SEQ_LEN, context_length
+
+    tiny = get_preset("tiny")
+    assert context_length(tiny) == min(DEFAULT_SEQ_LEN, tiny.max_position_embeddings)
+    assert context_length(tiny, 16) == 16
+    with pytest.raises(StemlmError, match="exceeds max_position_embeddings"):
+        context_length(tiny, tiny.max_position_embeddings + 1)
+    with pytest.raises(StemlmError, match="positive integer"):
+        context_length(tiny, 0)

@@ -14,10 +14,9 @@ from __future__ import annotations
 from stemlm.cli.common import add_json_flag, print_json
 from stemlm.errors import StemlmError
 from stemlm.model.accounting import ATTENTION_MODES, DTYPE_BYTES, summarize
+from stemlm.model.accounting_report import DEFAULT_SEQ_LEN
 from stemlm.model.config import FFN_KINDS, ModelConfig
 from stemlm.model.presets import get_preset, preset_source
-
-DEFAULT_SEQ_LEN = 2048
 
 
 def register(subparsers) -> None:
@@ -102,14 +101,9 @@ def run(args) -> int:
     if args.list_presets:
         return list_all(args.json)
     name, config = resolve(args)
-    if args.seq_len is not None and args.seq_len < 1:
-        raise StemlmError(f"--seq-len must be a positive integer, got {args.seq_len}")
-    seq_len = args.seq_len or min(DEFAULT_SEQ_LEN, config.max_position_embeddings)
-    if seq_len > config.max_position_embeddings:
-        raise StemlmError(
-            f"--seq-len {seq_len} exceeds max_position_embeddings={config.max_position_embeddings} "
-            f"(raise it with --set max_position_embeddings={seq_len})"
-        )
+    from stemlm.model.accounting_report import context_length
+
+    seq_len = context_length(config, args.seq_len)
     summary = {"model": name, **summarize(config, seq_len, args.attention, args.dtype)}
     if args.preset:
         summary["source"] = preset_source(args.preset)

@@ -11,8 +11,6 @@ never shape the vocabulary). The shipped default tokenizer is exactly
 
 from __future__ import annotations
 
-import time
-
 from stemlm.cli.common import add_json_flag, print_json
 from stemlm.data.corpus import DEFAULT_HELDOUT_FRACTION, DEFAULT_SEED
 
@@ -51,27 +49,16 @@ def register(subparsers) -> None:
 
 
 def run_train(args) -> int:
-    from stemlm.data.sources import load_corpus
-    from stemlm.data.tokenizer import check_tokenizer_target, eot_id, save_tokenizer, train_bpe
+    from stemlm.data.tokenizer import train_tokenizer
 
-    start = time.perf_counter()
-    check_tokenizer_target(args.out, force=args.force)  # before training, so a refusal costs nothing
-    train_texts, _ = load_corpus(args.data, args.heldout_fraction, args.seed)
-    tok = train_bpe(train_texts, vocab_size=args.vocab_size, min_frequency=args.min_frequency)
-    path = save_tokenizer(tok, args.out, force=args.force)
-    result = {
-        "path": str(path),
-        "vocab_size": tok.get_vocab_size(),
-        "eot_id": eot_id(tok),
-        "documents": len(train_texts),
-        "characters": sum(len(t) for t in train_texts),
-        "seconds": round(time.perf_counter() - start, 2),
-    }
+    result = train_tokenizer(
+        args.data, args.out, args.vocab_size, args.min_frequency, args.heldout_fraction, args.seed, force=args.force
+    )
     if args.json:
         print_json(result)
     else:
         print(
-            f"wrote {path}: vocab {result['vocab_size']}, trained on {result['documents']} documents "
+            f"wrote {result['path']}: vocab {result['vocab_size']}, trained on {result['documents']} documents "
             f"({result['characters'] / 1e6:.2f} M characters) in {result['seconds']} s"
         )
     return 0

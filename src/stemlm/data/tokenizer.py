@@ -167,3 +167,34 @@ def separator_id(tok: Tokenizer, token: str = EOT_TOKEN) -> int:
 def tokenizer_digest(tok: Tokenizer) -> str:
     """A short content hash of a tokenizer: checkpoints and prepared shards record it to catch a mismatch."""
     return hashlib.sha256(tok.to_str().encode()).hexdigest()[:16]
+
+
+def train_tokenizer(
+    data: list[str] | None,
+    out: str | Path,
+    vocab_size: int,
+    min_frequency: int,
+    heldout_fraction: float,
+    seed: int,
+    *,
+    force: bool = False,
+) -> dict:
+    """`stemlm tokenizer train`: a BPE on the train split of `load_corpus(data)` (held-out documents never shape
+    the vocabulary), saved as `out`/tokenizer.json (refused before training when `out` holds another's)."""
+    import time
+
+    from stemlm.data.sources import load_corpus
+
+    start = time.perf_counter()
+    check_tokenizer_target(out, force=force)
+    train_texts, _ = load_corpus(data, heldout_fraction, seed)
+    tok = train_bpe(train_texts, vocab_size=vocab_size, min_frequency=min_frequency)
+    path = save_tokenizer(tok, out, force=force)
+    return {
+        "path": str(path),
+        "vocab_size": tok.get_vocab_size(),
+        "eot_id": eot_id(tok),
+        "documents": len(train_texts),
+        "characters": sum(len(t) for t in train_texts),
+        "seconds": round(time.perf_counter() - start, 2),
+    }

@@ -2,17 +2,35 @@
 
 `render_summary(config, summary)` formats `stemlm.model.accounting.summarize` (parameters by component, forward
 FLOPs per token, decode bytes, the STEM saving and, for a paper preset, the paper's figures beside ours);
-`preset_rows()` sizes every named preset; `verify_on_meta` builds the model on the meta device and checks that its
-parameter count equals the arithmetic. `human` writes a count or a quantity with its SI prefix.
+`context_length` picks and checks the length the figures are counted at; `preset_rows()` sizes every named
+preset; `verify_on_meta` builds the model on the meta device and checks that its parameter count equals the
+arithmetic. `human` writes a count or a quantity with its SI prefix.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+from stemlm.errors import StemlmError
 from stemlm.model.accounting import active_parameters, total_parameters
 from stemlm.model.config import ModelConfig
 from stemlm.model.presets import get_preset, list_presets
+
+DEFAULT_SEQ_LEN = 2048  # the context length of `stemlm info` unless --seq-len says otherwise
+
+
+def context_length(config: ModelConfig, seq_len: int | None = None) -> int:
+    """The context length the figures are counted at: `seq_len` (checked against the model's maximum), else
+    DEFAULT_SEQ_LEN or max_position_embeddings if smaller."""
+    if seq_len is not None and seq_len < 1:
+        raise StemlmError(f"--seq-len must be a positive integer, got {seq_len}")
+    seq_len = seq_len or min(DEFAULT_SEQ_LEN, config.max_position_embeddings)
+    if seq_len > config.max_position_embeddings:
+        raise StemlmError(
+            f"--seq-len {seq_len} exceeds max_position_embeddings={config.max_position_embeddings} "
+            f"(raise it with --set max_position_embeddings={seq_len})"
+        )
+    return seq_len
 
 
 def preset_rows() -> list[dict[str, Any]]:
