@@ -183,3 +183,18 @@ def test_cli_niah_writes_beside_the_checkpoint_by_default(tiny_ckpt, tmp_path, c
     assert main(argv) == 0
     assert json.loads(capsys.readouterr().out)["out"] == str(run / "eval-niah")
     assert (run / "eval-niah" / "niah.json").is_file() and (run / "eval-niah" / "niah_heatmap.png").is_file()
+
+
+def test_result_files_and_lines(tmp_path):
+    import json
+
+    from stemlm.evaluation.niah import render_niah, write_niah
+
+    grid = {"256": {"0.5": 1.0}, "512": {"0.5": 0.0}}
+    result = {"variant": "single", "accuracy": 0.5, "by_length": {"256": 1.0, "512": 0.0}}
+    result |= {"lengths": [256, 512], "depths": [0.5], "grid": grid}
+    lines = render_niah(result).splitlines()
+    assert lines == ["single: accuracy 0.500", "  length    256: 1.000", "  length    512: 0.000"]
+    write_niah(result, tmp_path / "out", "title", producer="test", force=False, sources=[])
+    assert json.loads((tmp_path / "out" / "niah.json").read_text()) == result
+    assert (tmp_path / "out" / "niah_heatmap.png").stat().st_size > 1000

@@ -363,3 +363,16 @@ def test_llama_export_refuses_a_stem_model(tmp_path, capsys):
     assert main(["convert", "--to-llama", str(folder), "--out", str(tmp_path / "llama")]) == 2
     assert "only a dense model exports as Llama" in capsys.readouterr().err
     assert not (tmp_path / "llama").exists()
+
+
+def test_export_llama_refuses_its_source_before_loading(tmp_path, tiny_config):
+    from stemlm.checkpoint.folder import save_pretrained
+    from stemlm.convert.llama import export_llama
+    from stemlm.errors import StemlmError
+    from stemlm.model import build_model
+
+    save_pretrained(build_model(tiny_config("dense"), seed=0), tmp_path / "dense")
+    out = export_llama(tmp_path / "dense", tmp_path / "llama")
+    assert json.loads((out / "config.json").read_text())["model_type"] == "llama"
+    with pytest.raises(StemlmError):
+        export_llama(tmp_path / "dense", tmp_path / "dense", force=True)

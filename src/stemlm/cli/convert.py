@@ -65,16 +65,11 @@ def run(args) -> int:
     if args.table_dtype is not None:
         raise StemlmError("--table-dtype applies to a CKPT argument: stemlm convert CKPT --table-dtype int8 --out DIR")
     if args.to_llama is not None:
-        from stemlm.checkpoint.runs import load_checkpoint, resolve_checkpoint
-        from stemlm.checkpoint.safe_write import check_target
-        from stemlm.convert.llama import LLAMA_PRODUCER, save_as_llama
+        from stemlm.convert.llama import export_llama
 
         if args.stem_layers is not None:
             raise StemlmError("--stem-layers applies to --from-dense; --to-llama exports a dense model as it is")
-        sources = (args.to_llama, resolve_checkpoint(args.to_llama))
-        check_target(args.out, producer=LLAMA_PRODUCER, force=args.force, sources=sources)  # before loading
-        model, tokenizer = load_checkpoint(args.to_llama)
-        out = save_as_llama(model, args.out, tokenizer, force=args.force, sources=sources)
+        out = export_llama(args.to_llama, args.out, force=args.force)
         if args.json:
             print_json({"out": str(out), "model_type": "llama"})
         else:

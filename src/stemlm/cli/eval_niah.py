@@ -14,7 +14,6 @@ This module adds both subcommands to the `stemlm eval` group (one registration f
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
@@ -102,8 +101,8 @@ def register_eval_data(subparsers) -> None:
 
 def run(args) -> int:
     from stemlm.checkpoint.runs import output_dir
-    from stemlm.checkpoint.safe_write import AtomicFolder, check_target
-    from stemlm.evaluation.niah import model_answerer, plot_niah_heatmap, run_niah
+    from stemlm.checkpoint.safe_write import check_target
+    from stemlm.evaluation.niah import model_answerer, render_niah, run_niah, write_niah
     from stemlm.evaluation.perplexity import load_eval
     from stemlm.inference.load import InferenceOptions
 
@@ -125,16 +124,11 @@ def run(args) -> int:
             keep_outputs=True,
             progress=not args.no_progress,
         )
-    with AtomicFolder(out, **guard) as tmp:
-        (tmp / "niah.json").write_text(json.dumps(result, indent=2), encoding="utf-8")
-        title = f"{result['variant']}: {Path(args.checkpoint).name}"
-        plot_niah_heatmap(result, tmp / "niah_heatmap.png", title=title)
+    write_niah(result, out, f"{result['variant']}: {Path(args.checkpoint).name}", **guard)
     if args.json:
         print_json({k: v for k, v in result.items() if k != "outputs"} | {"out": str(out)})
         return 0
-    print(f"{result['variant']}: accuracy {result['accuracy']:.3f}")
-    for length, acc in result["by_length"].items():
-        print(f"  length {length:>6}: {acc:.3f}")
+    print(render_niah(result))
     print(f"wrote {out / 'niah.json'} and {out / 'niah_heatmap.png'}", file=sys.stderr)
     return 0
 

@@ -288,9 +288,9 @@ def run_request(args):
 
 def run(args) -> int:
     from stemlm.cli.train_launch import launch_workers
-    from stemlm.train.parallel.workers import default_threads, distributed_worker
-    from stemlm.train.report import final_report, render_report
-    from stemlm.train.setup import build_trainer
+    from stemlm.train.parallel.workers import distributed_worker
+    from stemlm.train.report import render_report
+    from stemlm.train.setup import run_training
 
     if args.sample_tokens < 0:
         raise StemlmError(f"--sample-tokens must be >= 0 (0 skips the sample), got {args.sample_tokens}")
@@ -303,30 +303,15 @@ def run(args) -> int:
 
             local_batch_size(train_config(train_overrides(args)).batch_size, args.nproc * args.nnodes)
         return launch_workers(args)
-    import torch
-
-    threads = torch.get_num_threads()
-    try:
-        trainer = build_trainer(run_request(args))
-        torch.set_num_threads(trainer.cfg.threads or default_threads())
-        result = trainer.fit()
-        if distributed_worker():
-            # Leave the process group; rank 0 reloads the final, unsharded model when the report uses it (a sample,
-            # the recall of mixed-in facts): the trained one's tables are sharded over the ranks that just left.
-            sampled = args.sample_tokens > 0 and not result.get("stopped_by")
-            facts = trainer.cfg.data is None and trainer.cfg.fact_fraction > 0
-            trainer.finish(result["checkpoint"] if sampled or facts else None)
-            if not trainer.is_main:
-                return 0
-        report = final_report(trainer, result, args.sample_prompt, args.sample_tokens)
-    finally:
-        torch.set_num_threads(threads)  # in-process callers (tests) keep their own setting
+    report = run_training(run_request(args), args.sample_prompt, args.sample_tokens)
+    if report is None:  # a rank other than 0 of a distributed run
+        return 0
     if args.json:
         print_json(report)
     else:
         print(render_report(report))
-    if result.get("stopped_by") and not distributed_worker():
+    if report.get("stopped_by") and not distributed_worker():
         from stemlm.train.guard import exit_code
 
-        return exit_code(result["stopped_by"])  # 130 / 143, as if the signal had ended the process
+        return exit_code(report["stopped_by"])  # 130 / 143, as if the signal had ended the process
     return 0

@@ -1,4 +1,4 @@
-"""Writing a dense model as a Hugging Face Llama folder (`stemlm convert --to-llama`).
+"""Writing a dense model as a Hugging Face Llama folder (`stemlm convert --to-llama`: `export_llama`).
 
 The tensors keep their names (ours are HF Llama's); only config.json changes, to model_type "llama", so
 `LlamaForCausalLM.from_pretrained` loads the folder without a warning and with the same logits. Anything but a
@@ -61,3 +61,15 @@ def save_as_llama(model: StemLM, directory: str | Path, tokenizer=None, *, force
         if tokenizer is not None:
             tokenizer.save(str(tmp / TOKENIZER_NAME))
     return Path(directory)
+
+
+def export_llama(ckpt: str | Path, out: str | Path, *, force: bool = False) -> Path:
+    """`stemlm convert --to-llama`: a dense checkpoint or run folder written as a Llama folder at `out`, the
+    target checked (never the source, only an earlier export with `force`) before anything is loaded."""
+    from stemlm.checkpoint.runs import load_checkpoint, resolve_checkpoint
+    from stemlm.checkpoint.safe_write import check_target
+
+    sources = (ckpt, resolve_checkpoint(ckpt))
+    check_target(out, producer=LLAMA_PRODUCER, force=force, sources=sources)
+    model, tokenizer = load_checkpoint(ckpt)
+    return save_as_llama(model, out, tokenizer, force=force, sources=sources)

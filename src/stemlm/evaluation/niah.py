@@ -241,6 +241,22 @@ def plot_niah_heatmap(result: dict[str, Any], path: str | Path, title: str = "")
     return path
 
 
+def write_niah(result: dict[str, Any], out: Path, title: str, **guard) -> None:
+    """`out`/niah.json and niah_heatmap.png, written atomically (`guard`: `AtomicFolder`'s refusal rules)."""
+    from stemlm.checkpoint.safe_write import AtomicFolder
+
+    with AtomicFolder(out, **guard) as tmp:
+        (tmp / "niah.json").write_text(json.dumps(result, indent=2), encoding="utf-8")
+        plot_niah_heatmap(result, tmp / "niah_heatmap.png", title=title)
+
+
+def render_niah(result: dict[str, Any]) -> str:
+    """The lines `stemlm eval niah` prints: the overall accuracy, then one per context length."""
+    lines = [f"{result['variant']}: accuracy {result['accuracy']:.3f}"]
+    lines += [f"  length {length:>6}: {acc:.3f}" for length, acc in result["by_length"].items()]
+    return "\n".join(lines)
+
+
 def passkey_documents(
     tokenizer: Tokenizer,
     num_docs: int,

@@ -5,7 +5,8 @@ trainer.
 `--fit-vocab`), the typed `TrainConfig` changes, the tokenizer, and where the weights come from (`resume` a run,
 `init_from` a checkpoint, or fresh); `build_trainer(request)` resolves it: a resumed run keeps its vocabulary,
 an initialised one its checkpoint's config, and a fresh one's vocabulary is checked against the tokenizer
-(`stemlm.train.config.check_vocab`: the tiny default follows it, a named preset is never resized silently).
+(`stemlm.train.config.check_vocab`: the tiny default follows it, a named preset is never resized silently);
+`run_training(request, ...)` trains it and returns the final report.
 `stemlm train` builds the request from its flags (stemlm.cli.train).
 """
 
@@ -83,3 +84,29 @@ def build_trainer(r: RunRequest):
     requested = f"preset {r.preset}" if r.preset else "model.vocab_size"
     model = check_vocab(model, tokenizer, requested=requested, vocab_set=vocab_set, fit=r.fit_vocab or not explicit)
     return trainer_cls(model, cfg, tokenizer=tokenizer, progress=progress)
+
+
+def run_training(r: RunRequest, sample_prompt: str, sample_tokens: int) -> dict[str, Any] | None:
+    """Build the trainer, train on all cores (a torchrun rank: its share), and return the final report
+    (`stemlm.train.report.final_report`); None on the ranks other than 0 of a distributed run."""
+    import torch
+
+    from stemlm.train.parallel.workers import default_threads, distributed_worker
+    from stemlm.train.report import final_report
+
+    threads = torch.get_num_threads()
+    try:
+        trainer = build_trainer(r)
+        torch.set_num_threads(trainer.cfg.threads or default_threads())
+        result = trainer.fit()
+        if distributed_worker():
+            # Leave the process group; rank 0 reloads the final, unsharded model when the report uses it (a sample,
+            # the recall of mixed-in facts): the trained one's tables are sharded over the ranks that just left.
+            sampled = sample_tokens > 0 and not result.get("stopped_by")
+            facts = trainer.cfg.data is None and trainer.cfg.fact_fraction > 0
+            trainer.finish(result["checkpoint"] if sampled or facts else None)
+            if not trainer.is_main:
+                return None
+        return final_report(trainer, result, sample_prompt, sample_tokens)
+    finally:
+        torch.set_num_threads(threads)  # in-process callers (tests) keep their own setting
