@@ -50,3 +50,17 @@ def test_rendered_table_has_a_row_per_policy_and_size():
     assert lines[0] == "20 tokens, 3 distinct, vocabulary 10"
     assert lines[2] == f"lfu     {0.1:>9g}{1:>8}{100 * report['results'][0]['hit_rate']:>9.1f}%"
     assert [line.split()[0] for line in lines[2:]] == ["lfu", "lfu", "static", "static"]
+
+
+def test_sizes_and_policies_as_typed():
+    import pytest
+
+    from stemlm.errors import StemlmError
+    from stemlm.offload.cache_sim import parse_fractions, parse_policies
+
+    assert parse_fractions("0.01, 0.1,") == [0.01, 0.1] and parse_policies("LFU,lru") == ["lfu", "lru"]
+    for bad in ("2", "abc", ""):
+        with pytest.raises(StemlmError, match="--fractions"):
+            parse_fractions(bad)
+    with pytest.raises(StemlmError, match="--policy 'fifo'"):
+        parse_policies("fifo")

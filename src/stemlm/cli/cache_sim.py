@@ -71,29 +71,15 @@ def register(subparsers) -> None:
     p.set_defaults(func=run)
 
 
-def _floats(text: str) -> list[float]:
-    try:
-        values = [float(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise StemlmError(f"--fractions {text!r} is not a comma-separated list of numbers") from None
-    if not values or any(not 0 <= v <= 1 for v in values):
-        raise StemlmError(f"--fractions {text!r}: give fractions of the vocabulary between 0 and 1")
-    return values
-
-
-def _policies(text: str) -> list[str]:
-    from stemlm.offload.cache import POLICIES
-
-    names = [x.strip().lower() for x in text.split(",") if x.strip()]
-    bad = [n for n in names if n not in POLICIES]
-    if not names or bad:
-        raise StemlmError(f"--policy {text!r}: choose from {', '.join(POLICIES)} (comma-separated)")
-    return names
-
-
 def run(args) -> int:
     from stemlm.checkpoint.safe_write import check_target
-    from stemlm.offload.cache_sim import cache_sim_report, render_hit_rates, write_cache_sim
+    from stemlm.offload.cache_sim import (
+        cache_sim_report,
+        parse_fractions,
+        parse_policies,
+        render_hit_rates,
+        write_cache_sim,
+    )
 
     out = Path(args.out) if args.out else None
     if out is None and args.ckpt is not None:
@@ -103,7 +89,7 @@ def run(args) -> int:
     guard = {"producer": "stemlm cache-sim", "force": args.force, "sources": [args.ckpt] if args.ckpt else []}
     if out is not None:
         check_target(out, **guard)  # before the replay
-    fractions, policies = _floats(args.fractions), _policies(args.policy)
+    fractions, policies = parse_fractions(args.fractions), parse_policies(args.policy)
     if args.max_tokens is not None and args.max_tokens < 1:
         raise StemlmError("--max-tokens must be >= 1")
     log = functools.partial(print, file=sys.stderr)

@@ -42,6 +42,28 @@ def replay_tokenizer(ckpt: str | None, tokenizer: str | None):
     return tok, vocab, name
 
 
+def parse_fractions(text: str) -> list[float]:
+    """Cache sizes typed as fractions of the vocabulary ("0.01,0.1"), each in [0, 1]."""
+    try:
+        values = [float(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise StemlmError(f"--fractions {text!r} is not a comma-separated list of numbers") from None
+    if not values or any(not 0 <= v <= 1 for v in values):
+        raise StemlmError(f"--fractions {text!r}: give fractions of the vocabulary between 0 and 1")
+    return values
+
+
+def parse_policies(text: str) -> list[str]:
+    """Replacement policies typed as a comma list ("lfu,lru"), each one of `stemlm.offload.cache.POLICIES`."""
+    from stemlm.offload.cache import POLICIES
+
+    names = [x.strip().lower() for x in text.split(",") if x.strip()]
+    bad = [n for n in names if n not in POLICIES]
+    if not names or bad:
+        raise StemlmError(f"--policy {text!r}: choose from {', '.join(POLICIES)} (comma-separated)")
+    return names
+
+
 def token_stream(tok, texts: list[str]) -> list[int]:
     """Every text's ids followed by <|endoftext|> (when the tokenizer has it), as one stream."""
     eot = tok.token_to_id("<|endoftext|>")
