@@ -16,7 +16,6 @@
 from __future__ import annotations
 
 import json
-import math
 import signal
 import threading
 from pathlib import Path
@@ -139,7 +138,3 @@ class DivergenceGuard:
 def exit_code(signal_name: str) -> int:
     """The shell's code for a process ended by that signal: 130 for SIGINT, 143 for SIGTERM."""
     return 128 + int(getattr(signal, signal_name))
-
-
-def is_finite(value: float) -> bool:
-    return isinstance(value, (int, float)) and math.isfinite(value)

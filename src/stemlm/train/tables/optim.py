@@ -389,12 +389,6 @@ def _sum_of_squares(tensors: list[torch.Tensor], device: torch.device, foreach: 
     return total
 
 
-def grad_norm_sq(params: Iterable[torch.Tensor], foreach: bool | None = None) -> torch.Tensor:
-    """Sum of squared gradient entries held by this rank (float32); sparse gradients are coalesced first."""
-    values = [_local_grad(p)[0] for p in params if p.grad is not None]
-    return _sum_of_squares(values, values[0].device if values else torch.device("cpu"), foreach)
-
-
 @torch.no_grad()
 def clip_grad_norm_mixed(
     params: Iterable[torch.Tensor],
