@@ -313,3 +313,18 @@ def replay(
     for start in range(0, len(stream), step_tokens):
         cache.plan(stream[start : start + step_tokens])
     return cache.stats
+
+
+def replay_grid(
+    stream: list[int], rows: int, fractions, policies, counts: tuple[str, ...], warm_counts=None, step_tokens: int = 1
+) -> list[dict]:
+    """`replay` at every cache size (a fraction of `rows`) and policy: one dict per (fraction, policy), in that
+    order, with the `counts` fields of its `CacheStats` and the hit rate (what `stemlm cache-sim` reports)."""
+    results = []
+    for fraction in fractions:
+        capacity = resolve_capacity(rows, fraction=fraction)
+        for policy in policies:
+            stats = replay(stream, rows, capacity, policy, warm_counts, step_tokens)
+            row = {"policy": policy, "fraction": fraction, "capacity": capacity}
+            results.append({**row, **{k: getattr(stats, k) for k in counts}, "hit_rate": stats.hit_rate})
+    return results

@@ -75,27 +75,15 @@ def token_stream(tok, texts: list[str]) -> list[int]:
 
 def simulate(stream, vocab, fractions, policies, warm_counts=None) -> dict:
     """Hits, misses and evictions of each (policy, fraction of `vocab`), and the best static cache's hit rate."""
-    from stemlm.offload.cache import replay, resolve_capacity
+    from stemlm.offload.cache import replay_grid, resolve_capacity
 
     counts = Counter(stream)
     ranked = sorted(counts.values(), reverse=True)
-    results, static = [], []
+    static = []
     for fraction in fractions:
         capacity = resolve_capacity(vocab, fraction=fraction)
         static.append({"fraction": fraction, "capacity": capacity, "hit_rate": sum(ranked[:capacity]) / len(stream)})
-        for policy in policies:
-            stats = replay(stream, vocab, capacity, policy, warm_counts)
-            results.append(
-                {
-                    "policy": policy,
-                    "fraction": fraction,
-                    "capacity": capacity,
-                    "hits": stats.hits,
-                    "misses": stats.misses,
-                    "evictions": stats.evictions,
-                    "hit_rate": stats.hit_rate,
-                }
-            )
+    results = replay_grid(stream, vocab, fractions, policies, ("hits", "misses", "evictions"), warm_counts)
     return {"tokens": len(stream), "distinct_tokens": len(counts), "results": results, "static_top": static}
 
 

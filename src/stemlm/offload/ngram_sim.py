@@ -12,7 +12,7 @@ import torch
 
 from stemlm.model.config import ModelConfig
 from stemlm.model.ngram import ngram_hasher
-from stemlm.offload.cache import replay, resolve_capacity
+from stemlm.offload.cache import replay_grid
 
 
 def ngram_id_stream(config: ModelConfig, tokens: list[int]) -> tuple[list[int], int, int]:
@@ -30,20 +30,5 @@ def simulate_ngram(config: ModelConfig, tokens: list[int], fractions, policies) 
     stream, keys, rows = ngram_id_stream(config, tokens)
     if not keys:
         return None
-    results = []
-    for fraction in fractions:
-        capacity = resolve_capacity(rows, fraction=fraction)
-        for policy in policies:
-            stats = replay(stream, rows, capacity, policy, step_tokens=keys)
-            results.append(
-                {
-                    "policy": policy,
-                    "fraction": fraction,
-                    "capacity": capacity,
-                    "hits": stats.hits,
-                    "misses": stats.misses,
-                    "lookups": stats.lookups,
-                    "hit_rate": stats.hit_rate,
-                }
-            )
+    results = replay_grid(stream, rows, fractions, policies, ("hits", "misses", "lookups"), step_tokens=keys)
     return {"rows": rows, "keys_per_token": keys, "distinct_ids": len(set(stream)), "results": results}
