@@ -108,14 +108,14 @@ def train_one(budget: str, optim: str, seed: int, steps: int | None, job: dict |
         cfg = TrainConfig(**common, **({"steps": steps} if steps else {}))
         trainer = Trainer(None, cfg, progress=False)
         fit = trainer.fit()
-        from stemlm.cli.train import fact_recall
+        from stemlm.train.report import trained_fact_recall
 
-        facts = fact_recall(trainer)
+        facts = trained_fact_recall(trainer)
         recall = {s: facts[f"{s}_templates"]["recall"] for s in ("train", "heldout")}
     else:
         from tokenizers import Tokenizer
 
-        from stemlm.experiments.knowledge import fact_recall
+        from stemlm.evaluation.recall import fact_recall
         from stemlm.model.config import ModelConfig
 
         tokenizer = Tokenizer.from_str(job["tokenizer"])
