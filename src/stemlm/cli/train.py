@@ -246,7 +246,7 @@ SWITCHES = [  # TrainConfig's bool fields: None on the namespace = not given
 
 def train_overrides(args) -> dict[str, Any]:
     """Training fields given on the command line (flags win over --set train.*)."""
-    from stemlm.overrides import split_sections, typed_overrides
+    from stemlm.model.overrides import split_sections, typed_overrides
 
     items = split_sections(args.overrides, ("model", "train"))["train"]
     changes = typed_overrides(TrainConfig, items, prefix="train.", label="training config key")
@@ -269,7 +269,7 @@ def _parse_table_lr(text: str) -> dict[str, Any]:
 
 def run_request(args):
     """The parsed flags as a `stemlm.train.setup.RunRequest`."""
-    from stemlm.overrides import split_sections
+    from stemlm.model.overrides import split_sections
     from stemlm.train.setup import RunRequest
 
     return RunRequest(

@@ -5,7 +5,7 @@ Each experiment module exposes `EXPERIMENT = Experiment(...)`; `stemlm experimen
 
 - `options`: a dataclass whose fields are the experiment's settings; a field declared with
   `field(default=..., metadata=flag("help"))` becomes a command-line flag (`--field-name`, or `name=`), its
-  value parsed by the field's annotation (`stemlm.overrides`), the help followed by the default and `--quick`'s
+  value parsed by the field's annotation (`stemlm.model.overrides`), the help followed by the default and `--quick`'s
   value; `flag(..., const=V)` makes a switch that sets V, `flag(..., append=True)` a repeatable flag;
 - `quick`: the values of `--quick`, a reduced budget for CI and first tries;
 - `fixed`: with `settable`, `--set KEY=VALUE` reaches every field but these;
@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from stemlm.errors import StemlmError
-from stemlm.overrides import parse_value, typed_overrides
+from stemlm.model.overrides import parse_value, typed_overrides
 
 UNSET = object()
 

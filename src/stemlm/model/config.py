@@ -20,7 +20,7 @@ from typing import Any
 
 from stemlm.errors import StemlmError
 from stemlm.model.kinds.registry import all_kinds, kind_fields, kind_names
-from stemlm.overrides import apply_overrides
+from stemlm.model.overrides import apply_overrides
 
 FFN_KINDS = kind_names()
 # Kinds whose layers own a token-indexed table (they need the input ids at every position).

@@ -40,7 +40,7 @@ from typing import TYPE_CHECKING, Any
 from stemlm.errors import StemlmError
 from stemlm.model.config import ModelConfig
 from stemlm.model.kinds.registry import all_kinds
-from stemlm.overrides import apply_overrides
+from stemlm.model.overrides import apply_overrides
 from stemlm.runtime import SYNONYMS, TRAINING_PLACEMENTS
 
 if TYPE_CHECKING:  # torch and tokenizers load only when a run is resolved, so the CLI parser stays light

@@ -1,12 +1,13 @@
 """`key=value` overrides of any config dataclass, each value parsed by its field's annotation.
 
 The one parser behind `--set model.<field>=V` / `train.<field>=V` (`ModelConfig.with_overrides`,
-`TrainConfig.with_overrides`) and the experiments' flags and `--set <field>=V` (stemlm.experiments.contract).
-A value is read by the field's declared type: `int`, `float`, `bool` (true/false/1/0), `... | None` (also
-"none" or "null"), comma lists (`list[str]`, `tuple[str, ...]`, `tuple[int, ...]`, `tuple[float, ...]`;
-"none" is an empty one), and `str | list[int]` (a comma list of integers, else the text, as `stem_layers`
-takes); any other annotation keeps the text. A value that is not a string (a dict of typed values) is taken
-as it is; the dataclass's own validation runs on the result.
+`TrainConfig.with_overrides`) and the experiments' flags and `--set <field>=V` (stemlm.experiments.contract); it
+lives beside `ModelConfig`, the lowest config that uses it. A value is read by the field's declared type: `int`,
+`float`, `bool` (true/false/1/0), `... | None` (also "none" or "null"), comma lists (`list[str]`,
+`tuple[str, ...]`, `tuple[int, ...]`, `tuple[float, ...]`; "none" is an empty one), and `str | list[int]` (a
+comma list of integers, else the text, as `stem_layers` takes); any other annotation keeps the text. A value
+that is not a string (a dict of typed values) is taken as it is; the dataclass's own validation runs on the
+result.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The one `key=value` parser (stemlm.overrides): values read by the field annotation, one-line errors."""
+"""The one `key=value` parser (stemlm.model.overrides): values read by the field annotation, one-line errors."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 import pytest
 
 from stemlm.errors import StemlmError
-from stemlm.overrides import apply_overrides, parse_value, typed_overrides
+from stemlm.model.overrides import apply_overrides, parse_value, typed_overrides
 
 
 @dataclass
@@ -69,7 +69,7 @@ def test_errors_name_the_key_and_the_expected_type(item, message):
 
 
 def test_one_flag_routes_items_to_their_config():
-    from stemlm.overrides import split_sections
+    from stemlm.model.overrides import split_sections
 
     routed = split_sections(["model.hidden_size=64", "train.steps=3", "model.ffn=moe"], ("model", "train"))
     assert routed == {"model": ["model.hidden_size=64", "model.ffn=moe"], "train": ["train.steps=3"]}
