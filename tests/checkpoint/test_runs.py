@@ -117,3 +117,14 @@ def test_export_model_writes_a_plain_folder_and_refuses_its_source(tmp_path):
     assert from_pretrained(tmp_path / "out").num_parameters() == model.num_parameters()
     with pytest.raises(StemlmError):
         export_model(tmp_path / "ckpt", tmp_path / "ckpt", force=True, producer="test export")
+
+
+def test_named_model_config_from_a_preset_or_a_folder(tmp_path):
+    from stemlm.checkpoint.runs import named_model_config
+    from stemlm.model.presets import get_preset
+
+    name, config = named_model_config("tiny", ffn="moe", overrides=["hidden_size=128"])
+    assert name == "tiny" and config == get_preset("tiny").replace(ffn="moe", hidden_size=128)
+    save_pretrained(build_model(get_preset("tiny"), seed=0), tmp_path / "ckpt")
+    name, config = named_model_config(path=str(tmp_path / "ckpt"))
+    assert name == str(tmp_path / "ckpt") and config.hidden_size == get_preset("tiny").hidden_size

@@ -266,6 +266,19 @@ def load_model_config(path: str | Path) -> ModelConfig:
         raise StemlmError(f"{p} is not a stemlm model config ({exc})") from None
 
 
+def named_model_config(
+    preset: str | None = None, path: str | None = None, ffn: str | None = None, overrides=()
+) -> tuple[str, ModelConfig]:
+    """(name, config) of a named preset or of a config file / checkpoint folder (`load_model_config`), with the
+    FFN kind `ffn` and `key=value` `overrides` applied (what `stemlm info` accounts for)."""
+    from stemlm.model.presets import get_preset
+
+    name, config = (preset, get_preset(preset)) if preset else (str(path), load_model_config(path))
+    if ffn:
+        config = config.replace(ffn=ffn)
+    return name, config.with_overrides(list(overrides)) if overrides else config
+
+
 def export_model(ckpt: str | Path, out: str | Path, *, force: bool, producer: str) -> dict:
     """Write a (sharded or plain) training checkpoint as a plain model folder at `out`, every file first
     re-hashed against the checkpoint's manifest; the summary `stemlm export --json` prints."""

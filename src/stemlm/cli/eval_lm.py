@@ -65,9 +65,8 @@ def register_eval(subparsers) -> None:
 def run(args) -> int:
     from stemlm.checkpoint.safe_write import check_file_target, write_output_file
     from stemlm.evaluation.lm_eval_adapter import (
-        StemlmLM,
+        evaluate_checkpoint,
         render_task_report,
-        run_lm_eval,
         summarize_results,
         task_report,
     )
@@ -79,22 +78,11 @@ def run(args) -> int:
         raise StemlmError("--tasks is empty: name at least one task")
     from stemlm.inference.load import InferenceOptions
 
-    lm = StemlmLM.from_checkpoint(
-        args.checkpoint,
-        options=InferenceOptions.from_args(args),
-        batch_size=args.batch_size,
-        max_length=args.max_length,
+    lm_options = {k: getattr(args, k) for k in ("batch_size", "max_length")}
+    eval_options = {k: getattr(args, k) for k in ("limit", "num_fewshot", "builtin", "seed")}
+    results = evaluate_checkpoint(
+        args.checkpoint, InferenceOptions.from_args(args), tasks, args.include_path, **lm_options, **eval_options
     )
-    with lm.loaded:
-        results = run_lm_eval(
-            lm,
-            tasks,
-            limit=args.limit,
-            include_paths=args.include_path,
-            num_fewshot=args.num_fewshot,
-            builtin=args.builtin,
-            seed=args.seed,
-        )
     summary = summarize_results(results)
     if args.out:
         write_output_file(args.out, json.dumps(results, indent=2, default=str), force=args.force)

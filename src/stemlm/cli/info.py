@@ -15,8 +15,8 @@ from stemlm.cli.common import add_json_flag, print_json
 from stemlm.errors import StemlmError
 from stemlm.model.accounting import ATTENTION_MODES, DTYPE_BYTES, summarize
 from stemlm.model.accounting_report import DEFAULT_SEQ_LEN
-from stemlm.model.config import FFN_KINDS, ModelConfig
-from stemlm.model.presets import get_preset, preset_source
+from stemlm.model.config import FFN_KINDS
+from stemlm.model.presets import preset_source
 
 
 def register(subparsers) -> None:
@@ -81,26 +81,14 @@ def add_memory_flags(parser) -> None:
     )
 
 
-def resolve(args) -> tuple[str, ModelConfig]:
-    if args.preset:
-        name, config = args.preset, get_preset(args.preset)
-    elif args.config:
-        from stemlm.checkpoint.runs import load_model_config
-
-        name, config = args.config, load_model_config(args.config)
-    else:
-        raise StemlmError("give --preset NAME, --config PATH or --list-presets")
-    if args.ffn:
-        config = config.replace(ffn=args.ffn)
-    if args.overrides:
-        config = config.with_overrides(args.overrides)
-    return name, config
-
-
 def run(args) -> int:
     if args.list_presets:
         return list_all(args.json)
-    name, config = resolve(args)
+    from stemlm.checkpoint.runs import named_model_config
+
+    if not (args.preset or args.config):
+        raise StemlmError("give --preset NAME, --config PATH or --list-presets")
+    name, config = named_model_config(args.preset, args.config, args.ffn, args.overrides)
     from stemlm.model.accounting_report import context_length
 
     seq_len = context_length(config, args.seq_len)
@@ -114,16 +102,8 @@ def run(args) -> int:
     if args.memory:
         from stemlm.train.memory_plan import memory_plan
 
-        summary["memory"] = memory_plan(
-            config,
-            nproc=args.nproc,
-            parallel=args.parallel,
-            table_optim=args.table_optim,
-            seq_len=seq_len,
-            micro_batch=args.micro_batch,
-            loss_chunk=args.loss_chunk,
-            activation_checkpointing=args.activation_checkpointing,
-        )
+        planned = ("nproc", "parallel", "table_optim", "micro_batch", "loss_chunk", "activation_checkpointing")
+        summary["memory"] = memory_plan(config, seq_len=seq_len, **{k: getattr(args, k) for k in planned})
     if args.json:
         print_json(summary)
     else:

@@ -285,6 +285,23 @@ def task_report(results: dict[str, Any]) -> dict[str, dict[str, Any]]:
     return report
 
 
+def evaluate_checkpoint(
+    checkpoint: str | Path,
+    options,
+    tasks: list[str] | None = None,
+    include_paths: list[str | Path] | None = None,
+    *,
+    batch_size: int = 8,
+    max_length: int | None = None,
+    **eval_options: Any,
+) -> dict[str, Any]:
+    """`run_lm_eval` on CKPT loaded with `options` (`stemlm.inference.load.InferenceOptions`), closed after;
+    `eval_options`: limit, num_fewshot, builtin, seed."""
+    lm = StemlmLM.from_checkpoint(checkpoint, options=options, batch_size=batch_size, max_length=max_length)
+    with lm.loaded:
+        return run_lm_eval(lm, tasks, include_paths=include_paths, **eval_options)
+
+
 def render_task_report(report: dict[str, dict[str, Any]]) -> str:
     """The table `stemlm eval lm` prints for a `task_report`: a line per task, each metric with its standard error."""
     width = max(len(t) for t in report)
