@@ -50,3 +50,17 @@ def test_variants_share_the_unedited_scores(edit_model, fact_tokenizer):
     results = evaluate_variants(model, fact_tokenizer, records, ["stem", "embed"], log=logged.append, **settings)
     assert list(results) == ["stem", "embed"] and len(logged) == 2
     assert results["embed"] == evaluate_edits(model, fact_tokenizer, records, rows="embed", **settings)
+
+
+@pytest.mark.parametrize(
+    "options, message",
+    [
+        (EditOptions("Germany"), "pass --source ENTITY"),
+        (EditOptions("Germany", source="Spain", inject="Zorbia"), "exclusive"),
+        (EditOptions("Germany", source="Spain", prompt="x", top_k=0), "--top-k must be >= 1"),
+        (EditOptions("Germany", source="Spain"), "a positional edit needs --prompt"),
+    ],
+)
+def test_requests_that_cannot_be_made_are_refused_before_loading(options, message):
+    with pytest.raises(StemlmError, match=message):
+        options.checked()

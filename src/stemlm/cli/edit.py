@@ -25,19 +25,8 @@ from stemlm.errors import StemlmError
 
 def run(args) -> int:
     from stemlm.edit.session import EditOptions, load_for_edit, render_edit, run_edit, save_sources
-    from stemlm.edit.spans import check_distinct
 
-    if args.inject is None and args.source is None:
-        raise StemlmError("pass --source ENTITY (the name in the text) or --inject TOKEN, with --target ENTITY")
-    if args.inject is not None and args.source is not None:
-        raise StemlmError("--inject and --source are exclusive: inject gives a token rows, --source edits a name")
-    if args.top_k < 1 or args.max_new_tokens < 0:
-        raise StemlmError(f"--top-k must be >= 1 and --max-new-tokens >= 0 (got {args.top_k}, {args.max_new_tokens})")
-    options = EditOptions.from_args(args)
-    if options.positional and args.prompt is None:
-        raise StemlmError('a positional edit needs --prompt, e.g. --prompt "Country: Spain. Capital:"')
-    if args.source is not None:
-        check_distinct(args.source, args.target)
+    options = EditOptions.from_args(args).checked()
     sources = save_sources(args.ckpt, args.save, args.force)
     model, tokenizer = load_for_edit(args.ckpt)
     report = run_edit(model, tokenizer, options, sources)
@@ -126,13 +115,7 @@ def run_eval(args) -> int:
     layers = parse_layers(args.layers, model)
     if args.fluency_records < 0:
         raise StemlmError(f"--fluency-records must be >= 0, got {args.fluency_records}")
-    settings = dict(
-        strategy=args.strategy,
-        pad=args.pad,
-        mode=args.mode,
-        fluency_tokens=args.fluency_tokens,
-        fluency_records=args.fluency_records,
-    )
+    settings = {k: getattr(args, k) for k in ("strategy", "pad", "mode", "fluency_tokens", "fluency_records")}
     log = functools.partial(print, file=sys.stderr)
     variants = edit_variants(args.variants, model)
     results = {"checkpoint": args.ckpt, "relation": args.relation, "seed": args.seed}

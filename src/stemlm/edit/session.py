@@ -42,6 +42,23 @@ class EditOptions:
     def positional(self) -> bool:
         return self.save is None and self.inject is None
 
+    def checked(self) -> EditOptions:
+        """These options, or a one-line error for a request that cannot be made (before anything is loaded)."""
+        from stemlm.edit.spans import check_distinct
+
+        if self.inject is None and self.source is None:
+            raise StemlmError("pass --source ENTITY (the name in the text) or --inject TOKEN, with --target ENTITY")
+        if self.inject is not None and self.source is not None:
+            raise StemlmError("--inject and --source are exclusive: inject gives a token rows, --source edits a name")
+        if self.top_k < 1 or self.max_new_tokens < 0:
+            got = f"got {self.top_k}, {self.max_new_tokens}"
+            raise StemlmError(f"--top-k must be >= 1 and --max-new-tokens >= 0 ({got})")
+        if self.positional and self.prompt is None:
+            raise StemlmError('a positional edit needs --prompt, e.g. --prompt "Country: Spain. Capital:"')
+        if self.source is not None:
+            check_distinct(self.source, self.target)
+        return self
+
 
 def load_for_edit(ckpt: str):
     """(model, tokenizer) of a CKPT argument; editing needs the tokenizer to find entity names."""
