@@ -72,3 +72,12 @@ def test_dict_round_trip_and_unknown_keys():
     assert TrainConfig.from_dict(cfg.to_dict()) == cfg
     with pytest.raises(StemlmError, match="unknown training config keys bogus"):
         TrainConfig.from_dict({**cfg.to_dict(), "bogus": 1})
+
+
+def test_table_lr_as_a_number_or_a_multiple():
+    from stemlm.train.config import table_lr_fields
+
+    assert table_lr_fields("3e-3") == {"table_lr": 3e-3}
+    assert table_lr_fields("x4") == {"table_lr": None, "table_lr_scale": 4.0}
+    with pytest.raises(StemlmError, match="--table-lr 'fast'"):
+        table_lr_fields("fast")

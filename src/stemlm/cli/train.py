@@ -247,6 +247,7 @@ SWITCHES = [  # TrainConfig's bool fields: None on the namespace = not given
 def train_overrides(args) -> dict[str, Any]:
     """Training fields given on the command line (flags win over --set train.*)."""
     from stemlm.model.overrides import split_sections, typed_overrides
+    from stemlm.train.config import table_lr_fields
 
     items = split_sections(args.overrides, ("model", "train"))["train"]
     changes = typed_overrides(TrainConfig, items, prefix="train.", label="training config key")
@@ -254,17 +255,8 @@ def train_overrides(args) -> dict[str, Any]:
         if f.name != "table_lr" and getattr(args, f.name, None) is not None:
             changes[f.name] = getattr(args, f.name)
     if args.table_lr is not None:
-        changes.update(_parse_table_lr(args.table_lr))
+        changes.update(table_lr_fields(args.table_lr))
     return changes
-
-
-def _parse_table_lr(text: str) -> dict[str, Any]:
-    try:
-        if text.lower().startswith("x"):
-            return {"table_lr": None, "table_lr_scale": float(text[1:])}
-        return {"table_lr": float(text)}
-    except ValueError:
-        raise StemlmError(f"--table-lr {text!r}: pass a number (e.g. 3e-3) or a multiple of --lr (e.g. x10)") from None
 
 
 def run_request(args):

@@ -273,6 +273,16 @@ class TrainConfig:
         return apply_overrides(self, overrides, prefix="train.", label="training config key")
 
 
+def table_lr_fields(text: str) -> dict[str, Any]:
+    """The table lr fields a `--table-lr` value sets: a number is `table_lr`, xN is `table_lr_scale` N."""
+    try:
+        if text.lower().startswith("x"):
+            return {"table_lr": None, "table_lr_scale": float(text[1:])}
+        return {"table_lr": float(text)}
+    except ValueError:
+        raise StemlmError(f"--table-lr {text!r}: pass a number (e.g. 3e-3) or a multiple of --lr (e.g. x10)") from None
+
+
 def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
