@@ -198,3 +198,16 @@ def test_result_files_and_lines(tmp_path):
     write_niah(result, tmp_path / "out", "title", producer="test", force=False, sources=[])
     assert json.loads((tmp_path / "out" / "niah.json").read_text()) == result
     assert (tmp_path / "out" / "niah_heatmap.png").stat().st_size > 1000
+
+
+def test_lengths_and_depths_as_typed():
+    from stemlm.errors import StemlmError
+    from stemlm.evaluation.niah import depth_fractions, positive_ints
+
+    assert positive_ints("256, 512,") == [256, 512] and depth_fractions("0,0.5,1") == [0.0, 0.5, 1.0]
+    with pytest.raises(StemlmError, match="positive integers"):
+        positive_ints("0")
+    with pytest.raises(StemlmError, match="list of integers"):
+        positive_ints("a")
+    with pytest.raises(StemlmError, match=r"fractions in \[0, 1\]"):
+        depth_fractions("2")

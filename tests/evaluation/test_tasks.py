@@ -123,3 +123,14 @@ def test_tag_and_glob_resolve_to_checked_configs_with_absolute_data_files():
     assert sorted(s["task"] for s in specs) == [f"stemlm_facts_{r}" for r in ("capital", "currency", "language")]
     with pytest.raises(StemlmError, match="is not a folder"):
         load_task_configs(None, include_paths=["/no/such/folder"])
+
+
+def test_limit_is_a_count_or_a_fraction():
+    import pytest
+
+    from stemlm.errors import StemlmError
+    from stemlm.evaluation.tasks import parse_limit
+
+    assert parse_limit("50") == 50 and isinstance(parse_limit("50"), int) and parse_limit("0.25") == 0.25
+    with pytest.raises(StemlmError, match="--limit must be positive"):
+        parse_limit("0")

@@ -6,11 +6,13 @@ else they share (loading checkpoints, decoding text) lives in the library, e.g. 
 
 from __future__ import annotations
 
+import argparse
 import importlib
 import json
 import sys
 from typing import Any
 
+from stemlm.errors import StemlmError
 from stemlm.runtime import TABLE_PLACEMENTS, placement_choices
 
 
@@ -19,6 +21,18 @@ def print_json(obj: Any) -> None:
     json.dump(obj, sys.stdout, indent=2, default=str)
     sys.stdout.write("\n")
     sys.stdout.flush()
+
+
+def arg_type(parse):
+    """An argparse `type` from a library parser that raises StemlmError: its message becomes argparse's."""
+
+    def convert(text: str):
+        try:
+            return parse(text)
+        except StemlmError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+
+    return convert
 
 
 def add_json_flag(parser) -> None:

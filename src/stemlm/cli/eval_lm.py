@@ -12,22 +12,12 @@ local Hugging Face cache. This module adds the `lm` subcommand to the `stemlm ev
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 
-from stemlm.cli.common import add_inference_flags, add_json_flag, print_json
+from stemlm.cli.common import add_inference_flags, add_json_flag, arg_type, print_json
 from stemlm.errors import StemlmError
-
-
-def _limit(text: str) -> int | float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"--limit {text!r} is not a number") from None
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"--limit must be positive, got {text}")
-    return value if value < 1 else int(value)
+from stemlm.evaluation.tasks import parse_limit
 
 
 def register_eval(subparsers) -> None:
@@ -42,7 +32,9 @@ def register_eval(subparsers) -> None:
         metavar="T1,T2",
         help="comma-separated task names, tags or glob patterns (default: the shipped stemlm tasks)",
     )
-    parser.add_argument("--limit", type=_limit, help="examples per task: an integer, or a fraction below 1")
+    parser.add_argument(
+        "--limit", type=arg_type(parse_limit), help="examples per task: an integer, or a fraction below 1"
+    )
     parser.add_argument(
         "--include-path",
         action="append",

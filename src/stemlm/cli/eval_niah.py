@@ -13,32 +13,12 @@ This module adds both subcommands to the `stemlm eval` group (one registration f
 
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 
-from stemlm.cli.common import add_inference_flags, add_json_flag, print_json
+from stemlm.cli.common import add_inference_flags, add_json_flag, arg_type, print_json
 from stemlm.errors import StemlmError
-
-
-def _ints(text: str) -> list[int]:
-    try:
-        values = [int(v) for v in text.split(",") if v.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of integers") from None
-    if not values or min(values) < 1:
-        raise argparse.ArgumentTypeError(f"{text!r}: give positive integers, e.g. 256,512,1024")
-    return values
-
-
-def _floats(text: str) -> list[float]:
-    try:
-        values = [float(v) for v in text.split(",") if v.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of numbers") from None
-    if not values or not all(0.0 <= v <= 1.0 for v in values):
-        raise argparse.ArgumentTypeError(f"{text!r}: depths are fractions in [0, 1], e.g. 0,0.5,1")
-    return values
+from stemlm.evaluation.niah import depth_fractions, positive_ints
 
 
 def register_eval(subparsers) -> None:
@@ -49,11 +29,14 @@ def register_eval(subparsers) -> None:
     )
     parser.add_argument("checkpoint", metavar="CKPT", help="a checkpoint folder or a training run folder")
     parser.add_argument(
-        "--lengths", type=_ints, default=[256, 512, 1024], help="context lengths in tokens (default: 256,512,1024)"
+        "--lengths",
+        type=arg_type(positive_ints),
+        default=[256, 512, 1024],
+        help="context lengths in tokens (default: 256,512,1024)",
     )
     parser.add_argument(
         "--depths",
-        type=_floats,
+        type=arg_type(depth_fractions),
         default=[0.0, 0.25, 0.5, 0.75, 1.0],
         help="needle depths in [0, 1] (default: 0,0.25,0.5,0.75,1)",
     )
@@ -86,11 +69,13 @@ def register_eval_data(subparsers) -> None:
     data.add_argument("--num", type=int, default=1000, help="number of documents (default: 1000)")
     data.add_argument(
         "--lengths",
-        type=_ints,
+        type=arg_type(positive_ints),
         default=[192, 256],
         help="document lengths in tokens to draw from; each must hold the largest --needles (default: 192,256)",
     )
-    data.add_argument("--needles", type=_ints, default=[1, 2, 4], help="needle counts to draw from (default: 1,2,4)")
+    data.add_argument(
+        "--needles", type=arg_type(positive_ints), default=[1, 2, 4], help="needle counts to draw from (default: 1,2,4)"
+    )
     data.add_argument("--digits", type=int, default=7, help="digits of each magic number (default: 7)")
     data.add_argument("--seed", type=int, default=1234, help="seed (default 1234, distinct from evaluation seeds)")
     data.add_argument(

@@ -12,20 +12,18 @@ write its module and append its name here.
 
 from __future__ import annotations
 
-import argparse
 import functools
 import importlib
 import sys
 
-from stemlm.cli.common import add_json_flag, print_json, register_group
-from stemlm.errors import StemlmError
+from stemlm.cli.common import add_json_flag, arg_type, print_json, register_group
 
 EXPERIMENTS = ["stemlm.experiments.knowledge", "stemlm.experiments.compare", "stemlm.experiments.bio"]
 
 
 def add_experiment(subparsers, module: str) -> None:
     """Add `stemlm experiment <name>` for the module's `EXPERIMENT`."""
-    from stemlm.experiments.contract import UNSET, flag_help, flags
+    from stemlm.experiments.contract import UNSET, flag_help, flags, parse_flag
 
     experiment = importlib.import_module(module).EXPERIMENT
     p = subparsers.add_parser(experiment.name, help=experiment.help, description=experiment.description)
@@ -36,7 +34,7 @@ def add_experiment(subparsers, module: str) -> None:
         else:
             kw.update(metavar=spec.metavar, action="append" if spec.append else "store")
         if kw["action"] == "store":
-            kw.update(type=functools.partial(_typed, f, spec), choices=spec.choices)
+            kw.update(type=arg_type(functools.partial(parse_flag, f, spec)), choices=spec.choices)
         p.add_argument(name, **kw)
     if experiment.quick:
         values = ", ".join(f"{k}={v}" for k, v in experiment.quick.items())
@@ -47,15 +45,6 @@ def add_experiment(subparsers, module: str) -> None:
         p.add_argument("--set", dest="set_fields", action="append", default=[], metavar="KEY=VALUE", help=text)
     add_json_flag(p)
     p.set_defaults(func=functools.partial(run, experiment))
-
-
-def _typed(f, spec, text: str):
-    from stemlm.experiments.contract import parse_flag
-
-    try:
-        return parse_flag(f, spec, text)
-    except StemlmError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def run(experiment, args) -> int:

@@ -59,6 +59,28 @@ class NiahSample:
     max_new_tokens: int
 
 
+def positive_ints(text: str) -> list[int]:
+    """Context lengths or needle counts typed as "256,512,1024"."""
+    try:
+        values = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise StemlmError(f"{text!r} is not a comma-separated list of integers") from None
+    if not values or min(values) < 1:
+        raise StemlmError(f"{text!r}: give positive integers, e.g. 256,512,1024")
+    return values
+
+
+def depth_fractions(text: str) -> list[float]:
+    """Needle depths typed as "0,0.5,1", each in [0, 1]."""
+    try:
+        values = [float(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise StemlmError(f"{text!r} is not a comma-separated list of numbers") from None
+    if not values or not all(0.0 <= v <= 1.0 for v in values):
+        raise StemlmError(f"{text!r}: depths are fractions in [0, 1], e.g. 0,0.5,1")
+    return values
+
+
 def answer_budget(digits: int) -> int:
     # A number of d digits is at most d tokens plus a leading space; one spare token for what follows it.
     return digits + 2

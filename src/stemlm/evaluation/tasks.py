@@ -48,6 +48,17 @@ _METRICS = {
 }
 
 
+def parse_limit(text: str) -> int | float:
+    """`--limit` of lm-eval: examples per task (an integer), or a fraction of each task below 1."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise StemlmError(f"--limit {text!r} is not a number") from None
+    if value <= 0:
+        raise StemlmError(f"--limit must be positive, got {text}")
+    return value if value < 1 else int(value)
+
+
 def shipped_task_dir() -> Path:
     """The folder of the shipped task YAMLs (inside the installed package)."""
     return Path(str(resources.files("stemlm") / "assets" / "lm_eval_tasks"))
