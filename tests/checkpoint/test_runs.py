@@ -128,3 +128,14 @@ def test_named_model_config_from_a_preset_or_a_folder(tmp_path):
     save_pretrained(build_model(get_preset("tiny"), seed=0), tmp_path / "ckpt")
     name, config = named_model_config(path=str(tmp_path / "ckpt"))
     assert name == str(tmp_path / "ckpt") and config.hidden_size == get_preset("tiny").hidden_size
+
+
+def test_verify_checkpoint_names_a_changed_file(tmp_path):
+    from stemlm.checkpoint.runs import verify_checkpoint
+    from stemlm.model.presets import get_preset
+
+    folder = save_pretrained(build_model(get_preset("tiny"), seed=0), tmp_path / "ckpt")
+    assert verify_checkpoint(folder)["ok"] and verify_checkpoint(folder)["folder"] == str(folder)
+    (folder / "config.json").write_text((folder / "config.json").read_text() + " ")
+    with pytest.raises(StemlmError, match="config.json \\(changed\\)"):
+        verify_checkpoint(folder)

@@ -211,3 +211,13 @@ def test_lengths_and_depths_as_typed():
         positive_ints("a")
     with pytest.raises(StemlmError, match=r"fractions in \[0, 1\]"):
         depth_fractions("2")
+
+
+def test_passkey_data_file(tmp_path):
+    import json
+
+    from stemlm.data.tokenizer import default_tokenizer
+    from stemlm.evaluation.niah import write_passkey_data
+
+    path, count = write_passkey_data(default_tokenizer(), tmp_path / "p.jsonl", 3, [192], needles=[1], digits=4, seed=0)
+    assert count == 3 and [set(json.loads(line)) for line in path.read_text().splitlines()] == [{"text"}] * 3

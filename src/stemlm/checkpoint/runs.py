@@ -279,6 +279,20 @@ def named_model_config(
     return name, config.with_overrides(list(overrides)) if overrides else config
 
 
+def verify_checkpoint(path: str | Path) -> dict:
+    """Re-hash every file a checkpoint folder's manifest records (a run folder: its newest checkpoint); the
+    result of `safe_write.verify_folder` with the folder, or a one-line error naming the damaged files."""
+    from stemlm.checkpoint.safe_write import verify_folder
+
+    path = Path(path)
+    folder = path if path.is_dir() and not (path / "checkpoints").is_dir() else resolve_checkpoint(path)
+    result = {"folder": str(folder), **verify_folder(folder)}
+    if not result["ok"]:
+        bad = [f"{n} (changed)" for n in result["changed"]] + [f"{n} (missing)" for n in result["missing"]]
+        raise StemlmError(f"{folder}: {len(bad)} of {result['files']} files fail verification: {', '.join(bad)}")
+    return result
+
+
 def export_model(ckpt: str | Path, out: str | Path, *, force: bool, producer: str) -> dict:
     """Write a (sharded or plain) training checkpoint as a plain model folder at `out`, every file first
     re-hashed against the checkpoint's manifest; the summary `stemlm export --json` prints."""

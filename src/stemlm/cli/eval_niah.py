@@ -120,15 +120,11 @@ def run(args) -> int:
 
 def run_data(args) -> int:
     from stemlm.data import get_tokenizer
-    from stemlm.evaluation.niah import passkey_documents, write_jsonl
+    from stemlm.evaluation.niah import write_passkey_data
 
     if args.num < 1:
         raise StemlmError(f"--num must be positive, got {args.num}")
-    tok = get_tokenizer(args.tokenizer)
-    try:
-        docs = passkey_documents(tok, args.num, args.lengths, needles=args.needles, digits=args.digits, seed=args.seed)
-    except StemlmError as exc:
-        raise StemlmError(f"{exc}; raise --lengths or lower --needles / --digits") from None
-    path = write_jsonl(docs, args.out, force=args.force)
-    print(f"wrote {len(docs)} documents to {path}", file=sys.stderr)
+    kw = {k: getattr(args, k) for k in ("needles", "digits", "seed", "force")}
+    path, count = write_passkey_data(get_tokenizer(args.tokenizer), args.out, args.num, args.lengths, **kw)
+    print(f"wrote {count} documents to {path}", file=sys.stderr)
     return 0

@@ -264,17 +264,13 @@ def run_request(args):
     from stemlm.model.overrides import split_sections
     from stemlm.train.setup import RunRequest
 
+    given = ("preset", "ffn", "stem_layers", "fit_vocab", "tokenizer", "resume", "init_from")
+    model_sets = split_sections(args.overrides, ("model", "train"))["model"]
     return RunRequest(
-        changes=train_overrides(args),
-        preset=args.preset,
-        ffn=args.ffn,
-        stem_layers=args.stem_layers,
-        model_sets=split_sections(args.overrides, ("model", "train"))["model"],
-        fit_vocab=args.fit_vocab,
-        tokenizer=args.tokenizer,
-        resume=args.resume,
-        init_from=args.init_from,
+        train_overrides(args),
+        model_sets=model_sets,
         progress=not args.no_progress,
+        **{k: getattr(args, k) for k in given},
     )
 
 

@@ -10,10 +10,7 @@ Exit 0 when every recorded file matches; otherwise one error line naming the dam
 
 from __future__ import annotations
 
-from pathlib import Path
-
 from stemlm.cli.common import add_json_flag, print_json
-from stemlm.errors import StemlmError
 
 
 def register(subparsers) -> None:
@@ -28,18 +25,12 @@ def register(subparsers) -> None:
 
 
 def run(args) -> int:
-    from stemlm.checkpoint.runs import resolve_checkpoint
-    from stemlm.checkpoint.safe_write import verify_folder
+    from stemlm.checkpoint.runs import verify_checkpoint
 
-    path = Path(args.ckpt)
-    folder = path if path.is_dir() and not (path / "checkpoints").is_dir() else resolve_checkpoint(path)
-    result = {"folder": str(folder), **verify_folder(folder)}
-    if not result["ok"]:
-        bad = [f"{n} (changed)" for n in result["changed"]] + [f"{n} (missing)" for n in result["missing"]]
-        raise StemlmError(f"{folder}: {len(bad)} of {result['files']} files fail verification: {', '.join(bad)}")
+    result = verify_checkpoint(args.ckpt)
     if args.json:
         print_json(result)
     else:
         extra = f"; not recorded: {', '.join(result['unrecorded'])}" if result["unrecorded"] else ""
-        print(f"{folder}: all {result['files']} files match their recorded SHA-256{extra}")
+        print(f"{result['folder']}: all {result['files']} files match their recorded SHA-256{extra}")
     return 0

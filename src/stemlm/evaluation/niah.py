@@ -312,3 +312,13 @@ def write_jsonl(texts: Sequence[str], path: str | Path, *, force: bool = False) 
     from stemlm.checkpoint.safe_write import write_output_file
 
     return write_output_file(path, "".join(json.dumps({"text": t}) + "\n" for t in texts), force=force)
+
+
+def write_passkey_data(tokenizer, out, num: int, lengths, *, needles, digits: int, seed: int, force: bool = False):
+    """`stemlm eval niah-data`: `num` passkey documents (`passkey_documents`) written as jsonl to `out`;
+    (path, documents written)."""
+    try:
+        docs = passkey_documents(tokenizer, num, lengths, needles=needles, digits=digits, seed=seed)
+    except StemlmError as exc:
+        raise StemlmError(f"{exc}; raise --lengths or lower --needles / --digits") from None
+    return write_jsonl(docs, out, force=force), len(docs)
