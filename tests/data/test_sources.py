@@ -80,3 +80,12 @@ def test_the_split_does_not_depend_on_where_the_data_lives(tmp_path):
             (folder / f"doc{i:02d}.txt").write_text(text)
         splits.append(load_corpus([folder], heldout_fraction=0.25))
     assert splits[0] == splits[1] and len(splits[0][1]) == 3
+
+
+def test_eval_texts_are_the_files_or_the_heldout_split(tmp_path):
+    from stemlm.data.corpus import embedded_texts
+    from stemlm.data.sources import eval_texts
+
+    (tmp_path / "a.txt").write_text("one document")
+    assert eval_texts([str(tmp_path / "a.txt")]) == (["one document"], str(tmp_path / "a.txt"))
+    assert eval_texts(None) == (embedded_texts("heldout"), "embedded corpus (held-out split)")

@@ -239,3 +239,10 @@ def test_prompt_from_text_or_ids_and_the_timed_stream(tiny_config):
     timed = TimedTokens(iter([5, 6, 7]))
     assert list(timed) == [5, 6, 7] == timed.ids
     assert timed.first is not None and timed.first <= timed.seconds and timed.rate > 0
+    assert timed.report() == {
+        "token_ids": [5, 6, 7],
+        "num_new_tokens": 3,
+        "seconds": timed.seconds,
+        "time_to_first_token_s": timed.first,
+        "tokens_per_s": timed.rate,
+    }

@@ -60,19 +60,13 @@ def run(args) -> int:
 
 def _score(args, loaded) -> int:
     from stemlm.checkpoint.runs import training_window
+    from stemlm.data.sources import eval_texts
     from stemlm.evaluation.perplexity import evaluate_perplexity
 
     model, tokenizer = loaded.model, loaded.tokenizer
     window = args.seq_len or training_window(args.checkpoint)
     window_source = "--seq-len" if args.seq_len else "the run's training window" if window else "the model maximum"
-    if args.data:
-        from stemlm.data import read_texts
-
-        texts, source = read_texts(args.data), " ".join(args.data)
-    else:
-        from stemlm.data import embedded_texts
-
-        texts, source = embedded_texts("heldout"), "embedded corpus (held-out split)"
+    texts, source = eval_texts(args.data)
     result = evaluate_perplexity(
         model,
         tokenizer,

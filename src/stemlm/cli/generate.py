@@ -71,11 +71,7 @@ def run(args) -> int:
                 "prompt": tokenizer.decode(prompt_ids) if args.prompt is None and tokenizer else args.prompt,
                 "completion": completion,
                 "prompt_ids": prompt_ids,
-                "token_ids": new_ids,
-                "num_new_tokens": len(new_ids),
-                "seconds": seconds,
-                "time_to_first_token_s": timed.first,
-                "tokens_per_s": rate,
+                **timed.report(),
                 "autocast_dtype": str(amp).removeprefix("torch."),
                 **({"tables": offloaded.report()} if offloaded else {}),
             }

@@ -16,6 +16,7 @@ from stemlm.data.corpus import (
     DEFAULT_HELDOUT_FRACTION,
     DEFAULT_SEED,
     Document,
+    embedded_texts,
     load_embedded_corpus,
     split_documents,
 )
@@ -98,6 +99,13 @@ def read_documents(paths: list[str | Path]) -> list[Document]:
 def read_texts(paths: list[str | Path]) -> list[str]:
     """The texts of `read_documents(paths)`."""
     return [doc.text for doc in read_documents(paths)]
+
+
+def eval_texts(paths: list[str | Path] | None) -> tuple[list[str], str]:
+    """(texts, what they are) to evaluate on: the files of `paths` whole, else the embedded held-out split."""
+    if paths:
+        return read_texts(paths), " ".join(map(str, paths))
+    return embedded_texts("heldout"), "embedded corpus (held-out split)"
 
 
 def _tail_split(text: str, heldout_fraction: float) -> tuple[str, str]:

@@ -270,3 +270,13 @@ class TimedTokens:
     def rate(self) -> float:
         """Tokens per second."""
         return len(self.ids) / self.seconds if self.seconds > 0 else 0.0
+
+    def report(self) -> dict:
+        """The ids and timing as `stemlm generate --json` prints them."""
+        return {
+            "token_ids": self.ids,
+            "num_new_tokens": len(self.ids),
+            "seconds": self.seconds,
+            "time_to_first_token_s": self.first,
+            "tokens_per_s": self.rate,
+        }
