@@ -1,4 +1,5 @@
-"""Command-line pieces shared by subcommands: JSON output, the table placement flags, command groups.
+"""Command-line pieces shared by subcommands: JSON output, the table placement flags, command groups, and
+`arg_type`, which turns a library parser (one that raises StemlmError) into an argparse type.
 
 CLI modules import only this module from `stemlm.cli` (the dispatcher `main` imports them all); anything
 else they share (loading checkpoints, decoding text) lives in the library, e.g. `stemlm.checkpoint.runs`.
