@@ -12,8 +12,10 @@ function (`model_answerer` wraps a model with greedy KV-cache decoding), `plot_n
 every sample is built before the first answer, so a length too short for the task fails before any decoding
 (and before the progress bar, `progress=True`: one step per sample on stderr).
 
-Small models only retrieve after seeing the task in training: `passkey_documents` produces such documents
-(prompt + answer) to mix into the training data, e.g. as a jsonl file for `--data`:
+`write_niah` / `render_niah` write and print a grid's result; `positive_ints` / `depth_fractions` read the
+lengths and depths as typed. Small models only retrieve after seeing the task in training: `passkey_documents`
+produces such documents (prompt + answer) to mix into the training data, e.g. as a jsonl file for `--data`
+(`write_passkey_data`):
 
     stemlm eval niah-data --out niah.jsonl --num 2000 --lengths 128,256     # {"text": ...} per line
     stemlm eval niah runs/tiny --lengths 256,512,1024 --depths 0,0.25,0.5,0.75,1 --samples 4 --out niah/

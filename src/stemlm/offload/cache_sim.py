@@ -2,11 +2,12 @@
 
 `cache_sim_report(...)` is `stemlm cache-sim`: the tokenizer and vocabulary size come from a checkpoint (or a
 named tokenizer), the texts are tokenized and joined with <|endoftext|> (`token_stream`) and replayed one token
-per step, as in decoding (`simulate`, through `stemlm.offload.cache.replay`). Each cache size is a fraction of the
+per step, as in decoding (`simulate`, through `stemlm.offload.cache.replay_grid`). Each cache size is a fraction of the
 vocabulary; `static_top` is the hit rate of the best fixed cache in hindsight (the stream's own most frequent
 ids). A warm start seeds the cache with token counts of other text, which weigh like replayed tokens. With a
 checkpoint of an n-gram kind, the n-gram row cache is simulated too (`stemlm.offload.ngram_sim`).
-`write_cache_sim` writes the JSON and the PNG (`plot_hit_rates`) atomically.
+`write_cache_sim` writes the JSON and the PNG (`plot_hit_rates`) atomically, `render_hit_rates` is the table the
+command prints, and `parse_fractions` / `parse_policies` read the sizes and policies as typed.
 """
 
 from __future__ import annotations
