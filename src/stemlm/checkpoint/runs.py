@@ -11,7 +11,9 @@ folder is taken, so an interrupted save never breaks resolution.
     model, tokenizer = load_checkpoint("runs/tiny", need_tokenizer="editing")  # a one-line error if it is missing
     model = from_pretrained("runs/tiny")                 # the model only: a checkpoint, run or Llama folder
 
-Every command line tool loads models through these functions, so no CLI module needs another's loader.
+Every command line tool loads models through these functions, so no CLI module needs another's loader. The
+commands that read a folder without running it live here too: `load_model_config` / `named_model_config`
+(`stemlm info --config`), `verify_checkpoint` (`stemlm verify`) and `export_model` (`stemlm export`).
 
 A Hugging Face Llama folder (config.json with model_type "llama") loads as a dense model through the same
 `from_pretrained`, so every command and the Python API take an imported model alike.

