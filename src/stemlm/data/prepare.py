@@ -17,6 +17,7 @@ and `manifest.json`: format, tokenizer digest and size, separator, dtype, per-sh
 sha256, per-source path / sha256 / bytes / documents, totals. The output is identical for any worker count.
 It is built in a temporary sibling folder and renamed into place; an existing `out` is never overwritten.
 Bad input raises one `StemlmError` naming the file (and line for JSON Lines). `stemlm.data.stream` reads it.
+`prepare_summary` / `render_prepare_summary` are what `stemlm data prepare` prints.
 """
 
 from __future__ import annotations

@@ -4,7 +4,8 @@
 or folders (searched recursively for *.txt, *.md and *.jsonl, hidden entries skipped, in sorted order).
 Every problem a user can fix is one-line `StemlmError` naming the file: a missing path, an empty file or
 folder, a binary or non-UTF-8 file, a JSON line without `text`. `load_corpus` is the single entry point
-the trainer and the tokenizer CLI use, so both see the same split.
+the trainer and the tokenizer CLI use, so both see the same split. `eval_texts` is what evaluation reads: the given
+files whole, else the embedded held-out split.
 """
 
 from __future__ import annotations

@@ -23,7 +23,8 @@ probe below is scored twice on the same text, edited and unedited:
 A record is `known` when the unedited greedy continuation of its edit prompt is its true object. Summaries
 are over known records (`scored_on`), since an edit of a fact the model does not know moves nothing that
 was there; the same figures over all records are under `all_records`. Scoring is batched across records
-(positional edits carry one edit per batch row through `batch_hooks`).
+(positional edits carry one edit per batch row through `batch_hooks`). `evaluate_variants` runs it for several row
+kinds (`edit_variants`: stem, embed, both) with the unedited scores shared, as `stemlm eval edits` does.
 
     from stemlm.edit.evaluate import evaluate_edits, format_edit_table
     result = evaluate_edits(model, tokenizer, edit_records("capital", 50), rows="stem")

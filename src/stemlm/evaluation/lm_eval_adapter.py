@@ -13,6 +13,7 @@ passes `disable_tqdm`.
 
 The adapter is registered with lm-eval under the name `stemlm` (`model_args="pretrained=CKPT"`).
 Importing this module switches `datasets` and the Hub to offline mode: tasks must come from local files.
+`evaluate_checkpoint` loads, runs and closes in one call; `render_task_report` is the table `stemlm eval lm` prints.
 
     from stemlm.evaluation.lm_eval_adapter import StemlmLM, run_lm_eval
     results = run_lm_eval(StemlmLM.from_checkpoint("runs/tiny"), tasks=None, limit=20)   # shipped tasks

@@ -12,7 +12,7 @@ package assets by `python scripts/build_eval_tasks.py` (deterministic, so a rebu
 All five carry the tag `stemlm`, so `--tasks stemlm` runs them together. lm-eval hands `data_files` to
 `datasets.load_dataset`, which resolves relative paths against the working directory; `load_task_configs`
 therefore reads each requested YAML itself and makes its relative `data_files` absolute against the YAML's
-folder, for the shipped tasks and for any user folder given with `--include-path`.
+folder, for the shipped tasks and for any user folder given with `--include-path`. `parse_limit` reads `--limit`.
 """
 
 from __future__ import annotations

@@ -20,7 +20,8 @@ A *step* is one forward (a prefill chunk or one decoding token). Per step:
 
 `CachePolicy` is the bookkeeping alone (no rows), used by `stemlm cache-sim`; `RowCache` adds the device
 storage and the copies. Warm start fills the cache with the most frequent ids of a corpus and seeds the LFU
-counts with those frequencies.
+counts with those frequencies. `replay` runs an id stream through a `CachePolicy`; `replay_grid` does so for
+every (size, policy) pair `stemlm cache-sim` reports.
 """
 
 from __future__ import annotations

@@ -2,7 +2,8 @@
 
 One flat dataclass with grouped, commented fields and defaults that train the `tiny` preset on two CPU cores
 in a few minutes. The command line maps its flags onto these fields and `--set train.<field>=<value>`
-reaches every one of them (`with_overrides`). The resolved config is written into each run folder.
+reaches every one of them (`with_overrides`, parsed by `stemlm.model.overrides`; `table_lr_fields` reads
+`--table-lr`). The resolved config is written into each run folder.
 
 Choices documented here rather than in code comments elsewhere:
 - weight decay applies to every matrix (projections, token embedding, LM head, router, experts), as in

@@ -24,6 +24,7 @@ counted from its tensors as `stemlm train --nproc N` lays them out, on the most 
   activations, as on CPU); bf16 autocast stores most of them in 2 bytes, so on a GPU the activation figures
   are an upper bound.
 - checkpoint: the model file (fp32, tables whole) and the optimizer state summed over ranks.
+`render_memory` gives the lines `stemlm info --memory` prints.
 """
 
 from __future__ import annotations
