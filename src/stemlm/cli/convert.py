@@ -25,90 +25,81 @@ import sys
 from stemlm.cli.common import add_json_flag, print_json
 from stemlm.errors import StemlmError
 
-
-def _convert_tables(args) -> int:
-    from stemlm.convert.table_dtype import convert_tables
-
-    if args.stem_layers is not None:
-        raise StemlmError("--stem-layers applies to --from-dense; CKPT --table-dtype keeps the model's layers")
-    if args.table_dtype is None:
-        raise StemlmError("convert CKPT needs --table-dtype bf16 or int8 (the format to store the tables in)")
-    out = convert_tables(args.ckpt, args.table_dtype, args.out, force=args.force)
-    if args.json:
-        print_json({"out": str(out), "table_dtype": args.table_dtype})
-    else:
-        print(f"wrote {out} with {args.table_dtype} lookup tables", file=sys.stderr)
-    return 0
-
-
-def _convert_official(args) -> int:
-    from stemlm.checkpoint.folder import load_config
-    from stemlm.convert.official import convert_official
-
-    if args.stem_layers is not None:
-        raise StemlmError("--stem-layers applies to --from-dense; --from-official keeps the run's STEM layers")
-    out = convert_official(args.from_official, args.out, force=args.force)
-    config = load_config(out)
-    if args.json:
-        print_json({"out": str(out), "stem_layers": config.special_layers, "config": config.to_dict()})
-    else:
-        print(
-            f"wrote {out} from the official checkpoint (STEM layers {config.special_layers}; no tokenizer)",
-            file=sys.stderr,
-        )
-    return 0
+# The sources --stem-layers does not apply to, and why (the mutually exclusive group guarantees one source).
+NOT_RETROFITS = {
+    "ckpt": "CKPT --table-dtype keeps the model's layers",
+    "to_llama": "--to-llama exports a dense model as it is",
+    "from_official": "--from-official keeps the run's STEM layers",
+    "from_gguf": "import the GGUF first, then retrofit it",
+}
 
 
 def run(args) -> int:
-    if args.ckpt is not None:
-        return _convert_tables(args)
-    if args.table_dtype is not None:
+    source = next(name for name in (*NOT_RETROFITS, "from_dense") if getattr(args, name) is not None)
+    if source != "ckpt" and args.table_dtype is not None:
         raise StemlmError("--table-dtype applies to a CKPT argument: stemlm convert CKPT --table-dtype int8 --out DIR")
-    if args.to_llama is not None:
-        from stemlm.convert.llama import export_llama
+    if source in NOT_RETROFITS and args.stem_layers is not None:
+        raise StemlmError(f"--stem-layers applies to --from-dense; {NOT_RETROFITS[source]}")
+    report, line = CONVERTERS[source](args)
+    if args.json:
+        print_json(report)
+    else:
+        print(line, file=sys.stderr)
+    return 0
 
-        if args.stem_layers is not None:
-            raise StemlmError("--stem-layers applies to --from-dense; --to-llama exports a dense model as it is")
-        out = export_llama(args.to_llama, args.out, force=args.force)
-        if args.json:
-            print_json({"out": str(out), "model_type": "llama"})
-        else:
-            print(f"wrote Hugging Face Llama folder {out} (model_type llama)", file=sys.stderr)
-        return 0
-    if args.from_official is not None:
-        return _convert_official(args)
-    if args.from_gguf is not None:
-        from stemlm.convert.gguf import convert_gguf, summary
 
-        if args.stem_layers is not None:
-            raise StemlmError("--stem-layers applies to --from-dense; import the GGUF first, then retrofit it")
-        out = convert_gguf(args.from_gguf, args.out, force=args.force)
-        if args.json:
-            print_json({"out": str(out), "config": summary(out)})
-        else:
-            print(f"wrote Hugging Face Llama folder {out}", file=sys.stderr)
-        return 0
+def _tables(args) -> tuple[dict, str]:
+    from stemlm.convert.table_dtype import convert_tables
+
+    if args.table_dtype is None:
+        raise StemlmError("convert CKPT needs --table-dtype bf16 or int8 (the format to store the tables in)")
+    out = convert_tables(args.ckpt, args.table_dtype, args.out, force=args.force)
+    return {"out": str(out), "table_dtype": args.table_dtype}, f"wrote {out} with {args.table_dtype} lookup tables"
+
+
+def _llama(args) -> tuple[dict, str]:
+    from stemlm.convert.llama import export_llama
+
+    out = export_llama(args.to_llama, args.out, force=args.force)
+    return {"out": str(out), "model_type": "llama"}, f"wrote Hugging Face Llama folder {out} (model_type llama)"
+
+
+def _gguf(args) -> tuple[dict, str]:
+    from stemlm.convert.gguf import convert_gguf, summary
+
+    out = convert_gguf(args.from_gguf, args.out, force=args.force)
+    return {"out": str(out), "config": summary(out)}, f"wrote Hugging Face Llama folder {out}"
+
+
+def _stem(out) -> dict:
     from stemlm.checkpoint.folder import load_config
+
+    config = load_config(out)
+    return {"out": str(out), "stem_layers": config.special_layers, "config": config.to_dict()}
+
+
+def _official(args) -> tuple[dict, str]:
+    from stemlm.convert.official import convert_official
+
+    report = _stem(convert_official(args.from_official, args.out, force=args.force))
+    layers = report["stem_layers"]
+    return report, f"wrote {report['out']} from the official checkpoint (STEM layers {layers}; no tokenizer)"
+
+
+def _dense(args) -> tuple[dict, str]:
     from stemlm.convert.driver import convert_checkpoint
 
     if args.stem_layers is None:
         raise StemlmError("--from-dense needs --stem-layers (e.g. 0, odd, 1,3,5)")
+    retrofit = {k: getattr(args, k) for k in ("init", "calibration", "calibration_tokens")}
     out = convert_checkpoint(
-        args.from_dense,
-        args.stem_layers,
-        args.out,
-        force=args.force,
-        init=args.init,
-        calibration=args.calibration,
-        calibration_tokens=args.calibration_tokens,
-        adapter=args.retrofit == "adapter",
+        args.from_dense, args.stem_layers, args.out, force=args.force, adapter=args.retrofit == "adapter", **retrofit
     )
-    config = load_config(out)
-    if args.json:
-        print_json({"out": str(out), "stem_layers": config.special_layers, "config": config.to_dict()})
-    else:
-        print(f"wrote STEM checkpoint {out} (tables in layers {config.special_layers})", file=sys.stderr)
-    return 0
+    report = _stem(out)
+    return report, f"wrote STEM checkpoint {report['out']} (tables in layers {report['stem_layers']})"
+
+
+CONVERTERS = {"ckpt": _tables, "to_llama": _llama, "from_official": _official, "from_gguf": _gguf, "from_dense": _dense}
 
 
 def register(subparsers) -> None:
