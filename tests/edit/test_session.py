@@ -64,3 +64,17 @@ def test_variants_share_the_unedited_scores(edit_model, fact_tokenizer):
 def test_requests_that_cannot_be_made_are_refused_before_loading(options, message):
     with pytest.raises(StemlmError, match=message):
         options.checked()
+
+
+def test_checkpoint_edits_with_a_dense_control(edit_model, fact_tokenizer, tmp_path):
+    from stemlm.checkpoint.folder import save_pretrained
+    from stemlm.edit.evaluate import evaluate_checkpoint_edits
+
+    save_pretrained(edit_model(), tmp_path / "stem", tokenizer=fact_tokenizer)
+    save_pretrained(edit_model("dense"), tmp_path / "dense", tokenizer=fact_tokenizer)
+    quiet = dict(log=lambda message: None, fluency_tokens=0)
+    stem, dense = str(tmp_path / "stem"), str(tmp_path / "dense")
+    results = evaluate_checkpoint_edits(stem, "capital", 2, seed=0, variants="stem", dense=dense, **quiet)
+    assert (results["relation"], results["seed"], list(results["variants"])) == ("capital", 0, ["stem", "dense-embed"])
+    with pytest.raises(StemlmError, match="--fluency-records must be >= 0"):
+        evaluate_checkpoint_edits(str(tmp_path / "stem"), "capital", 2, seed=0, fluency_records=-1)

@@ -99,10 +99,9 @@ def run_eval(args) -> int:
     import json
 
     from stemlm.checkpoint.safe_write import check_file_target, write_output_file
-    from stemlm.data.worlds.facts import RELATIONS, edit_records
-    from stemlm.edit.evaluate import edit_variants, evaluate_edits, evaluate_variants
+    from stemlm.data.worlds.facts import RELATIONS
+    from stemlm.edit.evaluate import evaluate_checkpoint_edits
     from stemlm.edit.report import format_edit_table
-    from stemlm.edit.session import load_for_edit, parse_layers
 
     if args.relation not in RELATIONS:
         raise StemlmError(f"unknown relation {args.relation!r}; choose one of {', '.join(RELATIONS)}")
@@ -110,20 +109,10 @@ def run_eval(args) -> int:
         raise StemlmError(f"--records must be >= 0 (0 = all), got {args.records}")
     if args.out:
         check_file_target(args.out, force=args.force)  # before the (long) evaluation
-    records = edit_records(args.relation, args.records or None, seed=args.seed)
-    model, tokenizer = load_for_edit(args.ckpt)
-    layers = parse_layers(args.layers, model)
-    if args.fluency_records < 0:
-        raise StemlmError(f"--fluency-records must be >= 0, got {args.fluency_records}")
     settings = {k: getattr(args, k) for k in ("strategy", "pad", "mode", "fluency_tokens", "fluency_records")}
     log = functools.partial(print, file=sys.stderr)
-    variants = edit_variants(args.variants, model)
-    results = {"checkpoint": args.ckpt, "relation": args.relation, "seed": args.seed}
-    results["variants"] = evaluate_variants(model, tokenizer, records, variants, layers=layers, log=log, **settings)
-    if args.dense is not None:
-        log(f"evaluating the dense control {args.dense} (embedding rows) ...")
-        dense, dense_tok = load_for_edit(args.dense)
-        results["variants"]["dense-embed"] = evaluate_edits(dense, dense_tok, records, rows="embed", **settings)
+    given = {k: getattr(args, k) for k in ("seed", "layers", "variants", "dense")}
+    results = evaluate_checkpoint_edits(args.ckpt, args.relation, args.records, log=log, **given, **settings)
     if args.out:
         write_output_file(args.out, json.dumps(results, indent=2) + "\n", force=args.force)
     if args.json:

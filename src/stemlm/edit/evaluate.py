@@ -24,7 +24,8 @@ A record is `known` when the unedited greedy continuation of its edit prompt is 
 are over known records (`scored_on`), since an edit of a fact the model does not know moves nothing that
 was there; the same figures over all records are under `all_records`. Scoring is batched across records
 (positional edits carry one edit per batch row through `batch_hooks`). `evaluate_variants` runs it for several row
-kinds (`edit_variants`: stem, embed, both) with the unedited scores shared, as `stemlm eval edits` does.
+kinds (`edit_variants`: stem, embed, both) with the unedited scores shared; `evaluate_checkpoint_edits` is
+`stemlm eval edits` (a checkpoint, its records, and a dense control).
 
     from stemlm.edit.evaluate import evaluate_edits, format_edit_table
     result = evaluate_edits(model, tokenizer, edit_records("capital", 50), rows="stem")
@@ -403,4 +404,37 @@ def evaluate_variants(model, tokenizer, records, variants: list[str], *, layers=
         results[variant] = evaluate_edits(
             model, tokenizer, records, rows=variant, layers=chosen, cache=cache, **settings
         )
+    return results
+
+
+def evaluate_checkpoint_edits(
+    ckpt: str,
+    relation: str,
+    records: int,
+    *,
+    seed: int,
+    layers=None,
+    variants="auto",
+    dense=None,
+    log=print,
+    **kw,
+) -> dict:
+    """`stemlm eval edits`: `records` edit records of `relation` (0: all) evaluated on CKPT for each row kind of
+    `variants` (`edit_variants`), and on a `dense` checkpoint's embedding rows as the control when given; `kw` are
+    `evaluate_edits`'s settings (strategy, pad, mode, fluency)."""
+    from stemlm.data.worlds.facts import edit_records
+    from stemlm.edit.session import load_for_edit, parse_layers
+
+    chosen = edit_records(relation, records or None, seed=seed)
+    model, tokenizer = load_for_edit(ckpt)
+    table_layers = parse_layers(layers, model)
+    if kw.get("fluency_records", 0) < 0:
+        raise StemlmError(f"--fluency-records must be >= 0, got {kw['fluency_records']}")
+    kinds = edit_variants(variants, model)
+    results = {"checkpoint": ckpt, "relation": relation, "seed": seed}
+    results["variants"] = evaluate_variants(model, tokenizer, chosen, kinds, layers=table_layers, log=log, **kw)
+    if dense is not None:
+        log(f"evaluating the dense control {dense} (embedding rows) ...")
+        dense_model, dense_tok = load_for_edit(dense)
+        results["variants"]["dense-embed"] = evaluate_edits(dense_model, dense_tok, chosen, rows="embed", **kw)
     return results
