@@ -269,3 +269,11 @@ def test_rendered_table_aligns_tasks_and_ends_with_the_legend():
     assert lines[0] == "a       n    4  acc 0.5000 ± 0.2887  (chance 0.250)"
     assert lines[1] == "longer  n   10  bits_per_byte 1.2500  (chance n/a)"
     assert lines[2].startswith("± is one standard error")
+
+
+def test_results_summary_is_what_the_json_prints(shipped_results):
+    from stemlm.evaluation.lm_eval_adapter import results_summary, summarize_results, task_report
+
+    summary = results_summary(shipped_results)
+    assert summary["results"] == summarize_results(shipped_results) and summary["tasks"] == task_report(shipped_results)
+    assert summary["n_samples"] == shipped_results.get("n-samples", {})

@@ -221,3 +221,13 @@ def test_passkey_data_file(tmp_path):
 
     path, count = write_passkey_data(default_tokenizer(), tmp_path / "p.jsonl", 3, [192], needles=[1], digits=4, seed=0)
     assert count == 3 and [set(json.loads(line)) for line in path.read_text().splitlines()] == [{"text"}] * 3
+
+
+def test_niah_of_a_checkpoint(tiny_ckpt):
+    from stemlm.evaluation.niah import niah_checkpoint
+    from stemlm.inference.load import InferenceOptions
+
+    result = niah_checkpoint(str(tiny_ckpt), InferenceOptions(), [80], [0.5], samples=1, digits=3, progress=False)
+    assert len(result["by_length"]) == 1 and len(result["outputs"]) == 1 and 0 <= result["accuracy"] <= 1
+    with pytest.raises(StemlmError, match="max_position_embeddings"):
+        niah_checkpoint(str(tiny_ckpt), InferenceOptions(), [10**6], [0.5], samples=1, progress=False)

@@ -56,12 +56,7 @@ def register_eval(subparsers) -> None:
 
 def run(args) -> int:
     from stemlm.checkpoint.safe_write import check_file_target, write_output_file
-    from stemlm.evaluation.lm_eval_adapter import (
-        evaluate_checkpoint,
-        render_task_report,
-        summarize_results,
-        task_report,
-    )
+    from stemlm.evaluation.lm_eval_adapter import evaluate_checkpoint, render_task_report, results_summary, task_report
 
     if args.out:
         check_file_target(args.out, force=args.force)  # before the (long) evaluation
@@ -75,19 +70,10 @@ def run(args) -> int:
     results = evaluate_checkpoint(
         args.checkpoint, InferenceOptions.from_args(args), tasks, args.include_path, **lm_options, **eval_options
     )
-    summary = summarize_results(results)
     if args.out:
         write_output_file(args.out, json.dumps(results, indent=2, default=str), force=args.force)
     if args.json:
-        print_json(
-            {
-                "checkpoint": args.checkpoint,
-                "limit": args.limit,
-                "results": summary,
-                "n_samples": results.get("n-samples", {}),
-                "tasks": task_report(results),
-            }
-        )
+        print_json({"checkpoint": args.checkpoint, "limit": args.limit, **results_summary(results)})
         return 0
     print(render_task_report(task_report(results)))
     if args.out:

@@ -87,28 +87,14 @@ def register_eval_data(subparsers) -> None:
 def run(args) -> int:
     from stemlm.checkpoint.runs import output_dir
     from stemlm.checkpoint.safe_write import check_target
-    from stemlm.evaluation.niah import model_answerer, render_niah, run_niah, write_niah
-    from stemlm.evaluation.perplexity import load_eval
+    from stemlm.evaluation.niah import niah_checkpoint, render_niah, write_niah
     from stemlm.inference.load import InferenceOptions
 
     out = Path(args.out) if args.out else output_dir(args.checkpoint, "eval-niah")
     guard = {"producer": "stemlm eval niah", "force": args.force, "sources": [args.checkpoint]}
     check_target(out, **guard)  # before the evaluation
-    with load_eval(args.checkpoint, InferenceOptions.from_args(args)) as loaded:
-        model, tokenizer = loaded.model, loaded.tokenizer
-        result = run_niah(
-            model_answerer(model, tokenizer),
-            tokenizer,
-            args.lengths,
-            args.depths,
-            samples=args.samples,
-            needles=args.needles,
-            digits=args.digits,
-            seed=args.seed,
-            max_context=model.config.max_position_embeddings,
-            keep_outputs=True,
-            progress=not args.no_progress,
-        )
+    given = {k: getattr(args, k) for k in ("samples", "needles", "digits", "seed")} | {"progress": not args.no_progress}
+    result = niah_checkpoint(args.checkpoint, InferenceOptions.from_args(args), args.lengths, args.depths, **given)
     write_niah(result, out, f"{result['variant']}: {Path(args.checkpoint).name}", **guard)
     if args.json:
         print_json({k: v for k, v in result.items() if k != "outputs"} | {"out": str(out)})

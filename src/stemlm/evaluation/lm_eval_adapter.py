@@ -303,6 +303,15 @@ def evaluate_checkpoint(
         return run_lm_eval(lm, tasks, include_paths=include_paths, **eval_options)
 
 
+def results_summary(results: dict[str, Any]) -> dict[str, Any]:
+    """What `stemlm eval lm --json` prints of lm-eval's results: the metrics, sample counts and task report."""
+    return {
+        "results": summarize_results(results),
+        "n_samples": results.get("n-samples", {}),
+        "tasks": task_report(results),
+    }
+
+
 def render_task_report(report: dict[str, dict[str, Any]]) -> str:
     """The table `stemlm eval lm` prints for a `task_report`: a line per task, each metric with its standard error."""
     width = max(len(t) for t in report)

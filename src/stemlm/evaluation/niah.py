@@ -265,6 +265,17 @@ def plot_niah_heatmap(result: dict[str, Any], path: str | Path, title: str = "")
     return path
 
 
+def niah_checkpoint(checkpoint: str, options, lengths, depths, **kw: Any) -> dict[str, Any]:
+    """`run_niah` on CKPT loaded with `options` (`stemlm.inference.load.InferenceOptions`), every output kept and
+    lengths capped by the model's max_position_embeddings; `kw`: samples, needles, digits, seed, progress."""
+    from stemlm.evaluation.perplexity import load_eval
+
+    with load_eval(checkpoint, options) as loaded:
+        model, tokenizer = loaded.model, loaded.tokenizer
+        answer, limit = model_answerer(model, tokenizer), model.config.max_position_embeddings
+        return run_niah(answer, tokenizer, lengths, depths, max_context=limit, keep_outputs=True, **kw)
+
+
 def write_niah(result: dict[str, Any], out: Path, title: str, **guard) -> None:
     """`out`/niah.json and niah_heatmap.png, written atomically (`guard`: `AtomicFolder`'s refusal rules)."""
     from stemlm.checkpoint.safe_write import AtomicFolder
