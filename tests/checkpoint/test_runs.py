@@ -139,3 +139,18 @@ def test_verify_checkpoint_names_a_changed_file(tmp_path):
     (folder / "config.json").write_text((folder / "config.json").read_text() + " ")
     with pytest.raises(StemlmError, match="config.json \\(changed\\)"):
         verify_checkpoint(folder)
+
+
+def test_checked_output_defaults_beside_the_checkpoint_and_refuses_files(tmp_path):
+    from stemlm.checkpoint.runs import checked_output, output_dir
+    from stemlm.model.presets import get_preset
+
+    save_pretrained(build_model(get_preset("tiny"), seed=0), tmp_path / "ckpt")
+    folder, guard = checked_output(None, str(tmp_path / "ckpt"), "analysis", "stemlm analyze", False)
+    assert folder == output_dir(str(tmp_path / "ckpt"), "analysis")
+    assert guard == {"producer": "stemlm analyze", "force": False, "sources": [str(tmp_path / "ckpt")]}
+    nothing = {"producer": "stemlm cache-sim", "force": False, "sources": []}
+    assert checked_output(None, None, "cache-sim", "stemlm cache-sim", False) == (None, nothing)
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(StemlmError, match="is a file"):
+        checked_output(str(tmp_path / "file"), None, "x", "stemlm x", False)

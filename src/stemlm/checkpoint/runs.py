@@ -167,6 +167,19 @@ def output_dir(path: str | Path, name: str) -> Path:
     return owner / name
 
 
+def checked_output(out: str | None, ckpt: str | None, name: str, producer: str, force: bool):
+    """(folder, guard) of a command that writes a results folder: `out`, else `name` beside CKPT (`output_dir`;
+    None without either), checked now, before any work, that `producer` may write it (`guard`: the
+    `safe_write.AtomicFolder` arguments of the later write)."""
+    from stemlm.checkpoint.safe_write import check_target
+
+    folder = Path(out) if out else output_dir(ckpt, name) if ckpt is not None else None
+    guard = {"producer": producer, "force": force, "sources": [ckpt] if ckpt else []}
+    if folder is not None:
+        check_target(folder, **guard)
+    return folder, guard
+
+
 def training_window(path: str | Path) -> int | None:
     """The sequence length the run of a CKPT argument trained (and evaluated) at, or None for a model folder
     without trainer state (a saved, converted or edited model)."""

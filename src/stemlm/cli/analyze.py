@@ -22,16 +22,14 @@ from stemlm.errors import StemlmError
 
 def run(args) -> int:
     from stemlm.analysis.report import AnalysisOptions, chosen_analyses, render_analysis, run_analyses
-    from stemlm.checkpoint.runs import load_checkpoint, output_dir
-    from stemlm.checkpoint.safe_write import AtomicFolder, check_target
+    from stemlm.checkpoint.runs import checked_output, load_checkpoint
+    from stemlm.checkpoint.safe_write import AtomicFolder
 
     if args.max_tokens is not None and args.max_tokens < 1:
         raise StemlmError(f"--max-tokens must be >= 1, got {args.max_tokens}")
     if args.top_k < 1:
         raise StemlmError(f"--top-k must be >= 1, got {args.top_k}")
-    out = Path(args.out) if args.out else output_dir(args.ckpt, "analysis")
-    guard = {"producer": "stemlm analyze", "force": args.force, "sources": [args.ckpt]}
-    check_target(out, **guard)  # before any work
+    out, guard = checked_output(args.out, args.ckpt, "analysis", "stemlm analyze", args.force)  # before any work
     model, tokenizer = load_checkpoint(args.ckpt, need_tokenizer="analysis")
     options = AnalysisOptions.from_args(args)
     names = chosen_analyses(options, model)

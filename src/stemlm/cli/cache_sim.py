@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import functools
 import sys
-from pathlib import Path
 
 from stemlm.cli.common import add_json_flag, print_json
 from stemlm.errors import StemlmError
@@ -72,7 +71,7 @@ def register(subparsers) -> None:
 
 
 def run(args) -> int:
-    from stemlm.checkpoint.safe_write import check_target
+    from stemlm.checkpoint.runs import checked_output
     from stemlm.offload.cache_sim import (
         cache_sim_report,
         parse_fractions,
@@ -81,14 +80,7 @@ def run(args) -> int:
         write_cache_sim,
     )
 
-    out = Path(args.out) if args.out else None
-    if out is None and args.ckpt is not None:
-        from stemlm.checkpoint.runs import output_dir
-
-        out = output_dir(args.ckpt, "cache-sim")
-    guard = {"producer": "stemlm cache-sim", "force": args.force, "sources": [args.ckpt] if args.ckpt else []}
-    if out is not None:
-        check_target(out, **guard)  # before the replay
+    out, guard = checked_output(args.out, args.ckpt, "cache-sim", "stemlm cache-sim", args.force)  # before the replay
     fractions, policies = parse_fractions(args.fractions), parse_policies(args.policy)
     if args.max_tokens is not None and args.max_tokens < 1:
         raise StemlmError("--max-tokens must be >= 1")

@@ -85,14 +85,11 @@ def register_eval_data(subparsers) -> None:
 
 
 def run(args) -> int:
-    from stemlm.checkpoint.runs import output_dir
-    from stemlm.checkpoint.safe_write import check_target
+    from stemlm.checkpoint.runs import checked_output
     from stemlm.evaluation.niah import niah_checkpoint, render_niah, write_niah
     from stemlm.inference.load import InferenceOptions
 
-    out = Path(args.out) if args.out else output_dir(args.checkpoint, "eval-niah")
-    guard = {"producer": "stemlm eval niah", "force": args.force, "sources": [args.checkpoint]}
-    check_target(out, **guard)  # before the evaluation
+    out, guard = checked_output(args.out, args.checkpoint, "eval-niah", "stemlm eval niah", args.force)
     given = {k: getattr(args, k) for k in ("samples", "needles", "digits", "seed")} | {"progress": not args.no_progress}
     result = niah_checkpoint(args.checkpoint, InferenceOptions.from_args(args), args.lengths, args.depths, **given)
     write_niah(result, out, f"{result['variant']}: {Path(args.checkpoint).name}", **guard)
