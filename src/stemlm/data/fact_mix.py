@@ -2,7 +2,7 @@
 
 `stemlm train` on the embedded corpus adds templated fact statements ("The capital of Spain is Madrid.") so
 that the model it trains can learn some facts, which is what `stemlm edit` needs to show anything: a row swap
-can only move a fact the model holds (at the default budget it has not learned them yet; see the README).
+can only move a fact the model holds (at the default budget it has not learned them yet; see docs/results.md).
 The statements of `relations` for the countries of `region` (a region name or a list of countries) are
 repeated until they make up `fraction` of the training tokens (the corpus stays the rest) and shuffled into
 documents that join the corpus's training documents. Held-out data is untouched: held-out loss stays

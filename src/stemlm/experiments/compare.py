@@ -135,7 +135,7 @@ class CompareConfig:
         return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:16]
 
 
-# The reduced budget of `--quick` (2 seeds of dense,stem: 180 s measured on 2 nearly idle cores; see the README).
+# The reduced budget of `--quick` (2 seeds of dense,stem: 180 s measured on 2 nearly idle cores; see docs/results.md).
 QUICK = dict(
     seeds=2,
     budget="60",

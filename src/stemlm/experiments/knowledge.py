@@ -112,7 +112,7 @@ class KnowledgeConfig:
     extra: dict = field(default_factory=dict)
 
 
-# The reduced budget of `--quick` (2 seeds of it: 129 s measured on 2 nearly idle cores; see the README).
+# The reduced budget of `--quick` (2 seeds of it: 129 s measured on 2 nearly idle cores; see docs/results.md).
 QUICK = dict(
     seeds=2,
     dense_steps=160,
