@@ -9,7 +9,6 @@ one, files and folders to be refused as outputs. Placeholders in an argv: {ck} {
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import shutil
@@ -25,6 +24,7 @@ from stemlm.data.tokenizer import default_tokenizer, save_tokenizer, train_bpe
 from stemlm.errors import StemlmError
 from stemlm.model import build_model
 from stemlm.model.config import ModelConfig
+from tests.bad_input import refuse, tree
 from tests.sharded import write_sharded
 
 P = "Country: Spain. Capital:"
@@ -78,22 +78,6 @@ def ws(tmp_path_factory) -> Path:
     trunc.write_bytes(trunc.read_bytes()[:-64])
     (root / "cwd").mkdir()
     return root
-
-
-def tree(root: Path) -> dict[str, str]:
-    """Every file and folder under root: folders by name, small files by content, large ones by size/mtime/inode."""
-    out = {}
-    for p in sorted(root.rglob("*")):
-        rel = str(p.relative_to(root))
-        if p.is_dir():
-            out[rel] = "dir"
-        else:
-            st = p.stat()
-            small = st.st_size < 65536
-            out[rel] = (
-                hashlib.sha256(p.read_bytes()).hexdigest() if small else f"{st.st_size}:{st.st_mtime_ns}:{st.st_ino}"
-            )
-    return out
 
 
 def fill(argv: list[str], ws: Path) -> list[str]:
@@ -334,18 +318,7 @@ def test_bad_input_is_one_line_exit_2_and_nothing_changes(ws, capsys, monkeypatc
         pytest.skip("a machine with CUDA")
     monkeypatch.chdir(ws / "cwd")  # commands with a default output folder would write here
     monkeypatch.setenv("STEMLM_CACHE", str(ws / "cwd" / ".cache"))
-    before = tree(ws)
-    try:
-        code = main(fill(argv, ws))
-    except SystemExit as exc:  # argparse
-        code = exc.code
-    err = capsys.readouterr().err
-    lines = err.strip().splitlines()
-    assert code == 2, err
-    assert len(lines) == 1, err
-    assert message in lines[0], lines[0]
-    assert lines[0].startswith("stemlm"), lines[0]
-    assert tree(ws) == before
+    refuse(fill(argv, ws), message, capsys, ws)
 
 
 def test_the_suite_covers_every_subcommand():
