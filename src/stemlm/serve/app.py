@@ -3,8 +3,9 @@
     from stemlm.serve import Playground, create_app
     app = create_app(Playground.load("runs/tiny"))      # a WSGI app; `stemlm serve` runs it threaded
 
-Routes (every /api answer is JSON; a bad request gets 4xx with `{"error": message}`, never a traceback; a Host
-header outside `trusted_hosts` gets 400):
+Routes (every /api answer is JSON; a bad request gets 4xx with `{"error": message}`, never a traceback; a body
+over 1 MiB gets 413, announced or chunked; a Host header outside `trusted_hosts` gets 400, compared by
+`hosts.host_allowed`, which reads IPv6 literals as addresses):
 
     GET  /                  the page (vanilla HTML/JS/CSS from stemlm/assets/web, nothing from a CDN)
     GET  /api/info          the checkpoint: layers, STEM layers, table placement, edit strategies, saving
@@ -34,7 +35,7 @@ from importlib import resources
 from pathlib import Path
 
 from flask import Flask, Response, jsonify, request, send_from_directory
-from werkzeug.exceptions import HTTPException
+from werkzeug.exceptions import HTTPException, RequestEntityTooLarge
 
 from stemlm.edit import PAD_ROWS, STRATEGIES
 from stemlm.edit.positional import ROW_KINDS
@@ -42,11 +43,12 @@ from stemlm.edit.shared_tokens import SharedSubwords
 from stemlm.errors import StemlmError
 from stemlm.inference.generate import IncrementalDecoder  # text pieces that never split a multi-byte character
 from stemlm.serve.editing import EditSpec
-from stemlm.serve.hosts import trusted_hosts
-from stemlm.serve.params import Body, sampling
+from stemlm.serve.hosts import host_allowed, trusted_hosts
+from stemlm.serve.params import Body, parse_json, sampling
 from stemlm.serve.playground import Conflict, Playground
 
 log = logging.getLogger("stemlm.serve")
+MAX_BODY = 1 << 20
 
 
 def web_dir() -> Path:
@@ -55,6 +57,19 @@ def web_dir() -> Path:
 
 def sse(event: str, data: dict) -> str:
     return f"event: {event}\ndata: {json.dumps(data)}\n\n"
+
+
+def read_body(stream) -> bytes:
+    """The request body, or 413 once past MAX_BODY. werkzeug refuses a longer Content-Length itself, but cuts a
+    chunked body silently at the limit (it raises only on the read after), which would parse as truncated JSON."""
+    raw = bytearray()
+    while chunk := stream.read(MAX_BODY + 1 - len(raw)):
+        raw += chunk
+        if len(raw) > MAX_BODY:
+            break
+    if len(raw) > MAX_BODY or (len(raw) == MAX_BODY and stream.read(1)):
+        raise RequestEntityTooLarge(f"the request body is over {MAX_BODY} bytes; the playground takes at most that")
+    return bytes(raw)
 
 
 def edit_spec(body: Body) -> EditSpec:
@@ -103,9 +118,15 @@ def _token_events(pg: Playground, tokens, start: float):
 def create_app(pg: Playground, hosts: Sequence[str] | None = None) -> Flask:
     """The WSGI app; `hosts`: the accepted Host header names (default `trusted_hosts()`: loopback only)."""
     app = Flask(__name__, static_folder=str(web_dir()), static_url_path="/static")
-    app.config["MAX_CONTENT_LENGTH"] = 1 << 20
-    app.config["TRUSTED_HOSTS"] = list(hosts) if hosts is not None else trusted_hosts()  # checked on every request
+    app.config["MAX_CONTENT_LENGTH"] = MAX_BODY
+    allowed = list(hosts) if hosts is not None else trusted_hosts()
     app.json.sort_keys = False
+
+    @app.before_request
+    def check_host():  # not Flask's TRUSTED_HOSTS: werkzeug cuts "[::ffff:203.0.113.9]" at its first colon
+        if not host_allowed(request.headers.get("Host", ""), allowed):
+            return jsonify(error="this server does not answer that Host header"), 400
+        return None
 
     @app.errorhandler(StemlmError)
     def user_error(exc: StemlmError):
@@ -123,10 +144,9 @@ def create_app(pg: Playground, hosts: Sequence[str] | None = None) -> Flask:
         return jsonify(error=f"internal error ({type(exc).__name__}); see the server log"), 500
 
     def body() -> Body:
-        try:
-            return Body(request.get_json(silent=True))
-        except RecursionError:  # JSON nested thousands deep: the parser's recursion limit, not a server fault
-            raise StemlmError("the request body is nested too deeply") from None
+        if not request.is_json:
+            raise StemlmError("the request body must be a JSON object (Content-Type: application/json)")
+        return Body(parse_json(read_body(request.stream)))
 
     @app.get("/")
     def index():

@@ -6,7 +6,8 @@
 Routes: `GET /v1/models`, `POST /v1/completions`, `POST /v1/chat/completions` (streamed as server-sent events
 with `"stream": true`, ending in `data: [DONE]`), `GET /metrics` (Prometheus text), `GET /health`.
 Errors come in OpenAI's shape `{"error": {"message", "type", "param", "code"}}` with one line of message:
-400 for a bad body (`stemlm.serve.openai_params`), 404 for another model name, 413 for a body over 1 MiB,
+400 for a bad body (`stemlm.serve.openai_params`), 404 for another model name, 413 for a body over 1 MiB
+(read no further than that, announced or chunked),
 429 when the engine's queue is full, 503 while shutting down, 504 when a request runs past the server's
 timeout (it is cancelled). A Host header outside `hosts` gets 400 (DNS rebinding, as in the playground). A
 client that disconnects cancels its request: its slot is freed at the next decode step.
@@ -25,10 +26,11 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 from stemlm.errors import StemlmError
 from stemlm.inference.batching import QueueFull, ShuttingDown
-from stemlm.serve.hosts import host_name, trusted_hosts
+from stemlm.serve.hosts import host_allowed, trusted_hosts
 from stemlm.serve.metrics import Metrics
 from stemlm.serve.openai_params import parse_chat, parse_completion
 from stemlm.serve.openai_service import ApiService
+from stemlm.serve.params import parse_json
 
 MAX_BODY = 1 << 20
 POLL_SECONDS = 0.25  # how often a waiting non-streamed request checks for a disconnected client
@@ -58,7 +60,7 @@ class HostCheck:
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] == "http":
             host = dict(scope["headers"]).get(b"host", b"").decode("latin-1")
-            if host_name(host) not in self.allowed:
+            if not host_allowed(host, self.allowed):
                 body = error_body("this server does not answer that Host header")
                 await JSONResponse(body, status_code=400)(scope, receive, send)
                 return
@@ -103,13 +105,18 @@ def create_api(service: ApiService, hosts=None) -> FastAPI:
 
 
 async def _body(request: Request):
-    raw = await request.body()
-    if len(raw) > MAX_BODY:
-        raise ApiError(413, f"the request body is {len(raw)} bytes; this server takes at most {MAX_BODY}")
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > MAX_BODY:
+        raise ApiError(413, f"the request body is {int(declared)} bytes; this server takes at most {MAX_BODY}")
+    raw = bytearray()
+    async for chunk in request.stream():  # a chunked body has no length: stop reading once past the limit
+        raw += chunk
+        if len(raw) > MAX_BODY:
+            raise ApiError(413, f"the request body is over {MAX_BODY} bytes; this server takes at most that")
     try:
-        return json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise ApiError(400, f"the request body is not valid JSON ({exc})") from None
+        return parse_json(bytes(raw))
+    except StemlmError as exc:
+        raise ApiError(400, str(exc)) from None
 
 
 async def _generate(service: ApiService, metrics: Metrics, http: Request, chat: bool):

@@ -1,6 +1,7 @@
 """Strict parsing of OpenAI completion and chat requests into a prompt, sampling settings and an edit.
 
-Every field is checked for type and range and an unknown field is refused, so a client never silently gets
+Every field is checked for type and range (numbers strictly, texts for lone surrogates: `stemlm.serve.params`)
+and an unknown field is refused, so a client never silently gets
 other behaviour than it asked for; each error is one line (`StemlmError`) that the app returns as 400 in
 OpenAI's error shape. Accepted fields (OpenAI's names and defaults):
 
@@ -22,6 +23,7 @@ from typing import Any
 from stemlm.errors import StemlmError
 from stemlm.inference.requests import MAX_LOGPROBS, SamplingParams
 from stemlm.serve.editing import EditSpec
+from stemlm.serve.params import shown, valid_text
 
 MAX_TEXT = 100_000  # characters of one prompt or message
 MAX_STOPS = 4  # OpenAI's limit
@@ -57,9 +59,9 @@ def _integer(body: dict, name: str, default: int | None, low: int, high: int) ->
     if value is None:
         return None
     if isinstance(value, bool) or not isinstance(value, int):
-        raise StemlmError(f"{name} must be a whole number between {low} and {high}, got {value!r}")
+        raise StemlmError(f"{name} must be a whole number between {low} and {high}, got {shown(value)}")
     if not low <= value <= high:
-        raise StemlmError(f"{name} must be between {low} and {high}, got {value}")
+        raise StemlmError(f"{name} must be between {low} and {high}, got {shown(value)}")
     return value
 
 
@@ -68,7 +70,7 @@ def _number(body: dict, name: str, default: float, low: float, high: float, *, o
     if value is None:
         return default
     if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
-        raise StemlmError(f"{name} must be a number, got {value!r}")
+        raise StemlmError(f"{name} must be a number, got {shown(value)}")
     if value > high or value < low or (open_low and value == low):
         side = "(" if open_low else "["
         raise StemlmError(f"{name} must be in {side}{low}, {high}], got {value}")
@@ -80,7 +82,7 @@ def _boolean(body: dict, name: str, default: bool) -> bool:
     if value is None:
         return default
     if not isinstance(value, bool):
-        raise StemlmError(f"{name} must be true or false, got {value!r}")
+        raise StemlmError(f"{name} must be true or false, got {shown(value)}")
     return value
 
 
@@ -89,7 +91,7 @@ def _text(value: Any, name: str) -> str:
         raise StemlmError(f"{name} must be a string")
     if len(value) > MAX_TEXT:
         raise StemlmError(f"{name} is {len(value)} characters; this server takes at most {MAX_TEXT}")
-    return value
+    return valid_text(value, name)
 
 
 def _stops(body: dict) -> tuple[str, ...]:
@@ -101,7 +103,7 @@ def _stops(body: dict) -> tuple[str, ...]:
         raise StemlmError(f"stop must be a string or a list of 1 to {MAX_STOPS} strings")
     if any(not isinstance(s, str) or not s for s in stops):
         raise StemlmError("stop must hold non-empty strings")
-    return tuple(stops)
+    return tuple(valid_text(s, "stop") for s in stops)
 
 
 def _edit(body: dict) -> EditSpec | None:
@@ -116,6 +118,7 @@ def _edit(body: dict) -> EditSpec | None:
     for name in ("source", "target"):
         if not isinstance(value.get(name), str) or not value[name].strip():
             raise StemlmError(f"stem_edit.{name} must be a non-empty string")
+        _text(value[name], f"stem_edit.{name}")
     layers = value.get("layers")
     if layers is not None and (
         not isinstance(layers, list) or any(isinstance(i, bool) or not isinstance(i, int) for i in layers)
@@ -135,7 +138,7 @@ def _edit(body: dict) -> EditSpec | None:
 
 def _common(body: dict, max_tokens_name: str, default_max: int, context: int, stop_ids, logprobs) -> dict:
     if body.get("n") not in (None, 1) or isinstance(body.get("n"), bool):
-        raise StemlmError(f"n must be 1 (one completion per request), got {body['n']!r}")
+        raise StemlmError(f"n must be 1 (one completion per request), got {shown(body['n'])}")
     for name in ("presence_penalty", "frequency_penalty"):
         if _number(body, name, 0.0, -2.0, 2.0) != 0.0:
             raise StemlmError(f"{name} is not supported (only 0)")
@@ -192,7 +195,7 @@ def parse_chat(body: Any, context: int, stop_ids=()) -> ParsedRequest:
         if not isinstance(message, dict) or set(message) - {"role", "content", "name"} or "content" not in message:
             raise StemlmError(f"messages[{i}] must be an object with role and content")
         if message.get("role") not in ROLES:
-            raise StemlmError(f"messages[{i}].role must be one of {', '.join(ROLES)}, got {message.get('role')!r}")
+            raise StemlmError(f"messages[{i}].role must be one of {', '.join(ROLES)}, got {shown(message.get('role'))}")
         clean.append({"role": message["role"], "content": _text(message["content"], f"messages[{i}].content")})
     logprobs = None
     if _boolean(body, "logprobs", False):

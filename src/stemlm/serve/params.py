@@ -2,15 +2,20 @@
 
 Every field error is a `StemlmError` naming the field and what it accepts; the app turns it into a 400 JSON
 response `{"error": message}` that the page shows as is. `sampling(body)` reads the generation controls
-shared by the generate and edit routes.
+shared by the generate and edit routes. `parse_json(raw)` decodes a request body for both servers (the
+playground and the OpenAI-compatible API): invalid UTF-8 or JSON, nesting too deep for the parser and integers
+too long to convert are one-line errors, not 500s. Numbers are strict: NaN, Infinity and 1e400 (which Python's
+parser reads as inf) are refused by the field that holds them, a whole-number field takes only an integral
+finite number, and `true` or `"5"` is never a number; a text holding a lone surrogate is refused as well.
 
-    body = Body(request.get_json(silent=True))
+    body = Body(parse_json(request.get_data()))
     prompt = body.text("prompt")
     k = body.integer("top_k", default=10, low=1, high=50)
 """
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Sequence
 from typing import Any
@@ -19,6 +24,44 @@ from stemlm.errors import StemlmError
 
 MAX_TEXT = 20_000  # characters of a prompt or entity; longer texts would not fit the context anyway
 MAX_NEW_TOKENS = 256
+SHOWN = 40  # characters of a refused value quoted in an error: a 4000-digit number stays one short line
+
+
+def parse_json(raw: bytes) -> Any:
+    """The JSON value of a request body, or a one-line StemlmError saying why it is not one."""
+    try:
+        return json.loads(raw.decode("utf-8"))
+    except UnicodeDecodeError as exc:
+        raise StemlmError(f"the request body is not UTF-8 (byte {exc.start})") from None
+    except json.JSONDecodeError as exc:
+        where = f"line {exc.lineno} column {exc.colno}"
+        raise StemlmError(f"the request body is not valid JSON ({exc.msg} at {where}); send one JSON object") from None
+    except RecursionError:  # nested thousands deep: the parser's recursion limit, not a server fault
+        raise StemlmError("the request body is nested too deeply") from None
+    except ValueError:  # Python refuses to convert integers of more than 4300 digits
+        raise StemlmError("the request body holds an integer too long to read") from None
+
+
+def shown(value: Any) -> str:
+    """`repr(value)` cut to SHOWN characters, for error messages."""
+    text = repr(value) if not isinstance(value, int) or abs(value) < 10**SHOWN else f"a {len(str(value))}-digit number"
+    return text if len(text) <= SHOWN else text[: SHOWN - 3] + "..."
+
+
+def valid_text(value: str, name: str) -> str:
+    """`value` unless it holds a lone surrogate (JSON allows "\\ud800"; no tokenizer can encode it)."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise StemlmError(f"{name} holds a lone surrogate at character {exc.start}; send valid Unicode text") from None
+    return value
+
+
+def whole_number(value: Any) -> bool:
+    """Whether a JSON value is an integral, finite number (5 or 5.0; not true, "5", 5.5, NaN or inf)."""
+    if isinstance(value, bool):
+        return False
+    return isinstance(value, int) or (isinstance(value, float) and math.isfinite(value) and value.is_integer())
 
 
 class Body:
@@ -43,7 +86,7 @@ class Body:
             raise StemlmError(f"{name} is {len(value)} characters; the playground takes at most {MAX_TEXT}")
         if not allow_empty and not value.strip():
             raise StemlmError(f"{name} is empty: type some text first")
-        return value
+        return valid_text(value, name)
 
     def optional_text(self, name: str) -> str | None:
         value = self._get(name, None)
@@ -51,30 +94,30 @@ class Body:
 
     def integer(self, name: str, default: int, low: int, high: int) -> int:
         value = self._get(name, default)
-        if isinstance(value, bool) or not isinstance(value, int | float) or value != int(value):
-            raise StemlmError(f"{name} must be a whole number between {low} and {high}, got {value!r}")
+        if not whole_number(value):
+            raise StemlmError(f"{name} must be a whole number between {low} and {high}, got {shown(value)}")
         if not low <= value <= high:
-            raise StemlmError(f"{name} must be between {low} and {high}, got {int(value)}")
+            raise StemlmError(f"{name} must be between {low} and {high}, got {shown(int(value))}")
         return int(value)
 
     def number(self, name: str, default: float, low: float, high: float) -> float:
         value = self._get(name, default)
         if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
-            raise StemlmError(f"{name} must be a number between {low} and {high}, got {value!r}")
+            raise StemlmError(f"{name} must be a number between {low} and {high}, got {shown(value)}")
         if not low <= value <= high:
-            raise StemlmError(f"{name} must be between {low} and {high}, got {value}")
+            raise StemlmError(f"{name} must be between {low} and {high}, got {shown(value)}")
         return float(value)
 
     def boolean(self, name: str, default: bool) -> bool:
         value = self._get(name, default)
         if not isinstance(value, bool):
-            raise StemlmError(f"{name} must be true or false, got {value!r}")
+            raise StemlmError(f"{name} must be true or false, got {shown(value)}")
         return value
 
     def choice(self, name: str, default: str, choices: Sequence[str]) -> str:
         value = self._get(name, default)
         if value not in choices:
-            raise StemlmError(f"{name} must be one of {', '.join(choices)}, got {value!r}")
+            raise StemlmError(f"{name} must be one of {', '.join(choices)}, got {shown(value)}")
         return value
 
     def int_list(self, name: str) -> tuple[int, ...] | None:
@@ -83,7 +126,7 @@ class Body:
         if value is None:
             return None
         if not isinstance(value, list) or any(isinstance(v, bool) or not isinstance(v, int) for v in value):
-            raise StemlmError(f"{name} must be a list of whole numbers, got {value!r}")
+            raise StemlmError(f"{name} must be a list of whole numbers, got {shown(value)}")
         return tuple(value)
 
 
