@@ -5,12 +5,14 @@
     stemlm data verify shards/                              # re-hash every shard against the manifest
     stemlm train --data shards/ --preset paper-350m --fit-vocab   # the folder's tokenizer is the run's
 
-The format and the split rule are described in `stemlm.data.prepare`; reading in `stemlm.data.stream`.
+The format and the split rule are described in `stemlm.data.prepare`; reading in `stemlm.data.stream`. A file
+given twice (or reached twice through folders or links) is tokenized once, with one warning line on stderr.
 """
 
 from __future__ import annotations
 
 import os
+import sys
 import time
 
 from stemlm.cli.common import add_json_flag, print_json
@@ -60,6 +62,7 @@ def run_prepare(args) -> int:
         text_field=args.text_field,
         heldout_fraction=args.heldout_fraction,
         progress=not args.no_progress,
+        warn=lambda message: print(f"stemlm data: warning: {message}", file=sys.stderr),
     )
     seconds = time.perf_counter() - start
     report = prepare_summary(manifest, args.out, seconds)
@@ -71,7 +74,8 @@ def run_prepare(args) -> int:
 
 
 def run_verify(args) -> int:
-    from stemlm.data.stream import read_manifest, verify_shards
+    from stemlm.data.manifest import read_manifest
+    from stemlm.data.stream import verify_shards
 
     verify_shards(args.folder)
     shards = sum(len(s["shards"]) for s in read_manifest(args.folder)["splits"].values())

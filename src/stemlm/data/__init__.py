@@ -2,9 +2,9 @@
 
 Modules: `corpus` (embedded Shakespeare + Austen corpus, document split), `sources` (user files and
 `load_corpus`), `tokenizer` (train/load/save, the shipped default and GPT-2), `shards` (token shards and
-`TokenDataset`), `prepare` (`stemlm data prepare`: a corpus into memory-mapped shards), `stream` (streaming
-them to training), `rdata` (the R reader used only to rebuild the corpus). Names are loaded lazily, so
-`import stemlm.data` does not pull in tokenizers, numpy or torch:
+`TokenDataset`), `prepare` (`stemlm data prepare`: a corpus into memory-mapped shards), `manifest` (its
+schema-checked manifest), `stream` (streaming them to training), `rdata` (the R reader used only to rebuild
+the corpus). Names are loaded lazily, so `import stemlm.data` does not pull in tokenizers, numpy or torch:
 
     from stemlm.data import load_corpus, get_tokenizer, TokenDataset
 """
@@ -31,7 +31,7 @@ _EXPORTS = {
     "build_shard": "stemlm.data.shards",
     "prepare": "stemlm.data.prepare",
     "open_prepared": "stemlm.data.stream",
-    "is_prepared": "stemlm.data.stream",
+    "is_prepared": "stemlm.data.manifest",
 }
 
 __getattr__, __all__ = lazy_exports(__name__, _EXPORTS)

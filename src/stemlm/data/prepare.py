@@ -3,11 +3,13 @@
     stemlm data prepare corpus/ extra.jsonl web.parquet --tokenizer gpt2 --out shards/ --workers 8
 
 Inputs are files or folders (searched recursively for *.txt, *.md, *.jsonl and *.parquet, hidden entries
-skipped, sorted): a text or markdown file is one document, a JSON Lines file one document per line (the
-`text_field` of each object), a parquet file one document per row of its `text_field` column (read in record
-batches with pyarrow). Each file is one task for a pool of worker processes (spawned, so tokenizers' own
-threads are never forked); a worker streams its file, puts the separator token after every document and
-appends the ids to its own part file, so memory stays bounded by one record batch. A document goes to the
+skipped, sorted; a file named twice is read once, with a warning): a text or markdown file is one document, a
+JSON Lines file one document per line (the `text_field` of each object), a parquet file one document per row
+of its `text_field` column (read in record batches with pyarrow); `stemlm.data.inputs` reads them. Each file
+is one task for a pool of worker processes (spawned, so tokenizers' own threads are never forked); a worker
+streams its file, puts the separator token after every document and appends the ids to its own part file, so
+memory stays bounded by one record batch. A worker dies with the process that started it (on Linux the
+kernel kills it, `PR_SET_PDEATHSIG`), so a killed `prepare` leaves no worker tokenizing on. A document goes to the
 held-out split when the hash of its text falls below `heldout_fraction`: the split depends on the text alone,
 never on file order or worker count, and duplicate documents never straddle the split.
 
@@ -15,18 +17,24 @@ The output folder holds `train-NNNNN.<dtype>.bin` / `heldout-NNNNN.<dtype>.bin` 
 the vocabulary fits, else uint32; consecutive files joined up to `shard_tokens` each), a copy of the tokenizer
 and `manifest.json`: format, tokenizer digest and size, separator, dtype, per-shard tokens / documents /
 sha256, per-source path / sha256 / bytes / documents, totals. The output is identical for any worker count.
-It is built in a temporary sibling folder and renamed into place; an existing `out` is never overwritten.
-Bad input raises one `StemlmError` naming the file (and line for JSON Lines). `stemlm.data.stream` reads it.
+It is built in a temporary sibling folder `.OUT.tmp-PID` (holding a `.stemlm-prepare` marker) and renamed into
+place; an existing `out` is never overwritten. A later `prepare` to the same `out` removes the temporary
+folders a killed run left (only marked ones whose process is gone). Bad input raises one `StemlmError` naming
+the file (and line or row where it has one); so does an `out` that cannot be created or written.
+`stemlm.data.stream` reads the result.
 `prepare_summary` / `render_prepare_summary` are what `stemlm data prepare` prints.
 """
 
 from __future__ import annotations
 
+import glob
 import hashlib
 import json
 import os
 import shutil
-from collections.abc import Iterator
+import sys
+import warnings
+from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 from multiprocessing import get_context
@@ -36,16 +44,18 @@ from typing import Any
 import numpy as np
 from tokenizers import Tokenizer
 
+from stemlm.data.inputs import documents, find_files
 from stemlm.data.tokenizer import EOT_TOKEN, TOKENIZER_FILE, separator_id
 from stemlm.errors import StemlmError
 
 MANIFEST_NAME = "manifest.json"
 MANIFEST_FORMAT = "stemlm-prepared-v1"
-SUFFIXES = (".txt", ".md", ".jsonl", ".parquet")
 SPLITS = ("train", "heldout")
 ENCODE_CHUNK = 256  # documents per encode_batch call
 HASH_CHUNK = 1 << 20
 SHARD_TOKENS = 1 << 28  # input files are joined into shards of about this many tokens (512 MiB as uint16)
+TMP_MARKER = ".stemlm-prepare"  # inside a temporary output folder: the pid that writes it
+PR_SET_PDEATHSIG = 1  # prctl option (linux/prctl.h): the signal a process gets when its parent dies
 
 
 @dataclass(frozen=True)
@@ -59,84 +69,6 @@ class Task:
     heldout_fraction: float
     dtype: str
     work_dir: str
-
-
-def find_files(paths: list[str | Path]) -> list[Path]:
-    """Every input file of `paths`, folders expanded in sorted order; an error for a missing or empty path."""
-    if not paths:
-        raise StemlmError("no data paths given")
-    files: list[Path] = []
-    for arg in map(Path, paths):
-        if arg.is_dir():
-            found = [
-                p
-                for p in sorted(arg.rglob("*"))
-                if p.is_file() and p.suffix in SUFFIXES and not any(s.startswith(".") for s in p.relative_to(arg).parts)
-            ]
-            if not found:
-                raise StemlmError(f"folder {arg} has no {', '.join(SUFFIXES)} files")
-            files += found
-        elif arg.is_file():
-            files.append(arg)
-        else:
-            raise StemlmError(f"data path not found: {arg}")
-    return files
-
-
-# ----- reading documents (in a worker) -----
-def _decode(raw: bytes, where: str) -> str:
-    if b"\0" in raw:
-        raise StemlmError(f"{where} looks binary (contains NUL bytes); pass UTF-8 text, jsonl or parquet files")
-    try:
-        return raw.decode("utf-8-sig")  # -sig drops a byte-order mark that some editors write
-    except UnicodeDecodeError as exc:
-        raise StemlmError(f"{where} is not valid UTF-8 (byte {exc.start}); convert it to UTF-8") from None
-
-
-def _text_docs(path: Path, field: str) -> Iterator[str]:
-    text = _decode(path.read_bytes(), str(path))
-    if text.strip():
-        yield text
-
-
-def _jsonl_docs(path: Path, field: str) -> Iterator[str]:
-    with open(path, "rb") as f:
-        for lineno, raw in enumerate(f, start=1):
-            line = _decode(raw, f"{path} line {lineno}")
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise StemlmError(f"{path} line {lineno}: invalid JSON ({exc.msg})") from None
-            if not isinstance(record, dict) or not isinstance(record.get(field), str):
-                raise StemlmError(f"{path} line {lineno}: expected a JSON object with a string {field!r} field")
-            if record[field].strip():
-                yield record[field]
-
-
-def _parquet_docs(path: Path, field: str) -> Iterator[str]:
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
-    try:
-        table = pq.ParquetFile(path)
-    except (pa.ArrowException, OSError) as exc:
-        raise StemlmError(f"{path} is not a readable parquet file ({str(exc).splitlines()[0]})") from None
-    names = table.schema_arrow.names
-    if field not in names:
-        raise StemlmError(f"{path}: no column {field!r} (columns: {', '.join(names)}); pass --text-field")
-    if not pa.types.is_string(table.schema_arrow.field(field).type) and not pa.types.is_large_string(
-        table.schema_arrow.field(field).type
-    ):
-        raise StemlmError(f"{path}: column {field!r} is {table.schema_arrow.field(field).type}, not text")
-    for batch in table.iter_batches(columns=[field]):
-        for text in batch.column(0).to_pylist():
-            if text and text.strip():
-                yield text
-
-
-READERS = {".jsonl": _jsonl_docs, ".parquet": _parquet_docs}
 
 
 def file_sha256(path: Path) -> str:
@@ -158,7 +90,20 @@ def is_heldout(text: str, fraction: float) -> bool:
 _WORKER: dict[str, Tokenizer] = {}  # the tokenizer of this worker process, parsed once by init_worker
 
 
-def init_worker(tokenizer_json: str, single_threaded: bool) -> None:
+def die_with_parent(parent_pid: int) -> None:
+    """Have the kernel SIGKILL this worker when `parent_pid` (the process that spawned it) dies (Linux only)."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+        import signal
+
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
+    if os.getppid() != parent_pid:  # the parent died before prctl took effect: nobody would read the results
+        os._exit(1)
+
+
+def init_worker(tokenizer_json: str, single_threaded: bool, parent_pid: int | None = None) -> None:
+    if parent_pid is not None:
+        die_with_parent(parent_pid)
     if single_threaded:  # N worker processes already use the cores: no rayon thread pool in each
         os.environ["TOKENIZERS_PARALLELISM"] = "false"
     _WORKER["tokenizer"] = Tokenizer.from_str(tokenizer_json)
@@ -169,7 +114,6 @@ def tokenize_file(task: Task) -> dict[str, Any]:
     tok = _WORKER["tokenizer"]
     sep, dtype, path = separator_id(tok, task.separator), np.dtype(task.dtype), Path(task.path)
     encode = getattr(tok, "encode_batch_fast", tok.encode_batch)
-    reader = READERS.get(path.suffix, _text_docs)
     outs = {s: open(Path(task.work_dir) / f"{task.index:05d}.{s}.bin", "wb") for s in SPLITS}
     stats = {s: {"tokens": 0, "documents": 0, "sha": hashlib.sha256()} for s in SPLITS}
     pending: dict[str, list[str]] = {s: [] for s in SPLITS}
@@ -184,7 +128,7 @@ def tokenize_file(task: Task) -> dict[str, Any]:
         pending[split].clear()
 
     try:
-        for text in reader(path, task.text_field):
+        for text in documents(path, task.text_field):
             split = "heldout" if is_heldout(text, task.heldout_fraction) else "train"
             pending[split].append(text)
             if len(pending[split]) >= ENCODE_CHUNK:
@@ -214,8 +158,10 @@ def prepare(
     heldout_fraction: float = 0.0,
     shard_tokens: int = SHARD_TOKENS,
     progress: bool = True,
+    warn: Callable[[str], None] | None = None,
 ) -> dict[str, Any]:
-    """Tokenize `paths` into the shard folder `out` (which must not exist); returns the manifest."""
+    """Tokenize `paths` into the shard folder `out` (which must not exist); returns the manifest. `warn` gets
+    each warning line (an input given twice), else they are Python warnings."""
     out = Path(out)
     if out.exists():
         raise StemlmError(f"{out} already exists; choose another --out or delete it first")
@@ -224,22 +170,59 @@ def prepare(
     if not 0.0 <= heldout_fraction < 1.0:
         raise StemlmError(f"heldout fraction must lie in [0, 1), got {heldout_fraction}")
     separator_id(tokenizer, separator)  # fail before any work when the separator is unknown
-    files = find_files(paths)
+    files = find_files(paths, warn or (lambda message: warnings.warn(message, stacklevel=3)))
     vocab = tokenizer.get_vocab_size(with_added_tokens=True)
     dtype = np.dtype(np.uint16 if vocab <= 2**16 else np.uint32)
-    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
+    tmp = _make_tmp(out)
     try:
         tasks = [
             Task(i, str(p), separator, text_field, heldout_fraction, dtype.name, str(tmp)) for i, p in enumerate(files)
         ]
         results = _run_tasks(tasks, tokenizer.to_str(), workers, progress)
         manifest = _assemble(tmp, results, tokenizer, separator, dtype, shard_tokens)
+        (tmp / TMP_MARKER).unlink()  # the finished folder holds only what the manifest describes
         tmp.replace(out)
+    except OSError as exc:  # never the raw errno text, which names the temporary folder
+        name = Path(exc.filename) if exc.filename else None
+        if name is not None and tmp not in name.parents and name != tmp:
+            raise StemlmError(f"cannot read {name} ({exc.strerror or exc})") from None
+        raise StemlmError(f"cannot write {out} ({exc.strerror or exc})") from None
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return manifest
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        pass
+    return True
+
+
+def remove_stale_tmp(out: Path) -> None:
+    """Remove the temporary folders of `out` that killed `prepare` runs left: marked ones whose pid is gone."""
+    for path in out.parent.glob(f".{glob.escape(out.name)}.tmp-*"):
+        pid = path.name.rsplit("-", 1)[1]
+        if path.is_symlink() or not (path / TMP_MARKER).is_file() or not pid.isdigit():
+            continue  # not one of ours
+        if int(pid) == os.getpid() or not _alive(int(pid)):
+            shutil.rmtree(path, ignore_errors=True)
+
+
+def _make_tmp(out: Path) -> Path:
+    """A fresh marked temporary folder beside `out` (the parents of `out` are created)."""
+    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        remove_stale_tmp(out)
+        tmp.mkdir()
+        (tmp / TMP_MARKER).write_text(f"{os.getpid()}\n")
+    except OSError as exc:
+        raise StemlmError(f"cannot create {out} ({exc.strerror or exc})") from None
+    return tmp
 
 
 def _run_tasks(tasks: list[Task], tokenizer_json: str, workers: int, progress: bool) -> list[dict[str, Any]]:
@@ -257,7 +240,7 @@ def _run_tasks(tasks: list[Task], tokenizer_json: str, workers: int, progress: b
                 max_workers=min(workers, len(tasks)),
                 mp_context=get_context("spawn"),
                 initializer=init_worker,
-                initargs=(tokenizer_json, True),
+                initargs=(tokenizer_json, True, os.getpid()),
             )
             stream = pool.map(tokenize_file, tasks)  # results in input order: the output never depends on timing
         for result in stream:

@@ -110,8 +110,10 @@ class TokenDataset:
                 f"not a stemlm token shard: {path} (expected an existing <key>.uint16.bin or .uint32.bin)"
             )
         dtype = np.dtype(dtype_name)
-        if path.stat().st_size == 0:
-            raise StemlmError(f"token shard {path} is empty; delete it and rerun")
+        size = path.stat().st_size
+        if size == 0 or size % dtype.itemsize:
+            what = "empty" if size == 0 else f"{size} bytes, not a whole number of {dtype.name} tokens"
+            raise StemlmError(f"token shard {path} is {what}; delete it and rerun")
         return cls(np.memmap(path, dtype=dtype, mode="r"), path, from_cache)
 
     @property

@@ -3,14 +3,14 @@
 `--data` arguments may be files (read whole, or one document per line for `.jsonl` with a `text` field)
 or folders (searched recursively for *.txt, *.md and *.jsonl, hidden entries skipped, in sorted order).
 Every problem a user can fix is one-line `StemlmError` naming the file: a missing path, an empty file or
-folder, a binary or non-UTF-8 file, a JSON line without `text`. `load_corpus` is the single entry point
-the trainer and the tokenizer CLI use, so both see the same split. `eval_texts` is what evaluation reads: the given
-files whole, else the embedded held-out split.
+folder, a FIFO or device, a binary or non-UTF-8 file, a JSON line that is invalid (or nested too deeply,
+or holds an integer too long to convert) or lacks `text`, a text with a lone surrogate. `load_corpus` is the
+single entry point the trainer and the tokenizer CLI use, so both see the same split. `eval_texts` is what
+evaluation reads: the given files whole, else the embedded held-out split.
 """
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 from stemlm.data.corpus import (
@@ -21,6 +21,7 @@ from stemlm.data.corpus import (
     load_embedded_corpus,
     split_documents,
 )
+from stemlm.data.inputs import encodable, parse_json_line
 from stemlm.errors import StemlmError
 
 FOLDER_SUFFIXES = (".txt", ".md", ".jsonl")
@@ -42,14 +43,11 @@ def _read_jsonl(path: Path, name: str) -> list[Document]:
     for lineno, line in enumerate(_read_text(path).splitlines(), start=1):
         if not line.strip():
             continue
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise StemlmError(f"{path} line {lineno}: invalid JSON ({exc.msg})") from exc
+        record = parse_json_line(line, f"{path} line {lineno}")
         if not isinstance(record, dict) or not isinstance(record.get("text"), str):
             raise StemlmError(f"{path} line {lineno}: expected a JSON object with a string 'text' field")
         if record["text"].strip():
-            docs.append(Document(f"{name}:{lineno}", USER_SOURCE, record["text"]))
+            docs.append(Document(f"{name}:{lineno}", USER_SOURCE, encodable(record["text"], f"{path} line {lineno}")))
     return docs
 
 

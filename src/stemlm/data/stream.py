@@ -4,9 +4,11 @@
     x, y = data[0].sample_batch(8, 2048, seed=0, step=12, rows=slice(2, 4))   # this rank's rows only
 
 The shards of a split are memory-mapped, never read into RAM: a batch gathers just its windows, so resident
-memory does not grow with the corpus. Opening checks the manifest, each shard's size against its token count
-and the tokenizer's digest against the one the shards were made with (a mismatch is an error naming both);
-the shards themselves are not re-hashed (`verify_shards` does that on request).
+memory does not grow with the corpus. Opening checks the manifest's schema (`stemlm.data.manifest`: the dtype
+is uint16 or uint32, never one that would reinterpret the bytes), that each shard is a regular file whose size
+is its token count times the dtype's width, and the tokenizer's digest against the one the shards were made
+with (a mismatch is an error naming both). The shards themselves are not re-hashed: a same-size change of their
+bytes is found by `verify_shards` (`stemlm data verify`) only, which reads the whole corpus.
 
 Sampling is without replacement per epoch. The split is cut into W = (tokens - 1) // seq_len aligned windows
 of seq_len + 1 tokens. Sample g of the run (micro-batch `step`, row b: g = step * batch_size + b) is window
@@ -20,7 +22,6 @@ text token shards under `sampling="epoch"` (`stemlm.data.shards.TokenDataset`).
 from __future__ import annotations
 
 import hashlib
-import json
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -29,27 +30,15 @@ import numpy as np
 import torch
 from tokenizers import Tokenizer
 
-from stemlm.data.prepare import HASH_CHUNK, MANIFEST_FORMAT, MANIFEST_NAME
+from stemlm.data.manifest import is_prepared, read_manifest
+from stemlm.data.prepare import HASH_CHUNK, MANIFEST_NAME
 from stemlm.errors import StemlmError
+from stemlm.paths import input_file
+
+__all__ = ["is_prepared", "manifest_digest", "open_prepared", "prepared_tokenizer", "read_manifest", "verify_shards"]
 
 FEISTEL_ROUNDS = 4
 _MASK64 = np.uint64(2**64 - 1)
-
-
-def is_prepared(path: str | Path) -> bool:
-    """Whether `path` is a folder written by `stemlm data prepare`."""
-    return (Path(path) / MANIFEST_NAME).is_file()
-
-
-def read_manifest(folder: str | Path) -> dict[str, Any]:
-    path = Path(folder) / MANIFEST_NAME
-    try:
-        manifest = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise StemlmError(f"cannot read {path} ({exc})") from None
-    if not isinstance(manifest, dict) or manifest.get("format") != MANIFEST_FORMAT:
-        raise StemlmError(f"{path} is not a {MANIFEST_FORMAT} manifest; rerun `stemlm data prepare`")
-    return manifest
 
 
 def manifest_digest(folder: str | Path) -> str:
@@ -70,13 +59,12 @@ class ShardedTokens:
     def __init__(self, folder: Path, split: dict[str, Any], dtype: np.dtype) -> None:
         self.maps, sizes = [], []
         for shard in split["shards"]:
-            path = folder / shard["file"]
-            expected = shard["tokens"] * dtype.itemsize
-            actual = path.stat().st_size if path.is_file() else None
+            path = input_file(folder / shard["file"], "shard")  # never a FIFO or /dev/zero behind a link
+            expected, actual = shard["tokens"] * dtype.itemsize, path.stat().st_size
             if actual != expected:
-                found = "missing" if actual is None else f"{actual:,} bytes"
                 raise StemlmError(
-                    f"shard {path} is {found}, the manifest says {expected:,}; rerun `stemlm data prepare`"
+                    f"shard {path} is {actual:,} bytes, the manifest says {expected:,} ({shard['tokens']:,} "
+                    f"{dtype.name} tokens); rerun `stemlm data prepare`"
                 )
             self.maps.append(np.memmap(path, dtype=dtype, mode="r"))
             sizes.append(shard["tokens"])
@@ -217,7 +205,7 @@ def verify_shards(folder: str | Path) -> None:
     for split in manifest["splits"].values():
         for shard in split["shards"]:
             h = hashlib.sha256()
-            with open(folder / shard["file"], "rb") as f:
+            with open(input_file(folder / shard["file"], "shard"), "rb") as f:
                 while chunk := f.read(HASH_CHUNK):
                     h.update(chunk)
             if h.hexdigest() != shard["sha256"]:

@@ -26,9 +26,12 @@ from stemlm.train.config import TrainConfig
 
 
 def prepared_folder(cfg: TrainConfig) -> Path | None:
-    """The prepared shard folder of `cfg.data`, or None for text data / the embedded corpus."""
-    from stemlm.data.stream import is_prepared
+    """The prepared shard folder of `cfg.data`, or None for text data / the embedded corpus. A folder of shards
+    whose manifest is gone is refused, not read as (empty) text."""
+    from stemlm.data.manifest import is_prepared, refuse_orphan_shards
 
+    for path in cfg.data or []:
+        refuse_orphan_shards(path)
     if not cfg.data or not any(is_prepared(p) for p in cfg.data):
         return None
     if len(cfg.data) != 1:
