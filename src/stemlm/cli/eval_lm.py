@@ -5,9 +5,12 @@
     stemlm eval lm runs/tiny --include-path my_tasks/ --tasks my_task --out results.json
 
 Tasks come from the shipped folder and any `--include-path` folders (lm-eval YAML; `dataset_path: json`
-with `data_files` relative to the YAML works from any working directory). Nothing is downloaded:
-`--builtin` also indexes lm-eval's own tasks, which then only run if their datasets are already in the
-local Hugging Face cache. This module adds the `lm` subcommand to the `stemlm eval` group.
+with `data_files` relative to the YAML works from any working directory). lm-eval imports and runs Python
+that a task names (`!function module.fn`, from the YAML's folder): an include folder is code, so one that is
+world-writable or owned by another user is refused unless `--allow-task-code`
+(`stemlm.evaluation.task_folders`). Nothing is downloaded: `--builtin` also indexes lm-eval's own tasks, which
+then only run if their datasets are already in the local Hugging Face cache. This module adds the `lm`
+subcommand to the `stemlm eval` group.
 """
 
 from __future__ import annotations
@@ -40,7 +43,14 @@ def register_eval(subparsers) -> None:
         action="append",
         default=[],
         metavar="DIR",
-        help="a folder of extra task YAMLs (repeatable); its tasks override shipped ones of the same name",
+        help="a folder of extra task YAMLs (repeatable); its tasks override shipped ones of the same name. "
+        "lm-eval runs Python code a task names (!function), so a folder that is world-writable or not yours is "
+        "refused unless --allow-task-code",
+    )
+    parser.add_argument(
+        "--allow-task-code",
+        action="store_true",
+        help="accept --include-path folders others could write (their task files may run Python: review them)",
     )
     parser.add_argument("--num-fewshot", type=int, metavar="K", help="few-shot examples per prompt (default: task's)")
     parser.add_argument("--batch-size", type=int, default=8, help="sequences per forward (default: 8)")
@@ -66,7 +76,7 @@ def run(args) -> int:
     from stemlm.inference.load import InferenceOptions
 
     lm_options = {k: getattr(args, k) for k in ("batch_size", "max_length")}
-    eval_options = {k: getattr(args, k) for k in ("limit", "num_fewshot", "builtin", "seed")}
+    eval_options = {k: getattr(args, k) for k in ("limit", "num_fewshot", "builtin", "seed", "allow_task_code")}
     results = evaluate_checkpoint(
         args.checkpoint, InferenceOptions.from_args(args), tasks, args.include_path, **lm_options, **eval_options
     )

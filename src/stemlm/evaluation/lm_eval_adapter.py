@@ -224,17 +224,19 @@ def run_lm_eval(
     num_fewshot: int | None = None,
     builtin: bool = False,
     seed: int = 0,
+    allow_task_code: bool = False,
 ) -> dict[str, Any]:
     """Run lm-eval's `simple_evaluate` on `tasks` (default: the shipped ones); returns its results dict.
 
     Task names are resolved and checked by `stemlm.evaluation.tasks.load_task_configs` first, so an
-    unknown task or an incomplete task file fails with a one-line error before any model call.
+    unknown task, an incomplete task file or an `include_paths` folder others could write (lm-eval runs
+    Python from it; `allow_task_code` accepts it) fails with a one-line error before any model call.
     """
     from lm_eval import simple_evaluate
 
     from stemlm.evaluation.tasks import load_task_configs
 
-    specs, manager = load_task_configs(tasks, include_paths, builtin=builtin)
+    specs, manager = load_task_configs(tasks, include_paths, builtin=builtin, allow_task_code=allow_task_code)
     logging.getLogger("lm_eval").setLevel(logging.WARNING)
     try:
         results = simple_evaluate(
@@ -297,7 +299,7 @@ def evaluate_checkpoint(
     **eval_options: Any,
 ) -> dict[str, Any]:
     """`run_lm_eval` on CKPT loaded with `options` (`stemlm.inference.load.InferenceOptions`), closed after;
-    `eval_options`: limit, num_fewshot, builtin, seed."""
+    `eval_options`: limit, num_fewshot, builtin, seed, allow_task_code."""
     lm = StemlmLM.from_checkpoint(checkpoint, options=options, batch_size=batch_size, max_length=max_length)
     with lm.loaded:
         return run_lm_eval(lm, tasks, include_paths=include_paths, **eval_options)

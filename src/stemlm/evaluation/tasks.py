@@ -239,22 +239,27 @@ def _expand_tags(manager: Any, names: list[str]) -> list[str]:
 
 
 def load_task_configs(
-    names: list[str] | None, include_paths: list[str | Path] | None = None, builtin: bool = False
+    names: list[str] | None,
+    include_paths: list[str | Path] | None = None,
+    builtin: bool = False,
+    allow_task_code: bool = False,
 ) -> tuple[list[Any], Any]:
     """(specs, task manager) for `lm_eval.simple_evaluate`: checked config dicts for tasks, names for groups.
 
     `names` default to the shipped tasks; glob patterns ("stemlm_facts_*") match indexed names. User
     folders in `include_paths` are indexed after the shipped folder (a user task of the same name wins);
-    `builtin` also indexes lm-eval's own tasks, whose datasets must already be in the local cache.
+    each must pass `task_folders.check_task_folder` (lm-eval runs Python named in it) unless
+    `allow_task_code`. `builtin` also indexes lm-eval's own tasks, whose datasets must already be in the
+    local cache.
     """
     from lm_eval.tasks import TaskManager
     from lm_eval.tasks._yaml_loader import load_yaml
 
+    from stemlm.evaluation.task_folders import check_task_folder
+
     folders = [shipped_task_dir()]
     for folder in include_paths or []:
-        if not Path(folder).is_dir():
-            raise StemlmError(f"--include-path {folder} is not a folder of task YAML files")
-        folders.append(Path(folder))
+        folders.append(check_task_folder(folder, allow_task_code))
     try:
         manager = TaskManager(include_path=[str(f) for f in folders], include_defaults=builtin)
     except Exception as exc:  # a malformed YAML anywhere in the folders
