@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 from pathlib import Path
 
@@ -261,3 +262,12 @@ def test_prepare_of_good_input_is_unchanged_by_the_checks(tmp_path, tok, prepare
     before = tree(prepared.parent)
     read_manifest(prepared)
     assert tree(prepared.parent) == before
+
+
+@pytest.mark.parametrize("kind, message", [("fifo", "tokenizer .* is not a regular file"), ("gone", "does not exist")])
+def test_train_refuses_a_broken_folder_tokenizer(shards, tmp_path, capsys, kind, message):
+    (shards / "tokenizer.json").unlink()
+    if kind == "fifo":
+        os.mkfifo(shards / "tokenizer.json")
+    line = refuse(train_args(shards, tmp_path), "tokenizer", capsys, tmp_path)
+    assert re.search(message, line), line

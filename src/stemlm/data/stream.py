@@ -50,7 +50,7 @@ def prepared_tokenizer(folder: str | Path) -> Tokenizer:
     """The tokenizer the shards of `folder` were made with (its copy inside the folder)."""
     from stemlm.data.tokenizer import load_tokenizer
 
-    return load_tokenizer(Path(folder) / read_manifest(folder)["tokenizer"]["file"])
+    return load_tokenizer(input_file(Path(folder) / read_manifest(folder)["tokenizer"]["file"], "tokenizer"))
 
 
 class ShardedTokens:
