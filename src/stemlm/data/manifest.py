@@ -19,7 +19,7 @@ from __future__ import annotations
 import json
 import re
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 from stemlm.data.prepare import MANIFEST_FORMAT, MANIFEST_NAME, SPLITS
 from stemlm.errors import StemlmError
@@ -50,7 +50,7 @@ class _Fields:
     def __init__(self, path: Path) -> None:
         self.path = path
 
-    def fail(self, field: str, wanted: str, value: Any) -> None:
+    def fail(self, field: str, wanted: str, value: Any) -> NoReturn:
         shown = repr(value) if len(repr(value)) <= 40 else repr(value)[:37] + "..."
         raise StemlmError(f"{self.path}: {field} must be {wanted}, got {shown}; rerun `stemlm data prepare`")
 
