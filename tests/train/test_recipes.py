@@ -17,12 +17,14 @@ import torch
 
 from stemlm.errors import StemlmError
 from stemlm.model import build_model
+from stemlm.model.config import FFN_KINDS
 from stemlm.train.config import TrainConfig
 from stemlm.train.recipes import (
     get_recipe,
     official_init_specs,
     official_lr_multiplier,
     train_config,
+    uncovered_parameters,
 )
 from stemlm.train.trainer import Trainer
 from tests.train.conftest import changed_fields
@@ -95,9 +97,9 @@ def test_gradients_are_clipped_per_optimizer(make_model_config):
             torch.testing.assert_close(p.grad, g * coef, rtol=1e-5, atol=0)
 
 
-@pytest.mark.parametrize("tied", [False, True])
-def test_init_is_truncated_normal_with_the_official_stds(make_model_config, tied):
-    config = make_model_config("stem", tie_word_embeddings=tied)
+@pytest.mark.parametrize(("ffn", "tied"), [("stem", False), ("stem", True), ("stem_gate", False)])
+def test_init_is_truncated_normal_with_the_official_stds(make_model_config, ffn, tied):
+    config = make_model_config(ffn, tie_word_embeddings=tied)
     model = build_model(config, seed=3)
     default = {n: p.detach().clone() for n, p in model.named_parameters()}
     OFFICIAL.init_weights(model, seed=3)
@@ -124,9 +126,21 @@ def test_init_is_truncated_normal_with_the_official_stds(make_model_config, tied
     assert tied is (model.lm_head.weight is model.model.embed_tokens.weight)
 
 
+@pytest.mark.parametrize("ffn", FFN_KINDS)
+def test_official_rules_cover_dense_stem_and_stem_gate_only(make_model_config, ffn):
+    model = build_model(make_model_config(ffn), device="meta")
+    uncovered = uncovered_parameters(model)
+    if ffn in ("dense", "stem", "stem_gate"):
+        assert uncovered == []
+        return
+    assert uncovered and not any(n.startswith("model.") for n in uncovered)  # named within their layer
+    with pytest.raises(StemlmError, match=f"no init or optimizer rule for {ffn}'s {uncovered[0]}"):
+        OFFICIAL.init_weights(model, seed=0)
+    with pytest.raises(StemlmError, match=f"for {ffn}'s"):  # a resumed run builds its optimizers only
+        OFFICIAL.build_optimizers(model, _official_cfg())
+
+
 def test_recipe_refusals(tmp_path, make_train_config, make_model_config):
-    with pytest.raises(StemlmError, match="official code's FFN kinds .*this model has moe"):
-        OFFICIAL.init_weights(build_model(make_model_config("moe")), seed=0)
     Trainer(make_model_config("stem"), make_train_config(tmp_path, steps=2, eval_every=0), progress=False).fit()
     with pytest.raises(StemlmError, match="trained with --recipe stemlm; it cannot resume as --recipe official"):
         Trainer.resume(tmp_path / "run", overrides={"steps": 3, "recipe": "official"})

@@ -25,9 +25,14 @@ model's own init (`StemLM.init_weights`) is never changed: a recipe re-initialis
     (0: off, as in stemlm; the official code has no off switch).
   - schedule: `lingua/optim.py:lr_cosine` with one cycle and θ 1: step/warmup during warm-up (the first update at
     lr 0), then min + (1 - min)(1 + cos(π s))/2 with s = (step - warmup) / (steps - warmup).
-  It trains the official code's two FFN kinds (dense and stem), on one process or several (`--nproc`: each rank
-  draws every official init value and keeps its FSDP2 rows, the tables keep their sharded default init; the
-  backbone and the table shards are clipped apart, `clip_distributed`).
+  It trains a model only when an official rule covers every parameter (`uncovered_parameters`): the embedding and
+  head, the attention and gate/up/down projections, norm gains and `token` tables of the model's default table
+  init. That admits the official code's two kinds, dense and stem, and stem_gate (a STEM table in the gate's
+  place: the same kinds of parameter); every other kind has parameters the official code has no init or optimizer
+  rule for (routers and expert banks, mixing scalars, n-gram and memory tables, their projections) and is refused,
+  naming them. On one process or several (`--nproc`: each rank draws every official init value and keeps its
+  FSDP2 rows, the tables keep their sharded default init; the backbone and the table shards are clipped apart,
+  `clip_distributed`).
 Tests: tests/train/test_recipes.py (each rule against a plain re-computation and two steps against a plain-torch
 official update), tests/train/parallel/test_recipe_dist.py (2 ranks against 1 process).
 """
@@ -45,7 +50,6 @@ from stemlm.train import optim
 from stemlm.train.config import TrainConfig
 from stemlm.train.tables.optim import clip_grad_norm_mixed, fast_optimizer_impl, make_table_optimizer
 
-OFFICIAL_KINDS = ("dense", "stem")  # the FFN kinds the official code has
 TRUNCATION = 3.0  # the official trunc_normal_ bounds: ±3σ
 STD_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
@@ -214,13 +218,27 @@ def official_init_specs(model: StemLM) -> list[tuple[str, torch.nn.Parameter, fl
     return specs
 
 
+def uncovered_parameters(model: StemLM) -> list[str]:
+    """Parameter names (within their layer) of `model` that no official rule covers, in `named_parameters` order."""
+    own = model.init_stds()  # a kind's own init (zero n-gram rows, memory keys) is no official rule
+    token_tables = {id(t.weight) for t in model.tables("token").values()}
+    covered = {id(p) for _, p, _ in official_init_specs(model)} | (token_tables - set(own))
+    uncovered = []
+    for name, param in model.named_parameters():
+        if id(param) not in covered and not name.endswith("norm.weight"):
+            short = name.split(".mlp.")[-1].split(".self_attn.")[-1]
+            if short not in uncovered:
+                uncovered.append(short)
+    return uncovered
+
+
 def check_official_kinds(model: StemLM) -> None:
-    config = model.config
-    kinds = sorted({config.layer_ffn(i) for i in range(config.num_hidden_layers)} - set(OFFICIAL_KINDS))
-    if kinds:
+    uncovered = uncovered_parameters(model)
+    if uncovered:
         raise StemlmError(
-            f"--recipe official trains the official code's FFN kinds ({', '.join(OFFICIAL_KINDS)}); this model has "
-            f"{', '.join(kinds)}: use --recipe stemlm"
+            f"--recipe official has no init or optimizer rule for {model.config.ffn}'s {', '.join(uncovered)} (the "
+            "official code's rules cover the embedding and head, the attention and gate/up/down projections, norm "
+            "gains and token tables): use --recipe stemlm"
         )
 
 
