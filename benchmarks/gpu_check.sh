@@ -21,6 +21,11 @@
 #   8. serve_throughput: the continuous-batching engine (stemlm server's decode loop) at concurrency 1, 4, 16
 #      with resident and host tables at the paper-350m shape; batched outputs must equal single-stream greedy.
 # Exit status: the number of failed checks. Prepared on a CPU-only machine; see docs/results.md ("GPU check").
+#
+#   bash benchmarks/gpu_check.sh evidence [SHARD_DIR]   # instead of the checks: the GPU evidence run alone
+# runs benchmarks/gpu_evidence.sh (dense, dense_embed and STEM under --recipe official at matched FLOPs, 2 seeds;
+# at most 8 minutes of its own, so not added to the checks' 8) and shows its plan, runs and RESULT lines; see
+# docs/recipe.md ("The GPU evidence run").
 set -u
 PY=${PYTHON:-python}
 export PYTHONPATH=${PYTHONPATH:-$PWD/src}
@@ -33,7 +38,7 @@ run() {  # run NAME SECONDS CMD...: show the RESULT lines (or the tail on failur
   local start=$SECONDS
   if timeout "$limit" "$@" >"$log" 2>&1; then
     echo "[$name] ok in $((SECONDS - start)) s"
-    grep -E '^(RESULT|STEM/dense|host worker|shape:)' "$log" || tail -3 "$log"
+    grep -E "${SHOW:-^(RESULT|STEM/dense|host worker|shape:)}" "$log" || tail -3 "$log"
   else
     echo "[$name] FAILED (exit $?) after $((SECONDS - start)) s; last lines:"
     tail -15 "$log"
@@ -43,6 +48,13 @@ run() {  # run NAME SECONDS CMD...: show the RESULT lines (or the tail on failur
 }
 
 "$PY" -c "import torch, sys; ok = torch.cuda.is_available(); print('device:', torch.cuda.get_device_name(0) if ok else 'no CUDA'); sys.exit(0 if ok else 1)" || exit 1
+
+if [ "${1:-}" = evidence ]; then
+  shift
+  SHOW='^(RESULT|plan:|seed |stem_minus_|budget:)' run gpu_evidence 570 bash benchmarks/gpu_evidence.sh "$@"
+  echo "gpu_check: $failed failed"
+  exit "$failed"
+fi
 
 run train_step 120 "$PY" benchmarks/train_step.py --device cuda --dtype bf16 --reps 30 --warmup 5
 run host_train 120 "$PY" benchmarks/host_train.py --device cuda --dtype bf16 --reps 30 --warmup 5

@@ -33,8 +33,9 @@ model's own init (`StemLM.init_weights`) is never changed: a recipe re-initialis
   naming them. On one process or several (`--nproc`: each rank draws every official init value and keeps its
   FSDP2 rows, the tables keep their sharded default init; the backbone and the table shards are clipped apart,
   `clip_distributed`).
-Tests: tests/train/test_recipes.py (each rule against a plain re-computation and two steps against a plain-torch
-official update), tests/train/parallel/test_recipe_dist.py (2 ranks against 1 process).
+Tests: tests/train/test_recipes.py (each rule against a plain re-computation, the kinds it covers, and two steps
+against a plain-torch official update), tests/train/test_recipes_bad_input.py (the CLI refusal of a kind),
+tests/train/parallel/test_recipe_dist.py (2 ranks against 1 process).
 """
 
 from __future__ import annotations
