@@ -27,8 +27,9 @@ Throughput ASSUMPTION: 100 TFLOP/s of model FLOPs (bf16 autocast, eager, no comp
 (480 s by default) minus those overheads, at that throughput, split evenly over the 6 runs, gives each run's
 training FLOPs; each variant then gets floor(FLOPs / (FLOPs per token x tokens per step)) steps. With the
 embedded corpus (2.3M training tokens) that is about one epoch per run, so held-out loss measures more than
-memorisation of repeated text. A plan below 20 dense steps is refused (one line, exit 2). While running,
-a seed whose three runs (timed on the first seed) would end past the budget is not started.
+memorisation of repeated text. A plan below 20 dense steps, a vocabulary above 32768 (the per-run allowance
+covers the tables' CPU init up to that) and data without a held-out split are refused (one line, exit 2).
+While running, a seed whose three runs (timed on the first seed) would end past the budget is not started.
 
 `--cpu-smoke`: d 64, 2 layers, 4 x 64 tokens per step, fp32 on the CPU, ASSUMED 2 GFLOP/s, a 60 s budget (20 s
 start-up: tokenizing the embedded corpus; 2 s per run), at least 4 steps: it checks the path, its numbers are not
@@ -71,23 +72,37 @@ class Mode:
     startup_s: float
     per_run_s: float
     min_steps: int
+    max_vocab: int  # per_run_s covers the tables' CPU init up to this vocabulary
     seq_len: int
     batch_size: int
     shape: dict[str, Any]  # ModelConfig changes on the paper-350m preset
 
 
-GPU = Mode("cuda", "bf16", 100.0, 480.0, 45.0, 30.0, 20, 1024, 16, {"tie_word_embeddings": False})
+GPU = Mode(
+    device="cuda",
+    dtype="bf16",
+    assumed_tflops=100.0,
+    budget_s=480.0,
+    startup_s=45.0,
+    per_run_s=30.0,
+    min_steps=20,
+    max_vocab=32768,
+    seq_len=1024,
+    batch_size=16,
+    shape={"tie_word_embeddings": False},
+)
 CPU_SMOKE = Mode(
-    "cpu",
-    "fp32",
-    0.002,
-    60.0,
-    20.0,
-    2.0,
-    4,
-    64,
-    4,
-    dict(
+    device="cpu",
+    dtype="fp32",
+    assumed_tflops=0.002,
+    budget_s=60.0,
+    startup_s=20.0,
+    per_run_s=2.0,
+    min_steps=4,
+    max_vocab=32768,
+    seq_len=64,
+    batch_size=4,
+    shape=dict(
         tie_word_embeddings=False,
         hidden_size=64,
         intermediate_size=128,
@@ -164,6 +179,11 @@ def make_plan(mode: Mode, vocab_size: int, seeds: list[int]) -> dict[str, Any]:
     from stemlm.model.accounting import training_flops_per_token
     from stemlm.model.presets import get_preset
 
+    if vocab_size > mode.max_vocab:
+        refuse(
+            f"the tokenizer has {vocab_size} tokens; the plan's {mode.per_run_s:g} s per run covers the tables' init "
+            f"up to {mode.max_vocab}: use a smaller vocabulary"
+        )
     base = get_preset("paper-350m").replace(vocab_size=vocab_size, **mode.shape)
     configs = {name: base.replace(ffn=ffn) for name, (ffn, _) in SPECS.items()}
     tokens_per_step = mode.seq_len * mode.batch_size
@@ -201,6 +221,8 @@ def train_one(args: argparse.Namespace, plan: dict, tokenizer: Any, name: str, s
     changes = {**train_fields(args), **SPECS[name][1], "seed": seed, "steps": plan["steps"][name]}
     cfg = train_config({**changes, "out": f"{tmp}/{name}-seed{seed}"})
     trainer = Trainer(plan["configs"][name], cfg, tokenizer=tokenizer, progress=False)
+    if trainer.heldout_data is None:
+        refuse(f"{args.data or 'the corpus'} has no held-out split of one {cfg.seq_len}-token window to evaluate on")
     train_tokens = trainer.train_data.num_tokens
     for _ in range(cfg.steps):
         last = trainer.train_step()

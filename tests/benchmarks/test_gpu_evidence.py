@@ -95,3 +95,11 @@ def test_bad_arguments_exit_2(argv, capsys):
     with pytest.raises(SystemExit) as info:
         bench.parse_args(argv)
     assert info.value.code == 2 and "error:" in capsys.readouterr().err.strip().splitlines()[-1]
+
+
+def test_a_vocabulary_beyond_the_per_run_allowance_is_refused(capsys):
+    with pytest.raises(SystemExit) as info:
+        bench.make_plan(bench.GPU, 128256, [0, 1])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert info.value.code == 2 and len(err) == 1 and "has 128256 tokens" in err[0]
+    assert bench.make_plan(bench.GPU, 32768, [0, 1])["planned_s"] <= bench.GPU.budget_s
