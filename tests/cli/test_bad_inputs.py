@@ -164,7 +164,7 @@ CASES = [
     (["train", "--tokenizer", "{nope}"], "does-not-exist"),
     (["train", "--recipe", "lingua"], "recipe must be one of stemlm, official"),
     (["train", "--recipe", "official", "--table-optim", "rowwise_adagrad"], "dense AdamW"),
-    (["train", "--recipe", "official", "--ffn", "moe"], "official code's FFN kinds"),
+    (["train", "--recipe", "official", "--ffn", "moe"], "no init or optimizer rule for moe's"),
     # --- tokenizer ---
     (["tokenizer"], "required"),
     (["tokenizer", "train", "--out", "{ck}"], "model checkpoint folder"),
