@@ -303,7 +303,7 @@ def main(argv: list[str] | None = None) -> None:
                 seed_wall = seed_wall if i else seed_wall + rec["wall_s"]
                 tflops = plan["flops"][name] / rec["train_s"] / 1e12
                 print(
-                    f"seed {seed} {name:<11} {rec['steps']} steps ({rec['epochs']:.2f} epochs): held-out "
+                    f"seed {seed} {name:<11} {rec['steps']} steps ({rec['epochs']:.3g} epochs): held-out "
                     f"{rec['heldout_loss']:.4f}, train {rec['train_loss']:.4f}, skipped {rec['skipped_steps']} "
                     f"({rec['train_s']:.0f} s training at {tflops:.3g} TFLOP/s, {rec['wall_s']:.0f} s in all)",
                     flush=True,
