@@ -1,4 +1,5 @@
-"""benchmarks/gpu_evidence.py: the CPU path end to end at a toy budget (paired RESULT lines from real runs), the
+"""benchmarks/gpu_evidence.py: the CPU path end to end at a toy budget (every run under --recipe official with its
+variant's lr groups; paired RESULT lines from real runs), the
 GPU plan (matched FLOPs, inside its 8 minutes at the stated throughput) and the one-line refusals."""
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from stemlm.train.recipes import OfficialRecipe
 from tests.small_corpus import write_small_corpus
 
 PATH = Path(__file__).resolve().parents[2] / "benchmarks" / "gpu_evidence.py"
@@ -43,9 +45,19 @@ def matched(plan: dict[str, dict[str, float]]) -> None:
 
 def test_cpu_smoke_trains_every_variant_and_prints_paired_results(corpus, monkeypatch, capsys):
     monkeypatch.setenv("STEMLM_CACHE", str(corpus["cache"]))
+    built, build = [], OfficialRecipe.build_optimizers
+
+    def spy(self, model, cfg):  # every run's optimizers come from --recipe official
+        optimizers = build(self, model, cfg)
+        built.append((model.config.ffn, {g["name"]: g["peak_lr"] / cfg.lr for o in optimizers for g in o.param_groups}))
+        return optimizers
+
+    monkeypatch.setattr(OfficialRecipe, "build_optimizers", spy)
     bench.main(["--cpu-smoke", str(corpus["data"]), "--tokenizer", str(corpus["tokenizer"]), "--budget-s", "90"])
     out = capsys.readouterr().out
     matched(plan_lines(out))
+    runs = [("dense", {"backbone": 1.0}), ("dense", {"backbone": 1.0, "embed": 10.0})]
+    assert built == 2 * [*runs, ("stem", {"backbone": 1.0, "tables": 10.0})]
     results = [
         dict(kv.split("=") for kv in line.split()[1:]) for line in out.splitlines() if line.startswith("RESULT ")
     ]
