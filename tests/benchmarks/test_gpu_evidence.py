@@ -1,6 +1,6 @@
 """benchmarks/gpu_evidence.py: the CPU path end to end at a toy budget (every run under --recipe official with its
-variant's lr groups; paired RESULT lines from real runs), the
-GPU plan (matched FLOPs, inside its 8 minutes at the stated throughput) and the one-line refusals."""
+variant's lr groups; paired RESULT lines from real runs), the GPU plan (matched FLOPs, inside its 8 minutes at
+the stated throughput) and the one-line refusals."""
 
 from __future__ import annotations
 
