@@ -7,7 +7,9 @@
 
 `stemlm convert --from-gguf` writes the GGUF's template there; `stemlm generate --chat` and `stemlm serve --chat`
 use it. Rendering is Jinja2 in a sandbox with transformers' settings (trim_blocks, lstrip_blocks,
-`raise_exception`), so a template gives the same text here as `AutoTokenizer.apply_chat_template`.
+`raise_exception`), so a template gives the same text here as `AutoTokenizer.apply_chat_template`. The template is
+untrusted (it came with the model file): `stemlm.inference.template_sandbox` bounds the render's time, steps and
+sizes, so a resource bomb is one error line.
 """
 
 from __future__ import annotations
@@ -38,15 +40,12 @@ class ChatTemplate:
         """The prompt for a conversation (`{"role", "content"}` dicts, as OpenAI's chat API sends them), ending
         with the assistant's header (add_generation_prompt=True)."""
         from jinja2.exceptions import TemplateError
-        from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-        def raise_exception(message):
-            raise TemplateError(message)
+        from stemlm.inference.template_sandbox import render_bounded
 
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-        env.globals["raise_exception"] = raise_exception
         try:
-            return env.from_string(self.template).render(
+            return render_bounded(
+                self.template,
                 messages=messages,
                 add_generation_prompt=True,
                 eos_token=self.eos_token or "",
@@ -54,6 +53,10 @@ class ChatTemplate:
             )
         except TemplateError as exc:
             raise StemlmError(f"the checkpoint's chat template failed: {exc}") from None
+        except (RecursionError, MemoryError) as exc:  # a self-calling macro; an allocation the bounds did not see
+            raise StemlmError(f"the checkpoint's chat template failed: {type(exc).__name__}") from None
+        except (TypeError, ValueError, ArithmeticError, LookupError, AttributeError) as exc:  # `{{ 1 + 'a' }}` etc.
+            raise StemlmError(f"the checkpoint's chat template failed: {type(exc).__name__}: {exc}") from None
 
 
 def _token(value) -> str | None:

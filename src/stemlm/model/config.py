@@ -27,6 +27,21 @@ FFN_KINDS = kind_names()
 TABLE_KINDS = tuple(k.name for k in all_kinds() if "token" in k.families())
 LAYER_SPECS = ("all", "all-but-first", "odd", "even", "half", "none")
 MODEL_TYPE = "stemlm"
+# Upper bounds of every size, checked before anything is built from them (or a layer list is resolved): a
+# config.json asking for 10**9 layers is one line, not an out-of-memory kill. Each is far above any published
+# model (the largest have ~128 layers, hidden 16384, a 256k vocabulary); sizes of the kinds' own fields are bounded
+# by `stemlm.model.kinds.registry.MAX_KIND_SIZE`. What a config within them would take is compared with free
+# memory before a real build (`stemlm.model.memory_check`).
+SIZE_LIMITS = {
+    "vocab_size": 2**22,
+    "hidden_size": 2**16,
+    "intermediate_size": 2**18,
+    "num_hidden_layers": 1024,
+    "num_attention_heads": 1024,
+    "max_position_embeddings": 2**24,
+    "num_key_value_heads": 1024,
+    "head_dim": 2048,
+}
 _POSITIVE_INTS = (
     "vocab_size hidden_size intermediate_size num_hidden_layers num_attention_heads max_position_embeddings"
 ).split()
@@ -42,6 +57,8 @@ def resolve_layer_spec(spec: str | list[int] | tuple[int, ...], num_layers: int)
     if isinstance(spec, (list, tuple)):
         if not all(isinstance(i, int) and not isinstance(i, bool) for i in spec):
             raise StemlmError(f"bad layer list {list(spec)!r}: entries must be integer layer indices")
+        if len(spec) > num_layers:
+            raise StemlmError(f"layer list has {len(spec)} entries for a model with {num_layers} layers")
         layers = list(spec)
     else:
         text = str(spec).strip().lower()
@@ -158,6 +175,11 @@ class ModelConfig:
         for name in ("num_key_value_heads", "head_dim"):
             value = getattr(self, name)
             need(value is None or positive_int(value), f"{name} must be a positive integer or None, got {value!r}")
+        for name, limit in SIZE_LIMITS.items():
+            value = getattr(self, name)
+            need(value is None or value <= limit, f"{name}={value} exceeds the limit of {limit}")
+        for f in kind_fields():  # sizes bounded before the layer spec (or anything else) is built from them
+            f.check(getattr(self, f.name), need)
         if self.rope_llama3 is not None:
             from stemlm.model.rope_scaling import check_llama3
 
@@ -191,8 +213,6 @@ class ModelConfig:
             self.table_init in ("xavier", "normal"), f"table_init must be 'xavier' or 'normal', got {self.table_init!r}"
         )
         resolve_layer_spec(self.stem_layers, self.num_hidden_layers)
-        for f in kind_fields():
-            f.check(getattr(self, f.name), need)
         for kind in all_kinds():  # every kind's checks, whichever kind is selected (as config.json is read)
             if kind.check is not None:
                 kind.check(self, need)

@@ -27,6 +27,7 @@ from stemlm.model.ffn import Rows, TokenContext, checked_rows, token_table
 from stemlm.model.fused_loss import fused_linear_cross_entropy
 from stemlm.model.kinds.registry import FAMILIES, get_kind
 from stemlm.model.loss import chunked_cross_entropy, cross_entropy
+from stemlm.model.memory_check import check_fits
 from stemlm.model.ngram import ngram_hasher
 
 EmbedRows = Callable[[torch.Tensor], torch.Tensor]  # input_ids [B, T] -> input embeddings [B, T, hidden]
@@ -335,6 +336,7 @@ def build_model(config: ModelConfig, *, device: str | torch.device | None = None
         model = StemLM(config)
     if str(device) == "meta":
         return model
+    check_fits(config, device or "cpu")  # the weights' bytes against free memory, before any allocation
     model.to_empty(device=device or "cpu")
     model.tie_weights()
     model.reset_buffers(device or "cpu")

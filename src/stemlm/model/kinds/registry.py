@@ -24,6 +24,7 @@ optimizers switch it to sparse gradients) and takes `table_init` unless its modu
 from __future__ import annotations
 
 import importlib
+import math
 import pkgutil
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -56,6 +57,11 @@ FAMILIES = {
 }
 
 
+# The bound of every integer size a kind declares (experts, rows, widths, heads): above any real model's, and
+# checked before the config is used, so a hostile config.json cannot make the build allocate without end.
+MAX_KIND_SIZE = 2**24
+
+
 @dataclass(frozen=True)
 class Field:
     """One config field of a kind: a flat `ModelConfig` attribute and config.json key."""
@@ -76,8 +82,11 @@ class Field:
             ok = isinstance(value, int) and not isinstance(value, bool) and (value > 0 or not self.positive)
             what = "a positive integer" if self.positive else "an integer"
             need(ok, f"{self.name} must be {what}{' or None' if 'None' in kinds else ''}, got {value!r}")
+            if ok:
+                need(abs(value) <= MAX_KIND_SIZE, f"{self.name}={value} exceeds the limit of {MAX_KIND_SIZE}")
         elif "float" in kinds:
             ok = isinstance(value, (int, float)) and not isinstance(value, bool) and (value > 0 or not self.positive)
+            ok = ok and math.isfinite(value)
             need(ok, f"{self.name} must be a{' positive' if self.positive else ''} number, got {value!r}")
 
 
