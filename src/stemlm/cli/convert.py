@@ -67,7 +67,7 @@ def _llama(args) -> tuple[dict, str]:
 def _gguf(args) -> tuple[dict, str]:
     from stemlm.convert.gguf import convert_gguf, summary
 
-    out = convert_gguf(args.from_gguf, args.out, force=args.force)
+    out = convert_gguf(args.from_gguf, args.out, force=args.force, allow_nonfinite=args.allow_nonfinite)
     return {"out": str(out), "config": summary(out)}, f"wrote Hugging Face Llama folder {out}"
 
 
@@ -172,6 +172,11 @@ def register(subparsers) -> None:
         choices=("bf16", "int8"),
         help="(CKPT) store every lookup table as bf16, or int8 codes with one fp32 scale per row (row-wise "
         "quantisation); every command loads the result, --tables host/mmap keep the rows compact",
+    )
+    p.add_argument(
+        "--allow-nonfinite",
+        action="store_true",
+        help="(--from-gguf) import weights holding NaN or Inf (refused by default: such a model computes NaN)",
     )
     p.add_argument("--out", required=True, metavar="DIR", help="folder to write the converted model to")
     p.add_argument(

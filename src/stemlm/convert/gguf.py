@@ -15,6 +15,10 @@ already the PyTorch [out, in] weight. llama.cpp's converter permutes the rows of
 "rotate-half" layout to interleaved pairs (per head: rows 0,d/2,1,d/2+1,...); `unpermute_qk` inverts that.
 The tokenizer is rebuilt from the GGUF's BPE vocabulary and merges with HF `tokenizers` (byte-level, with the
 pre-tokenizer llama.cpp names in `tokenizer.ggml.pre`); CONTROL and USER_DEFINED tokens become special tokens.
+
+The file is untrusted: every metadata value, the tokenizer and every tensor's shape are checked against each other
+(`stemlm.convert.gguf_checks`) and every weight for NaN / Inf before anything is written; the chat template is
+copied as text and only ever rendered in `stemlm.inference.template_sandbox`.
 """
 
 from __future__ import annotations
@@ -28,7 +32,9 @@ import torch
 
 from stemlm.checkpoint.folder import CONFIG_NAME, WEIGHTS_NAME, AtomicFolder, write_json
 from stemlm.checkpoint.safe_write import check_target
+from stemlm.convert.gguf_checks import check_tensors, check_tokenizer, integer, number, read_metadata, string, token_id
 from stemlm.errors import StemlmError
+from stemlm.paths import input_file
 
 # GGUF tensor names (after "blk.N.") -> HF Llama names (after "model.layers.N.").
 LAYER_NAMES = {
@@ -66,20 +72,13 @@ def _gguf():
 
 def open_gguf(path: str | Path):
     """A `gguf.GGUFReader` for `path`, with a one-line error for a missing or malformed file."""
-    path = Path(path)
-    if not path.is_file():
-        raise StemlmError(f"GGUF file {path} does not exist")
+    path = input_file(path, "GGUF file")
     gguf = _gguf()
     try:
         return gguf.GGUFReader(str(path))
     except Exception as exc:  # the reader raises ValueError / struct errors / KeyError on garbage
         detail = str(exc).splitlines()[0] if str(exc) else repr(exc)
         raise StemlmError(f"{path} is not a readable GGUF file: {detail}") from None
-
-
-def metadata(reader) -> dict[str, Any]:
-    """Every key/value of the file as plain Python values."""
-    return {key: field.contents() for key, field in reader.fields.items()}
 
 
 def unpermute_qk(weight: torch.Tensor, n_heads: int) -> torch.Tensor:
@@ -99,55 +98,84 @@ def dequantize(tensor) -> torch.Tensor:
             f"tensor {tensor.name} uses GGUF type {qtype.name}, which the gguf package cannot dequantise"
         ) from None
     shape = tuple(int(n) for n in reversed(tensor.shape))
-    return torch.from_numpy(np.array(array, dtype=np.float32, copy=True).reshape(shape))
+    try:
+        return torch.from_numpy(np.array(array, dtype=np.float32, copy=True).reshape(shape))
+    except ValueError:  # the data the header points at does not hold shape's values
+        raise StemlmError(f"GGUF tensor {tensor.name}: its data does not hold its shape {list(shape)}") from None
+
+
+def check_type(tensor) -> None:
+    """Refuse, before any tensor is read, one whose GGUF type the `gguf` package cannot dequantise."""
+    gguf = _gguf()
+    qtype = tensor.tensor_type
+    empty = np.zeros((0, gguf.GGML_QUANT_SIZES[qtype][1]), dtype=np.uint8)
+    try:
+        gguf.quants.dequantize(empty, qtype)
+    except NotImplementedError:
+        raise StemlmError(
+            f"tensor {tensor.name} uses GGUF type {qtype.name}, which the gguf package cannot dequantise"
+        ) from None
+    except ValueError:
+        pass  # a block type, which a zero-row array cannot reshape: it is implemented
 
 
 def llama_config(meta: dict[str, Any], vocab_size: int, tied: bool) -> dict[str, Any]:
-    """The HF Llama config.json dict described by the GGUF metadata."""
+    """The HF Llama config.json dict described by the GGUF metadata, every value checked (`gguf_checks`)."""
     arch = meta.get("general.architecture")
     if arch != "llama":
         raise StemlmError(f"GGUF architecture is {arch!r}; only 'llama' files can be imported")
-
-    def key(name: str, default: Any = None) -> Any:
-        value = meta.get(f"llama.{name}", default)
-        if value is None:
-            raise StemlmError(f"GGUF metadata lacks llama.{name}")
-        return value
-
-    hidden, heads = int(key("embedding_length")), int(key("attention.head_count"))
-    head_dim = int(meta.get("llama.attention.key_length", hidden // heads))
+    hidden, heads = integer(meta, "llama.embedding_length"), integer(meta, "llama.attention.head_count")
+    kv_heads = integer(meta, "llama.attention.head_count_kv", heads)
+    if "llama.attention.key_length" in meta:
+        head_dim = integer(meta, "llama.attention.key_length")
+    elif hidden % heads:
+        raise StemlmError(
+            f"GGUF metadata llama.attention.head_count {heads} does not divide llama.embedding_length {hidden}"
+        )
+    else:
+        head_dim = hidden // heads
+    if head_dim % 2:
+        raise StemlmError(f"GGUF head dimension {head_dim} (llama.attention.key_length) must be even for RoPE")
+    if heads % kv_heads:
+        raise StemlmError(
+            f"GGUF metadata llama.attention.head_count_kv {kv_heads} does not divide attention.head_count {heads}"
+        )
+    if integer(meta, "llama.attention.value_length", head_dim) != head_dim:
+        raise StemlmError("GGUF metadata llama.attention.value_length differs from key_length; not a Llama")
+    eps = number(meta, "llama.attention.layer_norm_rms_epsilon")
     config = {
         "architectures": ["LlamaForCausalLM"],
         "model_type": "llama",
         "vocab_size": vocab_size,
         "hidden_size": hidden,
-        "intermediate_size": int(key("feed_forward_length")),
-        "num_hidden_layers": int(key("block_count")),
+        "intermediate_size": integer(meta, "llama.feed_forward_length"),
+        "num_hidden_layers": integer(meta, "llama.block_count"),
         "num_attention_heads": heads,
-        "num_key_value_heads": int(key("attention.head_count_kv", heads)),
+        "num_key_value_heads": kv_heads,
         "head_dim": head_dim,
-        "max_position_embeddings": int(key("context_length")),
+        "max_position_embeddings": integer(meta, "llama.context_length"),
         # GGUF stores eps as float32 (1e-5 reads 9.9999997e-06); 7 significant digits recover the written value.
-        "rms_norm_eps": float(f"{float(key('attention.layer_norm_rms_epsilon')):.7g}"),
-        "rope_theta": float(key("rope.freq_base", 10000.0)),
+        "rms_norm_eps": float(f"{eps:.7g}"),
+        "rope_theta": number(meta, "llama.rope.freq_base", 10000.0),
         "hidden_act": "silu",
         "attention_bias": False,
         "mlp_bias": False,
         "tie_word_embeddings": tied,
         "torch_dtype": "float32",
     }
-    scaling = meta.get("llama.rope.scaling.type")
+    scaling = string(meta, "llama.rope.scaling.type")
     if scaling not in (None, "none"):
         raise StemlmError(f"GGUF RoPE scaling type {scaling!r} is not supported by the importer")
     for name in ("bos", "eos", "padding"):
-        if f"tokenizer.ggml.{name}_token_id" in meta:
-            config["pad_token_id" if name == "padding" else f"{name}_token_id"] = int(
-                meta[f"tokenizer.ggml.{name}_token_id"]
-            )
+        index = token_id(meta, f"tokenizer.ggml.{name}_token_id", vocab_size)
+        if index is not None:
+            config["pad_token_id" if name == "padding" else f"{name}_token_id"] = index
     return config
 
 
 def _layer_name(name: str) -> str:
+    if name == "rope_freqs.weight":
+        raise StemlmError("GGUF holds rope_freqs (Llama-3 RoPE scaling factors), which the importer refuses")
     if name in TOP_NAMES:
         return TOP_NAMES[name]
     parts = name.split(".", 2)
@@ -156,14 +184,15 @@ def _layer_name(name: str) -> str:
     raise StemlmError(f"GGUF tensor {name!r} has no Llama counterpart; the file is not a plain Llama model")
 
 
-def llama_state(reader, config: dict[str, Any]) -> dict[str, torch.Tensor]:
-    """HF Llama state dict (fp32) from the GGUF tensors, Q/K rows restored to HF order."""
+def llama_state(reader, config: dict[str, Any], allow_nonfinite: bool = False) -> dict[str, torch.Tensor]:
+    """HF Llama state dict (fp32) from the GGUF tensors, Q/K rows restored to HF order; a tensor holding NaN or
+    Inf is refused unless `allow_nonfinite`."""
     state = {}
     for tensor in reader.tensors:
-        if tensor.name == "rope_freqs.weight":
-            raise StemlmError("GGUF holds rope_freqs (Llama-3 RoPE scaling factors), which the importer refuses")
-        weight = dequantize(tensor)
         name = _layer_name(tensor.name)
+        weight = dequantize(tensor)
+        if not allow_nonfinite and not bool(torch.isfinite(weight).all()):
+            raise StemlmError(f"GGUF tensor {tensor.name} holds NaN or Inf values; --allow-nonfinite imports it anyway")
         if name.endswith("q_proj.weight"):
             weight = unpermute_qk(weight, config["num_attention_heads"])
         elif name.endswith("k_proj.weight"):
@@ -179,14 +208,11 @@ def build_tokenizer(meta: dict[str, Any]):
     kind = meta.get("tokenizer.ggml.model")
     if kind != "gpt2":
         raise StemlmError(f"GGUF tokenizer model is {kind!r}; only byte-level BPE ('gpt2') can be rebuilt")
-    pre = meta.get("tokenizer.ggml.pre", "default")
-    tokens, merges = meta["tokenizer.ggml.tokens"], meta.get("tokenizer.ggml.merges", [])
-    types = meta.get("tokenizer.ggml.token_type", [1] * len(tokens))
-    if len(types) != len(tokens):
-        raise StemlmError(f"GGUF tokenizer has {len(tokens)} tokens but {len(types)} token types")
+    pre = string(meta, "tokenizer.ggml.pre", "default")
+    tokens, types, merges = check_tokenizer(meta)
     bpe = models.BPE(
         vocab={token: i for i, token in enumerate(tokens)},
-        merges=[tuple(m.split(" ", 1)) for m in merges],
+        merges=merges,
         fuse_unk=False,
         ignore_merges=pre == "llama-bpe",  # Llama 3's tokenizer.json sets it; GPT-2-style files do not
     )
@@ -211,11 +237,11 @@ def build_tokenizer(meta: dict[str, Any]):
     user = [AddedToken(t, normalized=False) for t, k in typed if k == USER_DEFINED]
     tok.add_special_tokens(special)
     tok.add_tokens(user)
-    bos_id = meta.get("tokenizer.ggml.bos_token_id")
+    bos_id = token_id(meta, "tokenizer.ggml.bos_token_id", len(tokens))
     if meta.get("tokenizer.ggml.add_bos_token") and bos_id is not None:
-        bos = tokens[int(bos_id)]
+        bos = tokens[bos_id]
         tok.post_processor = processors.TemplateProcessing(
-            single=f"{bos} $A", pair=f"{bos} $A {bos} $B", special_tokens=[(bos, int(bos_id))]
+            single=f"{bos} $A", pair=f"{bos} $A {bos} $B", special_tokens=[(bos, bos_id)]
         )
     else:
         tok.post_processor = processors.ByteLevel(trim_offsets=False)
@@ -232,30 +258,41 @@ def tokenizer_config(meta: dict[str, Any], context_length: int) -> dict[str, Any
         "clean_up_tokenization_spaces": False,
     }
     for name, field in (("bos", "bos"), ("eos", "eos"), ("unk", "unknown"), ("pad", "padding")):
-        index = meta.get(f"tokenizer.ggml.{field}_token_id")
-        if index is not None and 0 <= int(index) < len(tokens):
-            config[f"{name}_token"] = tokens[int(index)]
-    if meta.get("tokenizer.chat_template"):
-        config["chat_template"] = meta["tokenizer.chat_template"]
+        index = token_id(meta, f"tokenizer.ggml.{field}_token_id", len(tokens))
+        if index is not None:
+            config[f"{name}_token"] = tokens[index]
+    template = string(meta, "tokenizer.chat_template")
+    if template:  # stored as given: it is untrusted text, rendered only in stemlm.inference.template_sandbox
+        config["chat_template"] = template
     return config
 
 
-def convert_gguf(path: str | Path, out: str | Path, *, force: bool = False) -> Path:
-    """Write the Llama GGUF at `path` as a Hugging Face Llama folder at `out` (refused if `out` holds files)."""
+def convert_gguf(path: str | Path, out: str | Path, *, force: bool = False, allow_nonfinite: bool = False) -> Path:
+    """Write the Llama GGUF at `path` as a Hugging Face Llama folder at `out` (refused if `out` holds files).
+
+    Everything is read and checked (metadata, tokenizer, every tensor's shape and values) before `out` is
+    touched; weights holding NaN or Inf are refused unless `allow_nonfinite`."""
     from safetensors.torch import save_file
 
     out = Path(out)
     guard = {"producer": "stemlm convert --from-gguf", "force": force, "sources": [path]}
     check_target(out, **guard)  # refused if `out` holds files, unless an earlier import and --force
     reader = open_gguf(path)
-    meta = metadata(reader)
-    names = {t.name for t in reader.tensors}
-    if "token_embd.weight" not in names:
+    meta = read_metadata(reader)
+    shapes = {t.name: tuple(int(n) for n in reversed(t.shape)) for t in reader.tensors}
+    if len(shapes) != len(reader.tensors):
+        raise StemlmError(f"{path} lists a tensor name twice")
+    for tensor in reader.tensors:
+        check_type(tensor)
+        _layer_name(tensor.name)  # every tensor must have a Llama counterpart
+    if "token_embd.weight" not in shapes:
         raise StemlmError(f"{path} has no token_embd.weight tensor; not a Llama model file")
-    embd = next(t for t in reader.tensors if t.name == "token_embd.weight")
-    config = llama_config(meta, vocab_size=int(embd.shape[1]), tied="output.weight" not in names)
-    state = llama_state(reader, config)
     tokenizer = build_tokenizer(meta)
+    tokens = meta["tokenizer.ggml.tokens"]  # checked by build_tokenizer
+    tied = "output.weight" not in shapes
+    config = llama_config(meta, vocab_size=len(tokens), tied=tied)
+    check_tensors(shapes, config, tied)
+    state = llama_state(reader, config, allow_nonfinite)
     generation = {k: config[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if k in config}
     with AtomicFolder(out, **guard) as tmp:
         save_file({k: v.contiguous() for k, v in state.items()}, str(tmp / WEIGHTS_NAME), metadata={"format": "pt"})
