@@ -162,8 +162,14 @@ def weight_files(directory: str | Path) -> list[Path]:
         try:
             index = json.loads((directory / INDEX_NAME).read_text())
             names = sorted(set(index["weight_map"].values()))
-        except (json.JSONDecodeError, KeyError, TypeError, AttributeError):
+        except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError, AttributeError):
             raise StemlmError(f"{directory / INDEX_NAME} is corrupt") from None
+        for name in names:
+            # A shard is a file of this folder, named without any path: "../x" or "/etc/x" would read elsewhere.
+            if not isinstance(name, str) or name in ("", ".", "..") or "/" in name or "\\" in name:
+                raise StemlmError(
+                    f"{directory / INDEX_NAME} names weights file {name!r}, which is not a file of {directory}"
+                )
         files = [directory / n for n in names]
     else:
         files = [directory / WEIGHTS_NAME]

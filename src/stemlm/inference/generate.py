@@ -20,6 +20,7 @@ output reach the model's `max_position_embeddings`.
 from __future__ import annotations
 
 import math
+import numbers
 import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
@@ -100,6 +101,7 @@ def sample_token(
 
 def _as_prompt(model: StemLM, input_ids: Sequence[int] | torch.Tensor) -> torch.Tensor:
     device = next(model.parameters()).device
+    _check_id_values(input_ids)
     ids = torch.as_tensor(input_ids, dtype=torch.long, device=device)
     if ids.dim() == 2 and ids.shape[0] == 1:
         ids = ids[0]
@@ -114,6 +116,27 @@ def _as_prompt(model: StemLM, input_ids: Sequence[int] | torch.Tensor) -> torch.
             f"max_position_embeddings={limit}; shorten it"
         )
     return ids[None]
+
+
+def _check_id_values(input_ids: Sequence[int] | torch.Tensor) -> None:
+    """Refuse ids that `torch.as_tensor(..., dtype=long)` would silently truncate (1.7 -> 1, True -> 1) or turn
+    into a raw error (a ragged nested list): once per request, before decoding."""
+    if isinstance(input_ids, torch.Tensor):
+        if input_ids.dtype == torch.bool or input_ids.dtype.is_floating_point or input_ids.dtype.is_complex:
+            raise StemlmError(f"generate takes integer token ids, got a {input_ids.dtype} tensor")
+        return
+    if hasattr(input_ids, "dtype") and hasattr(input_ids, "shape"):  # a numpy array
+        if input_ids.dtype.kind not in "iu":
+            raise StemlmError(f"generate takes integer token ids, got a {input_ids.dtype} array")
+        return
+    if isinstance(input_ids, (str, bytes)) or not isinstance(input_ids, Sequence):
+        raise StemlmError(f"generate takes a list of token ids, got {type(input_ids).__name__}")
+    row = input_ids[0] if len(input_ids) == 1 and isinstance(input_ids[0], (list, tuple)) else input_ids
+    for i in row:
+        if not isinstance(i, numbers.Integral) or isinstance(i, bool) or type(i).__name__ == "bool_":
+            raise StemlmError(
+                f"generate takes one prompt as a flat list of integer token ids; got an element {i!r:.40}"
+            )
 
 
 @torch.no_grad()
