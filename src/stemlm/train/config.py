@@ -72,6 +72,12 @@ TRAINABLE = ("all", "tables")
 RECIPES = ("stemlm", "official")  # the update's rules around the model: stemlm.train.recipes
 
 
+# Upper bounds of the sizes a run is built from, far above any real run's, so a hostile or mistyped config is
+# one line instead of an allocation that never ends (a model's own sizes: stemlm.model.config.SIZE_LIMITS).
+SIZE_LIMITS = {"steps": 10**9, "seq_len": 2**24, "batch_size": 2**20, "grad_accum": 2**20, "eval_batches": 2**20}
+MAX_BATCH_TOKENS = 2**27
+
+
 @dataclass
 class TrainConfig:
     # --- run ---
@@ -181,6 +187,13 @@ class TrainConfig:
         ):
             value = getattr(self, name)
             need(_is_int(value) and value > 0, f"{name} must be a positive integer, got {value!r}")
+        for name, limit in SIZE_LIMITS.items():  # before anything is sized from them
+            need(getattr(self, name) <= limit, f"{name}={getattr(self, name)} exceeds the limit of {limit}")
+        need(
+            self.batch_size * self.seq_len <= MAX_BATCH_TOKENS,
+            f"batch_size x seq_len = {self.batch_size * self.seq_len} tokens per micro-batch exceeds the limit of "
+            f"{MAX_BATCH_TOKENS} (raise grad_accum instead)",
+        )
         for name in ("seed", "eval_every", "save_every", "max_skipped", "loss_chunk", "prefetch"):
             value = getattr(self, name)
             need(_is_int(value) and value >= 0, f"{name} must be a non-negative integer, got {value!r}")
