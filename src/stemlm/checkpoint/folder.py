@@ -33,6 +33,7 @@ from stemlm.checkpoint.sharded import is_sharded, read_sharded_state
 from stemlm.checkpoint.table_storage import expand_state, read_storage
 from stemlm.errors import StemlmError
 from stemlm.model.config import MODEL_TYPE, ModelConfig
+from stemlm.paths import input_file
 
 if TYPE_CHECKING:  # the model imports this module to save itself; the format never needs the model class
     from stemlm.model.decoder import StemLM
@@ -126,6 +127,10 @@ def read_json_object(path: Path) -> dict:
         data = json.loads(path.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise StemlmError(f"{path} is not valid JSON ({exc})") from None
+    except RecursionError:
+        raise StemlmError(f"{path} is not valid JSON (nested too deeply)") from None
+    except ValueError as exc:  # an integer of more digits than Python converts (4300)
+        raise StemlmError(f"{path} is not valid JSON ({str(exc).splitlines()[0]})") from None
     if not isinstance(data, dict):
         raise StemlmError(f"{path} does not hold a JSON object")
     return data
@@ -174,8 +179,9 @@ def weight_files(directory: str | Path) -> list[Path]:
     else:
         files = [directory / WEIGHTS_NAME]
     for f in files:
-        if not f.is_file():
+        if not f.exists():
             raise StemlmError(f"checkpoint {directory} is missing its weights file {f.name}")
+        input_file(f, "weights file")  # a FIFO or a device named like a shard is never opened
     return files
 
 
