@@ -209,13 +209,28 @@ def test_static_cache_is_refused(tmp_path):
         hf.generate(random_ids(1, 4), max_new_tokens=2, do_sample=False, cache_implementation="static")
 
 
-def test_unsupported_uses_are_refused(tmp_path):
+def test_inputs_embeds_alone_is_refused_where_the_kind_reads_ids(tmp_path):
     _, folder = saved_stemlm(tmp_path, tiny_config("stem"))
     hf = AutoModelForCausalLM.from_pretrained(folder)
     with pytest.raises(StemlmError, match="input_ids"):
         hf(inputs_embeds=torch.zeros(1, 3, 32))
-    with pytest.raises(StemlmError, match="not supported"):
-        hf.resize_token_embeddings(VOCAB + 8)
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_resize_token_embeddings_grows_the_stem_tables_and_round_trips(tmp_path, tied):
+    _, folder = saved_stemlm(tmp_path, tiny_config("stem", tie_word_embeddings=tied))
+    hf = AutoModelForCausalLM.from_pretrained(folder).eval()
+    ids = random_ids(2, 6)
+    before = hf(ids).logits
+    hf.resize_token_embeddings(VOCAB + 8)
+    assert hf.config.vocab_size == hf.stem.config.vocab_size == VOCAB + 8
+    assert all(t.weight.shape[0] == VOCAB + 8 for t in hf.stem.stem_tables().values())
+    assert (hf.lm_head.weight is hf.model.embed_tokens.weight) == tied
+    after = hf(torch.cat([ids, torch.full((2, 1), VOCAB + 7)], 1)).logits
+    torch.testing.assert_close(after[:, :6, :VOCAB], before)  # old tokens: the same rows, the same logits
+    hf.save_pretrained(tmp_path / "resized")
+    again = AutoModelForCausalLM.from_pretrained(tmp_path / "resized").eval()
+    torch.testing.assert_close(again(ids).logits, hf(ids).logits, rtol=0, atol=0)
 
 
 # ----------------------------------------------------------------------------------------------------------

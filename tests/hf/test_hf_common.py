@@ -121,7 +121,6 @@ class StemlmModelTester:
 class _CommonTests(ModelTesterMixin):
     ffn = "dense"
     all_model_classes = (StemlmModel, StemlmForCausalLM)
-    test_resize_embeddings = False  # resize_token_embeddings is refused (issue 24 point 1, not done yet)
 
     def setUp(self) -> None:
         self.model_tester = StemlmModelTester(self, self.ffn)

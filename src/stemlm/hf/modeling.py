@@ -23,6 +23,8 @@ transformers 5 points handled here:
   `attn_implementation="eager"` does for every call; otherwise attention is SDPA and the forward is stemlm's
   default one. Unset flags (`use_cache`, `return_dict`, ...) are read from the config; `return_dict=False` gives
   the tuple. Gradient checkpointing (`gradient_checkpointing_enable()`) checkpoints each decoder layer.
+- `resize_token_embeddings`: transformers resizes `embed_tokens` / `lm_head`, `stemlm.model.resize` the kinds'
+  tables, maps and hashes; tied embeddings stay tied.
 - `inputs_embeds` replaces `embed_tokens`; without `input_ids` only when no layer's kind reads the ids
   (`Kind.reads_input_ids` is false for all of them), since the others index tables or route by them.
 - labels follow HF: `labels` are the input ids (-100 = ignore), shifted by one here; `loss` is that mean
@@ -49,6 +51,7 @@ from stemlm.hf.configuration import StemlmConfig
 from stemlm.model.attention import KVCache
 from stemlm.model.decoder import StemLM
 from stemlm.model.kinds.registry import get_kind
+from stemlm.model.resize import resize_vocabulary
 
 
 @dataclass
@@ -122,6 +125,13 @@ class StemlmPreTrainedModel(PreTrainedModel):
                 init.ones_(param)
             elif std is not None:
                 init.normal_(param, std=std)
+
+    def _resize_token_embeddings(self, new_num_tokens, pad_to_multiple_of=None, mean_resizing=True):
+        # transformers resizes embed_tokens and lm_head (its mean-resizing); every other table, map and hash that
+        # vocab_size shapes follows through stemlm.model.resize, which reads them from the kinds.
+        embeddings = super()._resize_token_embeddings(new_num_tokens, pad_to_multiple_of, mean_resizing)
+        resize_vocabulary(self._stem, embeddings.num_embeddings)
+        return embeddings
 
     def _run(self, input_ids, inputs_embeds, attention_mask, position_ids, cache, flags, labels=None, head=True):
         """`StemLM.forward` on HF's arguments; `flags` are the (use_cache, output_attentions, output_hidden_states)
@@ -269,12 +279,6 @@ class StemlmForCausalLM(StemlmPreTrainedModel, GenerationMixin):
 
     def set_output_embeddings(self, value: nn.Linear) -> None:
         self.lm_head = self._stem.lm_head = value
-
-    def resize_token_embeddings(self, *args, **kwargs):
-        raise StemlmError(
-            "resizing the vocabulary of a stemlm model is not supported: its STEM/PLE tables have one row per token "
-            "and the hash-MoE assignment depends on vocab_size; build a model with the new vocab_size instead"
-        )
 
     # ----- forward -----
     @deprecate_kwarg("past_key_values", "5.40.0", new_name="cache")  # transformers' own schedule for the rename
