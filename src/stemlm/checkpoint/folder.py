@@ -107,14 +107,19 @@ def save_pretrained(
     force: bool = False,
     sources: tuple = (),
     producer: str = "stemlm save_pretrained",
+    extra=None,
 ) -> Path:
     """Save `model` (and optionally its `tokenizers.Tokenizer`) as an HF-style folder, atomically.
 
     An existing non-empty `directory` is refused unless `force` and it was written by the same `producer`
     (see `stemlm.checkpoint.safe_write.check_target`); `sources` are folders the result must never replace.
+    `extra(folder, model, tokenizer)`, when given, adds files to the folder before it is moved into place
+    (`stemlm export --remote-code` adds the modeling code there).
     """
     with AtomicFolder(directory, producer=producer, force=force, sources=sources) as tmp:
         write_model_files(model, tmp, tokenizer, max_shard_bytes)
+        if extra is not None:
+            extra(tmp, model, tokenizer)
     return Path(directory)
 
 

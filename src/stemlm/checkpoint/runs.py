@@ -308,9 +308,10 @@ def verify_checkpoint(path: str | Path) -> dict:
     return result
 
 
-def export_model(ckpt: str | Path, out: str | Path, *, force: bool, producer: str) -> dict:
+def export_model(ckpt: str | Path, out: str | Path, *, force: bool, producer: str, extra=None) -> dict:
     """Write a (sharded or plain) training checkpoint as a plain model folder at `out`, every file first
-    re-hashed against the checkpoint's manifest; the summary `stemlm export --json` prints."""
+    re-hashed against the checkpoint's manifest; the summary `stemlm export --json` prints. `extra` adds
+    files to the folder as `stemlm.checkpoint.folder.save_pretrained`'s does."""
     from stemlm.checkpoint.folder import save_pretrained
     from stemlm.checkpoint.safe_write import check_target, verify_folder
     from stemlm.checkpoint.sharded import sharded_metadata
@@ -327,7 +328,7 @@ def export_model(ckpt: str | Path, out: str | Path, *, force: bool, producer: st
             bad = result["changed"] + result["missing"]
             raise StemlmError(f"{folder}: {len(bad)} files fail verification against its manifest: {', '.join(bad)}")
     model, tokenizer = load_checkpoint(folder)
-    written = save_pretrained(model, out, tokenizer, force=force, sources=sources, producer=producer)
+    written = save_pretrained(model, out, tokenizer, force=force, sources=sources, producer=producer, extra=extra)
     return {
         "out": str(written),
         "source": str(folder),

@@ -3,6 +3,7 @@
     stemlm train --nproc 8 --parallel fsdp ... --out runs/big      # sharded checkpoints (each rank its pieces)
     stemlm export runs/big --out ckpt/big                          # config.json + model.safetensors + tokenizer
     stemlm export runs/big/checkpoints/step-002000 --out ckpt/big-2000 --json
+    stemlm export runs/big --out ckpt/big-hf --remote-code         # + modeling code: loads without stemlm
 
 A sharded checkpoint (stemlm.checkpoint.sharded) is first checked against its manifest, every file re-hashed,
 then its pieces are assembled into full tensors on the CPU (no process group, no GPU, nothing unpickled) and
@@ -31,14 +32,22 @@ def register(subparsers) -> None:
     p.add_argument("ckpt", metavar="RUN_OR_CKPT", help="checkpoint folder, or run folder (its newest checkpoint)")
     p.add_argument("--out", required=True, help="the model folder to write (must not exist, unless --force)")
     p.add_argument("--force", action="store_true", help="replace an earlier `stemlm export` output at --out")
+    p.add_argument(
+        "--remote-code",
+        action="store_true",
+        help="make the folder load in transformers without stemlm: the modeling code and an auto_map for "
+        "trust_remote_code=True (a dense model is written as a plain Llama folder instead)",
+    )
     add_json_flag(p)
     p.set_defaults(func=run)
 
 
 def run(args) -> int:
     from stemlm.checkpoint.runs import export_model
+    from stemlm.convert.llama import standalone_files
 
-    summary = export_model(args.ckpt, args.out, force=args.force, producer=EXPORT_PRODUCER)
+    extra = standalone_files if args.remote_code else None
+    summary = export_model(args.ckpt, args.out, force=args.force, producer=EXPORT_PRODUCER, extra=extra)
     if args.json:
         print_json(summary)
     else:

@@ -1,4 +1,5 @@
-"""Writing a dense model as a Hugging Face Llama folder (`stemlm convert --to-llama`: `export_llama`).
+"""Writing a dense model as a Hugging Face Llama folder (`stemlm convert --to-llama`: `export_llama`), and the
+files that let transformers load any model folder without stemlm (`stemlm export --remote-code`: `standalone_files`).
 
 The tensors keep their names (ours are HF Llama's); only config.json changes, to model_type "llama", so
 `LlamaForCausalLM.from_pretrained` loads the folder without a warning and with the same logits. Anything but a
@@ -61,6 +62,21 @@ def save_as_llama(model: StemLM, directory: str | Path, tokenizer=None, *, force
         if tokenizer is not None:
             tokenizer.save(str(tmp / TOKENIZER_NAME))
     return Path(directory)
+
+
+def standalone_files(folder: Path, model: StemLM, tokenizer=None) -> None:
+    """Make a model folder loadable by transformers without stemlm (`stemlm export --remote-code`): a dense model
+    becomes a Llama folder (config.json with model_type "llama"), any other kind gets the generated modeling code
+    (`stemlm.hf.remote_code`); both with the tokenizer's end-of-text id as `eos_token_id` (`generate()` stops there)."""
+    from stemlm.data.tokenizer import EOT_TOKEN
+    from stemlm.hf.remote_code import add_remote_code
+
+    eos = None if tokenizer is None else tokenizer.token_to_id(EOT_TOKEN)
+    if model.config.special_layers:
+        add_remote_code(folder, eos_token_id=eos)
+        return
+    config = model_config_to_llama_config(model.config)
+    write_json(folder / CONFIG_NAME, config if eos is None else {**config, "eos_token_id": eos})
 
 
 def export_llama(ckpt: str | Path, out: str | Path, *, force: bool = False) -> Path:

@@ -151,10 +151,9 @@ class Kind:
 _KINDS: dict[str, Kind] = {}
 
 
-def _discover() -> dict[str, Kind]:
-    """Import every module of this package but the registry; each must define `KIND`."""
-    if _KINDS:
-        return _KINDS
+def _found_kinds() -> list[Kind]:
+    """The `KIND` of every module of this package but the registry (stemlm.hf.remote_code, which ships the kinds
+    as flat files, replaces this function by name in its copy)."""
     import stemlm.model.kinds as package
 
     found = []
@@ -166,6 +165,14 @@ def _discover() -> dict[str, Kind]:
         if not isinstance(kind, Kind):
             raise StemlmError(f"{module.__name__} defines no KIND = Kind(...): every module there is a kind")
         found.append(kind)
+    return found
+
+
+def _discover() -> dict[str, Kind]:
+    """Every kind, found once (`_found_kinds`) and checked."""
+    if _KINDS:
+        return _KINDS
+    found = _found_kinds()
     for kind in found:
         unknown = [t.family for t in kind.tables if t.family not in FAMILIES]
         if unknown:
