@@ -25,6 +25,8 @@ transformers 5 points handled here:
   the tuple. Gradient checkpointing (`gradient_checkpointing_enable()`) checkpoints each decoder layer.
 - `resize_token_embeddings`: transformers resizes `embed_tokens` / `lm_head`, `stemlm.model.resize` the kinds'
   tables, maps and hashes; tied embeddings stay tied.
+- EOS: a folder whose config.json names no `eos_token_id` takes its tokenizer.json's `<|endoftext|>` id
+  (`from_pretrained`), the id `stemlm generate` stops on; `save_pretrained` writes it to generation_config.json.
 - `inputs_embeds` replaces `embed_tokens`; without `input_ids` only when no layer's kind reads the ids
   (`Kind.reads_input_ids` is false for all of them), since the others index tables or route by them.
 - labels follow HF: `labels` are the input ids (-100 = ignore), shifted by one here; `loss` is that mean
@@ -35,6 +37,7 @@ transformers 5 points handled here:
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -266,6 +269,23 @@ class StemlmForCausalLM(StemlmPreTrainedModel, GenerationMixin):
         self.model = StemlmModel(config, stem)
         self.lm_head = stem.lm_head
         self.post_init()
+
+    @classmethod
+    def from_pretrained(cls, pretrained_model_name_or_path, *args, **kwargs):
+        """transformers' `from_pretrained`; a folder whose config names no `eos_token_id` (a stemlm checkpoint's
+        does not) takes its tokenizer's end-of-text id, so `generate()` stops where `stemlm generate` stops."""
+        loaded = super().from_pretrained(pretrained_model_name_or_path, *args, **kwargs)
+        model = loaded[0] if isinstance(loaded, tuple) else loaded  # (model, info) with output_loading_info=True
+        tokenizer = Path(str(pretrained_model_name_or_path), "tokenizer.json")
+        if model.config.eos_token_id is None and tokenizer.is_file():
+            from tokenizers import Tokenizer
+
+            from stemlm.data.tokenizer import EOT_TOKEN
+
+            eos = Tokenizer.from_file(str(tokenizer)).token_to_id(EOT_TOKEN)
+            if eos is not None:
+                model.config.eos_token_id = model.generation_config.eos_token_id = eos
+        return loaded
 
     # ----- embeddings (used by HF's resize/tie helpers) -----
     def get_input_embeddings(self) -> nn.Embedding:
