@@ -7,9 +7,10 @@ The test files come from the transformers sdist of the installed version, never 
     tar xzf /tmp/tf/transformers-*.tar.gz -C /tmp/tf
     STEMLM_TRANSFORMERS_SDIST=/tmp/tf/transformers-$V python -m pytest tests/hf/test_hf_common.py -q
 
-Without `STEMLM_TRANSFORMERS_SDIST` (or with an sdist of another version) every test here is skipped with the
-reason. The 5.x sdist ships `tests/test_modeling_common.py` and `tests/test_configuration_common.py` but not the
-modules they import (`tests/exporters/test_export.py`, `tests/generation/test_utils.py`,
+`.ci/run` does the same before the tests (counts and skip reasons per kind: docs/hf.md). Without
+`STEMLM_TRANSFORMERS_SDIST` (or with an sdist of another version) every test here is skipped with the reason.
+The 5.x sdist ships `tests/test_modeling_common.py` and `tests/test_configuration_common.py` but not the modules
+they import (`tests/exporters/test_export.py`, `tests/generation/test_utils.py`,
 `tests/utils/test_configuration_utils.py`): empty mixins stand in for the first two, so the export and generation
 testers do not run here, and `ConfigTester`'s checks run one by one but for `check_config_arguments_init`, whose
 kwargs are in the third.
