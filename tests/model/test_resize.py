@@ -39,6 +39,7 @@ def test_every_vocab_shaped_tensor_follows(ffn, new):
         warnings.simplefilter("ignore" if hashed(ffn) else "error")
         resize_vocabulary(model, new)
     assert model.config.vocab_size == new
+    assert not any(m.training for m in model.modules())  # rebuilt layers keep the model's eval mode
     assert model.lm_head.weight.shape[0] == model.model.embed_tokens.weight.shape[0] == new
     for table in model.stem_tables().values():
         assert table.weight.shape[0] == new

@@ -40,13 +40,14 @@ def _resized(old: torch.Tensor, rows: int) -> torch.Tensor:
     return new
 
 
-def _rebuild(old: nn.Module, build, config, layer_idx: int) -> tuple[nn.Module, list[nn.Parameter]]:
+def _rebuild(old: nn.Module, build, config, layer_idx: int) -> tuple[nn.Module, list[tuple[nn.Parameter, int]]]:
     """The module `build(config, layer_idx)` holding old's parameters (row-resized where the shape changed) and
-    its own fresh buffers; also the resized parameters, whose added rows the caller initialises."""
+    its own fresh buffers, in old's train/eval mode; also each grown parameter with its old row count (the caller
+    initialises the added rows)."""
     with torch.device("meta"):
         new = build(config, layer_idx)
     device = next(old.parameters()).device
-    new.to_empty(device=device)
+    new.to_empty(device=device).train(old.training)
     if hasattr(new, "reset_buffers"):
         new.reset_buffers(device)
     old_params = dict(old.named_parameters())
