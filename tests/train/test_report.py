@@ -43,3 +43,16 @@ def test_facts_sample_and_missing_heldout():
     assert "held-out loss n/a |" in text
     assert "facts (capital, 2 countries): exact greedy recall 0.88 on the 8 trained prompts, 0.50 on 4" in text
     assert text.endswith("sample (greedy): The king is")
+
+
+def test_compute_line_gives_each_clock_beside_its_own_peak():
+    compute = {"model_gflops_per_s": 12.0, "matmul_peak_gflops_per_s": 48.0, "peak_share": 0.25}
+    wall_only = render_report({**BASE, "compute": compute}).splitlines()[1]
+    assert wall_only == (
+        "compute: 12.0 model GFLOP/s = 25% of 48.0 GFLOP/s (wall clock); peaks: the best plain matmul at the "
+        "model's shapes, measured now in the same clock"
+    )
+    cpu = {"model_gflops_per_cpu_s": 30.0, "matmul_peak_gflops_per_cpu_s": 40.0, "cpu_peak_share": 0.75}
+    both = render_report({**BASE, "compute": compute | cpu}).splitlines()[1]
+    assert both.startswith("compute: 12.0 model GFLOP/s = 25% of 48.0 GFLOP/s (wall clock), 30.0 per CPU-second = ")
+    assert "75% of 40.0 (process CPU time); peaks:" in both

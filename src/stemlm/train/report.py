@@ -2,8 +2,8 @@
 
 `final_report(trainer, result, ...)` adds to `Trainer.fit`'s result the run folder's size, what the held-out loss
 was measured on, the accounting summary (`stemlm.model.accounting`), the compute share of the measured matmul
-peak (`stemlm.train.throughput`), the exact greedy recall of the mixed-in facts (`stemlm.evaluation.recall`) and a
-greedy sample; `render_report` turns it into the lines printed (`--json` prints the dict itself).
+peak in wall and in CPU time (`stemlm.train.throughput`), the exact greedy recall of the mixed-in facts
+(`stemlm.evaluation.recall`) and a greedy sample; `render_report` turns it into the lines printed (`--json` prints the dict itself).
 """
 
 from __future__ import annotations
@@ -51,6 +51,7 @@ def final_report(trainer, result: dict[str, Any], sample_prompt: str, sample_tok
             trainer.config,
             cfg.seq_len,
             result["tokens_per_s"],
+            result.get("cpu_tokens_per_s"),
             cfg.batch_size * cfg.seq_len // world,
             trainer.device,
             trainer.amp_dtype,
@@ -106,10 +107,16 @@ def render_report(r: dict[str, Any]) -> str:
         )
     c = r.get("compute")
     if c:
-        lines.append(
+        line = (
             f"compute: {c['model_gflops_per_s']:,.1f} model GFLOP/s = {c['peak_share']:.0%} of "
-            f"{c['matmul_peak_gflops_per_s']:,.1f} GFLOP/s, the best plain matmul at the model's shapes measured now"
+            f"{c['matmul_peak_gflops_per_s']:,.1f} GFLOP/s (wall clock)"
         )
+        if "cpu_peak_share" in c:
+            line += (
+                f", {c['model_gflops_per_cpu_s']:,.1f} per CPU-second = {c['cpu_peak_share']:.0%} of "
+                f"{c['matmul_peak_gflops_per_cpu_s']:,.1f} (process CPU time)"
+            )
+        lines.append(line + "; peaks: the best plain matmul at the model's shapes, measured now in the same clock")
     h = r.get("heldout_eval") or {}
     held = (
         "n/a"

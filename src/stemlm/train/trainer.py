@@ -115,6 +115,9 @@ class Trainer:
         self.step, self.skipped_steps, self.loss_spikes = 0, 0, 0
         self.window: deque[float] = deque(maxlen=cfg.spike_window)
         self.train_time = 0.0
+        # This process's CPU seconds in train_step and the steps they cover (not checkpointed: the CPU-time
+        # throughput of the summary is this session's, stemlm.train.throughput)
+        self.cpu_time, self.cpu_steps = 0.0, 0
         if _resume_from is not None:
             self.run_dir = _resume_from.parent.parent
             self._restore(_resume_from)
@@ -337,7 +340,7 @@ class Trainer:
         """One optimizer step at `self.step`; returns its metrics record and advances the step."""
         cfg, step = self.cfg, self.step
         mult = self.recipe.set_learning_rates(self.optimizers, step, cfg)
-        start = time.perf_counter()
+        start, cpu_start = time.perf_counter(), time.process_time()
         losses, auxes, finite = self._accumulate_gradients(step)
         norm = self._clip_gradients() if finite else math.nan
         applied = finite and math.isfinite(norm)
@@ -350,6 +353,8 @@ class Trainer:
             opt.zero_grad(set_to_none=True)
         elapsed = time.perf_counter() - start
         self.train_time += elapsed
+        self.cpu_time += time.process_time() - cpu_start
+        self.cpu_steps += 1
         self.step += 1
         loss = sum(losses) / len(losses)
         # A jump to a non-finite loss is a spike too, though the step is skipped; only applied losses enter the window.
@@ -510,6 +515,7 @@ class Trainer:
             "tokens_seen": tokens,
             "tokens_per_s": tokens / self.train_time if self.train_time else None,
             "train_time_s": self.train_time,
+            "cpu_tokens_per_s": cfg.tokens_per_step * self.cpu_steps / self.cpu_time if self.cpu_time else None,
             "wall_s": time.perf_counter() - wall,
             "device": self.device.type,
             "autocast_dtype": str(self.amp_dtype).removeprefix("torch."),
