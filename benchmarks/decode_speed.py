@@ -7,13 +7,18 @@ repetition runs every model once, in a rotating order, so machine load hits all 
 token prefill plus `--new` greedy tokens, and tokens/s counts the new tokens (median over repetitions).
 Beside them: the bytes one decode step reads (weights touched + KV cache at the mean context, fp32, from
 `stemlm.model.accounting.decode_bytes_per_token`) and the tokens/s that bound allows at the memory read bandwidth
-measured in this process (a streaming sum over a 256 MiB tensor on the same threads).
+measured in this process, in the same clock as the decoding: a streaming sum over a 256 MiB tensor on the same
+threads, timed once per repetition inside the rotation (so load hits it as it hits the models), median over the
+repetitions. The clock is this process's CPU time by default (`--clock cpu`: blind to time spent descheduled by
+the other processes of a shared machine, so rates and bound move together; with one thread CPU seconds are
+seconds of that thread's work) or wall time (`--clock wall`, for a quiet machine or more threads).
 
-    python benchmarks/decode_speed.py                      # single thread (the default), CPU
-    python benchmarks/decode_speed.py --threads 2 --new 128 --reps 7
+    python benchmarks/decode_speed.py                      # single thread (the default), CPU clock
+    python benchmarks/decode_speed.py --threads 2 --clock wall --new 128 --reps 7
 
-Last line: `RESULT ours_over_hf=… ours_tok_s=… hf_tok_s=… stem_tok_s=… bound_tok_s=…` (ours = our dense model;
-ratio > 1 = ours faster).
+Last line: `RESULT ours_over_hf=… share_of_bound=… stem_share_of_bound=… hf_share_of_bound=… ours_tok_s=…
+hf_tok_s=… stem_tok_s=… bound_tok_s=…` (ours = our dense model; ratio > 1 = ours faster; a share is tokens/s over
+the bound's).
 """
 
 from __future__ import annotations
@@ -38,18 +43,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--new", type=int, default=64, help="new tokens per run (default 64)")
     p.add_argument("--reps", type=int, default=5, help="timed runs per model, round-robin (default 5)")
     p.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
+    p.add_argument("--clock", choices=("cpu", "wall"), default="cpu", help="process CPU time or wall time")
+    p.add_argument("--stream-mib", type=int, default=256, help="MiB read by the bandwidth probe (default 256)")
     return p.parse_args(argv)
-
-
-def read_bandwidth(reps: int = 5) -> float:
-    """Bytes/s of a streaming reduction over a 256 MiB fp32 tensor (best of `reps`)."""
-    x = torch.ones(64 * 2**20)
-    best = float("inf")
-    for _ in range(reps):
-        start = time.perf_counter()
-        x.sum()
-        best = min(best, time.perf_counter() - start)
-    return x.numel() * 4 / best
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -79,18 +75,22 @@ def main(argv: list[str] | None = None) -> None:
             )
         return out[0, args.prompt :].tolist()
 
-    runs = {"stem": run_ours("stem"), "dense": run_ours("dense"), "hf": run_hf}
+    stream = torch.ones(args.stream_mib * 2**18)  # fp32: 4 bytes an element
+    runs = {"stem": run_ours("stem"), "dense": run_ours("dense"), "hf": run_hf, "stream": stream.sum}
     tokens = {name: fn() for name, fn in runs.items()}  # warm-up, and the outputs to compare
     times: dict[str, list[float]] = {name: [] for name in runs}
     names = list(runs)
+    clock = time.process_time if args.clock == "cpu" else time.perf_counter
     for rep in range(args.reps):
         for k in range(len(names)):
             name = names[(rep + k) % len(names)]
-            start = time.perf_counter()
+            start = clock()
             runs[name]()
-            times[name].append(time.perf_counter() - start)
-    tok_s = {name: args.new / statistics.median(ts) for name, ts in times.items()}
-    bandwidth = read_bandwidth()
+            times[name].append(clock() - start)
+    seconds = {name: statistics.median(ts) for name, ts in times.items()}
+    bandwidth = stream.numel() * 4 / seconds.pop("stream")
+    names.remove("stream")
+    tok_s = {name: args.new / s for name, s in seconds.items()}
     context = args.prompt + args.new // 2
     bytes_tok = {
         n: decode_bytes_per_token(c, context, dtype_bytes=4)["total"]
@@ -99,7 +99,7 @@ def main(argv: list[str] | None = None) -> None:
     bytes_tok["hf"] = bytes_tok["dense"]
     print(
         f"tiny, fp32, threads={torch.get_num_threads()}, prompt {args.prompt} + {args.new} greedy tokens, "
-        f"{args.reps} reps; read bandwidth {bandwidth / 1e9:.1f} GB/s"
+        f"{args.reps} reps, {args.clock} clock; read bandwidth {bandwidth / 1e9:.1f} GB/s (same clock, median)"
     )
     print(f"{'model':<24} {'tok/s':>7} {'MB/token':>9} {'bound tok/s':>12} {'share of bound':>15}")
     labels = {"stem": "ours, tiny STEM", "dense": "ours, tiny-dense", "hf": "transformers, tiny-dense"}
@@ -110,8 +110,10 @@ def main(argv: list[str] | None = None) -> None:
             f"{tok_s[name] / bound:>15.0%}"
         )
     print(f"greedy tokens: ours dense == transformers: {tokens['dense'] == tokens['hf']}")
+    share = {name: tok_s[name] * bytes_tok[name] / bandwidth for name in names}
     print(
-        f"RESULT ours_over_hf={tok_s['dense'] / tok_s['hf']:.3f} ours_tok_s={tok_s['dense']:.0f} "
+        f"RESULT ours_over_hf={tok_s['dense'] / tok_s['hf']:.3f} share_of_bound={share['dense']:.3f} "
+        f"stem_share_of_bound={share['stem']:.3f} hf_share_of_bound={share['hf']:.3f} ours_tok_s={tok_s['dense']:.0f} "
         f"hf_tok_s={tok_s['hf']:.0f} stem_tok_s={tok_s['stem']:.0f} bound_tok_s={bandwidth / bytes_tok['dense']:.0f}"
     )
 

@@ -1,4 +1,4 @@
-"""Train-step time of our dense model, our STEM model and `transformers.LlamaForCausalLM`, on one shape.
+"""Train-step time of our dense model (plain and fused loss), our STEM model and `transformers.LlamaForCausalLM`.
 
 Our two models are timed through the trainer's real step, `stemlm.train.Trainer.train_step()`: the
 deterministic window batch of the embedded corpus, forward with labels, backward, the one global gradient-norm
@@ -10,19 +10,31 @@ rotating order, after warm-up steps) so that load from other processes hits them
 The predicted STEM/dense ratio is the ratio of training FLOPs per token from `stemlm.model.accounting` (matmuls
 only, causal attention): it ignores the lookups, the table optimizer and the embedding/norm work.
 
+Beside the steps, in the same rotation and clock: "fused", the dense trainer with the fused lm_head +
+cross-entropy (`--fused-chunk` tokens a chunk, `stemlm.model.fused_loss`); "loss", the plain path's lm_head +
+cross-entropy forward + backward alone on the step's [tokens, hidden] (what `loss_over_step` divides by the dense
+step); and "gemm", the best plain matmul at the model's shapes (`stemlm.train.throughput.matmul_peak`, in the
+same clock), against which `share_of_gemm` sets each model's FLOP rate. Page faults per step are the process's
+minor faults (`getrusage`) across each timed step: a large buffer that the allocator maps and unmaps every step
+shows up there (glibc's `malloc` serves blocks above its mmap threshold with fresh mappings).
+
     python benchmarks/train_step.py                                        # tiny shape, fp32, CPU
     python benchmarks/train_step.py --threads 1 --clock cpu --reps 20      # on a shared, busy CPU
     python benchmarks/train_step.py --table-optim adamw                    # dense AdamW on the tables
     python benchmarks/train_step.py --device cuda --dtype bf16 --reps 30
+    python benchmarks/train_step.py --threads 1 --clock cpu --vocab 131072 --reps 3   # where the loss dominates
 
-The last line is `RESULT stem_over_dense=… ours_over_hf=… predicted_stem_over_dense=…` (time ratios, > 1 =
-slower than the denominator).
+The last line is `RESULT stem_over_dense=… ours_over_hf=… predicted_stem_over_dense=… share_of_gemm=…
+stem_share_of_gemm=… loss_over_step=… fused_over_plain=… faults_per_step=… fused_faults_per_step=…` (time
+ratios, > 1 = slower than the denominator; shares of the matmul peak; minor page faults per dense step, plain
+and fused loss).
 """
 
 from __future__ import annotations
 
 import argparse
 import math
+import resource
 import statistics
 import tempfile
 import time
@@ -31,9 +43,11 @@ import torch
 
 from stemlm.model.accounting import total_parameters, training_flops_per_token
 from stemlm.model.config import ModelConfig
+from stemlm.model.loss import cross_entropy
 from stemlm.train.config import TrainConfig
 from stemlm.train.optim import set_learning_rates
 from stemlm.train.tables.optim import TABLE_OPTIMIZERS, clip_grad_norm_mixed
+from stemlm.train.throughput import matmul_peak, matmul_shapes
 from stemlm.train.trainer import Trainer
 
 
@@ -48,6 +62,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--batch", type=int, default=8, help="sequences per step (default 8)")
     p.add_argument("--seq", type=int, default=256, help="tokens per sequence (default 256)")
     p.add_argument("--table-optim", choices=TABLE_OPTIMIZERS, default=None, help="STEM table optimizer")
+    p.add_argument("--fused-chunk", type=int, default=512, help="tokens per chunk of the fused model (default 512)")
     p.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32", help="autocast dtype (default fp32)")
     p.add_argument("--warmup", type=int, default=2, help="untimed steps per model first (default 2)")
     p.add_argument("--reps", type=int, default=10, help="timed steps per model, round-robin (default 10)")
@@ -139,6 +154,35 @@ def hf_step(model: torch.nn.Module, cfg: TrainConfig, batch, device: torch.devic
     return step
 
 
+def loss_step(model: torch.nn.Module, batch, device: torch.device, amp: bool, clock):
+    """The plain path's lm_head + cross-entropy, forward and backward, alone on fixed [tokens, hidden] states."""
+    ids = batch.to(device)
+    gen = torch.Generator().manual_seed(0)
+    hidden = torch.randn(ids.numel(), model.config.hidden_size, generator=gen).to(device)
+    weight = model.lm_head.weight.detach().clone()
+
+    def step() -> tuple[float, float]:
+        h, w = hidden.detach().requires_grad_(), weight.detach().requires_grad_()
+        start = clock()
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=amp):
+            loss = cross_entropy(h @ w.t(), ids.reshape(-1))
+        loss.backward()
+        return clock() - start, 0.0
+
+    return step
+
+
+def gemm_step(config: ModelConfig, tokens: int, device: torch.device, dtype: torch.dtype, clock):
+    """The matmul peak at the model's shapes in `clock`, as seconds per (fixed) GFLOP, so it rotates like a step."""
+    which = "cpu" if clock is time.process_time else "wall"
+    shapes = matmul_shapes(config, tokens)
+
+    def step() -> tuple[float, float]:
+        return 1e9 / matmul_peak(shapes, device, dtype)[which], 0.0
+
+    return step
+
+
 def clock_for(kind: str, device: torch.device):
     if kind == "cpu":
         return time.process_time  # CPU seconds of this process: blind to time spent descheduled by others
@@ -169,42 +213,52 @@ def main(argv: list[str] | None = None) -> None:
     if args.table_optim:
         cfg = cfg.replace(table_optim=args.table_optim)
     clock = clock_for(args.clock, device)
+    fused_cfg = cfg.replace(loss_chunk=args.fused_chunk, fused_loss=True)
     with tempfile.TemporaryDirectory() as tmp:
         trainers = {
-            name: Trainer(config, cfg.replace(out=f"{tmp}/{name}"), progress=False)
-            for name, config in (("dense", dense), ("stem", stem))
+            name: Trainer(config, train_cfg.replace(out=f"{tmp}/{name}"), progress=False)
+            for name, config, train_cfg in (("dense", dense, cfg), ("stem", stem, cfg), ("fused", dense, fused_cfg))
         }
         batch, _ = trainers["dense"].train_data.sample_batch(args.batch, args.seq + 1, seed=0, step=0)
         torch.manual_seed(0)
         hf = hf_llama(dense).to(device).train()
         steps = {name: trainer_step(t, clock) for name, t in trainers.items()}
         steps["hf"] = hf_step(hf, cfg, batch[:, : args.seq], device, clock)
+        steps["loss"] = loss_step(trainers["dense"].model, batch[:, 1:], device, cfg.dtype == "bf16", clock)
+        steps["gemm"] = gemm_step(dense, args.batch * args.seq, device, trainers["dense"].amp_dtype, clock)
         for step in steps.values():
             for _ in range(args.warmup):
                 step()
         phases: dict[str, list[tuple[float, float]]] = {name: [] for name in steps}
+        faults: dict[str, list[int]] = {name: [] for name in steps}
         names = list(steps)
         for rep in range(args.reps):
             for k in range(len(names)):  # rotate the order so no model always runs right after another
                 name = names[(rep + k) % len(names)]
+                before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
                 phases[name].append(steps[name]())
-    report(args, cfg, device, dense, stem, phases)
+                faults[name].append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+    gemm = [a for a, _ in phases.pop("gemm")]
+    loss = [a for a, _ in phases.pop("loss")]
+    report(args, cfg, device, dense, stem, phases, faults, 1e9 / statistics.median(gemm), statistics.median(loss))
 
 
-def report(args, cfg, device, dense: ModelConfig, stem: ModelConfig, phases) -> None:
+def report(args, cfg, device, dense: ModelConfig, stem: ModelConfig, phases, faults, gemm: float, loss: float) -> None:
+    """Print the table and the RESULT line; `gemm` is the matmul peak (FLOP/s) and `loss` the plain loss's
+    forward + backward (s), both medians in the benchmark's clock."""
     n_tok = args.batch * args.seq
     flops = {"dense": training_flops_per_token(dense, args.seq), "stem": training_flops_per_token(stem, args.seq)}
-    flops["hf"] = flops["dense"]
-    params = {"dense": total_parameters(dense), "stem": total_parameters(stem), "hf": total_parameters(dense)}
+    flops["hf"] = flops["fused"] = flops["dense"]
+    params = {name: total_parameters(dense) for name in ("dense", "hf", "fused")} | {"stem": total_parameters(stem)}
     print(
         f"shape: d={args.hidden} L={args.layers} d_ff={args.ffn_dim} V={args.vocab} batch={args.batch}x{args.seq} "
         f"{cfg.dtype} on {device}, threads={torch.get_num_threads()}, STEM layers {stem.special_layers}, "
         f"table optimizer {cfg.table_optim}, clip {cfg.grad_clip}, {args.reps} reps after {args.warmup} warm-up, "
-        f"{args.clock} clock"
+        f"{args.clock} clock; fused: dense with the fused loss, chunk {args.fused_chunk}"
     )
     print(
         f"{'model':<6} {'params':>10} {'GFLOP/step':>11} {'median ms':>10} {'fwd+bwd':>8} {'clip+opt':>8} "
-        f"{'min ms':>8} {'max ms':>8} {'tok/s':>7} {'GFLOP/s':>8}"
+        f"{'min ms':>8} {'max ms':>8} {'tok/s':>7} {'GFLOP/s':>8} {'of gemm':>8} {'faults':>8}"
     )
     median = {}
     for name, ps in phases.items():
@@ -215,8 +269,13 @@ def report(args, cfg, device, dense: ModelConfig, stem: ModelConfig, phases) -> 
         print(
             f"{name:<6} {params[name]:>10,} {gflop:>11.2f} {median[name] * 1e3:>10.1f} {fwd_bwd * 1e3:>8.1f} "
             f"{opt * 1e3:>8.1f} {min(totals) * 1e3:>8.1f} {max(totals) * 1e3:>8.1f} {n_tok / median[name]:>7.0f} "
-            f"{gflop / median[name]:>8.1f}"
+            f"{gflop / median[name]:>8.1f} {gflop * 1e9 / median[name] / gemm:>8.0%} "
+            f"{statistics.median(faults[name]):>8,.0f}"
         )
+    print(
+        f"best plain matmul at the model's shapes {gemm / 1e9:.1f} GFLOP/s; plain lm_head + loss forward+backward "
+        f"{loss * 1e3:.1f} ms = {loss / median['dense']:.0%} of the dense step"
+    )
     stem_over_dense = median["stem"] / median["dense"]
     ours_over_hf = median["dense"] / median["hf"]
     predicted = flops["stem"] / flops["dense"]
@@ -227,9 +286,14 @@ def report(args, cfg, device, dense: ModelConfig, stem: ModelConfig, phases) -> 
         f"forward+backward {fwd_bwd['stem'] / fwd_bwd['dense']:.3f}, clip+optimizers "
         f"{(opt['stem'] - opt['dense']) * 1e3:+.1f} ms vs dense; ours/HF {ours_over_hf:.3f}"
     )
+    share = {name: flops[name] * n_tok / median[name] / gemm for name in ("dense", "stem")}
     print(
         f"RESULT stem_over_dense={stem_over_dense:.3f} ours_over_hf={ours_over_hf:.3f} "
-        f"predicted_stem_over_dense={predicted:.3f}"
+        f"predicted_stem_over_dense={predicted:.3f} share_of_gemm={share['dense']:.3f} "
+        f"stem_share_of_gemm={share['stem']:.3f} loss_over_step={loss / median['dense']:.3f} "
+        f"fused_over_plain={median['fused'] / median['dense']:.3f} "
+        f"faults_per_step={statistics.median(faults['dense']):.0f} "
+        f"fused_faults_per_step={statistics.median(faults['fused']):.0f}"
     )
 
 

@@ -3,7 +3,8 @@
 `final_report(trainer, result, ...)` adds to `Trainer.fit`'s result the run folder's size, what the held-out loss
 was measured on, the accounting summary (`stemlm.model.accounting`), the compute share of the measured matmul
 peak in wall and in CPU time (`stemlm.train.throughput`), the exact greedy recall of the mixed-in facts
-(`stemlm.evaluation.recall`) and a greedy sample; `render_report` turns it into the lines printed (`--json` prints the dict itself).
+(`stemlm.evaluation.recall`) and a greedy sample; `render_report` turns it into the lines printed (`--json`
+prints the dict itself).
 """
 
 from __future__ import annotations

@@ -2,9 +2,10 @@
 
 `training_throughput(config, seq_len, tokens_per_s, cpu_tokens_per_s, micro_tokens, device, dtype)` relates the
 run's model FLOP rate (training FLOPs per token from `stemlm.model.accounting`, i.e. 3 x the forward matmuls with
-causal attention, times its tokens per second) to a peak measured in the same process: the best FLOP rate of plain matmuls at the model's
-own shapes ([tokens of a micro-batch, in] x [in, out] for every distinct projection, the LM head included), on the
-same device, dtype and threads. Each rate is taken twice, in the same two clocks for the run and for the peak:
+causal attention, times its tokens per second) to a peak measured in the same process: the best FLOP rate of
+plain matmuls at the model's own shapes ([tokens of a micro-batch, in] x [in, out] for every distinct projection,
+the LM head included), on the same device, dtype and threads. Each rate is taken twice, in the same two clocks
+for the run and for the peak:
 
 - wall time (`time.perf_counter`): what the run delivered, but a shared machine slows the run and the peak by
   different amounts (they are measured minutes apart), so the share moves with the load;
@@ -42,8 +43,9 @@ def _sync(device: torch.device) -> None:
 def matmul_peak(
     shapes: list[tuple[int, int, int]], device: torch.device, dtype: torch.dtype = torch.float32, reps: int = 3
 ) -> dict[str, float]:
-    """The best FLOP/s (2 M K N per matmul) over `shapes`, each timed `reps` times after one warm-up, in each clock:
-    `{"wall": FLOPs per wall second, "cpu": FLOPs per CPU-second of this process}` (the fastest repetition per clock)."""
+    """The best FLOP/s (2 M K N per matmul) over `shapes`, each timed `reps` times after one warm-up, in each
+    clock: `{"wall": FLOPs per wall second, "cpu": FLOPs per CPU-second of this process}` (the fastest repetition
+    per clock)."""
     best = {"wall": 0.0, "cpu": 0.0}
     gen = torch.Generator().manual_seed(0)
     for m, k, n in shapes:

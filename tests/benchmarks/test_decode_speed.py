@@ -1,0 +1,32 @@
+"""benchmarks/decode_speed.py in a small mode: its RESULT line carries the shares of the bound, each the decode
+rate times the bytes a token reads over the bandwidth measured in the same clock (re-computed here from the
+printed figures), and our greedy tokens equal transformers'."""
+
+from __future__ import annotations
+
+import importlib.util
+import re
+from pathlib import Path
+
+import pytest
+
+PATH = Path(__file__).resolve().parents[2] / "benchmarks" / "decode_speed.py"
+spec = importlib.util.spec_from_file_location("decode_speed_bench", PATH)
+bench = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(bench)
+
+
+@pytest.mark.parametrize("clock", ["cpu", "wall"])
+def test_result_line_and_shares(capsys, clock):
+    bench.main(["--prompt", "4", "--new", "3", "--reps", "2", "--stream-mib", "8", "--clock", clock])
+    out = capsys.readouterr().out
+    fields = dict(item.split("=") for item in out.strip().splitlines()[-1].removeprefix("RESULT ").split())
+    assert set(fields) == {
+        "ours_over_hf", "share_of_bound", "stem_share_of_bound", "hf_share_of_bound", "ours_tok_s", "hf_tok_s",
+        "stem_tok_s", "bound_tok_s",
+    }  # fmt: skip
+    assert "greedy tokens: ours dense == transformers: True" in out
+    row = re.search(r"ours, tiny-dense\s+(\d+)\s+([\d.]+)\s+(\d+)", out)
+    tok_s, bound = float(row.group(1)), float(row.group(3))
+    assert float(fields["share_of_bound"]) == pytest.approx(tok_s / bound, rel=0.02, abs=2e-3)
+    assert float(fields["bound_tok_s"]) == pytest.approx(bound, abs=1)

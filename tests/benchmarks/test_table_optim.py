@@ -1,0 +1,23 @@
+"""benchmarks/table_optim.py in a small mode: every optimizer, the default `rowwise_adagrad` included, is timed
+and its two ratios printed."""
+
+from __future__ import annotations
+
+import importlib.util
+import re
+from pathlib import Path
+
+PATH = Path(__file__).resolve().parents[2] / "benchmarks" / "table_optim.py"
+spec = importlib.util.spec_from_file_location("table_optim_bench", PATH)
+bench = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(bench)
+
+
+def test_result_line_times_the_default_optimizer_too(capsys):
+    bench.main(["--d-ff", "16", "--batch", "2", "--seq", "8", "--vocabs", "64,256", "--rounds", "1"])
+    out = capsys.readouterr().out
+    for name in ("adamw", "lazy_adamw", "rowwise_adagrad"):
+        assert re.search(rf"\s{name}\s+V=\s+256\s+[\d.]+ ms/step", out)
+    fields = dict(item.split("=") for item in out.strip().splitlines()[-1].removeprefix("RESULT ").split())
+    assert set(fields) == {"lazy_64k_over_8k", "dense_over_lazy_64k", "adagrad_64k_over_8k", "dense_over_adagrad_64k"}
+    assert all(float(v) > 0 for v in fields.values())
