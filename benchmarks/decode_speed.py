@@ -15,6 +15,7 @@ seconds of that thread's work) or wall time (`--clock wall`, for a quiet machine
 
     python benchmarks/decode_speed.py                      # single thread (the default), CPU clock
     python benchmarks/decode_speed.py --threads 2 --clock wall --new 128 --reps 7
+    python benchmarks/decode_speed.py --device cuda --clock wall      # a GPU's work is not in the CPU clock
 
 Last line: `RESULT ours_over_hf=… share_of_bound=… stem_share_of_bound=… hf_share_of_bound=… ours_tok_s=…
 hf_tok_s=… stem_tok_s=… bound_tok_s=…` (ours = our dense model; ratio > 1 = ours faster; a share is tokens/s over
@@ -45,7 +46,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
     p.add_argument("--clock", choices=("cpu", "wall"), default="cpu", help="process CPU time or wall time")
     p.add_argument("--stream-mib", type=int, default=256, help="MiB read by the bandwidth probe (default 256)")
-    return p.parse_args(argv)
+    p.add_argument("--device", default="cpu", help="cpu or cuda (default cpu)")
+    args = p.parse_args(argv)
+    if args.device != "cpu" and args.clock == "cpu":
+        p.error("--clock cpu measures this process's CPU time, not a GPU's: use --clock wall with --device cuda")
+    return args
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -54,11 +59,14 @@ def main(argv: list[str] | None = None) -> None:
     from transformers import LlamaForCausalLM
 
     stem_cfg, dense_cfg = get_preset("tiny"), get_preset("tiny-dense")
+    device = torch.device(args.device)
     ours = {"stem": build_model(stem_cfg, seed=0).eval(), "dense": build_model(dense_cfg, seed=0).eval()}
     with tempfile.TemporaryDirectory() as tmp:
         save_pretrained(ours["dense"], tmp)
-        hf = LlamaForCausalLM.from_pretrained(tmp, torch_dtype=torch.float32).eval()
+        hf = LlamaForCausalLM.from_pretrained(tmp, torch_dtype=torch.float32).eval().to(device)
+    ours = {name: model.to(device) for name, model in ours.items()}
     prompt = torch.randint(0, dense_cfg.vocab_size, (1, args.prompt), generator=torch.Generator().manual_seed(0))
+    prompt = prompt.to(device)
 
     def run_ours(name):
         return lambda: generate(ours[name], prompt[0].tolist(), args.new, greedy=True)
@@ -75,8 +83,12 @@ def main(argv: list[str] | None = None) -> None:
             )
         return out[0, args.prompt :].tolist()
 
-    stream = torch.ones(args.stream_mib * 2**18)  # fp32: 4 bytes an element
-    runs = {"stem": run_ours("stem"), "dense": run_ours("dense"), "hf": run_hf, "stream": stream.sum}
+    stream = torch.ones(args.stream_mib * 2**18, device=device)  # fp32: 4 bytes an element
+
+    def read_stream():
+        return stream.sum().item()  # .item() waits for a GPU's reduction
+
+    runs = {"stem": run_ours("stem"), "dense": run_ours("dense"), "hf": run_hf, "stream": read_stream}
     tokens = {name: fn() for name, fn in runs.items()}  # warm-up, and the outputs to compare
     times: dict[str, list[float]] = {name: [] for name in runs}
     names = list(runs)
@@ -98,7 +110,7 @@ def main(argv: list[str] | None = None) -> None:
     }
     bytes_tok["hf"] = bytes_tok["dense"]
     print(
-        f"tiny, fp32, threads={torch.get_num_threads()}, prompt {args.prompt} + {args.new} greedy tokens, "
+        f"tiny, fp32 on {device}, threads={torch.get_num_threads()}, prompt {args.prompt} + {args.new} greedy tokens, "
         f"{args.reps} reps, {args.clock} clock; read bandwidth {bandwidth / 1e9:.1f} GB/s (same clock, median)"
     )
     print(f"{'model':<24} {'tok/s':>7} {'MB/token':>9} {'bound tok/s':>12} {'share of bound':>15}")

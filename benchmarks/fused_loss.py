@@ -8,10 +8,12 @@ path keeps its [tokens, V] logits and log-probs) and the process's peak resident
 memory at the start of one forward + backward (Linux `VmHWM`, reset through `/proc/self/clear_refs`), which also
 counts the transient [chunk, V] buffers and the plain path's [tokens, V] gradients (freed heap pages are trimmed
 first, so that reusing them counts; glibc-internal reuse below its mmap threshold may still go unseen at small
-shapes). The default shape is the tiny preset's hidden size at 8 x 256 tokens. Linux only.
+shapes). The default shape is the tiny preset's hidden size at 8 x 256 tokens. Linux only. With `--device cuda`
+the "peak" is the CUDA allocator's peak above its start (`max_memory_allocated`), the inputs in `--dtype`.
 
     python benchmarks/fused_loss.py                           # V = 8192 and 131072, chunk 512
     nice -n 10 python benchmarks/fused_loss.py --threads 1    # on a shared CPU
+    python benchmarks/fused_loss.py --device cuda --dtype bf16 --tokens 8192 --hidden 1024
 
 The last line is `RESULT fused_over_plain_time_v8192=… fused_over_plain_peak_bytes_v8192=…
 fused_over_plain_saved_bytes_v8192=… fused_over_chunked_time_v8192=… fused_over_chunked_peak_bytes_v8192=…` and
@@ -42,6 +44,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--chunk", type=int, default=512, help="tokens per chunk of the fused loss (default %(default)s)")
     p.add_argument("--reps", type=int, default=3, help="timed repetitions after one warm-up (default %(default)s)")
     p.add_argument("--threads", type=int, default=0, help="torch intra-op threads; 0 keeps torch's default")
+    p.add_argument("--device", default="cpu", help="cpu or cuda (default %(default)s)")
+    p.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32", help="hidden states and head weight")
     return p.parse_args(argv)
 
 
@@ -57,10 +61,17 @@ def fused_loss(h, w, y, chunk):
     return fused_linear_cross_entropy(h, w, y, chunk)
 
 
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 def step(fn, hidden, weight, labels, chunk) -> float:
     h, w = hidden.detach().requires_grad_(), weight.detach().requires_grad_()
+    _sync(h.device)
     start = time.perf_counter()
     fn(h, w, labels, chunk).backward()
+    _sync(h.device)
     return time.perf_counter() - start
 
 
@@ -83,7 +94,14 @@ def _status_kb(field: str) -> int:
 
 
 def peak_rss_bytes(fn, hidden, weight, labels, chunk) -> int:
-    """Peak resident memory above the start of one forward + backward (Linux: "5" resets VmHWM to VmRSS)."""
+    """Peak resident memory above the start of one forward + backward (Linux: "5" resets VmHWM to VmRSS); on a
+    GPU the CUDA allocator's peak above what it held at the start."""
+    if hidden.device.type == "cuda":
+        torch.cuda.synchronize(hidden.device)
+        torch.cuda.reset_peak_memory_stats(hidden.device)
+        base = torch.cuda.memory_allocated(hidden.device)
+        step(fn, hidden, weight, labels, chunk)
+        return torch.cuda.max_memory_allocated(hidden.device) - base
     ctypes.CDLL("libc.so.6").malloc_trim(0)  # hand freed heap pages back, so reusing them shows up as a rise
     Path("/proc/self/clear_refs").write_text("5")
     base = _status_kb("VmRSS")
@@ -97,10 +115,12 @@ def ratio(a: float, b: float) -> float:
 
 def measure(vocab: int, args: argparse.Namespace) -> dict[str, float]:
     gen = torch.Generator().manual_seed(0)
-    hidden = torch.randn(args.tokens, args.hidden, generator=gen)
-    weight = torch.randn(vocab, args.hidden, generator=gen) * args.hidden**-0.5
+    dtype, device = {"fp32": torch.float32, "bf16": torch.bfloat16}[args.dtype], torch.device(args.device)
+    hidden = torch.randn(args.tokens, args.hidden, generator=gen).to(device, dtype)
+    weight = (torch.randn(vocab, args.hidden, generator=gen) * args.hidden**-0.5).to(device, dtype)
     labels = torch.randint(0, vocab, (args.tokens,), generator=gen)
     labels[::10] = IGNORE_INDEX
+    labels = labels.to(device)
     fns = {"plain": plain_loss, "chunked": chunked_loss, "fused": fused_loss}
     times: dict[str, list[float]] = {name: [] for name in fns}
     for fn in fns.values():  # warm-up
@@ -123,7 +143,10 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    print(f"tokens={args.tokens} hidden={args.hidden} chunk={args.chunk} threads={torch.get_num_threads()}")
+    print(
+        f"tokens={args.tokens} hidden={args.hidden} chunk={args.chunk} threads={torch.get_num_threads()} "
+        f"{args.dtype} on {args.device}"
+    )
     fields = []
     for vocab in (int(v) for v in args.vocabs.split(",")):
         m = measure(vocab, args)

@@ -20,6 +20,11 @@
 #      vs the collective plan on NCCL.
 #   8. serve_throughput: the continuous-batching engine (stemlm server's decode loop) at concurrency 1, 4, 16
 #      with resident and host tables at the paper-350m shape; batched outputs must equal single-stream greedy.
+#   Close to the machine (issue 23), in their own block at the end:
+#   9. fused_loss: the fused lm_head + cross-entropy against the plain loss in bf16 at V = 8192 and 131072
+#      (time and CUDA-allocator peak ratios).
+#  10. decode_speed: the tiny decode step (ours dense and STEM, HF generate) against the HBM read bound measured
+#      in the same (wall) clock: share_of_bound and ours/HF.
 # Exit status: the number of failed checks. Prepared on a CPU-only machine; see docs/results.md ("GPU check").
 #
 #   bash benchmarks/gpu_check.sh evidence [SHARD_DIR]   # instead of the checks: the GPU evidence run alone
@@ -101,5 +106,8 @@ run decode_offload 180 "$PY" benchmarks/decode_offload.py --device cuda --preset
   --decode 128 --warmup 32 --reps 2 --warm-chars 200000 --ppl-tokens 4000
 run serve_throughput 240 "$PY" benchmarks/serve_throughput.py --device cuda --preset paper-350m \
   --set vocab_size=8192 --prompt 64 --new 32 --reps 2
+# --- close to the machine (issue 23): small entries, about a minute together ---
+run fused_loss 120 "$PY" benchmarks/fused_loss.py --device cuda --dtype bf16 --vocabs 8192,131072 --reps 5
+run decode_speed 120 "$PY" benchmarks/decode_speed.py --device cuda --clock wall --reps 3
 echo "gpu_check: $failed failed"
 exit "$failed"

@@ -11,9 +11,9 @@ The predicted STEM/dense ratio is the ratio of training FLOPs per token from `st
 only, causal attention): it ignores the lookups, the table optimizer and the embedding/norm work.
 
 Beside the steps, in the same rotation and clock: "fused", the dense trainer with the fused lm_head +
-cross-entropy (`--fused-chunk` tokens a chunk, `stemlm.model.fused_loss`); "loss", the plain path's lm_head +
-cross-entropy forward + backward alone on the step's [tokens, hidden] (what `loss_over_step` divides by the dense
-step); and "gemm", the best plain matmul at the model's shapes (`stemlm.train.throughput.matmul_peak`, in the
+cross-entropy (`--fused-chunk` tokens a chunk, `stemlm.model.fused_loss`); "loss", the plain path's
+cross-entropy forward + backward alone on [tokens, V] logits (what `loss_over_step` divides by the dense step;
+the lm_head's matmuls are not in it); and "gemm", the best plain matmul at the model's shapes (`stemlm.train.throughput.matmul_peak`, in the
 same clock), against which `share_of_gemm` sets each model's FLOP rate. Page faults per step are the process's
 minor faults (`getrusage`) across each timed step: a large buffer that the allocator maps and unmaps every step
 shows up there (glibc's `malloc` serves blocks above its mmap threshold with fresh mappings).
@@ -155,18 +155,17 @@ def hf_step(model: torch.nn.Module, cfg: TrainConfig, batch, device: torch.devic
 
 
 def loss_step(model: torch.nn.Module, batch, device: torch.device, amp: bool, clock):
-    """The plain path's lm_head + cross-entropy, forward and backward, alone on fixed [tokens, hidden] states."""
-    ids = batch.to(device)
+    """The plain path's cross-entropy alone, forward and backward, on fixed [tokens, V] logits as the lm_head gives
+    them (the head's matmuls are counted with the GEMMs): log-softmax, the loss and the gradient's zero-fill."""
+    ids = batch.to(device).reshape(-1)
     gen = torch.Generator().manual_seed(0)
-    hidden = torch.randn(ids.numel(), model.config.hidden_size, generator=gen).to(device)
-    weight = model.lm_head.weight.detach().clone()
+    dtype = torch.bfloat16 if amp else torch.float32
+    logits = torch.randn(ids.numel(), model.config.vocab_size, generator=gen).to(device, dtype)
 
     def step() -> tuple[float, float]:
-        h, w = hidden.detach().requires_grad_(), weight.detach().requires_grad_()
+        leaf = logits.detach().requires_grad_()
         start = clock()
-        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=amp):
-            loss = cross_entropy(h @ w.t(), ids.reshape(-1))
-        loss.backward()
+        cross_entropy(leaf, ids).backward()
         return clock() - start, 0.0
 
     return step
@@ -273,7 +272,7 @@ def report(args, cfg, device, dense: ModelConfig, stem: ModelConfig, phases, fau
             f"{statistics.median(faults[name]):>8,.0f}"
         )
     print(
-        f"best plain matmul at the model's shapes {gemm / 1e9:.1f} GFLOP/s; plain lm_head + loss forward+backward "
+        f"best plain matmul at the model's shapes {gemm / 1e9:.1f} GFLOP/s; plain cross-entropy forward+backward "
         f"{loss * 1e3:.1f} ms = {loss / median['dense']:.0%} of the dense step"
     )
     stem_over_dense = median["stem"] / median["dense"]
