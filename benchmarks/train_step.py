@@ -13,8 +13,9 @@ only, causal attention): it ignores the lookups, the table optimizer and the emb
 Beside the steps, in the same rotation and clock: "fused", the dense trainer with the fused lm_head +
 cross-entropy (`--fused-chunk` tokens a chunk, `stemlm.model.fused_loss`); "loss", the plain path's
 cross-entropy forward + backward alone on [tokens, V] logits (what `loss_over_step` divides by the dense step;
-the lm_head's matmuls are not in it); and "gemm", the best plain matmul at the model's shapes (`stemlm.train.throughput.matmul_peak`, in the
-same clock), against which `share_of_gemm` sets each model's FLOP rate. Page faults per step are the process's
+the lm_head's matmuls are not in it); and "gemm", the best plain matmul at the model's shapes
+(`stemlm.train.throughput.matmul_peak`, in the same clock), against which `share_of_gemm` sets each model's FLOP
+rate. Page faults per step are the process's
 minor faults (`getrusage`) across each timed step: a large buffer that the allocator maps and unmaps every step
 shows up there (glibc's `malloc` serves blocks above its mmap threshold with fresh mappings).
 
