@@ -14,7 +14,10 @@ forward: the prefill sees the prompt ids [1, P], each decoding step the one new 
 when given, replaces it for the prefill only, e.g. an edit that swaps rows at chosen prompt positions.
 `embed_rows` / `prefill_embed_rows` do the same for the input embeddings (`StemLM.forward(embed_rows=)`).
 Generation stops at `eos_id` (which is included in the output), after `max_new_tokens`, or when prompt plus
-output reach the model's `max_position_embeddings`.
+output reach the model's `max_position_embeddings`. The prompt's ids are checked once, by the prefill; each
+decoding step feeds back a sampled id (in range by construction) without the model's check, and reads its RoPE
+row from the table the model keeps (`RotaryEmbedding.table`); a model loaded for inference
+(`stemlm.inference.load`) also projects q/k/v with one fused matrix (`StemLM.fuse_for_decoding`).
 """
 
 from __future__ import annotations
@@ -140,11 +143,11 @@ def _check_id_values(input_ids: Sequence[int] | torch.Tensor) -> None:
 
 
 @torch.no_grad()
-def _forward(model: StemLM, ids: torch.Tensor, cache, rows: Rows | None, embed_rows: EmbedRows | None):
+def _forward(model: StemLM, ids: torch.Tensor, cache, rows: Rows | None, embed_rows: EmbedRows | None, check=True):
     # no_grad per call rather than around the generator: a context held across `yield` would leak into the caller.
     extra = {} if embed_rows is None else {"embed_rows": embed_rows}
     extra.update({} if rows is None else {"rows": rows})
-    out = model(ids, past_key_values=cache, use_cache=True, **extra)
+    out = model(ids, past_key_values=cache, use_cache=True, check_ids=check, **extra)
     return out.logits[0, -1], out.past_key_values
 
 
@@ -187,13 +190,14 @@ def _decode(model, prompt, budget, sample, eos_id, prefill_rows, decode_rows) ->
     if budget == 0:
         return
     cache = KVCache(model.config.num_hidden_layers, capacity=prompt.shape[1] + budget)  # no regrowth while decoding
-    logits, cache = _forward(model, prompt, cache, *prefill_rows)
+    logits, cache = _forward(model, prompt, cache, *prefill_rows)  # the prompt's ids are checked here, once
     for step in range(budget):
         token = sample_token(logits, **sample)
         yield token
         if token == eos_id or step == budget - 1:
             return
-        logits, cache = _forward(model, torch.tensor([[token]], device=prompt.device), cache, *decode_rows)
+        # A sampled id indexes the logits, so it is in range: the decoding steps skip the model's id check.
+        logits, cache = _forward(model, torch.tensor([[token]], device=prompt.device), cache, *decode_rows, False)
 
 
 def generate(

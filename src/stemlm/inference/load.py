@@ -14,10 +14,13 @@
 - `dtype`: the compute dtype, as autocast (auto: bf16 on a CUDA device that supports it, else fp32); the
   weights stay as loaded.
 
-The loaded model's `forward` is bound once (`bind_forward`) so that every call, from any thread and from
-code that knows nothing of offloading (the perplexity scorer, lm-eval, the needle test), runs under the
-chosen autocast and, with host / mmap tables, gets the offloaded rows: a forward whose rows were not
-prefetched fetches them on first use. Callers that pass their own row providers (the offload engine) keep them.
+The loaded model's q/k/v projections are fused for decoding (`StemLM.fuse_for_decoding`: one matrix-vector
+product instead of three a layer and token; the parameters and their names stay the checkpoint's, and a forward
+with grad or after a weight changed takes the plain path). Its `forward` is bound once (`bind_forward`) so that
+every call, from any thread and from code that knows nothing of offloading (the perplexity scorer, lm-eval, the
+needle test), runs under the chosen autocast and, with host / mmap tables, gets the offloaded rows: a forward
+whose rows were not prefetched fetches them on first use. Callers that pass their own row providers (the offload
+engine) keep them.
 """
 
 from __future__ import annotations
@@ -120,6 +123,7 @@ def load_inference(path: str | Path, options: InferenceOptions | None = None, *,
         model, tokenizer = load_checkpoint(path, device=device, need_tokenizer=need_tokenizer)
         if opts.table_dtype is not None:
             _round_resident(model, resolve_checkpoint(path), opts.table_dtype)
+        model.fuse_for_decoding()
         bind_forward(model, None, amp)
         return Loaded(model, tokenizer, None, amp)
     from stemlm.inference.offloaded import open_checkpoint
@@ -139,6 +143,7 @@ def load_inference(path: str | Path, options: InferenceOptions | None = None, *,
             f"{path} has no tokenizer.json; {need_tokenizer} needs the tokenizer the model was trained with"
         )
     offloaded.model.eval()
+    offloaded.model.fuse_for_decoding()
     bind_forward(offloaded.model, offloaded.rows, amp)
     return Loaded(offloaded.model, tokenizer, offloaded, amp)
 

@@ -5,6 +5,12 @@ a caller asks for the attention weights (Hugging Face's `output_attentions`).
 
 Numerics follow Hugging Face Llama (norm in fp32, `rotate_half` RoPE with fp32 frequencies) so a dense
 stemlm checkpoint gives the same logits as `transformers.LlamaForCausalLM` (tested to 1e-5 in fp32).
+
+For decoding (`stemlm.inference`), two things are prepared once instead of every step: `Attention.fuse_qkv()`
+concatenates the q/k/v weights into one projection (one matrix-vector product a token instead of three; the
+parameters keep their names and stay the checkpoint's, the fused copy is used only without grad and dropped as
+soon as a weight changes), and `RotaryEmbedding.table(start, length)` slices cos/sin from a table computed once
+for the positions asked so far (the same elementwise arithmetic as `forward`).
 """
 
 from __future__ import annotations
@@ -52,19 +58,36 @@ class RotaryEmbedding(nn.Module):
             inv_freq = llama3_inv_freq(inv_freq, self.llama3)
         self.inv_freq = inv_freq.to(device)
 
+        self._table: tuple[torch.Tensor, torch.Tensor] | None = None  # cos, sin [positions, head_dim] in fp32
+
     def _apply(self, fn, recurse: bool = True):
         # `model.to(torch.bfloat16)` casts every floating buffer; bf16 frequencies put RoPE angles off by whole
         # radians at positions in the thousands, so the frequencies are recomputed in fp32 wherever they went.
         super()._apply(fn, recurse)
         if self.inv_freq.dtype != torch.float32 and not self.inv_freq.is_meta:
             self.reset_buffers(self.inv_freq.device)
+        self._table = None  # rebuilt where the frequencies now live
         return self
 
     def forward(self, position_ids: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         # position_ids: [B, T] -> cos, sin: [B, T, head_dim]
+        return tuple(t.to(dtype) for t in self._cos_sin(position_ids))
+
+    def _cos_sin(self, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         freqs = position_ids[..., None].float() * self.inv_freq.float()
         emb = torch.cat((freqs, freqs), dim=-1)
-        return emb.cos().to(dtype), emb.sin().to(dtype)
+        return emb.cos(), emb.sin()
+
+    def table(self, start: int, length: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [1, length, head_dim] of positions start.. start + length - 1, sliced from a table that grows
+        (doubling) to cover the positions asked for: a decoding step reads its row instead of computing it."""
+        end = start + length
+        if self._table is None or self._table[0].shape[0] < end:
+            size = max(end, 2 * self._table[0].shape[0] if self._table is not None else 0)
+            self._table = self._cos_sin(torch.arange(size, device=self.inv_freq.device)[None])
+            self._table = (self._table[0][0], self._table[1][0])
+        cos, sin = self._table
+        return cos[None, start:end].to(dtype), sin[None, start:end].to(dtype)
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -141,6 +164,38 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(d, self.num_kv_heads * self.head_dim, bias=False)
         self.v_proj = nn.Linear(d, self.num_kv_heads * self.head_dim, bias=False)
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, d, bias=False)
+        self._qkv: tuple[torch.Tensor, tuple] | None = None  # fuse_qkv's weight and what it was made from
+
+    def _qkv_sources(self) -> tuple:
+        # Identity and in-place version of each weight: a load, an edit or .to() changes one of them.
+        return tuple((p.data_ptr(), p._version, p.device, p.dtype) for p in self._qkv_weights())
+
+    def _qkv_weights(self) -> tuple[torch.Tensor, ...]:
+        return self.q_proj.weight, self.k_proj.weight, self.v_proj.weight
+
+    def fuse_qkv(self) -> None:
+        """Keep a concatenated [q; k; v] weight for forwards without grad (inference): one projection instead of
+        three. It is a copy beside the parameters (their names and storage stay the checkpoint's) and is used only
+        while no weight has changed since and no hook sits on the three projections."""
+        with torch.no_grad():
+            self._qkv = torch.cat(self._qkv_weights()), self._qkv_sources()
+
+    def _fused_qkv(self) -> torch.Tensor | None:
+        if self._qkv is None or torch.is_grad_enabled():
+            return None
+        if any(m._forward_hooks or m._forward_pre_hooks for m in (self.q_proj, self.k_proj, self.v_proj)):
+            return None
+        if self._qkv[1] != self._qkv_sources():
+            self._qkv = None  # stale: the plain projections from now on (fuse_qkv again to refresh)
+            return None
+        return self._qkv[0]
+
+    def _project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        fused = self._fused_qkv()
+        if fused is None:
+            return self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        kv = self.num_kv_heads * self.head_dim
+        return F.linear(x, fused).split([self.num_heads * self.head_dim, kv, kv], dim=-1)
 
     def forward(
         self,
@@ -155,9 +210,10 @@ class Attention(nn.Module):
         and cached (a kind acting on attention's values, `Kind.acts_on_values`). `weights`, when given, receives
         this layer's attention weights [B, heads, T, past+T], computed by `math_attention` instead of SDPA."""
         B, T, _ = x.shape
-        q = self.q_proj(x).view(B, T, self.num_heads, self.head_dim).transpose(1, 2)
-        k = self.k_proj(x).view(B, T, self.num_kv_heads, self.head_dim).transpose(1, 2)
-        v = self.v_proj(x).view(B, T, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        q, k, v = self._project(x)
+        q = q.view(B, T, self.num_heads, self.head_dim).transpose(1, 2)
+        k = k.view(B, T, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        v = v.view(B, T, self.num_kv_heads, self.head_dim).transpose(1, 2)
         if values is not None:
             v = values(v)
         cos, sin = rope

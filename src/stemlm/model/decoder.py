@@ -116,6 +116,7 @@ class StemLM(nn.Module):
         output_hidden_states: bool = False,
         output_attentions: bool = False,
         head: bool = True,
+        check_ids: bool = True,
     ) -> ModelOutput:
         """Logits for `input_ids` [B, T]. `labels` [B, T] are the targets of each position (not shifted here);
         `attention_mask` [B, past + T] marks real tokens with 1 (left padding); `past_key_values` continues a
@@ -129,8 +130,11 @@ class StemLM(nn.Module):
         `output_hidden_states` and `output_attentions` return them as Hugging Face Llama does (see `ModelOutput`);
         the attention weights come from `math_attention`, so that forward's logits equal the default's to rounding,
         not bitwise. `head=False` stops after the final norm (logits None; with `output_hidden_states` that is
-        Hugging Face's base model)."""
-        check_token_ids(input_ids, self.config.vocab_size)
+        Hugging Face's base model). `check_ids=False` skips the range check of the ids (a reduction and a host
+        read per call) for a caller that checked them already: generation checks the prompt once and samples the
+        rest from the logits, so in range by construction."""
+        if check_ids:
+            check_token_ids(input_ids, self.config.vocab_size)
         if fused_loss and loss_chunk <= 0:
             raise StemlmError(f"fused_loss needs loss_chunk > 0 (tokens per chunk), got loss_chunk={loss_chunk}")
         input_ids = input_ids.long()  # embedding and hash lookups need int64/int32; narrower ids are accepted
@@ -144,10 +148,14 @@ class StemLM(nn.Module):
                 f"sequence length {past_len + T} exceeds max_position_embeddings={self.config.max_position_embeddings}"
             )
         _check_optional_inputs(B, T, past_len, attention_mask, labels, position_ids, self.config.vocab_size)
-        if position_ids is None:
-            position_ids = default_position_ids(B, T, past_len, attention_mask, input_ids.device)
         x = self.model.embed_tokens(input_ids) if embed_rows is None else _embeddings_from(self, embed_rows, input_ids)
-        rope = self.model.rotary_emb(position_ids, x.dtype)
+        if position_ids is None and attention_mask is None and cache is not None and not torch.compiler.is_compiling():
+            # Decoding: the positions are past_len.. past_len + T, so cos/sin come from the table (bitwise equal)
+            rope = self.model.rotary_emb.table(past_len, T, x.dtype)
+        else:
+            if position_ids is None:
+                position_ids = default_position_ids(B, T, past_len, attention_mask, input_ids.device)
+            rope = self.model.rotary_emb(position_ids, x.dtype)
         mask = build_attention_mask(T, past_len, attention_mask, input_ids.device)
         ctx = TokenContext(input_ids=input_ids, rows=checked_rows(rows))
         fill_lookup_context(ctx, self.ngram_hasher, attention_mask, cache, past_len)
@@ -241,6 +249,12 @@ class StemLM(nn.Module):
                 param.fill_(1.0)
             else:
                 _normal_(param, std, generator)
+
+    def fuse_for_decoding(self) -> None:
+        """Fuse each layer's q/k/v projections for inference (`Attention.fuse_qkv`): the weights on disk and the
+        parameter names are unchanged; a forward with grad, or after any weight changed, takes the plain path."""
+        for layer in self.model.layers:
+            layer.self_attn.fuse_qkv()
 
     def tie_weights(self) -> None:
         if self.config.tie_word_embeddings:

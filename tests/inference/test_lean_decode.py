@@ -1,0 +1,92 @@
+"""The lean decoding step: q/k/v fused at load (`StemLM.fuse_for_decoding`), RoPE rows from a table, the id check
+once per request. Greedy tokens equal a plain model's full recompute (no cache, no fusion, no table) for every kind
+in the registry, with resident tables and, for kinds that have tables, host tables; the fused copy never stands in
+for a weight that changed or a forward with grad.
+
+Run: `OMP_NUM_THREADS=1 python -m pytest tests/inference/test_lean_decode.py -q`.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from stemlm.checkpoint.folder import save_pretrained
+from stemlm.checkpoint.runs import from_pretrained
+from stemlm.inference.generate import generate
+from stemlm.inference.load import InferenceOptions, load_inference
+from stemlm.model.attention import RotaryEmbedding
+from stemlm.model.config import FFN_KINDS
+from tests.conftest import make_tiny_model
+
+PROMPT, NEW = [5, 17, 3, 99, 42], 12
+
+
+@torch.no_grad()
+def recompute_greedy(model, ids: list[int], n: int) -> list[int]:
+    """Greedy tokens by full recompute: every step runs the whole sequence through the plain forward."""
+    seq = list(ids)
+    for _ in range(n):
+        seq.append(int(model(torch.tensor([seq])).logits[0, -1].argmax()))
+    return seq[len(ids) :]
+
+
+@pytest.fixture(scope="module", params=FFN_KINDS)
+def checkpoint(request, tmp_path_factory):
+    folder = tmp_path_factory.mktemp("lean") / request.param
+    save_pretrained(make_tiny_model(request.param, initializer_range=0.1, max_position_embeddings=40), folder)
+    return folder
+
+
+def test_greedy_tokens_equal_the_plain_recompute(checkpoint):
+    plain = from_pretrained(checkpoint).eval()
+    expected = recompute_greedy(plain, PROMPT, NEW)
+    placements = ["device"] + (["host"] if plain.lookup_tables() else [])
+    for tables in placements:
+        with load_inference(checkpoint, InferenceOptions(tables=tables)) as lm:
+            assert all(layer.self_attn._qkv is not None for layer in lm.model.model.layers)  # fused at load
+            assert generate(lm.model, PROMPT, NEW, greedy=True) == expected, tables
+
+
+def test_fused_logits_equal_the_plain_ones_and_weights_keep_their_names(checkpoint):
+    plain, lean = from_pretrained(checkpoint).eval(), from_pretrained(checkpoint).eval()
+    lean.fuse_for_decoding()
+    assert lean.state_dict().keys() == plain.state_dict().keys()
+    ids = torch.tensor([PROMPT])
+    with torch.no_grad():
+        torch.testing.assert_close(lean(ids).logits, plain(ids).logits, atol=1e-6, rtol=0)
+
+
+def test_a_changed_weight_or_a_forward_with_grad_takes_the_plain_projections():
+    model = make_tiny_model("dense")
+    model.fuse_for_decoding()
+    attn = model.model.layers[0].self_attn
+    ids = torch.tensor([PROMPT])
+    model(ids).logits.sum().backward()  # with grad: the parameters' own projections, so they get gradients
+    assert attn.q_proj.weight.grad is not None and attn.v_proj.weight.grad is not None
+    with torch.no_grad():
+        attn.v_proj.weight.mul_(2.0)  # an in-place edit after fusing
+        edited = model(ids).logits
+    assert attn._qkv is None  # the stale copy was dropped
+    fresh = make_tiny_model("dense")
+    with torch.no_grad():
+        fresh.model.layers[0].self_attn.v_proj.weight.mul_(2.0)
+        torch.testing.assert_close(edited, fresh(ids).logits, atol=0, rtol=0)
+
+
+def test_rope_table_rows_equal_the_computed_ones():
+    rope = RotaryEmbedding(16, 10000.0)
+    for start, length in ((0, 7), (3, 1), (30, 1), (12, 20)):  # the table grows past its first size
+        positions = torch.arange(start, start + length)[None]
+        for got, want in zip(rope.table(start, length, torch.float32), rope(positions, torch.float32), strict=True):
+            torch.testing.assert_close(got, want, atol=0, rtol=0)
+
+
+def test_decoding_checks_the_prompt_ids_once(monkeypatch):
+    import stemlm.model.decoder as decoder
+
+    model, calls = make_tiny_model("stem"), []
+    real = decoder.check_token_ids
+    monkeypatch.setattr(decoder, "check_token_ids", lambda ids, vocab: (calls.append(ids.shape), real(ids, vocab)))
+    generate(model, PROMPT, 6, greedy=True)
+    assert calls == [torch.Size([1, len(PROMPT)])]
