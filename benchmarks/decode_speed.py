@@ -1,7 +1,9 @@
 """Decode tokens/s at the tiny shape: our `generate` against `transformers`' `generate()`, with the memory bound.
 
 Three models with random weights (seed 0): our tiny STEM model and our tiny-dense model decode with
-`stemlm.inference.generate.generate`; the same tiny-dense weights loaded into `transformers.LlamaForCausalLM` (a dense
+`stemlm.inference.generate.generate`, prepared as `stemlm.inference.load` prepares a loaded checkpoint (q/k/v
+fused, `StemLM.fuse_for_decoding`), and beside them the same tiny-dense model without the fusion ("unfused", for
+`fused_over_unfused`); the same tiny-dense weights loaded into `transformers.LlamaForCausalLM` (a dense
 stemlm folder is a Llama folder) decode with HF `generate()` (greedy, eos disabled, dynamic cache). Each
 repetition runs every model once, in a rotating order, so machine load hits all alike; a run is a `--prompt`
 token prefill plus `--new` greedy tokens, and tokens/s counts the new tokens (median over repetitions).
@@ -17,9 +19,9 @@ seconds of that thread's work) or wall time (`--clock wall`, for a quiet machine
     python benchmarks/decode_speed.py --threads 2 --clock wall --new 128 --reps 7
     python benchmarks/decode_speed.py --device cuda --clock wall      # a GPU's work is not in the CPU clock
 
-Last line: `RESULT ours_over_hf=… share_of_bound=… stem_share_of_bound=… hf_share_of_bound=… ours_tok_s=…
-hf_tok_s=… stem_tok_s=… bound_tok_s=…` (ours = our dense model; ratio > 1 = ours faster; a share is tokens/s over
-the bound's).
+Last line: `RESULT ours_over_hf=… fused_over_unfused=… share_of_bound=… stem_share_of_bound=…
+hf_share_of_bound=… ours_tok_s=… hf_tok_s=… stem_tok_s=… bound_tok_s=…` (ours = our dense model; ratio > 1 = ours
+faster; a share is tokens/s over the bound's).
 """
 
 from __future__ import annotations
@@ -65,6 +67,9 @@ def main(argv: list[str] | None = None) -> None:
         save_pretrained(ours["dense"], tmp)
         hf = LlamaForCausalLM.from_pretrained(tmp, torch_dtype=torch.float32).eval().to(device)
     ours = {name: model.to(device) for name, model in ours.items()}
+    ours["unfused"] = build_model(dense_cfg, seed=0).eval().to(device)
+    for name in ("stem", "dense"):
+        ours[name].fuse_for_decoding()
     prompt = torch.randint(0, dense_cfg.vocab_size, (1, args.prompt), generator=torch.Generator().manual_seed(0))
     prompt = prompt.to(device)
 
@@ -88,7 +93,7 @@ def main(argv: list[str] | None = None) -> None:
     def read_stream():
         return stream.sum().item()  # .item() waits for a GPU's reduction
 
-    runs = {"stem": run_ours("stem"), "dense": run_ours("dense"), "hf": run_hf, "stream": read_stream}
+    runs = {name: run_ours(name) for name in ("stem", "dense", "unfused")} | {"hf": run_hf, "stream": read_stream}
     tokens = {name: fn() for name, fn in runs.items()}  # warm-up, and the outputs to compare
     times: dict[str, list[float]] = {name: [] for name in runs}
     names = list(runs)
@@ -108,23 +113,30 @@ def main(argv: list[str] | None = None) -> None:
         n: decode_bytes_per_token(c, context, dtype_bytes=4)["total"]
         for n, c in (("stem", stem_cfg), ("dense", dense_cfg))
     }
-    bytes_tok["hf"] = bytes_tok["dense"]
+    bytes_tok["hf"] = bytes_tok["unfused"] = bytes_tok["dense"]
     print(
         f"tiny, fp32 on {device}, threads={torch.get_num_threads()}, prompt {args.prompt} + {args.new} greedy tokens, "
         f"{args.reps} reps, {args.clock} clock; read bandwidth {bandwidth / 1e9:.1f} GB/s (same clock, median)"
     )
     print(f"{'model':<24} {'tok/s':>7} {'MB/token':>9} {'bound tok/s':>12} {'share of bound':>15}")
-    labels = {"stem": "ours, tiny STEM", "dense": "ours, tiny-dense", "hf": "transformers, tiny-dense"}
+    labels = {
+        "stem": "ours, tiny STEM",
+        "dense": "ours, tiny-dense",
+        "unfused": "ours, unfused q/k/v",
+        "hf": "transformers, tiny-dense",
+    }
     for name in names:
         bound = bandwidth / bytes_tok[name]
         print(
             f"{labels[name]:<24} {tok_s[name]:>7.0f} {bytes_tok[name] / 1e6:>9.1f} {bound:>12.0f} "
             f"{tok_s[name] / bound:>15.0%}"
         )
-    print(f"greedy tokens: ours dense == transformers: {tokens['dense'] == tokens['hf']}")
+    same = tokens["dense"] == tokens["hf"] == tokens["unfused"]
+    print(f"greedy tokens: ours dense == unfused == transformers: {same}")
     share = {name: tok_s[name] * bytes_tok[name] / bandwidth for name in names}
     print(
-        f"RESULT ours_over_hf={tok_s['dense'] / tok_s['hf']:.3f} share_of_bound={share['dense']:.3f} "
+        f"RESULT ours_over_hf={tok_s['dense'] / tok_s['hf']:.3f} "
+        f"fused_over_unfused={tok_s['dense'] / tok_s['unfused']:.3f} share_of_bound={share['dense']:.3f} "
         f"stem_share_of_bound={share['stem']:.3f} hf_share_of_bound={share['hf']:.3f} ours_tok_s={tok_s['dense']:.0f} "
         f"hf_tok_s={tok_s['hf']:.0f} stem_tok_s={tok_s['stem']:.0f} bound_tok_s={bandwidth / bytes_tok['dense']:.0f}"
     )

@@ -22,10 +22,10 @@ def test_result_line_and_shares(capsys, clock):
     out = capsys.readouterr().out
     fields = dict(item.split("=") for item in out.strip().splitlines()[-1].removeprefix("RESULT ").split())
     assert set(fields) == {
-        "ours_over_hf", "share_of_bound", "stem_share_of_bound", "hf_share_of_bound", "ours_tok_s", "hf_tok_s",
-        "stem_tok_s", "bound_tok_s",
+        "ours_over_hf", "fused_over_unfused", "share_of_bound", "stem_share_of_bound", "hf_share_of_bound",
+        "ours_tok_s", "hf_tok_s", "stem_tok_s", "bound_tok_s",
     }  # fmt: skip
-    assert "greedy tokens: ours dense == transformers: True" in out
+    assert "greedy tokens: ours dense == unfused == transformers: True" in out
     row = re.search(r"ours, tiny-dense\s+(\d+)\s+([\d.]+)\s+(\d+)", out)
     tok_s, bound = float(row.group(1)), float(row.group(3))
     assert float(fields["share_of_bound"]) == pytest.approx(tok_s / bound, rel=0.02, abs=2e-3)
