@@ -13,13 +13,16 @@ measured in this process, in the same clock as the decoding: a streaming sum ove
 threads, timed once per repetition inside the rotation (so load hits it as it hits the models), median over the
 repetitions. The clock is this process's CPU time by default (`--clock cpu`: blind to time spent descheduled by
 the other processes of a shared machine, so rates and bound move together; with one thread CPU seconds are
-seconds of that thread's work) or wall time (`--clock wall`, for a quiet machine or more threads).
+seconds of that thread's work) or wall time (`--clock wall`, for a quiet machine or more threads). A third
+reference, in the same rotation and clock: the matrix-vector products alone of one dense decode step (every weight
+matrix the step multiplies by, each once, in order, on a vector; "matvec"): `share_of_matvec` is their time over
+our dense model's time per token, i.e. how much of a step the matrix kernels take, whatever bandwidth they reach.
 
     python benchmarks/decode_speed.py                      # single thread (the default), CPU clock
     python benchmarks/decode_speed.py --threads 2 --clock wall --new 128 --reps 7
     python benchmarks/decode_speed.py --device cuda --clock wall      # a GPU's work is not in the CPU clock
 
-Last line: `RESULT ours_over_hf=… fused_over_unfused=… share_of_bound=… stem_share_of_bound=…
+Last line: `RESULT ours_over_hf=… fused_over_unfused=… share_of_bound=… share_of_matvec=… stem_share_of_bound=…
 hf_share_of_bound=… ours_tok_s=… hf_tok_s=… stem_tok_s=… bound_tok_s=…` (ours = our dense model; ratio > 1 = ours
 faster; a share is tokens/s over the bound's).
 """
@@ -53,6 +56,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.device != "cpu" and args.clock == "cpu":
         p.error("--clock cpu measures this process's CPU time, not a GPU's: use --clock wall with --device cuda")
     return args
+
+
+def matvec_chain(model) -> list[torch.Tensor]:
+    """The weight matrices a dense decode step multiplies by, in order (q/k/v fused as the loaded model has them)."""
+    weights = []
+    for layer in model.model.layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        qkv = torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight])
+        weights += [qkv, attn.o_proj.weight, mlp.gate_proj.weight, mlp.up_proj.weight, mlp.down_proj.weight]
+    return [w.detach().clone() for w in [*weights, model.lm_head.weight]]  # distinct copies: none cached by the step
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -93,7 +106,16 @@ def main(argv: list[str] | None = None) -> None:
     def read_stream():
         return stream.sum().item()  # .item() waits for a GPU's reduction
 
-    runs = {name: run_ours(name) for name in ("stem", "dense", "unfused")} | {"hf": run_hf, "stream": read_stream}
+    chain = matvec_chain(ours["dense"])
+    vectors = {w.shape[1]: torch.randn(w.shape[1], device=device) for w in chain}
+
+    def run_matvecs():
+        for w in chain:
+            torch.mv(w, vectors[w.shape[1]])
+        return torch.mv(chain[-1], vectors[chain[-1].shape[1]])[0].item()  # waits for a GPU's products
+
+    runs = {name: run_ours(name) for name in ("stem", "dense", "unfused")}
+    runs |= {"hf": run_hf, "stream": read_stream, "matvec": run_matvecs}
     tokens = {name: fn() for name, fn in runs.items()}  # warm-up, and the outputs to compare
     times: dict[str, list[float]] = {name: [] for name in runs}
     names = list(runs)
@@ -106,7 +128,8 @@ def main(argv: list[str] | None = None) -> None:
             times[name].append(clock() - start)
     seconds = {name: statistics.median(ts) for name, ts in times.items()}
     bandwidth = stream.numel() * 4 / seconds.pop("stream")
-    names.remove("stream")
+    matvec_s = seconds.pop("matvec")
+    names = [name for name in names if name in seconds]
     tok_s = {name: args.new / s for name, s in seconds.items()}
     context = args.prompt + args.new // 2
     bytes_tok = {
@@ -131,12 +154,18 @@ def main(argv: list[str] | None = None) -> None:
             f"{labels[name]:<24} {tok_s[name]:>7.0f} {bytes_tok[name] / 1e6:>9.1f} {bound:>12.0f} "
             f"{tok_s[name] / bound:>15.0%}"
         )
+    print(
+        f"the matrix-vector products of one dense step alone: {matvec_s * 1e3:.2f} ms "
+        f"({sum(w.numel() for w in chain) * 4 / matvec_s / 1e9:.1f} GB/s), {matvec_s * tok_s['dense']:.0%} of our "
+        f"dense model's {1e3 / tok_s['dense']:.2f} ms a token"
+    )
     same = tokens["dense"] == tokens["hf"] == tokens["unfused"]
     print(f"greedy tokens: ours dense == unfused == transformers: {same}")
     share = {name: tok_s[name] * bytes_tok[name] / bandwidth for name in names}
     print(
         f"RESULT ours_over_hf={tok_s['dense'] / tok_s['hf']:.3f} "
         f"fused_over_unfused={tok_s['dense'] / tok_s['unfused']:.3f} share_of_bound={share['dense']:.3f} "
+        f"share_of_matvec={matvec_s * tok_s['dense']:.3f} "
         f"stem_share_of_bound={share['stem']:.3f} hf_share_of_bound={share['hf']:.3f} ours_tok_s={tok_s['dense']:.0f} "
         f"hf_tok_s={tok_s['hf']:.0f} stem_tok_s={tok_s['stem']:.0f} bound_tok_s={bandwidth / bytes_tok['dense']:.0f}"
     )

@@ -1,6 +1,6 @@
-"""benchmarks/decode_speed.py in a small mode: its RESULT line carries the shares of the bound, each the decode
-rate times the bytes a token reads over the bandwidth measured in the same clock (re-computed here from the
-printed figures), and our greedy tokens equal transformers'."""
+"""benchmarks/decode_speed.py in a small mode: its RESULT line carries the shares of the bound (the decode rate
+times the bytes a token reads over the bandwidth measured in the same clock) and of the matrix-vector products,
+each re-computed here from the printed figures, and our greedy tokens equal transformers'."""
 
 from __future__ import annotations
 
@@ -22,11 +22,15 @@ def test_result_line_and_shares(capsys, clock):
     out = capsys.readouterr().out
     fields = dict(item.split("=") for item in out.strip().splitlines()[-1].removeprefix("RESULT ").split())
     assert set(fields) == {
-        "ours_over_hf", "fused_over_unfused", "share_of_bound", "stem_share_of_bound", "hf_share_of_bound",
-        "ours_tok_s", "hf_tok_s", "stem_tok_s", "bound_tok_s",
+        "ours_over_hf", "fused_over_unfused", "share_of_bound", "share_of_matvec", "stem_share_of_bound",
+        "hf_share_of_bound", "ours_tok_s", "hf_tok_s", "stem_tok_s", "bound_tok_s",
     }  # fmt: skip
     assert "greedy tokens: ours dense == unfused == transformers: True" in out
     row = re.search(r"ours, tiny-dense\s+(\d+)\s+([\d.]+)\s+(\d+)", out)
     tok_s, bound = float(row.group(1)), float(row.group(3))
     assert float(fields["share_of_bound"]) == pytest.approx(tok_s / bound, rel=0.02, abs=2e-3)
     assert float(fields["bound_tok_s"]) == pytest.approx(bound, abs=1)
+    matvec_ms, token_ms = (
+        float(x) for x in re.search(r"alone: ([\d.]+) ms .* dense model's ([\d.]+) ms", out).groups()
+    )
+    assert float(fields["share_of_matvec"]) == pytest.approx(matvec_ms / token_ms, rel=0.05, abs=5e-3)
