@@ -57,8 +57,7 @@ class RotaryEmbedding(nn.Module):
 
             inv_freq = llama3_inv_freq(inv_freq, self.llama3)
         self.inv_freq = inv_freq.to(device)
-
-        self._table: tuple[torch.Tensor, torch.Tensor] | None = None  # cos, sin [positions, head_dim] in fp32
+        self._table: tuple[torch.Tensor, torch.Tensor] | None = None  # `table`'s cos, sin [positions, head_dim], fp32
 
     def _apply(self, fn, recurse: bool = True):
         # `model.to(torch.bfloat16)` casts every floating buffer; bf16 frequencies put RoPE angles off by whole
