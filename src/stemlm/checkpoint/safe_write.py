@@ -10,26 +10,38 @@ cache-sim --out, the playground's save) goes through `AtomicFolder(target, produ
 - the new folder is built in a temporary sibling; each file's SHA-256 goes into `stemlm-manifest.json`,
   files and folders get the permissions the user's umask allows (mkdtemp alone would leave 0700), everything
   is fsynced, then renamed into place; a replaced folder is moved aside to `.NAME.old` first and removed
-  last, so at every instant a complete folder exists at or beside the target.
+  last, so at every instant a complete folder exists at or beside the target;
+- a target that is a symlink is refused (the write would land in its target), and the temporary folder holds a
+  marker (`.stemlm-partial.json`: producer, process id, host) until the rename, so the next run of the same
+  writer on the same target removes what a killed run left (`remove_partials`: a `.NAME.tmp-*` folder whose
+  marker names that producer and a process that is gone; a `.NAME.old` beside a complete NAME that producer
+  wrote). Temporaries without a marker, another producer's, or a live process's are left alone.
 
 `verify_folder` recomputes the sums (`stemlm verify CKPT`); loading never hashes, so it stays fast.
-`atomic_write_text` is the same promise for one small file (temp file, fsync, rename; no leftover on error).
+`atomic_write_text` is the same promise for one small file (temp file, fsync, rename; no leftover on error; a
+symlink at the path or at the temp name is refused; a temp file a killed process left, `.NAME.tmp-<pid>` of a
+process that is gone, is removed by the next write of that file).
 """
 
 from __future__ import annotations
 
+import glob
 import hashlib
 import json
 import os
+import re
 import shutil
+import socket
 import tempfile
 from collections.abc import Iterable
 from pathlib import Path
 
 from stemlm.errors import StemlmError
+from stemlm.paths import refuse_symlink
 
 MANIFEST_NAME = "stemlm-manifest.json"
 MANIFEST_FORMAT = "stemlm-manifest-v1"
+PARTIAL_NAME = ".stemlm-partial.json"  # inside a folder being written: who writes it (removed before the rename)
 _CHUNK = 1 << 20
 
 
@@ -108,6 +120,7 @@ def check_target(
 ) -> None:
     """Raise a StemlmError unless writing a folder at `target` can lose nothing (see the module docstring)."""
     target = Path(target)
+    refuse_symlink(target, flag)
     resolved = target.resolve()
     for source in sources:
         if _inside(Path(source).resolve(), resolved):
@@ -188,10 +201,14 @@ class AtomicFolder:
     def __enter__(self) -> Path:
         if not self.owned:
             check_target(self.target, **self.check)
+        refuse_symlink(self.target, self.check["flag"])
+        remove_partials(self.target, self.producer)
         parent = self.target.parent
         try:
             parent.mkdir(parents=True, exist_ok=True)
             self.tmp = Path(tempfile.mkdtemp(prefix=f".{self.target.name}.tmp-", dir=parent))
+            marker = {"producer": self.producer, "pid": os.getpid(), "host": socket.gethostname()}
+            (self.tmp / PARTIAL_NAME).write_text(json.dumps(marker) + "\n")
         except OSError as exc:
             raise StemlmError(f"cannot write to {parent}: {exc.strerror or exc}") from None
         return self.tmp
@@ -205,6 +222,8 @@ class AtomicFolder:
         try:
             if not self.owned:  # again: something may have appeared at the target while the block ran
                 check_target(self.target, **self.check)
+            refuse_symlink(self.target, self.check["flag"])
+            (self.tmp / PARTIAL_NAME).unlink(missing_ok=True)
             write_manifest(self.tmp, self.producer)
             _apply_umask(self.tmp)
             fsync_tree(self.tmp)
@@ -221,12 +240,61 @@ class AtomicFolder:
             raise StemlmError(f"could not write {self.target}: {exc.strerror or exc}") from None
 
 
+def remove_partials(target: Path, producer: str) -> None:
+    """Remove what a killed `AtomicFolder(target, producer=producer)` left beside `target` (module docstring)."""
+    parent = target.parent
+    if not parent.is_dir():
+        return
+    for tmp in parent.glob(f".{glob.escape(target.name)}.tmp-*"):
+        if tmp.is_dir() and not tmp.is_symlink() and _abandoned(tmp / PARTIAL_NAME, producer):
+            shutil.rmtree(tmp, ignore_errors=True)
+    old = parent / f".{target.name}.old"
+    if old.is_dir() and not old.is_symlink() and target.is_dir() and not target.is_symlink():
+        if _producer(old) == producer == _producer(target):  # the replaced copy, its replacement in place
+            shutil.rmtree(old, ignore_errors=True)
+
+
+def _producer(folder: Path) -> str | None:
+    manifest = read_manifest(folder)
+    return manifest.get("producer") if manifest is not None else None
+
+
+def _abandoned(marker: Path, producer: str) -> bool:
+    """Whether a partial folder's marker names `producer` and a process of this host that is gone."""
+    try:
+        data = json.loads(marker.read_text())
+    except (OSError, json.JSONDecodeError, UnicodeDecodeError):
+        return False
+    if not isinstance(data, dict) or data.get("producer") != producer or data.get("host") != socket.gethostname():
+        return False
+    pid = data.get("pid")
+    return isinstance(pid, int) and not _alive(pid)
+
+
+def _alive(pid: int) -> bool:
+    if pid == os.getpid():
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except (PermissionError, OverflowError, ValueError):
+        return True  # another user's process (or a pid we cannot test): not ours to judge
+    return True
+
+
 def atomic_write_text(path: str | Path, text: str) -> None:
     """Replace one file atomically: a temp sibling, fsync, rename; the temp file never outlives a failure."""
-    path = Path(path)
+    path = refuse_symlink(Path(path))
+    pattern = re.compile(rf"^\.{re.escape(path.name)}\.tmp-(\d+)$")
+    for stale in path.parent.glob(f".{glob.escape(path.name)}.tmp-*"):  # left by a killed writer of this file
+        match = pattern.match(stale.name)
+        if match and not stale.is_dir() and not _alive(int(match.group(1))):
+            stale.unlink(missing_ok=True)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     try:
-        with open(tmp, "w") as f:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o666)
+        with os.fdopen(fd, "w") as f:
             f.write(text)
             f.flush()
             os.fsync(f.fileno())
