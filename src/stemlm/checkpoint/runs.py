@@ -54,7 +54,8 @@ def is_checkpoint(path: Path) -> bool:
 
 
 def _from_pointer(run: Path) -> Path | None:
-    """The checkpoint named by RUN/checkpoints/latest.json ({"step": N, "path": "step-…"}), if it is complete."""
+    """The checkpoint named by RUN/checkpoints/latest.json ({"step": N, "path": "step-…"}), if it is complete; a
+    pointer leading out of checkpoints/ is refused, never followed."""
     pointer = run / CHECKPOINTS_DIR / LATEST_NAME
     try:
         data = json.loads(pointer.read_text())
@@ -63,7 +64,12 @@ def _from_pointer(run: Path) -> Path | None:
     name = data.get("path") if isinstance(data, dict) else None
     if not isinstance(name, str) or not name:
         return None
-    target = pointer.parent / name  # relative to checkpoints/ (an absolute path stays absolute)
+    if not STEP_DIR.match(name):  # the trainer writes "step-N": anything else would lead out of the run
+        raise StemlmError(
+            f"{pointer} points at {name!r}, not at a step folder of {pointer.parent}; the file was edited or damaged "
+            "(delete it to resume from the newest step folder)"
+        )
+    target = pointer.parent / name
     return target if is_checkpoint(target) else None
 
 

@@ -205,6 +205,11 @@ def register(subparsers) -> None:
         help="continue this run from its newest checkpoint (or from the given checkpoint folder of a run)",
     )
     g["eval"].add_argument(
+        "--allow-nonfinite",
+        action="store_true",
+        help="with --resume: continue even when the checkpoint's weights hold NaN or Inf (refused by default)",
+    )
+    g["eval"].add_argument(
         "--sample-prompt",
         metavar="TEXT",
         default=DEFAULT_SAMPLE_PROMPT,
@@ -264,7 +269,7 @@ def run_request(args):
     from stemlm.model.overrides import split_sections
     from stemlm.train.setup import RunRequest
 
-    given = ("preset", "ffn", "stem_layers", "fit_vocab", "tokenizer", "resume", "init_from")
+    given = ("preset", "ffn", "stem_layers", "fit_vocab", "tokenizer", "resume", "init_from", "allow_nonfinite")
     model_sets = split_sections(args.overrides, ("model", "train"))["model"]
     return RunRequest(
         train_overrides(args),
@@ -275,23 +280,28 @@ def run_request(args):
 
 
 def run(args) -> int:
-    from stemlm.cli.train_launch import launch_workers
-    from stemlm.train.parallel.workers import distributed_worker
+    from stemlm.train.parallel.workers import distributed_worker, rank_error
     from stemlm.train.report import render_report
     from stemlm.train.setup import run_training
 
     if args.sample_tokens < 0:
         raise StemlmError(f"--sample-tokens must be >= 0 (0 skips the sample), got {args.sample_tokens}")
-    if args.nproc < 1:
-        raise StemlmError(f"--nproc must be at least 1, got {args.nproc}")
-    if (args.nproc > 1 or args.nnodes > 1) and "RANK" not in os.environ:
-        if not args.resume:  # fail here, before starting processes, when the batch cannot be split
-            from stemlm.train.parallel.launch import local_batch_size
-            from stemlm.train.recipes import train_config
+    if args.allow_nonfinite and not args.resume:
+        raise StemlmError("--allow-nonfinite applies to --resume (a checkpoint whose weights hold NaN or Inf)")
+    worker = distributed_worker()  # a rank of torchrun or srun (it sets RANK)
+    if not worker:
+        from stemlm.train.parallel.launch import check_launch_flags
 
-            local_batch_size(train_config(train_overrides(args)).batch_size, args.nproc * args.nnodes)
-        return launch_workers(args)
-    report = run_training(run_request(args), args.sample_prompt, args.sample_tokens)
+        check_launch_flags(args.nproc, args.nnodes, args.rdzv_endpoint, args.parallel)
+    if (args.nproc > 1 or args.nnodes > 1) and "RANK" not in os.environ:
+        return launch(args)
+    try:
+        report = run_training(run_request(args), args.sample_prompt, args.sample_tokens)
+    except (ValueError, OSError, KeyError, RuntimeError) as exc:
+        if not worker or args.debug:
+            raise
+        # The launcher shows rank 0's line and keeps the others' in the launch log (stemlm.cli.train_launch).
+        raise StemlmError(rank_error(int(os.environ["RANK"]), exc)) from None
     if report is None:  # a rank other than 0 of a distributed run
         return 0
     if args.json:
@@ -303,3 +313,15 @@ def run(args) -> int:
 
         return exit_code(report["stopped_by"])  # 130 / 143, as if the signal had ended the process
     return 0
+
+
+def launch(args) -> int:
+    """`--nproc N`: check everything a rank would check before it trains (`stemlm.train.preflight`), then start
+    the ranks; a fresh run without --out gets its default folder chosen here, so every message can name it."""
+    from stemlm.cli.train_launch import launch_workers
+    from stemlm.train.preflight import preflight
+
+    run_dir = preflight(run_request(args), args.nproc * args.nnodes)
+    if not args.resume and args.out is None:
+        args.out = str(run_dir)
+    return launch_workers(args, run_dir)

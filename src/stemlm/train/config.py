@@ -216,6 +216,10 @@ class TrainConfig:
         for name in ("lr", "table_lr_scale", "eps", "spike_factor", "dist_timeout"):
             value = getattr(self, name)
             need(_finite(value) and value > 0, f"{name} must be a positive number, got {value!r}")
+        need(  # seconds a rank waits for its peers: under 1 s a healthy collective times out, a week is plenty
+            not _finite(self.dist_timeout) or 1 <= self.dist_timeout <= 7 * 86400,
+            f"dist_timeout must lie in [1, 604800] seconds, got {self.dist_timeout!r}",
+        )
         for name in ("weight_decay", "table_wd", "grad_clip", "aux_loss_coef", "save_minutes"):
             value = getattr(self, name)
             need(_finite(value) and value >= 0, f"{name} must be a non-negative number, got {value!r}")

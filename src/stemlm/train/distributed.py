@@ -83,6 +83,7 @@ class DistributedTrainer(Trainer):
         fault_injection: FaultInjection | None = None,
         progress: bool = True,
         _resume_from: Path | None = None,
+        _allow_nonfinite: bool = False,
     ) -> None:
         device = None if cfg.device == "auto" else cfg.device
         self.dist = init_distributed(device=device, timeout_s=cfg.dist_timeout)
@@ -97,6 +98,7 @@ class DistributedTrainer(Trainer):
             fault_injection=fault_injection,
             progress=progress and self.dist.is_main,
             _resume_from=_resume_from,
+            _allow_nonfinite=_allow_nonfinite,
         )
 
     @property

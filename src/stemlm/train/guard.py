@@ -5,6 +5,9 @@
   run never writes metrics.jsonl / loss.png over someone else's files. Folders that stemlm's own commands
   wrote there (`analyze`, `cache-sim`, `eval niah`: their manifest names a stemlm producer) belong to the
   run, so a finished run with reports is told to `--resume`, not called foreign (`check_no_checkpoints`).
+- `check_run_links(run_dir)`: no file or folder the trainer writes in a run folder (run_config.json,
+  metrics.jsonl, loss.png, launch.log, tensorboard/, profile/, checkpoints/ and what it holds) may be a symlink:
+  the write would land in the link's target, outside the run. Checked before a new run or a resume writes.
 - `StopSignals`: while `fit()` runs, SIGINT (Ctrl-C) and SIGTERM only raise a flag; the trainer finishes the
   current step, saves a checkpoint of it, writes loss.png and metrics, and prints the `--resume` command. A
   second signal in a single process aborts at once (KeyboardInterrupt); in a torchrun worker it does not,
@@ -25,10 +28,20 @@ from stemlm.checkpoint.folder import CONFIG_NAME
 from stemlm.checkpoint.runs import CHECKPOINTS_DIR, STEP_DIR
 from stemlm.checkpoint.safe_write import read_manifest
 from stemlm.errors import StemlmError
+from stemlm.paths import refuse_symlink
 from stemlm.train.state import STATE_NAME
 
+LAUNCH_LOG = "launch.log"  # the full output of every `--nproc N` launch of the run (stemlm.cli.train_launch)
 # What an earlier `stemlm train` may have left in its run folder before its first checkpoint.
-RUN_FOLDER_ENTRIES = {"run_config.json", "metrics.jsonl", "loss.png", "tensorboard", "profile", CHECKPOINTS_DIR}
+RUN_FOLDER_ENTRIES = {
+    "run_config.json",
+    "metrics.jsonl",
+    "loss.png",
+    LAUNCH_LOG,
+    "tensorboard",
+    "profile",
+    CHECKPOINTS_DIR,
+}
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
 
@@ -43,6 +56,7 @@ def check_run_dir(path: str | Path) -> None:
         raise StemlmError(
             f"--out {path} is a model checkpoint folder; train into a new folder (start from it with --init-from)"
         )
+    check_run_links(path)
     others = [p for p in sorted(path.iterdir()) if p.name not in RUN_FOLDER_ENTRIES]
     foreign = [p.name for p in others if not _written_by_stemlm(p)]
     if foreign:
@@ -55,6 +69,17 @@ def check_run_dir(path: str | Path) -> None:
             f"--out {path} holds stemlm outputs ({', '.join(p.name for p in others)}) but no checkpoint; "
             "remove them or choose another --out"
         )
+
+
+def check_run_links(run_dir: Path) -> None:
+    """Raise if an entry the trainer writes in `run_dir` (or in its checkpoints/ folder) is a symlink."""
+    run_dir = Path(run_dir)
+    entries = [run_dir / name for name in sorted(RUN_FOLDER_ENTRIES)]
+    folder = run_dir / CHECKPOINTS_DIR
+    if folder.is_dir() and not folder.is_symlink():
+        entries += sorted(folder.iterdir())
+    for entry in entries:
+        refuse_symlink(entry, "run folder entry")
 
 
 def _written_by_stemlm(path: Path) -> bool:
@@ -71,7 +96,7 @@ def check_no_checkpoints(run_dir: Path) -> None:
     if not found:
         return
     step, newest = found[-1]
-    planned = _planned_steps(folder / newest)
+    planned = planned_steps(folder / newest)
     if planned is None:
         how = f"--resume {run_dir} (newest: step {step})"
     elif step >= planned:
@@ -81,7 +106,7 @@ def check_no_checkpoints(run_dir: Path) -> None:
     raise StemlmError(f"run folder {run_dir} already has checkpoints; continue it with {how} or choose another --out")
 
 
-def _planned_steps(checkpoint: Path) -> int | None:
+def planned_steps(checkpoint: Path) -> int | None:
     """The step count the run of `checkpoint` was training toward (its trainer state), None if unreadable."""
     try:
         steps = json.loads((checkpoint / STATE_NAME).read_text())["config"]["train"]["steps"]

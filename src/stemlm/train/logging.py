@@ -5,7 +5,8 @@ to RUN/metrics.jsonl and the same numbers to TensorBoard (RUN/tensorboard, tags 
 progress bar and the one-line evaluation summaries go to stderr. On resume from step k, records after k
 (written by the interrupted run past its last checkpoint) are dropped from metrics.jsonl and purged from
 TensorBoard, so both read as one uninterrupted run. `plot_losses` draws RUN/loss.png from metrics.jsonl.
-Non-finite numbers are written as null: metrics.jsonl stays strict JSON.
+Non-finite numbers are written as null: metrics.jsonl stays strict JSON. Neither file is written through a
+symlink (`stemlm.paths.refuse_symlink`).
 
 The bar reads `40%|████      | 80/200 steps [01:02, ETA 01:33, loss 5.1234, 3,150 tok/s]`: the ETA is
 tqdm's (wall time per step, evaluations and saves included), the throughput that of the last `SPEED_STEPS`
@@ -24,6 +25,7 @@ from typing import Any
 from tqdm import tqdm
 
 from stemlm.errors import StemlmError
+from stemlm.paths import refuse_symlink
 
 METRICS_NAME = "metrics.jsonl"
 TENSORBOARD_DIR = "tensorboard"
@@ -56,7 +58,7 @@ class RunLogger:
     """metrics.jsonl + TensorBoard + tqdm for one run, resumable at `start_step`."""
 
     def __init__(self, run_dir: Path, start_step: int, total_steps: int, progress: bool = True) -> None:
-        self.path = run_dir / METRICS_NAME
+        self.path = refuse_symlink(run_dir / METRICS_NAME, "run folder entry")  # never rewrite a link's target
         self.progress = progress
         try:
             kept = [r for r in read_metrics(self.path) if r.get("step", 0) <= start_step]
@@ -146,6 +148,7 @@ def plot_losses(metrics_path: str | Path, png_path: str | Path, title: str = "")
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
+    refuse_symlink(png_path, "run folder entry")
     try:
         fig.savefig(str(png_path))
     except OSError as exc:

@@ -33,6 +33,7 @@ class RunRequest:
     resume: str | None = None  # continue this run (or this checkpoint of a run)
     init_from: str | None = None  # start from this model checkpoint's weights
     progress: bool = True  # the progress bar
+    allow_nonfinite: bool = False  # resume even when the checkpoint's weights hold NaN or Inf
 
 
 def requested_model(r: RunRequest, base: ModelConfig | None) -> tuple[ModelConfig | None, bool]:
@@ -45,20 +46,27 @@ def requested_model(r: RunRequest, base: ModelConfig | None) -> tuple[ModelConfi
     return config, any(item.split("=", 1)[0] == "model.vocab_size" for item in r.model_sets)
 
 
-def build_trainer(r: RunRequest):
-    """A fresh, resumed or initialised trainer (`DistributedTrainer` in a torchrun worker, else `Trainer`)."""
+@dataclass
+class RunPlan:
+    """What `build_trainer` builds, resolved without building anything (`plan_run`)."""
+
+    model: ModelConfig | None  # the model config asked for; None: the checkpoint's (a resume or --init-from)
+    tokenizer: Any  # the tokenizer asked for (a resume: to compare with the run's); None: the run's or default
+    cfg: Any = None  # the TrainConfig of a fresh or initialised run
+    changes: dict[str, Any] = field(default_factory=dict)  # a resume's training overrides
+
+
+def plan_run(r: RunRequest) -> RunPlan:
+    """Resolve the request: the model config, the tokenizer, and the training config (a resume: its overrides)."""
     from stemlm.checkpoint.folder import load_config
     from stemlm.checkpoint.runs import resolve_checkpoint
     from stemlm.data import get_tokenizer
     from stemlm.train.config import check_vocab
     from stemlm.train.data import resolve_tokenizer
-    from stemlm.train.parallel.workers import trainer_class
     from stemlm.train.recipes import train_config
 
-    trainer_cls = trainer_class()
     changes = dict(r.changes)
     tokenizer = get_tokenizer(r.tokenizer) if r.tokenizer else None
-    progress = r.progress
     if r.resume:
         if r.init_from:
             raise StemlmError("--resume and --init-from cannot be combined: a resumed run has its own weights")
@@ -67,13 +75,11 @@ def build_trainer(r: RunRequest):
         if model is not None and not vocab_set:
             model = model.replace(vocab_size=run_config.vocab_size)  # vocab follows the tokenizer, checked apart
         changes.pop("tokenizer", None)
-        return trainer_cls.resume(
-            r.resume, model_config=model, tokenizer=tokenizer, overrides=changes, progress=progress
-        )
+        return RunPlan(model, tokenizer, changes=changes)
     if r.init_from:
         changes.setdefault("preset", os.path.basename(os.path.normpath(r.init_from)))
         model, _ = requested_model(r, load_config(r.init_from))
-        return trainer_cls(model, train_config(changes), tokenizer=tokenizer, progress=progress)
+        return RunPlan(model, tokenizer, train_config(changes))
     cfg = train_config(changes)
     model, vocab_set = requested_model(r, None)
     if model is None:
@@ -83,7 +89,25 @@ def build_trainer(r: RunRequest):
     explicit = bool(r.preset) or vocab_set
     requested = f"preset {r.preset}" if r.preset else "model.vocab_size"
     model = check_vocab(model, tokenizer, requested=requested, vocab_set=vocab_set, fit=r.fit_vocab or not explicit)
-    return trainer_cls(model, cfg, tokenizer=tokenizer, progress=progress)
+    return RunPlan(model, tokenizer, cfg)
+
+
+def build_trainer(r: RunRequest):
+    """A fresh, resumed or initialised trainer (`DistributedTrainer` in a torchrun worker, else `Trainer`)."""
+    from stemlm.train.parallel.workers import trainer_class
+
+    trainer_cls = trainer_class()
+    plan = plan_run(r)
+    if r.resume:
+        return trainer_cls.resume(
+            r.resume,
+            model_config=plan.model,
+            tokenizer=plan.tokenizer,
+            overrides=plan.changes,
+            progress=r.progress,
+            allow_nonfinite=r.allow_nonfinite,
+        )
+    return trainer_cls(plan.model, plan.cfg, tokenizer=plan.tokenizer, progress=r.progress)
 
 
 def run_training(r: RunRequest, sample_prompt: str, sample_tokens: int) -> dict[str, Any] | None:

@@ -124,6 +124,8 @@ def load_optimizer_state(
         prefix = f"opt{k}."
         # Cloned into fresh, aligned memory rather than views into the file buffer (see Trainer._build_model).
         own = {name[len(prefix) :]: t.clone() for name, t in tensors.items() if name.startswith(prefix)}
+        if not own and any(p.requires_grad for g in opt.param_groups for p in g["params"]):
+            raise StemlmError(f"{where / OPTIMIZER_NAME} holds no state of optimizer {k}; it belongs to another run")
         saved_state = unflatten_optimizer_state(own, meta)
         for group, h in zip(saved_state["param_groups"], hyper, strict=True):
             group.update(h)  # before loading: torch places AdamW's step on the device when this run is `fused`
@@ -131,8 +133,36 @@ def load_optimizer_state(
             opt.load_state_dict(saved_state)
         except (ValueError, KeyError, RuntimeError) as exc:
             raise StemlmError(f"{where}: optimizer {k} state does not fit this run ({exc})") from None
+        _check_state_shapes(getattr(opt, "inner", opt), k, where)
         for group, h in zip(opt.param_groups, hyper, strict=True):
             group.update(h)
+
+
+def _check_state_shapes(opt: torch.optim.Optimizer, k: int, where: Path) -> None:
+    """Every loaded state entry must belong to a parameter of this run and match its shape (a moment: the
+    parameter's shape; a row-wise statistic: its leading dims), with the same entries for every parameter; else
+    the state is another model's (e.g. a dense run's in a STEM checkpoint) and would fail deep inside a step."""
+    params = [p for g in opt.param_groups for p in g["params"]]
+    names = None
+    for key, entry in opt.state.items():
+        if not isinstance(key, torch.Tensor):
+            raise StemlmError(
+                f"{where / OPTIMIZER_NAME}: optimizer {k} holds state for parameter {key}, which this run does not "
+                "have; the optimizer state belongs to another model"
+            )
+        index = next(i for i, p in enumerate(params) if p is key)
+        names = sorted(entry) if names is None else names
+        if sorted(entry) != names:
+            raise StemlmError(
+                f"{where / OPTIMIZER_NAME}: optimizer {k} parameter {index} has state {sorted(entry)}, others "
+                f"{names}; the optimizer state is incomplete or another model's"
+            )
+        for name, value in entry.items():
+            if isinstance(value, torch.Tensor) and value.ndim and tuple(value.shape) != tuple(key.shape)[: value.ndim]:
+                raise StemlmError(
+                    f"{where / OPTIMIZER_NAME}: optimizer {k} state {name} of parameter {index} has shape "
+                    f"{list(value.shape)}, the parameter {list(key.shape)}; the state belongs to another model"
+                )
 
 
 def _class_name(opt) -> str:

@@ -23,7 +23,6 @@ overriding the underscored hooks (`_build_optimizers`, `_sample`, `_accumulate_g
 from __future__ import annotations
 
 import functools
-import json
 import math
 import random
 import statistics
@@ -38,13 +37,14 @@ import numpy as np
 import torch
 from tokenizers import Tokenizer
 
-from stemlm.checkpoint.folder import TOKENIZER_NAME, load_config, write_json
-from stemlm.checkpoint.runs import CHECKPOINTS_DIR, from_pretrained, resolve_checkpoint
+from stemlm.checkpoint.folder import load_config, write_json
+from stemlm.checkpoint.runs import from_pretrained
 from stemlm.data.tokenizer import tokenizer_digest
 from stemlm.errors import StemlmError
 from stemlm.model import build_model
 from stemlm.model.config import ModelConfig
 from stemlm.model.presets import get_preset
+from stemlm.paths import refuse_symlink
 from stemlm.runtime import resolve_device, resolve_dtype
 from stemlm.train.config import TrainConfig, model_config_diff
 from stemlm.train.data import load_datasets, resolve_sampling, resolve_tokenizer
@@ -52,24 +52,36 @@ from stemlm.train.guard import DivergenceGuard, StopSignals, check_no_checkpoint
 from stemlm.train.logging import METRICS_NAME, PLOT_NAME, RunLogger, plot_losses
 from stemlm.train.optim import freeze_backbone
 from stemlm.train.profiling import StepProfiler, check_profiling
-from stemlm.train.recipes import check_same_recipe, get_recipe
+from stemlm.train.recipes import get_recipe
+from stemlm.train.resume import RUN_CONFIG_NAME, check_finite_weights, check_resume_state, resume_setup
 from stemlm.train.state import (
     check_same_data,
     data_digest,
     load_optimizer_state,
-    read_resumable_state,
     read_state_json,
     read_trainer_state,
     restore_rng,
     save_checkpoint,
 )
 
-RUN_CONFIG_NAME = "run_config.json"  # not config.json: that name marks a model checkpoint folder
 FaultInjection = Callable[[int, torch.Tensor], torch.Tensor]
 
 
 def default_run_dir(cfg: TrainConfig, config: ModelConfig) -> Path:
     return Path("runs") / f"{cfg.preset}-{config.ffn}-{datetime.now().strftime('%Y%m%d-%H%M%S')}"
+
+
+def check_fits(config: ModelConfig, tokenizer: Tokenizer, cfg: TrainConfig) -> None:
+    """The model must embed every token id and hold a whole window (also checked before a `--nproc` launch)."""
+    if tokenizer.get_vocab_size() > config.vocab_size:
+        raise StemlmError(
+            f"the tokenizer has {tokenizer.get_vocab_size()} tokens but the model's vocab_size is "
+            f"{config.vocab_size}; raise vocab_size or use another tokenizer"
+        )
+    if cfg.seq_len > config.max_position_embeddings:
+        raise StemlmError(
+            f"seq_len {cfg.seq_len} exceeds the model's max_position_embeddings {config.max_position_embeddings}"
+        )
 
 
 class Trainer:
@@ -87,8 +99,10 @@ class Trainer:
         fault_injection: FaultInjection | None = None,
         progress: bool = True,
         _resume_from: Path | None = None,
+        _allow_nonfinite: bool = False,
     ) -> None:
         self.cfg, self.fault_injection, self.progress = cfg, fault_injection, progress
+        self.resumed = _resume_from is not None
         if _resume_from is None and cfg.out:
             check_run_dir(cfg.out)  # before anything is built: a refused --out costs nothing
         self.device = resolve_device(cfg.device)
@@ -98,16 +112,9 @@ class Trainer:
         self.recipe = get_recipe(cfg.recipe)  # init, optimizer groups, schedule and clipping (stemlm.train.recipes)
         self.model = self._build_model(model_config, _resume_from)
         self.config = self.model.config
-        if self.tokenizer.get_vocab_size() > self.config.vocab_size:
-            raise StemlmError(
-                f"the tokenizer has {self.tokenizer.get_vocab_size()} tokens but the model's vocab_size is "
-                f"{self.config.vocab_size}; raise vocab_size or use another tokenizer"
-            )
-        if cfg.seq_len > self.config.max_position_embeddings:
-            raise StemlmError(
-                f"seq_len {cfg.seq_len} exceeds the model's max_position_embeddings "
-                f"{self.config.max_position_embeddings}"
-            )
+        if _resume_from is not None and not _allow_nonfinite:
+            check_finite_weights(self.model, _resume_from)
+        check_fits(self.config, self.tokenizer, cfg)
         self.train_data, self.heldout_data = self._load_data()
         self.prefetcher = None  # built at the first micro-batch (stemlm.train.prefetch)
         self.train_data.sample_batch(cfg.batch_size, cfg.seq_len, seed=cfg.seed, step=0)  # fails early if too small
@@ -199,9 +206,9 @@ class Trainer:
             self.run_dir.mkdir(parents=True, exist_ok=True)
             for stale in (METRICS_NAME, PLOT_NAME):
                 (self.run_dir / stale).unlink(missing_ok=True)
-            write_json(self.run_dir / RUN_CONFIG_NAME, self.run_config())
         except OSError as exc:
             raise StemlmError(f"cannot write the run folder {self.run_dir}: {exc.strerror or exc}") from None
+        self._write_run_config()
         # The loop draws from no global RNG today (windows and init use their own generators); seeding them, and
         # checkpointing their states, keeps anything added later (dropout, sampling) reproducible across resumes.
         random.seed(self.cfg.seed)
@@ -241,57 +248,45 @@ class Trainer:
         overrides: dict[str, Any] | None = None,
         fault_injection: FaultInjection | None = None,
         progress: bool = True,
+        allow_nonfinite: bool = False,
     ) -> Trainer:
         """Continue a run from its newest checkpoint (or the given checkpoint folder of a run).
 
         `model_config` / `tokenizer`, when given, must match the run's (else a StemlmError names the
-        difference); `overrides` change training fields, e.g. {"steps": 800}.
+        difference); `overrides` change training fields, e.g. {"steps": 800}. Weights holding NaN or Inf are
+        refused unless `allow_nonfinite`. Nothing in the run folder is written before `fit()`.
         """
-        ckpt = resolve_checkpoint(path)
-        run_dir = ckpt.parent.parent
-        if ckpt.parent.name != CHECKPOINTS_DIR or not (run_dir / RUN_CONFIG_NAME).is_file():
-            raise StemlmError(f"{path} is not a training run folder (no {RUN_CONFIG_NAME}); cannot resume it")
-        try:
-            saved = json.loads((run_dir / RUN_CONFIG_NAME).read_text())
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            raise StemlmError(f"{run_dir / RUN_CONFIG_NAME} is corrupt ({exc})") from None
-        # The training config the checkpoint was written under (it includes earlier resumes' overrides).
-        train = read_resumable_state(ckpt)["config"]["train"]
-        train.setdefault("fact_fraction", 0.0)  # written before the fact mix existed: it trained without one
-        check_same_recipe(train.get("recipe", "stemlm"), overrides or {}, run_dir)
-        cfg = TrainConfig.from_dict(train).with_overrides({**(overrides or {}), "out": str(run_dir)})
-        try:
-            run_tok = Tokenizer.from_file(str(ckpt / TOKENIZER_NAME))
-        except Exception as exc:  # tokenizers raises a bare Exception for a missing or malformed file
-            raise StemlmError(f"cannot read the run's tokenizer {ckpt / TOKENIZER_NAME}: {exc}") from None
-        if tokenizer is not None and tokenizer_digest(tokenizer) != tokenizer_digest(run_tok):
-            raise StemlmError(
-                f"tokenizer differs from the run's: run {saved['tokenizer']['name']!r} "
-                f"({run_tok.get_vocab_size()} tokens, sha {tokenizer_digest(run_tok)}), requested "
-                f"{tokenizer.get_vocab_size()} tokens, sha {tokenizer_digest(tokenizer)}"
-            )
+        setup = resume_setup(path, tokenizer=tokenizer, overrides=overrides)
         return cls(
-            model_config, cfg, tokenizer=run_tok, fault_injection=fault_injection, progress=progress, _resume_from=ckpt
+            model_config,
+            setup.cfg,
+            tokenizer=setup.tokenizer,
+            fault_injection=fault_injection,
+            progress=progress,
+            _resume_from=setup.ckpt,
+            _allow_nonfinite=allow_nonfinite,
         )
 
     def _restore(self, ckpt: Path) -> None:
         state = read_state_json(ckpt)
         data = state.get("data")
         check_same_data(data.get("digest") if isinstance(data, dict) else None, data_digest(self.train_data), ckpt)
+        check_resume_state(ckpt, state, self.cfg)
         self._load_optimizer_state(ckpt, state)
         self.step = state["step"]
         self.skipped_steps, self.loss_spikes = state["skipped_steps"], state["loss_spikes"]
         self.window.extend(state["spike_window"][-self.cfg.spike_window :])
         self.train_time = state.get("train_time_s", 0.0)
         restore_rng(state["rng"])
-        if self.step >= self.cfg.steps:
-            raise StemlmError(
-                f"run {self.run_dir} is already at step {self.step} of {self.cfg.steps}; "
-                "pass a larger --steps to continue"
-            )
+
+    def _write_run_config(self) -> None:
+        """RUN/run_config.json, written when training starts (a resume's with its overrides): a refused run or
+        resume has written nothing."""
+        if not self.is_main:
+            return
+        path = refuse_symlink(self.run_dir / RUN_CONFIG_NAME, "run folder entry")
         try:
-            if self.is_main:
-                write_json(self.run_dir / RUN_CONFIG_NAME, self.run_config())  # now with this resume's overrides
+            write_json(path, self.run_config())
         except OSError as exc:
             raise StemlmError(f"cannot write the run folder {self.run_dir}: {exc.strerror or exc}") from None
 
@@ -453,6 +448,9 @@ class Trainer:
     def fit(self) -> dict[str, Any]:
         """Train from `self.step` to `cfg.steps`, evaluating and saving on schedule; returns the final metrics."""
         cfg, wall = self.cfg, time.perf_counter()
+        if self.resumed:  # accepted once every rank has built its part (`_agree` waits for them all)
+            self._agree(False)
+            self._write_run_config()  # now with this resume's overrides
         logger = self._make_logger()
         if self.heldout_data is None:
             logger.message(f"note: no held-out split with a window of {cfg.seq_len} tokens; no held-out evaluation")
@@ -483,11 +481,12 @@ class Trainer:
                     # Every rank must take the same decision (a save is collective): `_agree` reduces them.
                     due = cfg.save_minutes and time.monotonic() - saved_at >= 60 * cfg.save_minutes
                     stop, due = self._agree(signals.requested is not None, bool(due))
+                    # A stop on an evaluation step evaluates it first: the resumed run starts after it.
+                    if self.step == cfg.steps or (cfg.eval_every and self.step % cfg.eval_every == 0):
+                        heldout = self._evaluate_and_log(logger, last)
                     if stop and self.step < cfg.steps:
                         stopped = signals.requested or "SIGTERM"
                         break
-                    if self.step == cfg.steps or (cfg.eval_every and self.step % cfg.eval_every == 0):
-                        heldout = self._evaluate_and_log(logger, last)
                     if due or self.step == cfg.steps or (cfg.save_every and self.step % cfg.save_every == 0):
                         checkpoint, saved_at = self.save(), time.monotonic()
             if stopped is not None and last is not None:

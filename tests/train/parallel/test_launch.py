@@ -13,7 +13,7 @@ import torch
 from stemlm.errors import StemlmError
 from stemlm.train.parallel.comm import CommCounter, all_to_all_rows, exchange_counts
 from stemlm.train.parallel.launch import init_distributed, local_batch_size, torchrun_command
-from stemlm.train.parallel.workers import failure_message
+from stemlm.train.parallel.workers import ConsoleFilter, failure_message, rank_errors
 
 
 def test_local_batch_size_keeps_the_global_batch():
@@ -85,9 +85,34 @@ TORCHRUN_TAIL = """Root Cause (first observed failure):
 
 
 def test_failure_line_names_the_rank_and_how_to_continue():
-    line = failure_message(TORCHRUN_TAIL.format(code=1, signal=""), 1, 2, "runs/x")
+    line = failure_message(TORCHRUN_TAIL.format(code=1, signal=""), 1, 2, "runs/x", "runs/x/launch.log", True)
     assert "rank 1 of 2 exited with code 1;" in line and line.endswith("stemlm train --resume runs/x --nproc 2")
+    assert "full log: runs/x/launch.log" in line
     assert "rank 1 of 2 exited with code -9 (killed by signal 9)" in failure_message(
-        TORCHRUN_TAIL.format(code=-9, signal="(SIGKILL)"), 1, 2, "runs/x"
+        TORCHRUN_TAIL.format(code=-9, signal="(SIGKILL)"), 1, 2, "runs/x", "log", True
     )
-    assert "torchrun exited with code 1;" in failure_message("no summary", 1, 2, "runs/x")
+    assert "torchrun exited with code 1;" in failure_message("no summary", 1, 2, "runs/x", "log", True)
+    # No checkpoint yet: nothing to resume, so no advice to.
+    assert "--resume" not in failure_message("no summary", 1, 2, "runs/x", "log", False)
+
+
+def test_failure_line_is_rank_0s_own_error():
+    tail = (
+        "stemlm train: error: [rank 1] data is bad\x20stemlm train: error: [rank 0] data is bad\n"
+        + TORCHRUN_TAIL.format(code=2, signal="")
+    )
+    assert rank_errors(tail) == {0: "data is bad", 1: "data is bad"}
+    line = failure_message(tail, 2, 2, "runs/x", "runs/x/launch.log", False)
+    assert line == "data is bad (rank 0 of 2; full log: runs/x/launch.log)"
+
+
+def test_console_shows_the_ranks_output_not_torchruns():
+    console = ConsoleFilter(debug=False)
+    shown = console.feed("\r 10%|bar|\r 20%|bar|\nstep 3/6 | held-out 5.1\n")
+    shown += console.feed("W1201 23:41:44.932000 21270 torch/distributed/elastic/api.py:1028] Sending SIGTERM\n")
+    shown += console.feed("stemlm train: error: [rank 0] bad\n\nTraceback (most recent call last):\n  File")
+    shown += console.feed(" x\nChildFailedError\n")
+    assert shown == "\r 10%|bar|\r 20%|bar|\nstep 3/6 | held-out 5.1\n"
+    assert (
+        ConsoleFilter(debug=True).feed("Traceback (most recent call last):\n") == "Traceback (most recent call last):\n"
+    )

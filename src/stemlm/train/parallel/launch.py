@@ -99,6 +99,25 @@ def local_batch_size(global_batch: int, world_size: int) -> int:
     return global_batch // world_size
 
 
+def check_launch_flags(nproc: int, nnodes: int, rdzv_endpoint: str | None, parallel: str | None) -> None:
+    """Refuse the multi-process flags a launch would ignore or fail on late: --parallel or --rdzv-endpoint with
+    one process in all, a multi-node run without a HOST:PORT rendezvous address (port 1-65535)."""
+    if nproc < 1 or nnodes < 1:
+        raise StemlmError(f"--nproc and --nnodes must be at least 1, got {nproc} and {nnodes}")
+    if parallel is not None and nproc * nnodes == 1:
+        raise StemlmError(f"--parallel {parallel} needs --nproc N > 1 (one process trains the whole model)")
+    if rdzv_endpoint is not None and nnodes == 1:
+        raise StemlmError("--rdzv-endpoint is for --nnodes > 1 (one node meets on itself, --standalone)")
+    if nnodes > 1:
+        if not rdzv_endpoint:
+            raise StemlmError("--nnodes > 1 needs --rdzv-endpoint HOST:PORT (a node every node can reach)")
+        host, _, port = rdzv_endpoint.rpartition(":")
+        host = host.removeprefix("[").removesuffix("]")  # an IPv6 literal: [::1]:29500
+        valid_host = bool(host) and not any(c.isspace() or c in "/@?#" for c in host)
+        if not (valid_host and port.isdigit() and 0 < int(port) < 65536):
+            raise StemlmError(f"--rdzv-endpoint {rdzv_endpoint!r} is not HOST:PORT (e.g. node0:29500)")
+
+
 def torchrun_command(
     nproc: int, args: list[str], module: str = "stemlm.cli.main", nnodes: int = 1, rdzv_endpoint: str | None = None
 ) -> list[str]:
