@@ -96,14 +96,19 @@ def test_failure_line_names_the_rank_and_how_to_continue():
     assert "--resume" not in failure_message("no summary", 1, 2, "runs/x", "log", False)
 
 
-def test_failure_line_is_rank_0s_own_error():
+def test_failure_line_is_the_first_failing_ranks_own_error():
     tail = (
         "stemlm train: error: [rank 1] data is bad\x20stemlm train: error: [rank 0] data is bad\n"
         + TORCHRUN_TAIL.format(code=2, signal="")
     )
     assert rank_errors(tail) == {0: "data is bad", 1: "data is bad"}
     line = failure_message(tail, 2, 2, "runs/x", "runs/x/launch.log", False)
-    assert line == "data is bad (rank 0 of 2; full log: runs/x/launch.log)"
+    assert line == "data is bad (rank 1 of 2; full log: runs/x/launch.log)"  # rank 1 failed first
+    no_summary = failure_message("stemlm train: error: [rank 0] bad\n", 2, 2, "r", "log", False)
+    assert no_summary == "bad (rank 0 of 2; full log: log)"
+    # The rank that failed first printed nothing (killed): another rank's error is only a consequence.
+    tail = "stemlm train: error: [rank 0] Connection reset by peer\n" + TORCHRUN_TAIL.format(code=-9, signal="")
+    assert "rank 1 of 2 exited with code -9" in failure_message(tail, 1, 2, "r", "log", False)
 
 
 def test_console_shows_the_ranks_output_not_torchruns():

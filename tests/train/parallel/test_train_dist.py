@@ -355,7 +355,8 @@ def test_killed_rank_ends_the_job_with_one_clear_line(killed):
     assert "STEMLM_FAULT_EXIT: rank 1 exits before step 4" in proc.stderr
     assert proc.stderr.strip().splitlines()[-1] == (
         "stemlm train: error: distributed training failed: rank 1 of 2 exited with code 1; the other ranks were "
-        f"stopped (messages above). Continue from the last checkpoint with: stemlm train --resume {run} --nproc 2"
+        f"stopped (full log: {run / 'launch.log'}); continue from the last checkpoint with: stemlm train --resume "
+        f"{run} --nproc 2"
     )
     assert resolve_checkpoint(run).name == "step-000002"
     assert [r["step"] for r in train_records(run)][:2] == [1, 2]

@@ -7,7 +7,7 @@ shares the CPU cores among the local ranks. The parent runs torchrun with `run_t
 writes all of torchrun's output to the run's launch log and passes the workers' output through as it comes,
 except torchrun's own log lines and tracebacks and the ranks' error lines (`rank_error` tags them with the rank,
 `rank_errors` finds them again), and forwards one SIGINT / SIGTERM (the ranks then save the last step);
-`failure_message` turns torchrun's failure summary into one line naming the rank that failed first.
+`failure_message` turns the failure into one line: the error of the rank that failed first, or how it ended.
 """
 
 from __future__ import annotations
@@ -161,17 +161,19 @@ def _terminal_delivered_it() -> bool:
 
 
 def failure_message(stderr_tail: str, code: int, nproc: int, run: str, log: str, resumable: bool) -> str:
-    """One line: rank 0's error (else the lowest rank's; else which rank failed first and how, from torchrun's
-    summary), where the full log is, and how to continue when there is a checkpoint to continue from."""
+    """One line: the error of the rank that failed first (torchrun's root cause; without its summary, rank 0's or
+    the lowest rank's), else how that rank ended (it printed no error: killed, or exited by itself), where the full
+    log is, and how to continue when there is a checkpoint to continue from. Another rank's error is then only a
+    consequence (a peer gone mid-collective) and stays in the log."""
     errors = rank_errors(stderr_tail)
     advice = f"; continue from the last checkpoint with: stemlm train --resume {run} --nproc {nproc}"
     advice = advice if resumable else ""
-    if errors:
-        rank = min(errors)
-        return f"{errors[rank]} (rank {rank} of {nproc}; full log: {log}){advice}"
     cause = stderr_tail.rpartition("Root Cause (first observed failure):")[2]
     rank = re.search(r"^\s*rank\s*:\s*(\d+)", cause, re.M)
     exitcode = re.search(r"^\s*exitcode\s*:\s*(-?\d+)", cause, re.M)
+    first = int(rank.group(1)) if rank else min(errors, default=None)
+    if first in errors:
+        return f"{errors[first]} (rank {first} of {nproc}; full log: {log}){advice}"
     if rank and exitcode:
         what = f"rank {rank.group(1)} of {nproc} exited with code {exitcode.group(1)}"
         if int(exitcode.group(1)) < 0:
