@@ -321,7 +321,7 @@ def launch(args) -> int:
     from stemlm.cli.train_launch import launch_workers
     from stemlm.train.preflight import preflight
 
-    run_dir = preflight(run_request(args), args.nproc * args.nnodes)
+    run_dir = preflight(run_request(args), args.nproc * args.nnodes, args.nproc)
     if not args.resume and args.out is None:
         args.out = str(run_dir)
     return launch_workers(args, run_dir)

@@ -145,6 +145,13 @@ def test_fresh_run_into_a_folder_with_a_symlinked_config_is_refused(ws, train_as
     refuse(fill([*FRESH, *NPROC], ws, train_assets, out=out), "run_config.json is a symlink", capsys, tmp_path)
 
 
+def test_more_local_ranks_than_gpus_is_refused(ws, train_assets, capsys, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    argv = [*BASE, "--out", "{out}", "--device", "cuda", *NPROC]
+    refuse(fill(argv, ws, train_assets), "--nproc 2 starts 2 processes on this node but it has 1 GPUs", capsys, ws)
+
+
 def test_the_batch_check_uses_the_resumed_runs_batch(ws, train_assets, capsys):
     # batch 4 (the run's) over 3 ranks: refused though no --batch-size is given
     argv = ["train", "--resume", "{run}", "--steps", "4", "--nproc", "3"]
