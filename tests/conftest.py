@@ -2,7 +2,8 @@
 
 `tiny_config(ffn="stem", **overrides)` gives a `ModelConfig` small enough for any CPU test (vocab 256,
 hidden 64, 3 layers, 4 heads over 2 KV heads so grouped-query attention is always exercised, d_ff 128,
-4 experts with top-2); `tiny_model(ffn, seed=0, **overrides)` builds it. Run all tests with
+4 experts with top-2); `tiny_model(ffn, seed=0, **overrides)` builds it. `tty_stderr` makes the captured stderr
+pass for a terminal, so the progress bars (drawn only on one, `stemlm.progress`) show. Run all tests with
 `OMP_NUM_THREADS=1 python -m pytest tests -q`.
 """
 
@@ -52,6 +53,16 @@ def tiny_config():
 def tiny_model():
     """Factory: `tiny_model(ffn="stem", seed=0, **overrides) -> StemLM` in eval mode."""
     return make_tiny_model
+
+
+@pytest.fixture
+def tty_stderr(capsys, monkeypatch):
+    """capsys's stderr, reporting itself a terminal: progress bars are drawn into it. The class is patched, not
+    the stream: pytest swaps capsys's stream in only when the test itself starts."""
+    from _pytest.capture import CaptureIO
+
+    monkeypatch.setattr(CaptureIO, "isatty", lambda self: True)
+    return capsys
 
 
 @pytest.fixture(autouse=True)

@@ -46,15 +46,15 @@ def test_analyze_dense_skips_stem_only(ckpts, capsys, tmp_path):
     assert "unknown analysis" in capsys.readouterr().err
 
 
-def test_analyze_progress_steps_per_analysis_unless_no_progress(ckpts, capsys, tmp_path):
+def test_analyze_progress_steps_per_analysis_unless_no_progress(ckpts, tty_stderr, tmp_path):
     stem, _, text = ckpts
     argv = ["analyze", stem, "--text", text, "--only", "nearest,activated", "--json"]
     assert main([*argv, "--out", str(tmp_path / "a")]) == 0
-    shown = capsys.readouterr().err.strip().split("\r")
+    shown = tty_stderr.readouterr().err.strip().split("\r")
     assert any("analyze:  50%" in line and "1/2" in line and "activated" in line for line in shown), shown
     assert "2/2" in shown[-1] and shown[-1].startswith("analyze: 100%")
     assert main([*argv, "--out", str(tmp_path / "b"), "--no-progress"]) == 0
-    assert capsys.readouterr().err == ""
+    assert tty_stderr.readouterr().err == ""
     assert (
         json.loads((tmp_path / "a" / "analysis.json").read_text())["activated"]
         == json.loads((tmp_path / "b" / "analysis.json").read_text())["activated"]

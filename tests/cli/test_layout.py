@@ -17,7 +17,7 @@ import stemlm
 PACKAGE = Path(stemlm.__file__).parent
 LAYERS = [
     ("errors",),  # StemlmError, the one-line error every command prints
-    ("_lazy", "runtime", "paths"),  # lazy package exports; --device / --dtype resolution; input-file and symlink guards
+    ("_lazy", "runtime", "paths", "progress"),  # lazy exports; --device / --dtype; input-file and symlink guards; bars
     ("model",),  # ModelConfig, presets, the kinds, the decoder, accounting (one device, no I/O)
     ("checkpoint",),  # the folder format, sharded pieces, compact tables, atomic writes, loading a CKPT
     ("data",),  # corpus, tokenizers, shards, streaming, the synthetic worlds

@@ -116,13 +116,13 @@ def test_generate_until_stops_at_the_stop_string(lm_and_tok):
         ("generate_until", [("Once upon a time", {"until": ["."], "max_gen_toks": 4})] * 3),
     ],
 )
-def test_each_request_type_shows_a_bar_unless_disabled(lm_and_tok, capsys, kind, args):
+def test_each_request_type_shows_a_bar_unless_disabled(lm_and_tok, tty_stderr, kind, args):
     model, tok = lm_and_tok
     method = getattr(StemlmLM(model, tok, batch_size=3), kind)
     quiet = method(_requests(kind, args), disable_tqdm=True)
-    assert capsys.readouterr().err == ""
+    assert tty_stderr.readouterr().err == ""
     assert method(_requests(kind, args)) == quiet
-    last = capsys.readouterr().err.strip().split("\r")[-1]
+    last = tty_stderr.readouterr().err.strip().split("\r")[-1]
     assert last.startswith(f"{kind}: 100%") and f"| {len(args)}/{len(args)} [" in last, last
 
 

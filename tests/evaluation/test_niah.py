@@ -107,17 +107,17 @@ def test_too_long_context_and_bad_arguments():
         make_niah_sample(TOK, 200, 1.5)
 
 
-def test_progress_counts_samples_and_a_short_length_fails_before_any_answer(capsys):
+def test_progress_counts_samples_and_a_short_length_fails_before_any_answer(tty_stderr):
     kwargs = dict(lengths=[128, 200], depths=[0, 1], samples=2, digits=4)
     quiet = run_niah(oracle, TOK, **kwargs, keep_outputs=True)
-    assert capsys.readouterr().err == ""
+    assert tty_stderr.readouterr().err == ""
     assert run_niah(oracle, TOK, **kwargs, keep_outputs=True, progress=True) == quiet
-    last = capsys.readouterr().err.strip().split("\r")[-1]
+    last = tty_stderr.readouterr().err.strip().split("\r")[-1]
     assert last.startswith("niah: 100%") and "| 8/8 [" in last, last
     asked = []
     with pytest.raises(StemlmError, match="too short"):
         run_niah(lambda p, n: asked.append(p) or "", TOK, [128, 20], [0.5], progress=True)
-    assert asked == [] and capsys.readouterr().err == ""  # refused while planning: no decoding, no bar
+    assert asked == [] and tty_stderr.readouterr().err == ""  # refused while planning: no decoding, no bar
 
 
 def test_heatmap_png(tmp_path):
@@ -135,21 +135,21 @@ def test_passkey_documents_end_with_the_answer():
         assert 1 + len(TOK.encode(doc).ids) <= 256
 
 
-def test_cli_niah_and_errors(tiny_ckpt, tmp_path, capsys):
+def test_cli_niah_and_errors(tiny_ckpt, tmp_path, tty_stderr):
     out = tmp_path / "niah"
     argv = ["eval", "niah", str(tiny_ckpt), "--lengths", "80,96", "--depths", "0,1", "--samples", "1", "--digits", "3"]
     assert main([*argv, "--out", str(out), "--json"]) == 0
-    out_text, err = capsys.readouterr()
+    out_text, err = tty_stderr.readouterr()
     printed = json.loads(out_text)
     assert "niah: 100%" in err  # the bar on stderr; --no-progress below has none
     saved = json.loads((out / "niah.json").read_text())
     assert printed["grid"] == saved["grid"] and set(saved["grid"]) == {"80", "96"}
     assert len(saved["outputs"]) == 4 and (out / "niah_heatmap.png").is_file()
     assert main([*argv, "--out", str(tmp_path / "quiet"), "--json", "--no-progress"]) == 0
-    assert capsys.readouterr().err == ""
+    assert tty_stderr.readouterr().err == ""
     assert json.loads((tmp_path / "quiet" / "niah.json").read_text()) == saved
     assert main(["eval", "niah", str(tiny_ckpt), "--lengths", "128", "--out", str(out), "--force"]) == 2
-    err = capsys.readouterr().err.strip()
+    err = tty_stderr.readouterr().err.strip()
     assert err == (
         "stemlm eval: error: context length 128 exceeds the model's max_position_embeddings=96; use lengths up to 96"
     )

@@ -125,25 +125,25 @@ def test_cli_ppl(tiny_ckpt, tmp_path, capsys, lm_and_tok):
     assert err.startswith("stemlm eval: error: window of 1000 tokens exceeds") and "\n" not in err
 
 
-def test_progress_bar_counts_every_scored_token_and_changes_nothing(lm_and_tok, capsys):
+def test_progress_bar_counts_every_scored_token_and_changes_nothing(lm_and_tok, tty_stderr):
     model, tok = lm_and_tok
     texts = [TEXT * 4, TEXT]
     quiet = evaluate_perplexity(model, tok, texts, window=16, stride=5, batch_size=2)
-    assert capsys.readouterr().err == ""
+    assert tty_stderr.readouterr().err == ""
     shown = evaluate_perplexity(model, tok, texts, window=16, stride=5, batch_size=2, progress=True)
     assert shown == quiet
-    last = capsys.readouterr().err.strip().split("\r")[-1]
+    last = tty_stderr.readouterr().err.strip().split("\r")[-1]
     assert last.startswith("scoring: 100%|") and f"| {quiet.tokens}/{quiet.tokens} [" in last, last
 
 
-def test_cli_ppl_progress_goes_to_stderr_unless_no_progress(tiny_ckpt, tmp_path, capsys):
+def test_cli_ppl_progress_goes_to_stderr_unless_no_progress(tiny_ckpt, tmp_path, tty_stderr):
     from stemlm.cli.main import main
 
     data = tmp_path / "a.txt"
     data.write_text(TEXT * 5)
     argv = ["eval", "ppl", str(tiny_ckpt), "--data", str(data), "--seq-len", "32", "--json"]
     assert main(argv) == 0
-    out, err = capsys.readouterr()
+    out, err = tty_stderr.readouterr()
     assert "scoring: 100%" in err and json.loads(out)["tokens"] > 0
     assert main([*argv, "--no-progress"]) == 0
-    assert capsys.readouterr().err == ""
+    assert tty_stderr.readouterr().err == ""

@@ -8,7 +8,6 @@ and `activated` (the modules of this package) into one JSON-ready report; `rende
 from __future__ import annotations
 
 import json
-import sys
 from dataclasses import dataclass, fields
 from pathlib import Path
 
@@ -82,16 +81,15 @@ def run_analyses(options: AnalysisOptions, model, tokenizer, names, prompt_ids, 
     """Every chosen analysis, its PNG and analysis.json written into `out` (the temporary folder of the atomic
     write to `final`); the report `stemlm analyze --json` prints. Inputs are read first, so a bad text or dense
     checkpoint fails before the progress bar (one step per analysis, on stderr unless `options.no_progress`)."""
-    from tqdm import tqdm
-
     from stemlm.analysis import activated, attribution, nearest, spread
     from stemlm.checkpoint.runs import load_checkpoint
+    from stemlm.progress import bar as progress_bar
 
     report: dict = {"checkpoint": options.ckpt, "prompt": options.prompt, "out": str(final), "pngs": {}}
     if "spread" in names or "activated" in names:
         ids = text_ids(options, tokenizer)
     dense = load_checkpoint(options.dense)[0] if options.dense and "spread" in names else None
-    bar = tqdm(total=len(names), desc="analyze", unit="analysis", file=sys.stderr, disable=options.no_progress)
+    bar = progress_bar(len(names), progress=not options.no_progress, desc="analyze", unit="analysis")
     with bar:
         if "spread" in names:
             bar.set_postfix_str("spread")

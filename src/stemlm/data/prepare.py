@@ -226,9 +226,9 @@ def _make_tmp(out: Path) -> Path:
 
 
 def _run_tasks(tasks: list[Task], tokenizer_json: str, workers: int, progress: bool) -> list[dict[str, Any]]:
-    from tqdm.auto import tqdm
+    from stemlm.progress import bar as progress_bar
 
-    bar = tqdm(total=len(tasks), unit="file", desc="tokenizing", disable=not progress, dynamic_ncols=True)
+    bar = progress_bar(len(tasks), progress=progress, unit="file", desc="tokenizing", dynamic_ncols=True)
     results, tokens = [], 0
     try:
         pool = None

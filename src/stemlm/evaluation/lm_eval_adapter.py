@@ -29,7 +29,6 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import logging  # noqa: E402
 import math  # noqa: E402
-import sys  # noqa: E402
 from pathlib import Path  # noqa: E402
 from typing import Any  # noqa: E402
 
@@ -43,6 +42,7 @@ from tqdm import tqdm  # noqa: E402
 from stemlm.errors import StemlmError  # noqa: E402
 from stemlm.evaluation.perplexity import load_eval, model_device, token_logprobs  # noqa: E402
 from stemlm.model.decoder import StemLM  # noqa: E402
+from stemlm.progress import bar as progress_bar  # noqa: E402
 
 DEFAULT_MAX_GEN_TOKS = 64
 
@@ -212,7 +212,7 @@ class StemlmLM(LM):
 
 def _bar(total: int, desc: str, disable: bool) -> tqdm:
     """The progress bar of one request type (lm-eval's `disable_tqdm` turns it off)."""
-    return tqdm(total=total, desc=desc, unit="request", file=sys.stderr, disable=disable)
+    return progress_bar(total, progress=not disable, desc=desc, unit="request")
 
 
 def run_lm_eval(

@@ -26,7 +26,6 @@ from __future__ import annotations
 import json
 import random
 import re
-import sys
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -185,7 +184,7 @@ def run_niah(
 
     `max_context` (the model's max_position_embeddings) is checked before anything runs.
     """
-    from tqdm import tqdm
+    from stemlm.progress import bar as progress_bar
 
     lengths, depths = [int(n) for n in lengths], [float(d) for d in depths]
     if not lengths or not depths:
@@ -209,7 +208,7 @@ def run_niah(
             planned.append((length, depth, drawn))
     grid: dict[str, dict[str, float]] = {}
     outputs = []
-    with tqdm(total=len(planned) * samples, desc="niah", unit="sample", file=sys.stderr, disable=not progress) as bar:
+    with progress_bar(len(planned) * samples, progress=progress, desc="niah", unit="sample") as bar:
         for length, depth, drawn in planned:
             hits = 0
             for sample in drawn:

@@ -22,7 +22,6 @@ CLI: `stemlm eval ppl CKPT [--data PATH ...] [--seq-len L] [--stride S] [--max-t
 from __future__ import annotations
 
 import math
-import sys
 from collections import defaultdict
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
@@ -186,9 +185,8 @@ def evaluate_perplexity(
     still covers every document). `prefix_id` defaults to the tokenizer's `<|endoftext|>`. `progress`:
     a bar over the tokens on stderr.
     """
-    from tqdm import tqdm
-
     from stemlm.data.tokenizer import eot_id
+    from stemlm.progress import bar as progress_bar
 
     # None means "default"; 0 is not a silent default but a mistake.
     for name, value in (("window (--seq-len)", window), ("stride", stride), ("batch_size", batch_size)):
@@ -220,15 +218,7 @@ def evaluate_perplexity(
     model.eval()
     nats, tokens, nbytes = 0.0, 0, 0
     total = sum(len(ids) for _, ids in documents)
-    bar = tqdm(
-        total=total,
-        desc="scoring",
-        unit="tok",
-        unit_scale=True,
-        file=sys.stderr,
-        disable=not progress,
-        dynamic_ncols=True,
-    )
+    bar = progress_bar(total, progress=progress, desc="scoring", unit="tok", unit_scale=True, dynamic_ncols=True)
     try:
         for text, ids in documents:
             logp = token_logprobs(model, [prefix, *ids], window, stride, batch_size, on_scored=bar.update)

@@ -26,6 +26,7 @@ from tqdm import tqdm
 
 from stemlm.errors import StemlmError
 from stemlm.paths import refuse_symlink
+from stemlm.progress import shown
 
 METRICS_NAME = "metrics.jsonl"
 TENSORBOARD_DIR = "tensorboard"
@@ -59,7 +60,7 @@ class RunLogger:
 
     def __init__(self, run_dir: Path, start_step: int, total_steps: int, progress: bool = True) -> None:
         self.path = refuse_symlink(run_dir / METRICS_NAME, "run folder entry")  # never rewrite a link's target
-        self.progress = progress
+        self.progress = shown(progress)  # off on a non-terminal stderr too (stemlm.progress)
         try:
             kept = [r for r in read_metrics(self.path) if r.get("step", 0) <= start_step]
             self.path.write_text("".join(json.dumps(r) + "\n" for r in kept))
@@ -73,7 +74,7 @@ class RunLogger:
             total=total_steps,
             initial=start_step,
             file=sys.stderr,
-            disable=not progress,
+            disable=not self.progress,
             dynamic_ncols=True,
             unit="step",
             bar_format=BAR_FORMAT,

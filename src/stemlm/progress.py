@@ -1,0 +1,24 @@
+"""The one rule every progress bar follows: drawn on stderr only when asked for and stderr is a terminal.
+
+`--no-progress` turns a bar off, and so does a stderr that is not a terminal (a log file, a pipe, CI, a test's
+capture), where a bar's carriage-return redraws are noise and output compared byte for byte must not change.
+`shown(progress)` is that rule and `bar(...)` a tqdm on stderr that follows it: the bars of `train`, `data prepare`,
+`eval ppl|lm|niah`, `analyze`, `cache-sim`, `convert` and `experiment` are all drawn through them.
+"""
+
+from __future__ import annotations
+
+import sys
+
+
+def shown(progress: bool = True) -> bool:
+    """Whether a bar asked for (`progress`) is drawn: only when stderr is a terminal."""
+    isatty = getattr(sys.stderr, "isatty", None)  # stderr may be None (pythonw) or a stream without isatty
+    return bool(progress) and isatty is not None and isatty()
+
+
+def bar(total: int | None = None, *, progress: bool = True, **tqdm_options):
+    """A tqdm bar on stderr, disabled unless `shown(progress)`; `tqdm_options` (desc, unit, ...) go to tqdm."""
+    from tqdm import tqdm  # imported here: `import stemlm` stays cheap
+
+    return tqdm(total=total, file=sys.stderr, disable=not shown(progress), **tqdm_options)
