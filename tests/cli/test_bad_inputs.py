@@ -121,7 +121,7 @@ CASES = [
     (["info", "--preset", "tiny", "--seq-len", "0"], "seq"),
     (["info", "--preset", "tiny", "--seq-len", "-5"], "seq"),
     (["info", "--preset", "tiny", "--dtype", "fp64"], "invalid choice"),
-    (["info", "--bogus-flag"], "unrecognized arguments"),
+    (["info", "--bogus-flag"], "unrecognized argument --bogus-flag (see stemlm info --help)"),
     # --- train (all refused before any data is read or anything written) ---
     (["train", "--steps", "0"], "steps must be a positive integer"),
     (["train", "--steps", "-3"], "steps must be a positive integer"),

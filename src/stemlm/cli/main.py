@@ -8,6 +8,7 @@ one line on stderr with exit code 2; `--debug` shows the traceback instead.
 from __future__ import annotations
 
 import argparse
+import difflib
 import importlib
 import os
 import sys
@@ -33,10 +34,43 @@ SUBCOMMANDS = [
 
 
 class OneLineParser(argparse.ArgumentParser):
-    """argparse, but a usage error is one stderr line naming the problem (exit 2); --help still shows usage."""
+    """argparse, but a usage error is one stderr line naming the problem and the (sub)command's --help (exit 2);
+    --help still shows usage. Flags match only as spelled (no prefixes: `--step 2` is not `--steps 2`), and an
+    unknown flag is reported by the subcommand it was given to, with the closest flag it has."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        kwargs.setdefault("allow_abbrev", False)  # sub-parsers are built by this class too, so this covers them
+        super().__init__(*args, **kwargs)
 
     def error(self, message: str):
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+    def parse_args(self, args=None, namespace=None):
+        # argparse would report leftovers from the top-level parser ("stemlm: error"); the chosen subcommand does.
+        parsed, extras = self.parse_known_args(args, namespace)
+        if extras:
+            chosen_parser(self, parsed).unrecognized(extras)
+        return parsed
+
+    def unrecognized(self, extras: list[str]):
+        flags = [e.split("=", 1)[0] for e in extras if e.startswith("-")]
+        if not flags:
+            self.error(f"unrecognized arguments: {' '.join(extras)}")
+        # Compared without the dashes, which every flag shares: "--bogus" is not close to "--out".
+        known = {option.lstrip("-"): option for action in self._actions for option in action.option_strings}
+        close = difflib.get_close_matches(flags[0].lstrip("-"), known, n=1)
+        hint = f"did you mean {known[close[0]]}? " if close else ""
+        self.exit(2, f"{self.prog}: error: unrecognized argument {flags[0]} ({hint}see {self.prog} --help)\n")
+
+
+def chosen_parser(parser: argparse.ArgumentParser, args: argparse.Namespace) -> argparse.ArgumentParser:
+    """The innermost (sub)parser the parsed `args` went through: `stemlm eval ppl ...` -> the `eval ppl` parser."""
+    while True:
+        action = next((a for a in parser._actions if isinstance(a, argparse._SubParsersAction)), None)
+        chosen = getattr(args, action.dest, None) if action is not None else None
+        if chosen not in getattr(action, "choices", {}):
+            return parser
+        parser = action.choices[chosen]
 
 
 # import name -> (package, the pyproject extra that installs it)
