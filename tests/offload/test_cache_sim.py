@@ -64,3 +64,27 @@ def test_sizes_and_policies_as_typed():
             parse_fractions(bad)
     with pytest.raises(StemlmError, match="--policy 'fifo'"):
         parse_policies("fifo")
+
+
+def test_progress_steps_once_per_replay_and_changes_nothing(tmp_path, tty_stderr):
+    data = tmp_path / "a.txt"
+    data.write_text("The capital of Spain is Madrid. " * 20)
+    args = (None, "default", [str(data)], None, [0.01, 0.1], ["lfu", "lru"], 50)
+    quiet = cache_sim_report(*args)
+    assert tty_stderr.readouterr().err == ""
+    shown = cache_sim_report(*args, progress=True)
+    assert {k: v for k, v in shown.items() if k != "seconds"} == {k: v for k, v in quiet.items() if k != "seconds"}
+    last = tty_stderr.readouterr().err.strip().split("\r")[-1]
+    assert last.startswith("cache-sim: 100%") and "| 4/4 [" in last and "lru 0.1" in last, last
+
+
+def test_cli_bar_on_a_terminal_unless_no_progress(tmp_path, tty_stderr):
+    from stemlm.cli.main import main
+
+    data = tmp_path / "a.txt"
+    data.write_text("The capital of Spain is Madrid. " * 20)
+    argv = ["cache-sim", "--tokenizer", "default", "--data", str(data), "--fractions", "0.1", "--policy", "lfu"]
+    assert main([*argv, "--json"]) == 0
+    assert "cache-sim: 100%" in tty_stderr.readouterr().err
+    assert main([*argv, "--json", "--no-progress"]) == 0
+    assert tty_stderr.readouterr().err.splitlines() == ["cache-sim: replaying 222 tokens (V=8,192) ..."]

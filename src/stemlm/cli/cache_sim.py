@@ -66,6 +66,7 @@ def register(subparsers) -> None:
         "without CKPT nothing is written unless --out is given)",
     )
     p.add_argument("--force", action="store_true", help="replace --out if it holds an earlier cache-sim output")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr (one step per replay)")
     add_json_flag(p)
     p.set_defaults(func=run)
 
@@ -86,7 +87,7 @@ def run(args) -> int:
         raise StemlmError("--max-tokens must be >= 1")
     log = functools.partial(print, file=sys.stderr)
     sources = (args.ckpt, args.tokenizer, args.data, args.warm)
-    report = cache_sim_report(*sources, fractions, policies, args.max_tokens, log)
+    report = cache_sim_report(*sources, fractions, policies, args.max_tokens, log, progress=not args.no_progress)
     if out is not None:
         report["out"] = str(out)
         write_cache_sim(report, out, **guard)

@@ -29,6 +29,7 @@ from __future__ import annotations
 import heapq
 import math
 import warnings
+from collections.abc import Callable
 from contextlib import nullcontext
 from dataclasses import asdict, dataclass, field
 
@@ -317,10 +318,18 @@ def replay(
 
 
 def replay_grid(
-    stream: list[int], rows: int, fractions, policies, counts: tuple[str, ...], warm_counts=None, step_tokens: int = 1
+    stream: list[int],
+    rows: int,
+    fractions,
+    policies,
+    counts: tuple[str, ...],
+    warm_counts=None,
+    step_tokens: int = 1,
+    on_replay: Callable[[dict], None] | None = None,
 ) -> list[dict]:
     """`replay` at every cache size (a fraction of `rows`) and policy: one dict per (fraction, policy), in that
-    order, with the `counts` fields of its `CacheStats` and the hit rate (what `stemlm cache-sim` reports)."""
+    order, with the `counts` fields of its `CacheStats` and the hit rate (what `stemlm cache-sim` reports).
+    `on_replay(row)` is called after each replay (a progress bar's step)."""
     results = []
     for fraction in fractions:
         capacity = resolve_capacity(rows, fraction=fraction)
@@ -328,4 +337,6 @@ def replay_grid(
             stats = replay(stream, rows, capacity, policy, warm_counts, step_tokens)
             row = {"policy": policy, "fraction": fraction, "capacity": capacity}
             results.append({**row, **{k: getattr(stats, k) for k in counts}, "hit_rate": stats.hit_rate})
+            if on_replay is not None:
+                on_replay(results[-1])
     return results

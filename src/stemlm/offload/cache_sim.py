@@ -74,8 +74,9 @@ def token_stream(tok, texts: list[str]) -> list[int]:
     return stream
 
 
-def simulate(stream, vocab, fractions, policies, warm_counts=None) -> dict:
-    """Hits, misses and evictions of each (policy, fraction of `vocab`), and the best static cache's hit rate."""
+def simulate(stream, vocab, fractions, policies, warm_counts=None, on_replay=None) -> dict:
+    """Hits, misses and evictions of each (policy, fraction of `vocab`), and the best static cache's hit rate.
+    `on_replay`: called after each replay (`stemlm.offload.cache.replay_grid`)."""
     from stemlm.offload.cache import replay_grid, resolve_capacity
 
     counts = Counter(stream)
@@ -84,7 +85,8 @@ def simulate(stream, vocab, fractions, policies, warm_counts=None) -> dict:
     for fraction in fractions:
         capacity = resolve_capacity(vocab, fraction=fraction)
         static.append({"fraction": fraction, "capacity": capacity, "hit_rate": sum(ranked[:capacity]) / len(stream)})
-    results = replay_grid(stream, vocab, fractions, policies, ("hits", "misses", "evictions"), warm_counts)
+    fields = ("hits", "misses", "evictions")
+    results = replay_grid(stream, vocab, fractions, policies, fields, warm_counts, on_replay=on_replay)
     return {"tokens": len(stream), "distinct_tokens": len(counts), "results": results, "static_top": static}
 
 
@@ -97,11 +99,18 @@ def cache_sim_report(
     policies: list[str],
     max_tokens: int | None = None,
     log: Callable[[str], None] = lambda message: None,
+    progress: bool = False,
 ) -> dict:
     """The replay of `data` (default: the embedded corpus's held-out split), warm-started from the token counts
-    of `warm` when given ([]: the embedded corpus's train split); the dict `stemlm cache-sim --json` prints."""
+    of `warm` when given ([]: the embedded corpus's train split); the dict `stemlm cache-sim --json` prints.
+    `progress`: a bar on stderr, one step per replayed (policy, size) (`stemlm.progress`)."""
+    from stemlm.checkpoint.folder import load_config
+    from stemlm.checkpoint.runs import resolve_checkpoint
     from stemlm.data.corpus import embedded_texts
     from stemlm.data.sources import read_texts
+    from stemlm.model.ngram import ngram_hasher
+    from stemlm.offload.ngram_sim import simulate_ngram
+    from stemlm.progress import bar as progress_bar
 
     tok, vocab, tok_name = replay_tokenizer(ckpt, tokenizer)
     start = time.perf_counter()
@@ -114,21 +123,26 @@ def cache_sim_report(
         counts = Counter(token_stream(tok, read_texts(warm) if warm else embedded_texts("train")))
         warm_counts = [counts.get(t, 0) for t in range(vocab)]
     log(f"cache-sim: replaying {len(stream):,} tokens (V={vocab:,}) ...")
-    report = {
-        "tokenizer": tok_name,
-        "vocab_size": vocab,
-        "data": data or "embedded corpus, held-out split",
-        "warm": None if warm is None else (warm or "embedded corpus, train split"),
-        **simulate(stream, vocab, fractions, policies, warm_counts),
-    }
-    if ckpt is not None:  # n-gram kinds: the n-gram row cache too (fractions of its rows, no warm start)
-        from stemlm.checkpoint.folder import load_config
-        from stemlm.checkpoint.runs import resolve_checkpoint
-        from stemlm.offload.ngram_sim import simulate_ngram
+    # n-gram kinds: the n-gram row cache is replayed too (fractions of its rows, no warm start)
+    config = load_config(resolve_checkpoint(ckpt)) if ckpt is not None else None
+    grids = 2 if config is not None and ngram_hasher(config) is not None else 1
+    replays = grids * len(fractions) * len(policies)
+    with progress_bar(replays, progress=progress, desc="cache-sim", unit="replay") as bar:
 
-        ngram = simulate_ngram(load_config(resolve_checkpoint(ckpt)), stream, fractions, policies)
-        if ngram is not None:
-            report["ngram"] = ngram
+        def replayed(row: dict) -> None:
+            bar.set_postfix_str(f"{row['policy']} {row['fraction']:g}", refresh=False)
+            bar.update()
+
+        report = {
+            "tokenizer": tok_name,
+            "vocab_size": vocab,
+            "data": data or "embedded corpus, held-out split",
+            "warm": None if warm is None else (warm or "embedded corpus, train split"),
+            **simulate(stream, vocab, fractions, policies, warm_counts, replayed),
+        }
+        ngram = simulate_ngram(config, stream, fractions, policies, replayed) if grids == 2 else None
+    if ngram is not None:
+        report["ngram"] = ngram
     report["seconds"] = time.perf_counter() - start
     return report
 

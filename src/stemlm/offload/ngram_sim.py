@@ -25,10 +25,12 @@ def ngram_id_stream(config: ModelConfig, tokens: list[int]) -> tuple[list[int], 
     return keys.reshape(-1).tolist(), hasher.num_keys, hasher.num_rows
 
 
-def simulate_ngram(config: ModelConfig, tokens: list[int], fractions, policies) -> dict | None:
-    """Hit rates of the n-gram row cache for each fraction of its rows and policy; None without n-gram tables."""
+def simulate_ngram(config: ModelConfig, tokens: list[int], fractions, policies, on_replay=None) -> dict | None:
+    """Hit rates of the n-gram row cache for each fraction of its rows and policy; None without n-gram tables.
+    `on_replay`: called after each replay (`replay_grid`)."""
     stream, keys, rows = ngram_id_stream(config, tokens)
     if not keys:
         return None
-    results = replay_grid(stream, rows, fractions, policies, ("hits", "misses", "lookups"), step_tokens=keys)
+    counts = ("hits", "misses", "lookups")
+    results = replay_grid(stream, rows, fractions, policies, counts, step_tokens=keys, on_replay=on_replay)
     return {"rows": rows, "keys_per_token": keys, "distinct_ids": len(set(stream)), "results": results}
