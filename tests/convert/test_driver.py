@@ -152,3 +152,15 @@ def test_convert_hf_llama_folder(tmp_path):
     for name, tensor in expected.state_dict().items():
         assert torch.equal(model.state_dict()[name], tensor), name
     assert (out / "tokenizer.json").is_file()
+
+
+def test_convert_progress_steps_per_stage_on_a_terminal_unless_no_progress(tmp_path, tty_stderr):
+    ckpt = save_pretrained(dense(), tmp_path / "dense")
+    argv = ["convert", "--from-dense", str(ckpt), "--stem-layers", "1", "--retrofit", "adapter", "--json"]
+    assert main([*argv, "--out", str(tmp_path / "a")]) == 0
+    last = tty_stderr.readouterr().err.strip().split("\r")[-1]
+    assert last.startswith("convert: 100%") and "| 4/4 [" in last and "save" in last, last
+    assert main([*argv, "--out", str(tmp_path / "b"), "--no-progress"]) == 0
+    assert tty_stderr.readouterr().err == ""
+    weights = [(tmp_path / name / "model.safetensors").read_bytes() for name in ("a", "b")]
+    assert weights[0] == weights[1]

@@ -92,9 +92,8 @@ def _dense(args) -> tuple[dict, str]:
     if args.stem_layers is None:
         raise StemlmError("--from-dense needs --stem-layers (e.g. 0, odd, 1,3,5)")
     retrofit = {k: getattr(args, k) for k in ("init", "calibration", "calibration_tokens")}
-    out = convert_checkpoint(
-        args.from_dense, args.stem_layers, args.out, force=args.force, adapter=args.retrofit == "adapter", **retrofit
-    )
+    retrofit |= {"adapter": args.retrofit == "adapter", "progress": not args.no_progress}
+    out = convert_checkpoint(args.from_dense, args.stem_layers, args.out, force=args.force, **retrofit)
     report = _stem(out)
     return report, f"wrote STEM checkpoint {report['out']} (tables in layers {report['stem_layers']})"
 
@@ -181,6 +180,9 @@ def register(subparsers) -> None:
     p.add_argument("--out", required=True, metavar="DIR", help="folder to write the converted model to")
     p.add_argument(
         "--force", action="store_true", help="replace --out if it holds an earlier convert output (never anything else)"
+    )
+    p.add_argument(
+        "--no-progress", action="store_true", help="(--from-dense) no progress bar on stderr (one step per stage)"
     )
     add_json_flag(p)
     p.set_defaults(func=run)

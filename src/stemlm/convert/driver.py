@@ -42,6 +42,7 @@ def convert_checkpoint(
     calibration: list[str] | None = None,
     calibration_tokens: int = 32768,
     adapter: bool = False,
+    progress: bool = False,
 ) -> Path:
     """Retrofit the dense model at `source` and save it, tokenizer included, as a stemlm checkpoint at `out`.
 
@@ -50,19 +51,32 @@ def convert_checkpoint(
     corpus' train split). `adapter` keeps W_up and blends it with the table by a learned gate (`stem_adapter`).
 
     An existing non-empty `out` is refused unless `force` and it is an earlier output of `stemlm convert`;
-    `out` is never the source nor a folder holding it (`stemlm.checkpoint.safe_write.check_target`).
+    `out` is never the source nor a folder holding it (`stemlm.checkpoint.safe_write.check_target`). `progress`:
+    a bar on stderr, one step per stage (load, tables, adapter, save; `stemlm.progress`).
     """
+    from stemlm.progress import bar as progress_bar
+
     guard = {"producer": PRODUCER, "force": force, "sources": _sources(source)}
     check_target(out, **guard)  # before the (possibly long) load
-    dense, tokenizer = load_dense(source)
-    if init == "embed":
-        stem = retrofit_from_dense(dense, stem_layers_spec)
-    else:
-        ids = calibration_ids(tokenizer, calibration, calibration_tokens) if init == "calib" else None
-        stem = retrofit(dense, stem_layers_spec, init, ids)
-    if adapter:
-        stem = adapter_from(dense, stem)
-    return save_pretrained(stem, out, tokenizer=tokenizer, **guard)
+    with progress_bar(3 + adapter, progress=progress, desc="convert", unit="stage") as bar:
+        bar.set_postfix_str("load")
+        dense, tokenizer = load_dense(source)
+        bar.update()
+        bar.set_postfix_str(f"tables ({init})")
+        if init == "embed":
+            stem = retrofit_from_dense(dense, stem_layers_spec)
+        else:
+            ids = calibration_ids(tokenizer, calibration, calibration_tokens) if init == "calib" else None
+            stem = retrofit(dense, stem_layers_spec, init, ids)
+        bar.update()
+        if adapter:
+            bar.set_postfix_str("adapter")
+            stem = adapter_from(dense, stem)
+            bar.update()
+        bar.set_postfix_str("save")
+        saved = save_pretrained(stem, out, tokenizer=tokenizer, **guard)
+        bar.update()
+    return saved
 
 
 def _sources(source: str | Path) -> list[Path]:
