@@ -2,7 +2,8 @@
 
 `--no-progress` turns a bar off, and so does a stderr that is not a terminal (a log file, a pipe, CI, a test's
 capture), where a bar's carriage-return redraws are noise and output compared byte for byte must not change.
-`shown(progress)` is that rule and `bar(...)` a tqdm on stderr that follows it: the bars of `train`, `data prepare`,
+`shown(progress)` is that rule, `bar(...)` a tqdm on stderr that follows it and `write(text)` a line printed
+between a bar's redraws: the bars of `train`, `data prepare`,
 `eval ppl|lm|niah`, `analyze`, `cache-sim`, `convert` and `experiment` are all drawn through them.
 """
 
@@ -15,6 +16,13 @@ def shown(progress: bool = True) -> bool:
     """Whether a bar asked for (`progress`) is drawn: only when stderr is a terminal."""
     isatty = getattr(sys.stderr, "isatty", None)  # stderr may be None (pythonw) or a stream without isatty
     return bool(progress) and isatty is not None and isatty()
+
+
+def write(text: str) -> None:
+    """A line on stderr that leaves a drawn bar whole (the bar is cleared, the line printed, the bar redrawn)."""
+    from tqdm import tqdm
+
+    tqdm.write(text, file=sys.stderr)
 
 
 def bar(total: int | None = None, *, progress: bool = True, **tqdm_options):

@@ -6,8 +6,8 @@
     stemlm experiment bio --set people=400 --set dense_steps=1200 --out runs/bio-big
 
 Each module exposes `EXPERIMENT` (stemlm.experiments.contract): its options dataclass gives the flags (help in
-the field metadata), `--quick`, `--set KEY=VALUE` and `--json` come with the contract. To add an experiment,
-write its module and append its name here.
+the field metadata), `--quick`, `--set KEY=VALUE`, `--no-progress` and `--json` come with the contract. To add an
+experiment, write its module and append its name here.
 """
 
 from __future__ import annotations
@@ -43,17 +43,18 @@ def add_experiment(subparsers, module: str) -> None:
     if experiment.settable:
         text = f"override any {experiment.options.__name__} field by name (repeatable)"
         p.add_argument("--set", dest="set_fields", action="append", default=[], metavar="KEY=VALUE", help=text)
+    p.add_argument("--no-progress", action="store_true", help="no progress bars on stderr (seeds, runs)")
     add_json_flag(p)
     p.set_defaults(func=functools.partial(run, experiment))
 
 
 def run(experiment, args) -> int:
-    from stemlm.experiments.contract import flags, resolve_options
+    from stemlm.experiments.contract import ExperimentLog, flags, resolve_options
 
     given = {f.name: getattr(args, f.name) for _, f, _ in flags(experiment)}
     sets = getattr(args, "set_fields", [])
     options = resolve_options(experiment, given, getattr(args, "quick", False), sets)
-    results = experiment.run(options, functools.partial(print, file=sys.stderr))
+    results = experiment.run(options, ExperimentLog(progress=not args.no_progress))
     if args.json:
         print_json(experiment.json(options, results))
         return 0

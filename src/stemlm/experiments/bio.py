@@ -32,9 +32,7 @@ import json
 import math
 import random
 import time
-from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict, dataclass, field, fields
-from multiprocessing import get_context
 from pathlib import Path
 
 from tokenizers import Tokenizer
@@ -43,9 +41,9 @@ from stemlm.data import EOT_TOKEN, embedded_texts, train_bpe
 from stemlm.data.worlds import bio
 from stemlm.edit.evaluate import score_items
 from stemlm.errors import StemlmError
-from stemlm.experiments.contract import Experiment, flag, results_file
+from stemlm.experiments.contract import Experiment, ExperimentLog, flag, results_file
 from stemlm.experiments.folders import claim_out, start_unit
-from stemlm.experiments.knowledge import train_in_worker
+from stemlm.experiments.knowledge import train_all
 from stemlm.experiments.stats import summarize_seeds
 from stemlm.model.accounting import active_parameters, total_parameters, training_flops_per_token
 from stemlm.model.config import ModelConfig
@@ -124,7 +122,7 @@ def matched_steps(configs: dict[str, ModelConfig], seq_len: int, dense_steps: in
     return {n: round(dense_steps * dense / training_flops_per_token(c, seq_len)) for n, c in configs.items()}
 
 
-def train_models(cfg: BioConfig, seed: int, configs, steps, tokenizer, data: Path, runs: Path) -> dict[str, dict]:
+def train_models(cfg: BioConfig, seed: int, configs, steps, tokenizer, data: Path, runs: Path, log) -> dict[str, dict]:
     jobs = []
     for name, config in configs.items():
         fields = dict(
@@ -140,10 +138,7 @@ def train_models(cfg: BioConfig, seed: int, configs, steps, tokenizer, data: Pat
             device="cpu",
         )
         jobs.append((name, config.to_dict(), fields, tokenizer.to_str()))
-    if cfg.parallel:
-        with ProcessPoolExecutor(max_workers=len(jobs), mp_context=get_context("spawn")) as pool:
-            return {r["name"]: r for r in pool.map(train_in_worker, *zip(*jobs, strict=True))}
-    return {r["name"]: r for r in (train_in_worker(*job) for job in jobs)}
+    return train_all(jobs, len(jobs) if cfg.parallel else 1, log)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -202,7 +197,7 @@ def run_seed(cfg: BioConfig, seed: int, folder: Path, log) -> dict:
     configs = model_configs(cfg)
     steps = matched_steps(configs, cfg.seq_len, cfg.dense_steps)
     log(f"seed {seed}: training dense ({steps['dense']} steps) and STEM ({steps['stem']} steps) at matched FLOPs")
-    fits = train_models(cfg, seed, configs, steps, tokenizer, data, folder / "runs")
+    fits = train_models(cfg, seed, configs, steps, tokenizer, data, folder / "runs", log)
     out: dict = {"seed": seed, "chance": bio.chance(qa_people, held)}
     for name, config in configs.items():
         model = load_checkpoint(fits[name]["checkpoint"])[0]
@@ -237,13 +232,17 @@ def _seed_result(cfg: BioConfig, seed: int, folder: Path, log) -> dict:
     return result
 
 
-def run_bio(cfg: BioConfig, seeds: int = 2, log=print) -> dict:
+def run_bio(cfg: BioConfig, log: ExperimentLog, seeds: int = 2) -> dict:
     """Seeds 0..seeds-1 (each reused when OUT already holds it with the same settings), then the summary."""
     if seeds < 1:
         raise StemlmError(f"--seeds must be >= 1, got {seeds}")
     out = claim_out(Path(cfg.out), "bio")
     start = time.perf_counter()
-    per_seed = [_seed_result(cfg, s, out / f"seed{s}", log) for s in range(seeds)]
+    per_seed = []
+    with log.bar(seeds, desc="seeds", unit="seed") as bar:
+        for s in range(seeds):
+            per_seed.append(_seed_result(cfg, s, out / f"seed{s}", log))
+            bar.update()
     results = {
         "config": asdict(cfg),
         "seeds": seeds,
@@ -259,12 +258,12 @@ def run_bio(cfg: BioConfig, seeds: int = 2, log=print) -> dict:
     return results
 
 
-def run_command(options: BioOptions, log) -> dict:
+def run_command(options: BioOptions, log: ExperimentLog) -> dict:
     """`stemlm experiment bio`: the config's sizes checked, then `run_bio` over `options.seeds` seeds."""
     cfg = BioConfig(**{f.name: getattr(options, f.name) for f in fields(BioConfig)})
     if cfg.people < 4 or cfg.dense_steps < 1 or cfg.bios_per_person < 1:
         raise StemlmError("people must be >= 4, dense_steps and bios_per_person >= 1")
-    return run_bio(cfg, seeds=options.seeds, log=log)
+    return run_bio(cfg, log, seeds=options.seeds)
 
 
 EXPERIMENT = Experiment(

@@ -31,7 +31,6 @@ import hashlib
 import json
 import math
 import random
-import sys
 import time
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import asdict, dataclass, field
@@ -41,7 +40,7 @@ from typing import Any
 
 from stemlm.errors import StemlmError
 from stemlm.experiments.compare_report import summarize_kind, write_report
-from stemlm.experiments.contract import Experiment, flag, positive_lrs, results_file
+from stemlm.experiments.contract import Experiment, ExperimentLog, flag, positive_lrs, results_file
 from stemlm.experiments.folders import claim_out, start_unit
 from stemlm.model.config import FFN_KINDS, ModelConfig
 
@@ -388,14 +387,17 @@ def run_jobs(cfg: CompareConfig, seed: int, runs: dict[str, tuple], folder: Path
         results[name] = r
         log(f"compare: seed {seed}: {name}: {r['steps']} steps in {r['fit']['wall_s']:.0f} s, eval {r['eval_s']:.0f} s")
 
-    if cfg.workers > 1 and len(jobs) > 1:
-        with ProcessPoolExecutor(max_workers=min(cfg.workers, len(jobs)), mp_context=get_context("spawn")) as pool:
-            futures = {pool.submit(run_kind, job, 1): name for name, job in jobs}
-            for future in as_completed(futures):
-                finished(futures[future], future.result())
-    else:
-        for name, job in jobs:
-            finished(name, run_kind(job, None))
+    with log.bar(len(jobs), desc="runs", unit="run") as bar:
+        if cfg.workers > 1 and len(jobs) > 1:
+            with ProcessPoolExecutor(max_workers=min(cfg.workers, len(jobs)), mp_context=get_context("spawn")) as pool:
+                futures = {pool.submit(run_kind, job, 1): name for name, job in jobs}
+                for future in as_completed(futures):
+                    finished(futures[future], future.result())
+                    bar.update()
+        else:
+            for name, job in jobs:
+                finished(name, run_kind(job, None))
+                bar.update()
     return results
 
 
@@ -454,7 +456,7 @@ def _minus(a, b):
     return None if a is None or b is None else a - b
 
 
-def run_compare(cfg: CompareConfig, log=lambda msg: print(msg, file=sys.stderr)) -> dict[str, Any]:
+def run_compare(cfg: CompareConfig, log: ExperimentLog) -> dict[str, Any]:
     """The whole experiment over `cfg.seeds` seeds; returns (and writes) {config, sweep, per_seed, summary, ...}."""
     from stemlm.data import default_tokenizer
     from stemlm.experiments.stats import summarize_seeds
@@ -480,11 +482,13 @@ def run_compare(cfg: CompareConfig, log=lambda msg: print(msg, file=sys.stderr))
         f"{k}-{steps[k]}steps": (k, configs[k], steps[k], lrs[k], True) for steps in plans.values() for k in cfg.kinds
     }
     per_seed, raw = [], []
-    for i in range(cfg.seeds):
-        seed = cfg.seed + i
-        done = run_jobs(cfg, seed, runs, out / f"seed{seed}", tokenizer, log)
-        per_seed.append(seed_entry(seed, plans, done))
-        raw.append(done)
+    with log.bar(cfg.seeds, desc="seeds", unit="seed") as bar:
+        for i in range(cfg.seeds):
+            seed = cfg.seed + i
+            done = run_jobs(cfg, seed, runs, out / f"seed{seed}", tokenizer, log)
+            per_seed.append(seed_entry(seed, plans, done))
+            raw.append(done)
+            bar.update()
     report = {
         "config": asdict(cfg),
         "interval": "Student t over seeds (stemlm.experiments.stats)",
@@ -499,7 +503,7 @@ def run_compare(cfg: CompareConfig, log=lambda msg: print(msg, file=sys.stderr))
     return report
 
 
-def run_command(cfg: CompareConfig, log) -> dict:
+def run_command(cfg: CompareConfig, log: ExperimentLog) -> dict:
     """`stemlm experiment compare`: an unknown preset fails before any data is written."""
     if cfg.preset:
         from stemlm.model.presets import get_preset

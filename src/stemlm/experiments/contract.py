@@ -9,7 +9,9 @@ Each experiment module exposes `EXPERIMENT = Experiment(...)`; `stemlm experimen
   value; `flag(..., const=V)` makes a switch that sets V, `flag(..., append=True)` a repeatable flag;
 - `quick`: the values of `--quick`, a reduced budget for CI and first tries;
 - `fixed`: with `settable`, `--set KEY=VALUE` reaches every field but these;
-- `run(options, log)`: trains, evaluates, writes the results folder and returns the results;
+- `run(options, log)`: trains, evaluates, writes the results folder and returns the results; `log` is an
+  `ExperimentLog`: `log(text)` writes a line to stderr, `log.bar(total, desc, unit)` a progress bar (one per
+  level of the work: seeds, then the runs of a seed), drawn only by the rule of `stemlm.progress`;
   `json(options, results)` is what `--json` prints, `text(options, results)` what is printed otherwise, and
   `done(options, results)` an optional closing line for stderr.
 
@@ -18,8 +20,9 @@ Each experiment module exposes `EXPERIMENT = Experiment(...)`; `stemlm experimen
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -61,13 +64,38 @@ class Experiment:
     help: str
     description: str
     options: type
-    run: Callable[[Any, Callable[[str], None]], dict]
+    run: Callable[[Any, ExperimentLog], dict]
     text: Callable[[Any, dict], str]
     json: Callable[[Any, dict], dict] = lambda options, results: results
     done: Callable[[Any, dict], str] | None = None
     quick: dict = field(default_factory=dict)
     settable: bool = False
     fixed: tuple[str, ...] = ()
+
+
+class ExperimentLog:
+    """An experiment's progress on stderr: lines (`log(text)`, written so a drawn bar stays whole) and nested bars
+    (`with log.bar(total, desc, unit) as bar`: the outer one stays, inner ones clear when done); `progress`: the
+    bars are wanted (`--no-progress` is not given), drawn only when stderr is a terminal."""
+
+    def __init__(self, progress: bool = False) -> None:
+        self.progress, self.depth = progress, 0
+
+    def __call__(self, text: str) -> None:
+        from stemlm.progress import write
+
+        write(text)
+
+    @contextlib.contextmanager
+    def bar(self, total: int, desc: str, unit: str) -> Iterator[Any]:
+        from stemlm.progress import bar
+
+        with bar(total, progress=self.progress, desc=desc, unit=unit, position=self.depth, leave=not self.depth) as b:
+            self.depth += 1
+            try:
+                yield b
+            finally:
+                self.depth -= 1
 
 
 def flags(experiment: Experiment) -> list[tuple[str, dataclasses.Field, Flag]]:

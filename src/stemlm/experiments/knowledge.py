@@ -24,6 +24,7 @@ finished seed is reused when the same command is rerun).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import random
@@ -40,7 +41,7 @@ from stemlm.data import EOT_TOKEN, embedded_texts, train_bpe
 from stemlm.data.worlds.facts import fact_documents, fact_prompts
 from stemlm.errors import StemlmError
 from stemlm.evaluation.recall import fact_recall
-from stemlm.experiments.contract import Experiment, flag, positive_lrs, results_file
+from stemlm.experiments.contract import Experiment, ExperimentLog, flag, positive_lrs, results_file
 from stemlm.experiments.folders import claim_out, start_unit
 from stemlm.experiments.stats import summarize_seeds
 from stemlm.model.accounting import active_parameters, total_parameters, training_flops_per_token
@@ -218,7 +219,21 @@ def train_in_worker(name: str, model_config: dict, train_fields: dict, tokenizer
     return {"name": name, **trainer.fit()}
 
 
-def train_arms(cfg, configs, plan, lrs, seed, tokenizer, data: Path, runs: Path) -> dict[str, dict]:
+def train_all(jobs: list[tuple], workers: int, log: ExperimentLog) -> dict[str, dict]:
+    """Every job of `train_in_worker` (bio.py's too), in `workers` processes when more than one; each run's fit
+    summary by name, in job order. `log`'s run bar steps as each run finishes."""
+    pool = None
+    if workers > 1 and len(jobs) > 1:
+        pool = ProcessPoolExecutor(max_workers=workers, mp_context=get_context("spawn"))
+    with log.bar(len(jobs), desc="runs", unit="run") as bar, pool or contextlib.nullcontext():
+        results = {}
+        for result in (pool.map if pool else map)(train_in_worker, *zip(*jobs, strict=True)):
+            results[result["name"]] = result
+            bar.update()
+    return results
+
+
+def train_arms(cfg, configs, plan, lrs, seed, tokenizer, data: Path, runs: Path, log) -> dict[str, dict]:
     """Train every arm of `plan` (lr from `lrs[family]`) on `data`; returns each run's fit summary by arm."""
     jobs = []
     for arm, p in plan.items():
@@ -236,12 +251,7 @@ def train_arms(cfg, configs, plan, lrs, seed, tokenizer, data: Path, runs: Path)
             **p["overrides"],
         )
         jobs.append((arm, configs[p["kind"]].to_dict(), fields, tokenizer.to_str()))
-    if cfg.parallel and len(jobs) > 1:
-        with ProcessPoolExecutor(max_workers=2, mp_context=get_context("spawn")) as pool:
-            results = list(pool.map(train_in_worker, *zip(*jobs, strict=True)))
-    else:
-        results = [train_in_worker(*job) for job in jobs]
-    return {r["name"]: r for r in results}
+    return train_all(jobs, 2 if cfg.parallel else 1, log)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -298,7 +308,7 @@ def run_seed(cfg: KnowledgeConfig, seed: int, lrs: dict[str, float], folder: Pat
     configs = model_configs(scfg)
     plan = arm_plan(scfg, configs)
     log(f"seed {seed}: training " + ", ".join(f"{a} ({p['steps']} steps)" for a, p in plan.items()) + " ...")
-    fits = train_arms(scfg, configs, plan, lrs, seed, tokenizer, data, folder / "runs")
+    fits = train_arms(scfg, configs, plan, lrs, seed, tokenizer, data, folder / "runs", log)
     models = {arm: load_checkpoint(fits[arm]["checkpoint"])[0].eval() for arm in plan}
     scale = TrainConfig().table_lr_scale
     arms = {arm: _arm_row(p, fits[arm], lrs[p["family"]], scale) for arm, p in plan.items()}
@@ -331,17 +341,19 @@ def lr_sweep(cfg: KnowledgeConfig, out: Path, log) -> dict:
     for arm in cfg.arms:
         families.setdefault(ARMS[arm][3], arm)
     trials: dict[str, dict[str, dict]] = {f: {} for f in families}
-    for lr in cfg.lr_sweep:
-        sub = dataclasses.replace(cfg, arms=tuple(families.values()))
-        result = run_seed(sub, cfg.sweep_seed, dict.fromkeys(families, lr), out / f"lr{lr:g}", log, edits=False)
-        for family, arm in families.items():
-            r = result["arms"][arm]
-            trials[family][f"{lr:g}"] = {
-                "lr": lr,
-                "heldout_loss": r["heldout_loss"],
-                "recall_train": r["recall"]["train"]["recall"],
-                "recall_heldout": r["recall"]["heldout"]["recall"],
-            }
+    with log.bar(len(cfg.lr_sweep), desc="lr sweep", unit="lr") as bar:
+        for lr in cfg.lr_sweep:
+            sub = dataclasses.replace(cfg, arms=tuple(families.values()))
+            result = run_seed(sub, cfg.sweep_seed, dict.fromkeys(families, lr), out / f"lr{lr:g}", log, edits=False)
+            for family, arm in families.items():
+                r = result["arms"][arm]
+                trials[family][f"{lr:g}"] = {
+                    "lr": lr,
+                    "heldout_loss": r["heldout_loss"],
+                    "recall_train": r["recall"]["train"]["recall"],
+                    "recall_heldout": r["recall"]["heldout"]["recall"],
+                }
+            bar.update()
     best = {f: min(t.values(), key=lambda r: r["heldout_loss"])["lr"] for f, t in trials.items()}
     return {"seed": cfg.sweep_seed, "criterion": "held-out loss (natural text)", "trials": trials, "best": best}
 
@@ -354,7 +366,7 @@ def planned_flops(cfg: KnowledgeConfig) -> float:
     return cfg.seeds * sum(p["train_flops"] for p in plan.values()) + len(cfg.lr_sweep) * sum(families.values())
 
 
-def run_knowledge(cfg: KnowledgeConfig, log=print) -> dict:
+def run_knowledge(cfg: KnowledgeConfig, log: ExperimentLog) -> dict:
     """The whole experiment over `cfg.seeds` seeds; writes and returns {config, sweep, per_seed, summary, ...}."""
     from stemlm.experiments.knowledge_report import write_report
 
@@ -371,9 +383,11 @@ def run_knowledge(cfg: KnowledgeConfig, log=print) -> dict:
     sweep = lr_sweep(cfg, out / "sweep", log) if cfg.lr_sweep else None
     lrs = {f: sweep["best"][f] if sweep else cfg.lr for f in families}
     per_seed = []
-    for i in range(cfg.seeds):
-        seed = cfg.seed + i
-        per_seed.append(run_seed(cfg, seed, lrs, out / f"seed{seed}", log))
+    with log.bar(cfg.seeds, desc="seeds", unit="seed") as bar:
+        for i in range(cfg.seeds):
+            seed = cfg.seed + i
+            per_seed.append(run_seed(cfg, seed, lrs, out / f"seed{seed}", log))
+            bar.update()
     results = {
         "config": asdict(cfg),
         "interval": "Student t over seeds (stemlm.experiments.stats)",
@@ -388,13 +402,13 @@ def run_knowledge(cfg: KnowledgeConfig, log=print) -> dict:
     return results
 
 
-def run_command(cfg: KnowledgeConfig, log) -> dict:
+def run_command(cfg: KnowledgeConfig, log: ExperimentLog) -> dict:
     """`stemlm experiment knowledge`: an unknown preset fails before any data is written."""
     if cfg.preset:
         from stemlm.model.presets import get_preset
 
         get_preset(cfg.preset)
-    return run_knowledge(cfg, log=log)
+    return run_knowledge(cfg, log)
 
 
 JSON_KEYS = ("config", "interval", "recall_chance", "lrs", "sweep", "per_seed", "summary", "wall_s")
