@@ -124,6 +124,8 @@ def test_each_request_type_shows_a_bar_unless_disabled(lm_and_tok, tty_stderr, k
     assert method(_requests(kind, args)) == quiet
     last = tty_stderr.readouterr().err.strip().split("\r")[-1]
     assert last.startswith(f"{kind}: 100%") and f"| {len(args)}/{len(args)} [" in last, last
+    assert getattr(StemlmLM(model, tok, batch_size=3, progress=False), kind)(_requests(kind, args)) == quiet
+    assert tty_stderr.readouterr().err == ""  # `stemlm eval lm --no-progress`
 
 
 @pytest.fixture(scope="module")
@@ -217,10 +219,15 @@ def test_cli_errors_exit_2_with_one_line(tiny_ckpt, tmp_path, capsys):
     assert "missing 'test_split' or 'validation_split'" in err and "\n" not in err
 
 
-def test_cli_json(tiny_ckpt, capsys):
-    assert main(["eval", "lm", str(tiny_ckpt), "--tasks", "stemlm_facts_capital", "--limit", "2", "--json"]) == 0
-    out = json.loads(capsys.readouterr().out)
+def test_cli_json(tiny_ckpt, tty_stderr):
+    argv = ["eval", "lm", str(tiny_ckpt), "--tasks", "stemlm_facts_capital", "--limit", "2", "--json"]
+    assert main(argv) == 0
+    out, err = tty_stderr.readouterr()
+    out = json.loads(out)
     assert set(out["results"]) == {"stemlm_facts_capital"} and 0 <= out["results"]["stemlm_facts_capital"]["acc"] <= 1
+    assert "loglikelihood: 100%" in err
+    assert main([*argv, "--no-progress"]) == 0
+    assert "loglikelihood:" not in tty_stderr.readouterr().err
 
 
 def test_registered_with_lm_eval_by_name(tiny_ckpt, lm_and_tok):

@@ -58,6 +58,7 @@ def register_eval(subparsers) -> None:
     parser.add_argument("--builtin", action="store_true", help="also index lm-eval's built-in tasks (cached data only)")
     parser.add_argument("--seed", type=int, default=0, help="seed for lm-eval's sampling and few-shot choice")
     add_inference_flags(parser)
+    parser.add_argument("--no-progress", action="store_true", help="no request progress bars on stderr")
     parser.add_argument("--out", metavar="FILE", help="also write lm-eval's full results as JSON to FILE")
     parser.add_argument("--force", action="store_true", help="replace --out FILE if it exists")
     add_json_flag(parser)
@@ -75,7 +76,7 @@ def run(args) -> int:
         raise StemlmError("--tasks is empty: name at least one task")
     from stemlm.inference.load import InferenceOptions
 
-    lm_options = {k: getattr(args, k) for k in ("batch_size", "max_length")}
+    lm_options = {k: getattr(args, k) for k in ("batch_size", "max_length")} | {"progress": not args.no_progress}
     eval_options = {k: getattr(args, k) for k in ("limit", "num_fewshot", "builtin", "seed", "allow_task_code")}
     results = evaluate_checkpoint(
         args.checkpoint, InferenceOptions.from_args(args), tasks, args.include_path, **lm_options, **eval_options

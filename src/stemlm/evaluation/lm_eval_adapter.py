@@ -9,7 +9,7 @@ document, so a context starts the way training documents do (an empty context is
 Contexts longer than the model's window keep their rightmost tokens.
 
 Each request type draws a tqdm bar over its requests on stderr, as lm-eval's own models do, unless lm-eval
-passes `disable_tqdm`.
+passes `disable_tqdm`, the model was made with `progress=False` or stderr is not a terminal (`stemlm.progress`).
 
 The adapter is registered with lm-eval under the name `stemlm` (`model_args="pretrained=CKPT"`).
 Importing this module switches `datasets` and the Hub to offline mode: tasks must come from local files.
@@ -59,6 +59,7 @@ class StemlmLM(LM):
         batch_size: int = 8,
         max_length: int | None = None,
         max_gen_toks: int = DEFAULT_MAX_GEN_TOKS,
+        progress: bool = True,
     ) -> None:
         from stemlm.data.tokenizer import eot_id
 
@@ -74,6 +75,7 @@ class StemlmLM(LM):
                 f"{model.config.max_position_embeddings}"
             )
         self.max_gen_toks = int(max_gen_toks)
+        self.progress = progress  # False: no request bars (`stemlm eval lm --no-progress`)
 
     # ----- construction from lm-eval's model_args -----
     @classmethod
@@ -131,7 +133,7 @@ class StemlmLM(LM):
             items.append((i, inputs, cont, n))
         results: list[tuple[float, bool]] = [(0.0, True)] * len(items)
         items.sort(key=lambda item: -len(item[1]))  # similar lengths share a batch: little padding
-        with _bar(len(items), "loglikelihood", disable_tqdm) as bar:
+        with _bar(len(items), "loglikelihood", disable_tqdm or not self.progress) as bar:
             for start in range(0, len(items), self.batch_size):
                 chunk = items[start : start + self.batch_size]
                 self._score_batch([item for item in chunk if item[3] > 0], results)
@@ -160,7 +162,7 @@ class StemlmLM(LM):
     def loglikelihood_rolling(self, requests, disable_tqdm: bool = False) -> list[float]:
         """Log-likelihood of each whole text: `token_logprobs` windows of `max_length`, stride = window."""
         out = []
-        with _bar(len(requests), "loglikelihood_rolling", disable_tqdm) as bar:
+        with _bar(len(requests), "loglikelihood_rolling", disable_tqdm or not self.progress) as bar:
             for req in requests:
                 ids = self.encode(req.args[0])
                 logp = token_logprobs(self.model, [self.eot_token_id, *ids], self.max_length, None, self.batch_size)
@@ -172,7 +174,7 @@ class StemlmLM(LM):
         """Generate from each context until one of its `until` strings (cut off), `<|endoftext|>` or
         `max_gen_toks` tokens; greedy unless the task asks for `do_sample` with a temperature > 0."""
         out = []
-        with _bar(len(requests), "generate_until", disable_tqdm) as bar:
+        with _bar(len(requests), "generate_until", disable_tqdm or not self.progress) as bar:
             for req in requests:
                 out.append(self._generate(req.args[0], dict(req.args[1] or {})))
                 bar.update()
@@ -296,11 +298,13 @@ def evaluate_checkpoint(
     *,
     batch_size: int = 8,
     max_length: int | None = None,
+    progress: bool = True,
     **eval_options: Any,
 ) -> dict[str, Any]:
     """`run_lm_eval` on CKPT loaded with `options` (`stemlm.inference.load.InferenceOptions`), closed after;
-    `eval_options`: limit, num_fewshot, builtin, seed, allow_task_code."""
-    lm = StemlmLM.from_checkpoint(checkpoint, options=options, batch_size=batch_size, max_length=max_length)
+    `eval_options`: limit, num_fewshot, builtin, seed, allow_task_code; `progress`: the request bars."""
+    lm_options = {"batch_size": batch_size, "max_length": max_length, "progress": progress}
+    lm = StemlmLM.from_checkpoint(checkpoint, options=options, **lm_options)
     with lm.loaded:
         return run_lm_eval(lm, tasks, include_paths=include_paths, **eval_options)
 
