@@ -111,3 +111,23 @@ def load_datasets_distributed(cfg: TrainConfig, tok: Tokenizer, is_main: bool) -
     train = TokenDataset.from_file(train_path)
     train.sampling = resolve_sampling(cfg)
     return train, TokenDataset.from_file(heldout_path) if heldout_path else None
+
+
+def training_token_ids(run: str | Path, tok: Tokenizer) -> set[int] | None:
+    """The ids that occur in the training tokens of the run folder `run` when it trained on the embedded corpus
+    (with its fact mix), rebuilt from its run_config.json by `load_datasets`: the cached shard on the machine that
+    trained, else a few seconds of tokenizing. None where that is not known cheaply: no run_config.json (a bare
+    checkpoint) or data of the user's (`--data`), which may be large or gone. `stemlm edit` warns with it about
+    rows that never trained."""
+    import json
+
+    import numpy as np
+
+    try:
+        cfg = TrainConfig.from_dict(json.loads((Path(run) / "run_config.json").read_text())["train"])
+        if cfg.data is not None:
+            return None
+        train, _ = load_datasets(cfg, tok)
+    except (OSError, ValueError, KeyError, TypeError, StemlmError):
+        return None
+    return set(np.unique(np.asarray(train.tokens)).tolist())
