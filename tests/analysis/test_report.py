@@ -7,7 +7,8 @@ import json
 
 import pytest
 
-from stemlm.analysis.report import AnalysisOptions, chosen_analyses, render_analysis, run_analyses
+from stemlm.analysis.report import AnalysisOptions, chosen_analyses, default_token, render_analysis, run_analyses
+from stemlm.data.tokenizer import default_tokenizer
 from stemlm.errors import StemlmError
 
 from .conftest import TEXT
@@ -34,3 +35,9 @@ def test_run_analyses_writes_every_png_and_the_json(analysis_model, small_tokeni
     assert written["pngs"]["nearest"] == str(tmp_path / "final" / "nearest.png")
     lines = render_analysis(report).splitlines()
     assert lines[0] == f"prompt: {options.prompt!r}" and any(line.startswith("nearest tokens to") for line in lines)
+
+
+def test_the_default_query_is_a_whole_word_then_a_name_never_a_trailing_sub_word():
+    tok = default_tokenizer()  # " capital" is " cap" + "ital", " Spain" is " Sp" + "ain"; " France" is one token
+    picks = {p: default_token(tok, tok.encode(p).ids) for p in ("The capital of France is", "The capital of Spain is")}
+    assert picks == {"The capital of France is": " France", "The capital of Spain is": " Sp"}
