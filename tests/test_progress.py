@@ -4,10 +4,11 @@ printed regardless of the terminal before. Run: `python -m pytest tests/test_pro
 
 from __future__ import annotations
 
+import io
 import sys
 
 from stemlm.cli.main import main
-from stemlm.progress import bar, shown
+from stemlm.progress import RELAYED_TERMINAL, bar, shown
 from stemlm.train.logging import RunLogger
 
 
@@ -28,6 +29,21 @@ def test_no_bar_on_a_stderr_that_is_not_a_terminal(capsys):
     assert not shown(True)
     draw(True)
     assert capsys.readouterr().err == ""
+
+
+def test_a_stderr_relayed_to_a_terminal_draws_bars(capsys, monkeypatch):
+    monkeypatch.setenv(RELAYED_TERMINAL, "1")
+    assert shown(True) and not shown(False)
+
+
+def test_train_nproc_tells_its_ranks_when_their_stderr_reaches_a_terminal(tty_stderr, monkeypatch):
+    from stemlm.train.parallel.workers import run_torchrun
+
+    monkeypatch.delenv(RELAYED_TERMINAL, raising=False)
+    child = [sys.executable, "-c", f"import os, sys; sys.stderr.write(os.environ.get({RELAYED_TERMINAL!r}, 'no'))"]
+    assert run_torchrun(child, io.BytesIO())[:2] == (0, "1")
+    monkeypatch.setattr(type(sys.stderr), "isatty", lambda self: False)
+    assert run_torchrun(child, io.BytesIO())[:2] == (0, "no")
 
 
 def test_train_bar_follows_the_rule_and_keeps_its_messages(tmp_path, capsys):

@@ -2,6 +2,8 @@
 
 `--no-progress` turns a bar off, and so does a stderr that is not a terminal (a log file, a pipe, CI, a test's
 capture), where a bar's carriage-return redraws are noise and output compared byte for byte must not change.
+A process whose stderr another relays to a terminal (the ranks of `train --nproc N`, through `stemlm.train.parallel.
+workers.run_torchrun`) is told so by `RELAYED_TERMINAL` in its environment.
 `shown(progress)` is that rule, `bar(...)` a tqdm on stderr that follows it and `write(text)` a line printed
 between a bar's redraws: the bars of `train`, `data prepare`,
 `eval ppl|lm|niah`, `analyze`, `cache-sim`, `convert` and `experiment` are all drawn through them.
@@ -9,11 +11,16 @@ between a bar's redraws: the bars of `train`, `data prepare`,
 
 from __future__ import annotations
 
+import os
 import sys
+
+RELAYED_TERMINAL = "STEMLM_STDERR_RELAYED_TO_TERMINAL"  # "1": this stderr is a pipe a parent copies to a terminal
 
 
 def shown(progress: bool = True) -> bool:
-    """Whether a bar asked for (`progress`) is drawn: only when stderr is a terminal."""
+    """Whether a bar asked for (`progress`) is drawn: only when stderr is a terminal (or relayed to one)."""
+    if os.environ.get(RELAYED_TERMINAL) == "1":
+        return bool(progress)
     isatty = getattr(sys.stderr, "isatty", None)  # stderr may be None (pythonw) or a stream without isatty
     return bool(progress) and isatty is not None and isatty()
 

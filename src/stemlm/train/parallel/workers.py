@@ -66,8 +66,12 @@ def rank_errors(text: str) -> dict[int, str]:
 def run_torchrun(cmd: list[str], log, *, debug: bool = False) -> tuple[int, str, str | None]:
     """Run torchrun's `cmd`, relaying its output (all of it also to the binary file `log`): (exit code, stderr
     tail, name of the signal that asked it to stop, or None). `debug` relays everything (tracebacks too)."""
+    from stemlm.progress import RELAYED_TERMINAL, shown
+
     # torchrun prints a banner when OMP_NUM_THREADS is unset and then sets it to 1; the ranks set their own threads.
     env = {"OMP_NUM_THREADS": "1", **os.environ}
+    if shown():  # rank 0's bar reaches this terminal (stemlm.progress)
+        env[RELAYED_TERMINAL] = "1"
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
     with ForwardStop(proc) as stop:
         code, tail = _relay(proc, log, debug)
