@@ -10,7 +10,7 @@ needles (multi-key) go to random sentence boundaries. Scoring is exact match of 
 generated text. `run_niah` runs a grid of lengths × depths with any `answer(prompt, max_new_tokens) -> text`
 function (`model_answerer` wraps a model with greedy KV-cache decoding), `plot_niah_heatmap` draws it;
 every sample is built before the first answer, so a length too short for the task fails before any decoding
-(and before the progress bar, `progress=True`: one step per sample on stderr).
+(and before the progress bar, `progress=True`: one step per sample on a terminal's stderr, `stemlm.progress`).
 
 `write_niah` / `render_niah` write and print a grid's result; `positive_ints` / `depth_fractions` read the
 lengths and depths as typed. Small models only retrieve after seeing the task in training: `passkey_documents`

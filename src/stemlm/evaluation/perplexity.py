@@ -13,8 +13,9 @@ tokenizer-independent number to compare models with different vocabularies.
     result = evaluate_perplexity(model, tokenizer, texts, window=512, stride=256)
     print(result.perplexity, result.bits_per_byte)
 
-`progress=True` draws a tqdm bar over the tokens to score on stderr (tokens/s and an ETA), advanced per
-batch of windows; every text is tokenized and checked first, so a bad input fails before the bar appears.
+`progress=True` draws a tqdm bar over the tokens to score on stderr when it is a terminal (tokens/s and an ETA;
+`stemlm.progress`), advanced per batch of windows; every text is tokenized and checked first, so a bad input
+fails before the bar appears.
 
 CLI: `stemlm eval ppl CKPT [--data PATH ...] [--seq-len L] [--stride S] [--max-tokens N] [--no-progress] [--json]`.
 """
