@@ -21,6 +21,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from stemlm.experiments.bio import BioConfig, build_data, knowledge_bits, matched_steps, model_configs, train_models
+from stemlm.experiments.contract import ExperimentLog
 from stemlm.model.accounting import active_parameters, total_parameters
 
 SIZES = {"small": dict(hidden_size=64, intermediate_size=192), "base": dict(hidden_size=128, intermediate_size=384)}
@@ -54,7 +55,7 @@ def main() -> None:
         people, tokenizer, data = build_data(cfg, args.seed, out / size / "data")
         configs = model_configs(cfg)
         steps = matched_steps(configs, cfg.seq_len, cfg.dense_steps)
-        fits = train_models(cfg, args.seed, configs, steps, tokenizer, data, out / size / "runs")
+        fits = train_models(cfg, args.seed, configs, steps, tokenizer, data, out / size / "runs", ExperimentLog())
         for kind, config in configs.items():
             model = load_checkpoint(fits[kind]["checkpoint"])[0]
             bits = knowledge_bits(model, tokenizer, people)
