@@ -32,8 +32,11 @@ def write(text: str) -> None:
     tqdm.write(text, file=sys.stderr)
 
 
-def bar(total: int | None = None, *, progress: bool = True, **tqdm_options):
-    """A tqdm bar on stderr, disabled unless `shown(progress)`; `tqdm_options` (desc, unit, ...) go to tqdm."""
+def bar(total=None, *, progress: bool = True, **tqdm_options):
+    """A tqdm bar on stderr, disabled unless `shown(progress)`. `total`: the count of steps, or a sized iterable
+    to wrap (the bar then advances as it is iterated); `tqdm_options` (desc, unit, ...) go to tqdm."""
     from tqdm import tqdm  # imported here: `import stemlm` stays cheap
 
+    if total is not None and not isinstance(total, int):
+        return tqdm(total, file=sys.stderr, disable=not shown(progress), **tqdm_options)
     return tqdm(total=total, file=sys.stderr, disable=not shown(progress), **tqdm_options)

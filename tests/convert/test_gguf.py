@@ -229,3 +229,14 @@ def test_smollm2_answers_paris_with_the_same_greedy_tokens(smollm2_folder, capsy
     theirs = hf.generate(torch.tensor([ids]), max_new_tokens=4, do_sample=False)[0, len(ids) :].tolist()
     assert ours == theirs
     assert tok.decode(ours).startswith(" Paris")
+
+
+def test_import_draws_a_bar_per_tensor_on_a_terminal_unless_no_progress(tmp_path, tty_stderr):
+    write_gguf(tiny_llama(False), tmp_path / "m.gguf")
+    assert main(["convert", "--from-gguf", str(tmp_path / "m.gguf"), "--out", str(tmp_path / "a")]) == 0
+    drawn = tty_stderr.readouterr().err
+    tensors = len(gguf.GGUFReader(tmp_path / "m.gguf").tensors)
+    assert "dequantise: 100%" in drawn and f"{tensors}/{tensors}" in drawn
+    argv = ["convert", "--from-gguf", str(tmp_path / "m.gguf"), "--out", str(tmp_path / "b"), "--no-progress"]
+    assert main(argv) == 0
+    assert "dequantise" not in tty_stderr.readouterr().err

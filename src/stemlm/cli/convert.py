@@ -67,7 +67,8 @@ def _llama(args) -> tuple[dict, str]:
 def _gguf(args) -> tuple[dict, str]:
     from stemlm.convert.gguf import convert_gguf, summary
 
-    out = convert_gguf(args.from_gguf, args.out, force=args.force, allow_nonfinite=args.allow_nonfinite)
+    options = dict(force=args.force, allow_nonfinite=args.allow_nonfinite, progress=not args.no_progress)
+    out = convert_gguf(args.from_gguf, args.out, **options)
     return {"out": str(out), "config": summary(out)}, f"wrote Hugging Face Llama folder {out}"
 
 
@@ -182,7 +183,9 @@ def register(subparsers) -> None:
         "--force", action="store_true", help="replace --out if it holds an earlier convert output (never anything else)"
     )
     p.add_argument(
-        "--no-progress", action="store_true", help="(--from-dense) no progress bar on stderr (one step per stage)"
+        "--no-progress",
+        action="store_true",
+        help="(--from-dense, --from-gguf) no progress bar on stderr (one step per stage, or per GGUF tensor)",
     )
     add_json_flag(p)
     p.set_defaults(func=run)

@@ -184,11 +184,15 @@ def _layer_name(name: str) -> str:
     raise StemlmError(f"GGUF tensor {name!r} has no Llama counterpart; the file is not a plain Llama model")
 
 
-def llama_state(reader, config: dict[str, Any], allow_nonfinite: bool = False) -> dict[str, torch.Tensor]:
+def llama_state(
+    reader, config: dict[str, Any], allow_nonfinite: bool = False, progress: bool = False
+) -> dict[str, torch.Tensor]:
     """HF Llama state dict (fp32) from the GGUF tensors, Q/K rows restored to HF order; a tensor holding NaN or
-    Inf is refused unless `allow_nonfinite`."""
+    Inf is refused unless `allow_nonfinite`. `progress`: a bar on stderr, one step per tensor (`stemlm.progress`)."""
+    from stemlm.progress import bar
+
     state = {}
-    for tensor in reader.tensors:
+    for tensor in bar(reader.tensors, progress=progress, desc="dequantise", unit="tensor"):
         name = _layer_name(tensor.name)
         weight = dequantize(tensor)
         if not allow_nonfinite and not bool(torch.isfinite(weight).all()):
@@ -267,11 +271,13 @@ def tokenizer_config(meta: dict[str, Any], context_length: int) -> dict[str, Any
     return config
 
 
-def convert_gguf(path: str | Path, out: str | Path, *, force: bool = False, allow_nonfinite: bool = False) -> Path:
+def convert_gguf(
+    path: str | Path, out: str | Path, *, force: bool = False, allow_nonfinite: bool = False, progress: bool = False
+) -> Path:
     """Write the Llama GGUF at `path` as a Hugging Face Llama folder at `out` (refused if `out` holds files).
 
     Everything is read and checked (metadata, tokenizer, every tensor's shape and values) before `out` is
-    touched; weights holding NaN or Inf are refused unless `allow_nonfinite`."""
+    touched; weights holding NaN or Inf are refused unless `allow_nonfinite`. `progress`: a bar per tensor."""
     from safetensors.torch import save_file
 
     out = Path(out)
@@ -292,7 +298,7 @@ def convert_gguf(path: str | Path, out: str | Path, *, force: bool = False, allo
     tied = "output.weight" not in shapes
     config = llama_config(meta, vocab_size=len(tokens), tied=tied)
     check_tensors(shapes, config, tied)
-    state = llama_state(reader, config, allow_nonfinite)
+    state = llama_state(reader, config, allow_nonfinite, progress)
     generation = {k: config[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if k in config}
     with AtomicFolder(out, **guard) as tmp:
         save_file({k: v.contiguous() for k, v in state.items()}, str(tmp / WEIGHTS_NAME), metadata={"format": "pt"})
