@@ -53,9 +53,10 @@ def find_files(paths: list[str | Path], warn: Callable[[str], None]) -> list[Pat
     return unique
 
 
-def _decode(raw: bytes, where: str) -> str:
+def decode_text(raw: bytes, where: str, accepted: str = "UTF-8 text, jsonl or parquet files") -> str:
+    """`raw` as text, or a one-line error naming `where` for binary (NUL bytes) or non-UTF-8 input."""
     if b"\0" in raw:
-        raise StemlmError(f"{where} looks binary (contains NUL bytes); pass UTF-8 text, jsonl or parquet files")
+        raise StemlmError(f"{where} looks binary (contains NUL bytes); pass {accepted}")
     try:
         return raw.decode("utf-8-sig")  # -sig drops a byte-order mark that some editors write
     except UnicodeDecodeError as exc:
@@ -72,7 +73,7 @@ def encodable(text: str, where: str) -> str:
 
 
 def _text_docs(path: Path, field: str) -> Iterator[str]:
-    text = _decode(path.read_bytes(), str(path))
+    text = decode_text(path.read_bytes(), str(path))
     if text.strip():
         yield text
 
@@ -93,7 +94,7 @@ def _jsonl_docs(path: Path, field: str) -> Iterator[str]:
     with open(path, "rb") as f:
         for lineno, raw in enumerate(f, start=1):
             where = f"{path} line {lineno}"
-            line = _decode(raw, where)
+            line = decode_text(raw, where)
             if not line.strip():
                 continue
             record = parse_json_line(line, where)

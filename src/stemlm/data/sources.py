@@ -21,7 +21,7 @@ from stemlm.data.corpus import (
     load_embedded_corpus,
     split_documents,
 )
-from stemlm.data.inputs import encodable, parse_json_line
+from stemlm.data.inputs import decode_text, encodable, parse_json_line
 from stemlm.errors import StemlmError
 
 FOLDER_SUFFIXES = (".txt", ".md", ".jsonl")
@@ -29,13 +29,7 @@ USER_SOURCE = "user"  # all user documents form one group for split_documents
 
 
 def _read_text(path: Path) -> str:
-    raw = path.read_bytes()
-    if b"\0" in raw:
-        raise StemlmError(f"{path} looks binary (contains NUL bytes); pass UTF-8 text, markdown or jsonl files")
-    try:
-        return raw.decode("utf-8-sig")  # -sig drops a byte-order mark that some editors write
-    except UnicodeDecodeError as exc:
-        raise StemlmError(f"{path} is not valid UTF-8 (byte {exc.start}); convert it to UTF-8 text") from exc
+    return decode_text(path.read_bytes(), str(path), "UTF-8 text, markdown or jsonl files")
 
 
 def _read_jsonl(path: Path, name: str) -> list[Document]:
