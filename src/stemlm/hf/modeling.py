@@ -10,7 +10,9 @@ transformers 5 points handled here:
   name `past_key_values` is still accepted, with transformers' deprecation warning). `_HFCacheView` presents it
   through the two members our attention uses, so HF keeps owning the cache (beam reordering, cropping) and our
   attention code stays unchanged.
-  Static (pre-allocated) caches are refused: our attention has no mask over unused cache slots.
+  Static (pre-allocated) caches are refused: our attention has no mask over unused cache slots. Beam search
+  reorders the cache through `_reorder_cache`, which reorders the kinds' decoding state (n-gram ids, Engram
+  conv inputs) with the keys and values.
 - weights: `_init_weights` runs only on modules whose tensors were not loaded (HF's `_is_hf_initialized` flag,
   honoured by `transformers.initialization`), gives each parameter the std of `StemLM.init_specs` (tables by
   `table_init`, norms ones, everything else normal(initializer_range), a kind's own `init_stds`), and always
@@ -29,6 +31,7 @@ transformers 5 points handled here:
   (`from_pretrained`), the id `stemlm generate` stops on; `save_pretrained` writes it to generation_config.json.
 - `inputs_embeds` replaces `embed_tokens`; without `input_ids` only when no layer's kind reads the ids
   (`Kind.reads_input_ids` is false for all of them), since the others index tables or route by them.
+  `generate(input_ids, inputs_embeds=...)` keeps the prompt's ids beside its embeddings for that reason.
 - labels follow HF: `labels` are the input ids (-100 = ignore), shifted by one here; `loss` is that mean
   cross-entropy plus `config.router_aux_loss_coef` · `aux_loss`, the summed MoE balancing (and z) losses,
   which is also returned on its own as `aux_loss` (None for kinds without a router).
@@ -53,6 +56,7 @@ from stemlm.errors import StemlmError
 from stemlm.hf.configuration import StemlmConfig
 from stemlm.model.attention import KVCache
 from stemlm.model.decoder import StemLM
+from stemlm.model.decoding_state import reorder_decoding_state
 from stemlm.model.kinds.registry import get_kind
 from stemlm.model.resize import resize_vocabulary
 
@@ -286,6 +290,23 @@ class StemlmForCausalLM(StemlmPreTrainedModel, GenerationMixin):
             if eos is not None:
                 model.config.eos_token_id = model.generation_config.eos_token_id = eos
         return loaded
+
+    def prepare_inputs_for_generation(self, input_ids, *args, inputs_embeds=None, **kwargs):
+        """transformers' step inputs; on the step that feeds `inputs_embeds` it drops the ids, which the kinds that
+        index tables or route by token id need: the ids of those positions are kept when generate() was given them.
+        (`inputs_embeds` is named in the signature: generate() reads it there to accept embeddings.)"""
+        inputs = super().prepare_inputs_for_generation(input_ids, *args, inputs_embeds=inputs_embeds, **kwargs)
+        embeds = inputs.get("inputs_embeds")
+        if inputs.get("input_ids") is None and embeds is not None and input_ids.shape[1] >= embeds.shape[1]:
+            inputs["input_ids"] = input_ids[:, input_ids.shape[1] - embeds.shape[1] :]
+        return inputs
+
+    def _reorder_cache(self, cache, beam_idx: torch.LongTensor):
+        """Beam search's reordering between steps: the cache's keys and values, and with them the decoding state
+        the n-gram and Engram kinds keep on the cache (earlier ids, conv inputs), which transformers does not see."""
+        cache.reorder_cache(beam_idx)
+        reorder_decoding_state(cache, beam_idx)
+        return cache
 
     # ----- embeddings (used by HF's resize/tie helpers) -----
     def get_input_embeddings(self) -> nn.Embedding:

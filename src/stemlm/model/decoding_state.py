@@ -6,8 +6,8 @@ earlier call, so the cache carries a small dict beside its keys and values: `ids
 cached position, -1 at left padding) and `engram_conv.<layer>` [B, L, d]. Every position is kept (like keys and
 values), and readers slice it to the cache's current length, so a cropped cache stays consistent. For a
 Hugging Face cache the dict lives on the HF cache object itself (our `_HFCacheView` is rebuilt every call).
-Beam search reorders an HF cache's tensors but not this dict: n-gram kinds support greedy and sampled
-generation, not beam search.
+Beam search reorders the cache's rows between steps; `reorder_decoding_state` reorders this dict's rows with
+them (`StemlmForCausalLM._reorder_cache`), so every entry keeps the batch on dim 0.
 """
 
 from __future__ import annotations
@@ -31,6 +31,13 @@ def decoding_state(cache) -> dict | None:
         state = {}
         setattr(owner, STATE_ATTR, state)
     return state
+
+
+def reorder_decoding_state(cache, index: torch.Tensor) -> None:
+    """Take the decoding state's rows in `index` order (beam search's reordering of the cache's batch rows)."""
+    state = getattr(getattr(cache, "cache", cache), STATE_ATTR, None) or {}
+    for name, rows in state.items():
+        state[name] = rows.index_select(0, index.to(rows.device))
 
 
 def fill_lookup_context(
