@@ -114,6 +114,15 @@ def test_greedy_equals_a_manual_argmax_loop_and_no_cache(kind):
     assert len(set(cached[:, PROMPT:].flatten().tolist())) > 2  # varied tokens, so the comparison bites
 
 
+@pytest.mark.parametrize("kind", FFN_KINDS)
+def test_eager_attention_generates_what_sdpa_generates(kind):
+    model = hf_model(kind)
+    ids, mask = prompt(seed=1)
+    sdpa = greedy(model, ids, mask, new=6)
+    model.set_attn_implementation("eager")
+    assert torch.equal(greedy(model, ids, mask, new=6), sdpa)
+
+
 # ----------------------------------------------------------------------------------------------------------
 # sampling
 # ----------------------------------------------------------------------------------------------------------
@@ -151,20 +160,20 @@ def test_sampling_with_top_k_one_is_greedy(kind):
 @pytest.mark.parametrize("kind", FFN_KINDS)
 @pytest.mark.parametrize("do_sample", [False, True], ids=["beam_search", "beam_sample"])
 def test_beams_equal_a_cacheless_run_and_full_forward_scores(kind, do_sample):
-    model = hf_model(kind)
+    model = eager(kind)
     ids, mask = prompt(seed=3)
 
     def beams(use_cache: bool):
         torch.manual_seed(0)
         return model.generate(
             ids, attention_mask=mask, max_new_tokens=NEW, num_beams=2, num_return_sequences=2, do_sample=do_sample,
-            use_cache=use_cache, return_dict_in_generate=True, output_scores=True,
+            use_cache=use_cache, **EVERY_OUTPUT,
         )  # fmt: skip
 
     out = beams(True)
-    assert out.sequences.shape == (4, PROMPT + NEW) and out.sequences_scores.shape == (4,)
-    assert len(out.scores) == NEW and out.scores[0].shape == (4, VOCAB)  # batch x beams rows per step
-    assert out.beam_indices.shape == (4, NEW)
+    # 2 prompts x 2 beams rows per step, and 2 x 2 returned sequences
+    check_dict_outputs(model, out, 4, use_cache=True)
+    assert out.sequences_scores.shape == (4,) and out.beam_indices.shape == (4, NEW)
     assert not torch.equal(out.sequences[0], out.sequences[1])  # two distinct beams per prompt
     reference = beams(False)
     assert torch.equal(out.sequences, reference.sequences)
@@ -184,6 +193,10 @@ def test_continuing_from_the_returned_cache_equals_one_go(kind):
     first = greedy(model, ids, mask, new=3, return_dict_in_generate=True)
     # The cache holds every position but the last token, which the next call feeds first.
     assert first.cache.get_seq_length() == first.sequences.shape[1] - 1
+    config = model.stem.config  # the cache's layout: one layer per decoder layer, [B, kv heads, positions, head]
+    assert len(first.cache.layers) == config.num_hidden_layers
+    for layer in first.cache.layers:
+        assert layer.keys.shape == layer.values.shape == (2, config.kv_heads, PROMPT + 2, config.head_size)
     more = greedy(model, first.sequences, torch.ones_like(first.sequences), new=3, cache=first.cache)
     assert torch.equal(more, greedy(model, ids, mask, new=6))
 
@@ -230,6 +243,26 @@ def test_assisted_and_prompt_lookup_decoding_equal_greedy(kind):
     assert torch.equal(greedy(model, ids, mask, new=6, prompt_lookup_num_tokens=2), reference)
 
 
+@pytest.mark.parametrize("kind", FFN_KINDS)
+def test_assisted_sampling_outputs_and_seed(kind):
+    model = eager(kind)
+    model.generation_config.num_assistant_tokens = 2
+    ids, mask = prompt(batch=1, seed=6)
+
+    def sample():
+        torch.manual_seed(0)
+        return model.generate(
+            ids, attention_mask=mask, max_new_tokens=NEW, do_sample=True, assistant_model=model, **EVERY_OUTPUT
+        )
+
+    out = sample()
+    assert out.sequences.shape == (1, PROMPT + NEW) and len(out.scores) == len(out.logits) == NEW
+    assert all(score.shape == (1, VOCAB) for score in out.scores)
+    # Hidden states and weights come per verification forward, which covers one or more tokens.
+    assert len(out.hidden_states) == len(out.attentions) <= NEW
+    assert torch.equal(sample().sequences, out.sequences)
+
+
 # ----------------------------------------------------------------------------------------------------------
 # lengths and stopping
 # ----------------------------------------------------------------------------------------------------------
@@ -246,6 +279,19 @@ def test_min_and_max_new_tokens_and_eos_lists(kind):
     # min_new_tokens masks the end-of-sequence ids until that many tokens are out.
     late = greedy(model, ids, mask, new=6, eos_token_id=[unused, stop], min_new_tokens=5)[0, PROMPT:].tolist()
     assert len(late) >= 5 and stop not in late[:5]
+
+
+@pytest.mark.parametrize("kind", FFN_KINDS)
+def test_a_finished_row_is_padded_while_the_batch_goes_on(kind):
+    model = hf_model(kind)
+    ids, mask = prompt(seed=10)
+    free = greedy(model, ids, mask, new=6)[:, PROMPT:]
+    first, second = free.tolist()
+    stop = next(t for t in first[:5] if t not in second)  # ends row 0 early and never row 1
+    end = first.index(stop) + 1
+    out = greedy(model, ids, mask, new=6, eos_token_id=stop)[:, PROMPT:].tolist()
+    assert out[0] == first[:end] + [model.config.pad_token_id] * (6 - end) and end < 6
+    assert out[1] == second
 
 
 def test_stop_strings():
