@@ -7,7 +7,7 @@ attention weights, counted per step), greedy against a hand-written argmax loop 
 `use_cache=False`, seeded sampling and `num_return_sequences`, beam search and beam sample against a cache-less
 run and against the log-probabilities of a full forward, continuing from a returned cache, assisted and
 prompt-lookup decoding, the cache implementations, the length and stopping options, and `inputs_embeds`. Tiny
-random models (tests/hf/test_generation.py's `hf_model`); run with
+random models (`hf_model` of tests/hf/test_hf_generation.py); run with
 `OMP_NUM_THREADS=1 python -m pytest tests/hf/test_hf_generation_common.py -q`.
 """
 
