@@ -11,7 +11,8 @@ held-out text (default tokenizer); every request decodes `--new` greedy tokens.
   allocated beforehand, as a running server's is), run until idle; aggregate tokens/s = all generated
   tokens / wall time (prefills included, as a server pays them);
 - host tables at the highest concurrency: the same with the host-table model and its row cache
-  (`host_over_resident`);
+  (`host_over_resident`, in wall time; `host_over_resident_cpu`, the same ratio in this process's CPU time, all
+  threads counted, so the prefetch thread's work is in it and time lost to other processes is not);
 - HF `generate()` (`StemlmForCausalLM`, greedy) of the highest-concurrency batch in one call: the prompts all
   have `--prompt` tokens, so its batch needs no padding and it does no continuous batching (all requests
   start and end together).
@@ -27,8 +28,8 @@ without HTTP, so the figures are the decode loop's, not the web stack's.
     python benchmarks/serve_throughput.py --device cuda --set vocab_size=32768
 
 The last line is `RESULT single_stream_tok_s=… batch1_tok_s=… batch4_tok_s=… batch16_tok_s=…
-batch16_over_single=… host_over_resident=… batch16_over_hf_generate=… outputs_equal=…` (16: the highest
-`--concurrency`).
+batch16_over_single=… host_over_resident=… host_over_resident_cpu=… batch16_over_hf_generate=… outputs_equal=…`
+(16: the highest `--concurrency`).
 """
 
 from __future__ import annotations
@@ -76,10 +77,9 @@ def prompts(n: int, length: int) -> list[list[int]]:
     return [ids[i * length : (i + 1) * length] for i in range(n)]
 
 
-def single_stream(model, requests: list[list[int]], new: int) -> tuple[float, list[list[int]]]:
-    start = time.perf_counter()
+def single_stream(model, requests: list[list[int]], new: int) -> tuple[int, list[list[int]]]:
     outputs = [generate(model, p, new, greedy=True) for p in requests]
-    return len(requests) * new / (time.perf_counter() - start), outputs
+    return len(requests) * new, outputs
 
 
 def engine_for(model, slots: int, rows=None) -> BatchEngine:
@@ -90,8 +90,8 @@ def engine_for(model, slots: int, rows=None) -> BatchEngine:
     return engine
 
 
-def batched(engine: BatchEngine, requests: list[list[int]], new: int) -> tuple[float, list[Request], dict]:
-    """Aggregate tokens/s of all `requests` at once, the requests, and per-token timestamps for latencies."""
+def batched(engine: BatchEngine, requests: list[list[int]], new: int) -> tuple[int, list[Request], dict]:
+    """Tokens generated for all `requests` at once, the requests, and per-token timestamps for latencies."""
     stamps: dict[int, list[float]] = {}
 
     def on_event(request, event):
@@ -103,21 +103,19 @@ def batched(engine: BatchEngine, requests: list[list[int]], new: int) -> tuple[f
     for job in jobs:
         engine.submit(job)
     engine.run_until_idle()
-    elapsed = time.perf_counter() - start
     latency = {
         "ttft": [stamps[j.id][0] - start for j in jobs],
         "itl": [b - a for j in jobs for a, b in zip(stamps[j.id], stamps[j.id][1:], strict=False)],
     }
-    return sum(len(j.output_ids) for j in jobs) / elapsed, jobs, latency
+    return sum(len(j.output_ids) for j in jobs), jobs, latency
 
 
-def hf_generate(model, requests: list[list[int]], new: int) -> tuple[float, list[list[int]]]:
+def hf_generate(model, requests: list[list[int]], new: int) -> tuple[int, list[list[int]]]:
     """HF `generate()` of the whole batch at once (the prompts have one length, so nothing is padded)."""
     ids = torch.tensor(requests, device=model.device)
-    start = time.perf_counter()
     greedy = dict(max_new_tokens=new, min_new_tokens=new, do_sample=False, eos_token_id=None, pad_token_id=0)
     out = model.generate(ids, **greedy)
-    return len(requests) * new / (time.perf_counter() - start), out[:, ids.shape[1] :].tolist()
+    return len(requests) * new, out[:, ids.shape[1] :].tolist()
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -149,7 +147,8 @@ def main(argv: list[str] | None = None) -> None:
 
         hf = AutoModelForCausalLM.from_pretrained(folder).to(args.device).eval()
         runs[f"hf{top}"] = lambda: hf_generate(hf, work, args.new)
-        rates: dict[str, list[float]] = {name: [] for name in runs}
+        rates: dict[str, list[float]] = {name: [] for name in runs}  # tokens per wall second
+        cpu_rates: dict[str, list[float]] = {name: [] for name in runs}  # tokens per CPU-second of this process
         outputs: dict[str, list[list[int]]] = {}
         latency = {}
         with torch.no_grad():
@@ -158,8 +157,10 @@ def main(argv: list[str] | None = None) -> None:
                 names = list(runs)
                 names = names[rep % len(names) :] + names[: rep % len(names)]  # rotate: load hits all alike
                 for name in names:
-                    rate, done, *lat = runs[name]()
-                    rates[name].append(rate)
+                    wall, cpu = time.perf_counter(), time.process_time()
+                    tokens, done, *lat = runs[name]()
+                    rates[name].append(tokens / (time.perf_counter() - wall))
+                    cpu_rates[name].append(tokens / (time.process_time() - cpu))
                     outputs[name] = done if name in ("single_stream", f"hf{top}") else [j.output_ids for j in done]
                     if name == f"batch{top}":
                         latency = lat[0]
@@ -169,6 +170,7 @@ def main(argv: list[str] | None = None) -> None:
         resident.close()
     equal = all(out == outputs["single_stream"][: len(out)] for out in outputs.values())
     med = {k: statistics.median(v) for k, v in rates.items()}
+    cpu_med = {k: statistics.median(v) for k, v in cpu_rates.items()}
     print(f"preset {args.preset}: V={config.vocab_size}, {config.num_hidden_layers} layers, ffn={config.ffn}; "
           f"prompt {args.prompt}, new {args.new}, {args.reps} reps, {args.threads} thread(s)")  # fmt: skip
     print(
@@ -183,6 +185,7 @@ def main(argv: list[str] | None = None) -> None:
         + " ".join(f"batch{c}_tok_s={med[f'batch{c}']:.1f}" for c in levels)
         + f" batch{top}_over_single={med[f'batch{top}'] / med['single_stream']:.2f}"
         f" host_over_resident={med[f'host{top}'] / med[f'batch{top}']:.3f}"
+        f" host_over_resident_cpu={cpu_med[f'host{top}'] / cpu_med[f'batch{top}']:.3f}"
         f" batch{top}_over_hf_generate={med[f'batch{top}'] / med[f'hf{top}']:.2f} outputs_equal={int(equal)}"
     )
 

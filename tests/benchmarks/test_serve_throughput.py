@@ -20,5 +20,6 @@ def test_result_line(capsys):
     assert last.startswith("RESULT ") and fields["outputs_equal"] == "1"
     assert set(fields) == {
         "single_stream_tok_s", "batch1_tok_s", "batch3_tok_s", "batch3_over_single", "host_over_resident",
+        "host_over_resident_cpu",
         "batch3_over_hf_generate", "outputs_equal",
     }  # fmt: skip
