@@ -6,6 +6,8 @@
   `AutoModelForCausalLM` and `generate()`. `import stemlm` registers them with the Auto classes as soon as
   transformers' auto modules are imported (see `stemlm.hf.autoregister`); `register()` does it explicitly.
   `StemlmModel` is the base model (`AutoModel`, `StemlmForCausalLM.model`): the decoder without its head.
+- `StemlmForSequenceClassification`, `StemlmForTokenClassification`, `StemlmForQuestionAnswering` (`stemlm.hf.heads`):
+  transformers' generic task heads on `StemlmModel`, through their Auto classes.
 - A dense stemlm folder is also a Llama folder: `LlamaForCausalLM.from_pretrained(folder)` loads it unchanged
   (transformers logs that the model types differ, then loads every weight).
 - A local HF Llama folder loads as a dense `StemLM` through `stemlm.from_pretrained` (safetensors only).
@@ -20,6 +22,9 @@ _EXPORTS = {
     "StemlmForCausalLM": "stemlm.hf.modeling",
     "StemlmModel": "stemlm.hf.modeling",
     "StemlmCausalLMOutput": "stemlm.hf.modeling",
+    "StemlmForSequenceClassification": "stemlm.hf.heads",
+    "StemlmForTokenClassification": "stemlm.hf.heads",
+    "StemlmForQuestionAnswering": "stemlm.hf.heads",
     "register": "stemlm.hf.autoregister",
 }
 

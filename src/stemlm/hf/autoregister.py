@@ -6,10 +6,10 @@ Registering needs the two classes, and the model class needs transformers' model
 
 - `AutoConfig` learns "stemlm" right after `transformers.models.auto.configuration_auto` executes (cheap: the
   config class needs only `configuration_utils`, already loaded by then).
-- `AutoModel` and `AutoModelForCausalLM` learn it when both their module (`...auto.modeling_auto`) is loaded and a
-  `StemlmConfig` has been created, whichever comes last. Every Auto path reaches the model class through a
-  config instance (`from_pretrained` reads config.json first, `from_config` takes one), so that is never late,
-  and the model-code imports happen just when `from_pretrained` would make them anyway.
+- `AutoModel`, `AutoModelForCausalLM` and the task heads' Auto classes (`stemlm.hf.heads`) learn it when both their
+  module (`...auto.modeling_auto`) is loaded and a `StemlmConfig` has been created, whichever comes last. Every Auto
+  path reaches the model class through a config instance (`from_pretrained` reads config.json first, `from_config` takes
+  one), so that is never late, and the model-code imports happen just when `from_pretrained` would make them anyway.
 
 `install()` (run by `import stemlm`) handles auto modules already imported and puts a small finder at the front
 of `sys.meta_path` for the others (one dict lookup per import until both have loaded; then it removes itself).
@@ -33,15 +33,26 @@ def register_config(configuration_auto) -> None:
 
 def register_model(modeling_auto) -> None:
     from stemlm.hf.configuration import StemlmConfig
+    from stemlm.hf.heads import (
+        StemlmForQuestionAnswering,
+        StemlmForSequenceClassification,
+        StemlmForTokenClassification,
+    )
     from stemlm.hf.modeling import StemlmForCausalLM, StemlmModel
 
     modeling_auto.AutoModel.register(StemlmConfig, StemlmModel, exist_ok=True)
     modeling_auto.AutoModelForCausalLM.register(StemlmConfig, StemlmForCausalLM, exist_ok=True)
+    modeling_auto.AutoModelForSequenceClassification.register(
+        StemlmConfig, StemlmForSequenceClassification, exist_ok=True
+    )
+    modeling_auto.AutoModelForTokenClassification.register(StemlmConfig, StemlmForTokenClassification, exist_ok=True)
+    modeling_auto.AutoModelForQuestionAnswering.register(StemlmConfig, StemlmForQuestionAnswering, exist_ok=True)
     _state["model_registered"] = True
 
 
 def register() -> None:
-    """Register the stemlm classes with `AutoConfig`, `AutoModel`, `AutoModelForCausalLM` now (imports transformers)."""
+    """Register the stemlm classes with `AutoConfig`, `AutoModel`, `AutoModelForCausalLM` and the task-head Auto
+    classes (sequence and token classification, question answering) now (imports transformers)."""
     register_config(import_module(CONFIG_AUTO))
     register_model(import_module(MODEL_AUTO))
 

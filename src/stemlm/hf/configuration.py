@@ -4,7 +4,9 @@ It lets `AutoConfig.from_pretrained(folder)` read a stemlm checkpoint's config.j
 fields with the same defaults (read from it, so every kind's fields are there), plus what only the HF wrapper uses:
 `router_aux_loss_coef` (its `loss` is cross-entropy + `router_aux_loss_coef` · MoE auxiliary loss), `use_cache` and
 the special token ids `bos_token_id`, `eos_token_id`, `pad_token_id` (read by `generate()`). All validation is
-`ModelConfig`'s, so a config that stemlm rejects is rejected here with the same message.
+`ModelConfig`'s, so a config that stemlm rejects is rejected here with the same message; transformers'
+`rope_parameters` / `rope_scaling`, which the decoder does not read, are refused unless they say what `rope_theta`
+already says.
 Importing this module costs only `transformers.configuration_utils` (no torch model code); creating the first
 instance registers the model class with `AutoModelForCausalLM` (see `stemlm.hf.autoregister`).
 """
@@ -16,6 +18,7 @@ from collections.abc import Callable
 
 from transformers.configuration_utils import PreTrainedConfig
 
+from stemlm.errors import StemlmError
 from stemlm.model.config import MODEL_TYPE, ModelConfig
 
 # Called with no arguments by every new StemlmConfig; `stemlm.hf.autoregister` adds its hook when this loads.
@@ -45,6 +48,7 @@ class StemlmConfig(PreTrainedConfig):
 
     def __post_init__(self, **kwargs) -> None:
         super().__post_init__(**kwargs)
+        _refuse_rope_scaling(self)
         self.to_model_config()  # validates: raises StemlmError (a ValueError) with ModelConfig's message
         for hook in CREATED_HOOKS:  # stemlm.hf.autoregister's: the first config registers StemlmForCausalLM
             hook()
@@ -57,6 +61,19 @@ class StemlmConfig(PreTrainedConfig):
     def from_model_config(cls, config: ModelConfig, **kwargs) -> StemlmConfig:
         """An HF config from a stemlm `ModelConfig` (extra HF keyword arguments pass through)."""
         return cls(**{**config.to_dict(), **kwargs})
+
+
+def _refuse_rope_scaling(config: StemlmConfig) -> None:
+    """transformers' `rope_parameters` (or the older `rope_scaling`) are read by its own models only; stemlm's
+    decoder takes `rope_theta` and `rope_llama3`, so any other RoPE setting would be silently ignored: refused."""
+    params = getattr(config, "rope_parameters", None) or {}
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    theta = params.get("rope_theta", config.rope_theta)
+    if rope_type != "default" or theta != config.rope_theta:
+        raise StemlmError(
+            f"rope_parameters {params!r}: stemlm models take RoPE settings only as rope_theta and rope_llama3 "
+            "(Llama 3 scaling); linear, dynamic and other scaling types are not implemented"
+        )
 
 
 def model_config_fields() -> list[str]:

@@ -3,14 +3,14 @@
     stemlm export runs/tiny --out ckpt/tiny-hf --remote-code      # then, with only torch + transformers:
     AutoModelForCausalLM.from_pretrained("ckpt/tiny-hf", trust_remote_code=True).generate(...)
 
-`remote_code_files()` generates the Python files from stemlm's own source each time it runs, so they cannot drift
-from it: `configuration_stemlm.py` and `modeling_stemlm.py` are `stemlm.hf.configuration` / `stemlm.hf.modeling`,
-and every stemlm module they need (found by following their imports, function-level ones included, and every kind
-module) is copied beside them as `stemlm_<dotted path>.py`, its `stemlm` imports rewritten as relative ones. That
-is the layout transformers' dynamic modules expect: one flat folder, files found by following `from .x import`
-lines. Two things in the source cannot be copied as they are, and are rewritten by name: an import of a stemlm
-package (there are no packages in the folder; one is refused) and the kind registry's `_found_kinds`, which
-discovers kinds by listing a package and here imports the copied kind files by name.
+`remote_code_files()` generates the Python files from stemlm's own source each time it runs, so they cannot drift from
+it: `configuration_stemlm.py`, `modeling_stemlm.py` and `heads_stemlm.py` are `stemlm.hf.configuration`,
+`stemlm.hf.modeling` and `stemlm.hf.heads` (the task heads), and every stemlm module they need (found by following their
+imports, function-level ones included, and every kind module) is copied beside them as `stemlm_<dotted path>.py`, its
+`stemlm` imports rewritten as relative ones. That is the layout transformers' dynamic modules expect: one flat folder,
+files found by following `from .x import` lines. Two things in the source cannot be copied as they are, and are
+rewritten by name: an import of a stemlm package (there are no packages in the folder; one is refused) and the kind
+registry's `_found_kinds`, which discovers kinds by listing a package and here imports the copied kind files by name.
 
 `add_remote_code(folder, eos_token_id=...)` writes those files into a model folder and adds to its config.json the
 `auto_map` naming the classes, with the special token ids `generate()` reads (also saved as generation_config.json).
@@ -26,11 +26,18 @@ from pathlib import Path
 
 from stemlm.errors import StemlmError
 
-ENTRIES = {"stemlm.hf.configuration": "configuration_stemlm", "stemlm.hf.modeling": "modeling_stemlm"}
+ENTRIES = {
+    "stemlm.hf.configuration": "configuration_stemlm",
+    "stemlm.hf.modeling": "modeling_stemlm",
+    "stemlm.hf.heads": "heads_stemlm",
+}
 AUTO_MAP = {
     "AutoConfig": "configuration_stemlm.StemlmConfig",
     "AutoModel": "modeling_stemlm.StemlmModel",
     "AutoModelForCausalLM": "modeling_stemlm.StemlmForCausalLM",
+    "AutoModelForSequenceClassification": "heads_stemlm.StemlmForSequenceClassification",
+    "AutoModelForTokenClassification": "heads_stemlm.StemlmForTokenClassification",
+    "AutoModelForQuestionAnswering": "heads_stemlm.StemlmForQuestionAnswering",
 }
 KINDS_PACKAGE = "stemlm.model.kinds"
 REGISTRY = f"{KINDS_PACKAGE}.registry"
