@@ -2,7 +2,8 @@
 the 5.24 sdist) checks of a causal LM's sequence classification (single-label, multi-label, regression), token
 classification and question answering, each loss against a re-computation by hand from the logits; the pooled
 token is the last non-pad one; a causal-LM folder loads into a head through the Auto class and a head round-trips
-its own folder; a few training steps lower the loss; a remote-code folder serves the heads without stemlm.
+its own folder; a few training steps lower the loss; `resize_token_embeddings` and gradient checkpointing reach the
+decoder; a remote-code folder serves the heads without stemlm.
 Tiny random models; run with `OMP_NUM_THREADS=1 python -m pytest tests/hf/test_hf_task_heads.py -q`.
 """
 
@@ -141,6 +142,26 @@ def test_a_few_training_steps_lower_the_loss(kind):
         optimizer.zero_grad()
         losses.append(loss.item())
     assert losses[-1] < losses[0] * 0.9, losses
+
+
+@pytest.mark.parametrize("kind", FFN_KINDS)
+def test_resize_and_gradient_checkpointing_reach_the_decoder(kind):
+    model = head(StemlmForSequenceClassification, kind).train()  # no dropout: the two backward passes agree
+    model.resize_token_embeddings(VOCAB + 8, mean_resizing=False)
+    assert model.model.stem.config.vocab_size == VOCAB + 8  # the kind's own tables and hashes followed
+    x = ids()
+    x[0, 2] = VOCAB + 5  # a new token
+    grads = []
+    for checkpointing in (False, True):
+        if checkpointing:
+            model.gradient_checkpointing_enable()
+            assert model.model.gradient_checkpointing
+        model.zero_grad()
+        model(x, labels=torch.tensor([0, 1, 2])).loss.backward()
+        grads.append({n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
+    assert grads[0].keys() == grads[1].keys() and "model.embed_tokens.weight" in grads[0]
+    for name, grad in grads[0].items():
+        torch.testing.assert_close(grads[1][name], grad, msg=name)
 
 
 NO_STEMLM = r"""
