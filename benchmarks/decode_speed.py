@@ -2,8 +2,8 @@
 
 Three models with random weights (seed 0): our tiny STEM model and our tiny-dense model decode with
 `stemlm.inference.generate.generate`, prepared as `stemlm.inference.load` prepares a loaded checkpoint (q/k/v
-fused, `StemLM.fuse_for_decoding`), and beside them the same tiny-dense model without the fusion ("unfused", for
-`fused_over_unfused`); the same tiny-dense weights loaded into `transformers.LlamaForCausalLM` (a dense
+and gate/up fused, `StemLM.fuse_for_decoding`), and beside them the same tiny-dense model without the fusion
+("unfused", for `fused_over_unfused`); the same tiny-dense weights loaded into `transformers.LlamaForCausalLM` (a dense
 stemlm folder is a Llama folder) decode with HF `generate()` (greedy, eos disabled, dynamic cache). Each
 repetition runs every model once, in a rotating order, so machine load hits all alike; a run is a `--prompt`
 token prefill plus `--new` greedy tokens, and tokens/s counts the new tokens (median over repetitions).

@@ -1,7 +1,7 @@
-"""The lean decoding step: q/k/v fused at load (`StemLM.fuse_for_decoding`), RoPE rows from a table, the id check
-once per request. Greedy tokens equal a plain model's full recompute (no cache, no fusion, no table) for every kind
-in the registry, with resident tables and, for kinds that have tables, host tables; the fused copy never stands in
-for a weight that changed or a forward with grad.
+"""The lean decoding step: q/k/v and gate/up fused at load (`StemLM.fuse_for_decoding`), RoPE rows from a table,
+the id check once per request. Greedy tokens equal a plain model's full recompute (no cache, no fusion, no table)
+for every kind in the registry, with resident tables and, for kinds that have tables, host tables; the fused copy
+never stands in for a weight that changed or a forward with grad.
 
 Run: `OMP_NUM_THREADS=1 python -m pytest tests/inference/test_lean_decode.py -q`.
 """
@@ -17,6 +17,7 @@ from stemlm.inference.generate import generate
 from stemlm.inference.load import InferenceOptions, load_inference
 from stemlm.model.attention import RotaryEmbedding
 from stemlm.model.config import FFN_KINDS
+from stemlm.model.fusion import is_fused
 from tests.conftest import make_tiny_model
 
 PROMPT, NEW = [5, 17, 3, 99, 42], 12
@@ -29,6 +30,10 @@ def recompute_greedy(model, ids: list[int], n: int) -> list[int]:
     for _ in range(n):
         seq.append(int(model(torch.tensor([seq])).logits[0, -1].argmax()))
     return seq[len(ids) :]
+
+
+def fusable(model) -> list:
+    return [m for m in model.modules() if hasattr(m, "fuse_projections")]
 
 
 @pytest.fixture(scope="module", params=FFN_KINDS)
@@ -44,7 +49,7 @@ def test_greedy_tokens_equal_the_plain_recompute(checkpoint):
     placements = ["device"] + (["host"] if plain.lookup_tables() else [])
     for tables in placements:
         with load_inference(checkpoint, InferenceOptions(tables=tables)) as lm:
-            assert all(layer.self_attn._qkv is not None for layer in lm.model.model.layers)  # fused at load
+            assert all(is_fused(m) for m in fusable(lm.model))  # fused at load
             assert generate(lm.model, PROMPT, NEW, greedy=True) == expected, tables
 
 
@@ -57,20 +62,37 @@ def test_fused_logits_equal_the_plain_ones_and_weights_keep_their_names(checkpoi
         torch.testing.assert_close(lean(ids).logits, plain(ids).logits, atol=1e-6, rtol=0)
 
 
-def test_a_changed_weight_or_a_forward_with_grad_takes_the_plain_projections():
-    model = make_tiny_model("dense")
+@pytest.mark.parametrize("kind", FFN_KINDS)
+def test_every_module_with_gate_and_up_of_one_input_fuses_them(kind):
+    model = make_tiny_model(kind)
+    both = [m for m in model.modules() if hasattr(m, "gate_proj") and hasattr(m, "up_proj")]
+    assert all(hasattr(m, "fuse_projections") for m in both)
     model.fuse_for_decoding()
-    attn = model.model.layers[0].self_attn
+    assert len(fusable(model)) == model.config.num_hidden_layers + len(both)  # every attention, and those FFNs
+
+
+@pytest.mark.parametrize(
+    ("kind", "weight"),
+    [
+        ("dense", lambda layer: layer.self_attn.v_proj.weight),
+        ("dense", lambda layer: layer.mlp.up_proj.weight),
+        ("moe", lambda layer: layer.mlp.experts.gate_proj),
+    ],
+)
+def test_a_changed_weight_or_a_forward_with_grad_takes_the_plain_projections(kind, weight):
+    model = make_tiny_model(kind)
+    model.fuse_for_decoding()
+    layer = model.model.layers[1]  # a layer of the kind (the first is dense)
     ids = torch.tensor([PROMPT])
     model(ids).logits.sum().backward()  # with grad: the parameters' own projections, so they get gradients
-    assert attn.q_proj.weight.grad is not None and attn.v_proj.weight.grad is not None
+    assert all(p.grad is not None for p in layer.parameters())
     with torch.no_grad():
-        attn.v_proj.weight.mul_(2.0)  # an in-place edit after fusing
+        weight(layer).mul_(2.0)  # an in-place edit after fusing
         edited = model(ids).logits
-    assert attn._qkv is None  # the stale copy was dropped
-    fresh = make_tiny_model("dense")
+    assert [is_fused(m) for m in fusable(layer)].count(False) == 1  # the edited one's stale copy was dropped
+    fresh = make_tiny_model(kind)
     with torch.no_grad():
-        fresh.model.layers[0].self_attn.v_proj.weight.mul_(2.0)
+        weight(fresh.model.layers[1]).mul_(2.0)
         torch.testing.assert_close(edited, fresh(ids).logits, atol=0, rtol=0)
 
 

@@ -6,11 +6,11 @@ a caller asks for the attention weights (Hugging Face's `output_attentions`).
 Numerics follow Hugging Face Llama (norm in fp32, `rotate_half` RoPE with fp32 frequencies) so a dense
 stemlm checkpoint gives the same logits as `transformers.LlamaForCausalLM` (tested to 1e-5 in fp32).
 
-For decoding (`stemlm.inference`), two things are prepared once instead of every step: `Attention.fuse_qkv()`
-concatenates the q/k/v weights into one projection (one matrix-vector product a token instead of three; the
-parameters keep their names and stay the checkpoint's, the fused copy is used only without grad and dropped as
-soon as a weight changes), and `RotaryEmbedding.table(start, length)` slices cos/sin from a table computed once
-for the positions asked so far (the same elementwise arithmetic as `forward`).
+For decoding (`stemlm.inference`), two things are prepared once instead of every step:
+`Attention.fuse_projections()` concatenates the q/k/v weights into one projection (`stemlm.model.fusion`: one
+matrix-vector product a token instead of three, used only without grad and while the weights are unchanged),
+and `RotaryEmbedding.table(start, length)` slices cos/sin from a table computed once for the positions asked so
+far (the same elementwise arithmetic as `forward`).
 """
 
 from __future__ import annotations
@@ -21,6 +21,8 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from stemlm.model.fusion import fuse, project
 
 if TYPE_CHECKING:  # annotations only: the config imports the kinds, and a kind (engram) imports RMSNorm from here
     from stemlm.model.config import ModelConfig
@@ -163,38 +165,10 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(d, self.num_kv_heads * self.head_dim, bias=False)
         self.v_proj = nn.Linear(d, self.num_kv_heads * self.head_dim, bias=False)
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, d, bias=False)
-        self._qkv: tuple[torch.Tensor, tuple] | None = None  # fuse_qkv's weight and what it was made from
 
-    def _qkv_sources(self) -> tuple:
-        # Identity and in-place version of each weight: a load, an edit or .to() changes one of them.
-        return tuple((p.data_ptr(), p._version, p.device, p.dtype) for p in self._qkv_weights())
-
-    def _qkv_weights(self) -> tuple[torch.Tensor, ...]:
-        return self.q_proj.weight, self.k_proj.weight, self.v_proj.weight
-
-    def fuse_qkv(self) -> None:
-        """Keep a concatenated [q; k; v] weight for forwards without grad (inference): one projection instead of
-        three. It is a copy beside the parameters (their names and storage stay the checkpoint's) and is used only
-        while no weight has changed since and no hook sits on the three projections."""
-        with torch.no_grad():
-            self._qkv = torch.cat(self._qkv_weights()), self._qkv_sources()
-
-    def _fused_qkv(self) -> torch.Tensor | None:
-        if self._qkv is None or torch.is_grad_enabled():
-            return None
-        if any(m._forward_hooks or m._forward_pre_hooks for m in (self.q_proj, self.k_proj, self.v_proj)):
-            return None
-        if self._qkv[1] != self._qkv_sources():
-            self._qkv = None  # stale: the plain projections from now on (fuse_qkv again to refresh)
-            return None
-        return self._qkv[0]
-
-    def _project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        fused = self._fused_qkv()
-        if fused is None:
-            return self.q_proj(x), self.k_proj(x), self.v_proj(x)
-        kv = self.num_kv_heads * self.head_dim
-        return F.linear(x, fused).split([self.num_heads * self.head_dim, kv, kv], dim=-1)
+    def fuse_projections(self) -> None:
+        """q/k/v as one projection in forwards without grad (inference; `stemlm.model.fusion`)."""
+        fuse(self, (self.q_proj, self.k_proj, self.v_proj))
 
     def forward(
         self,
@@ -209,7 +183,7 @@ class Attention(nn.Module):
         and cached (a kind acting on attention's values, `Kind.acts_on_values`). `weights`, when given, receives
         this layer's attention weights [B, heads, T, past+T], computed by `math_attention` instead of SDPA."""
         B, T, _ = x.shape
-        q, k, v = self._project(x)
+        q, k, v = project(self, (self.q_proj, self.k_proj, self.v_proj), x)
         q = q.view(B, T, self.num_heads, self.head_dim).transpose(1, 2)
         k = k.view(B, T, self.num_kv_heads, self.head_dim).transpose(1, 2)
         v = v.view(B, T, self.num_kv_heads, self.head_dim).transpose(1, 2)

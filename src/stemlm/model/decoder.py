@@ -251,10 +251,12 @@ class StemLM(nn.Module):
                 _normal_(param, std, generator)
 
     def fuse_for_decoding(self) -> None:
-        """Fuse each layer's q/k/v projections for inference (`Attention.fuse_qkv`): the weights on disk and the
-        parameter names are unchanged; a forward with grad, or after any weight changed, takes the plain path."""
-        for layer in self.model.layers:
-            layer.self_attn.fuse_qkv()
+        """Fuse the projections of one input for inference (`stemlm.model.fusion`): each layer's q/k/v, and its
+        FFN's gate/up where the kind has both (`fuse_projections`). The weights on disk and the parameter names are
+        unchanged; a forward with grad, or after any weight changed, takes the plain path."""
+        for module in self.modules():
+            if module is not self and hasattr(module, "fuse_projections"):
+                module.fuse_projections()
 
     def tie_weights(self) -> None:
         if self.config.tie_word_embeddings:

@@ -28,13 +28,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from stemlm.model.attention import RMSNorm
-from stemlm.model.ffn import TokenContext, token_table
+from stemlm.model.ffn import GateUp, TokenContext, token_table
 from stemlm.model.kinds.registry import Config, Field, Kind, LayerCount, Table
 from stemlm.model.ngram import ngram_hasher, ngram_lookup
 from stemlm.model.ngram_layout import check_orders, ngram_layout
 
 
-class EngramFFN(nn.Module):
+class EngramFFN(GateUp, nn.Module):
     def __init__(self, config: Config, layer_idx: int) -> None:
         super().__init__()
         self.layer_idx = layer_idx
@@ -58,7 +58,8 @@ class EngramFFN(nn.Module):
         return {id(self.engram_embedding.weight): 1.0}
 
     def forward(self, x: torch.Tensor, ctx: TokenContext) -> torch.Tensor:
-        dense = self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = self.gate_up(x)
+        dense = self.down_proj(F.silu(gate) * up)
         memory = ngram_lookup(self.engram_embedding, ctx, self.layer_idx).flatten(-2).to(x.dtype)  # e_t
         key = self.engram_key_norm(self.engram_key_proj(memory))
         score = (self.engram_query_norm(x) * key).sum(-1, keepdim=True) / math.sqrt(x.shape[-1])

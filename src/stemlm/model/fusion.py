@@ -1,0 +1,68 @@
+"""Fused projections for decoding: several bias-free projections of one input run as one matrix product.
+
+`fuse(module, linears)` keeps the concatenation [W_1; W_2; ...] of the linears' weights on `module`, and
+`project(module, linears, x)` returns their outputs (W_1 x, W_2 x, ...), from that one product when it may stand
+in for them, else from each linear. Attention fuses q/k/v, the SwiGLU kinds gate/up (`stemlm.model.ffn.GateUp`),
+the experts their stacked gate/up (`stemlm.model.experts`): one matrix-vector product a token instead of two or
+three, which is what a decode step is made of. `StemLM.fuse_for_decoding` applies it at load for inference.
+
+The fused weight is a copy beside the parameters (their names and storage stay the checkpoint's, so what is
+saved is unchanged; the copy costs the fused weights' memory once more). It stands in only in forwards without
+grad (a training step needs the parameters' own graph), while no forward hook sits on the linears (a hook must
+see its call), and while every weight is the one it was made from: same storage, same in-place version, same
+device and dtype. A load, an edit or `.to()` changes one of these, and the stale copy is then dropped for good
+(fuse again to refresh). Outputs equal the separate products to rounding (the GEMM blocks the columns another
+way), not bitwise; tests/inference/test_lean_decode.py checks greedy tokens and logits for every kind.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+FUSED = "_fused"  # the attribute on the owning module: (weight, split sizes, sources) or None
+
+
+def _sources(weights: Sequence[torch.Tensor]) -> tuple:
+    return tuple((w.data_ptr(), w._version, w.device, w.dtype) for w in weights)
+
+
+def fuse_weights(module: nn.Module, weights: Sequence[torch.Tensor], dim: int = 0) -> None:
+    """Keep `weights` concatenated along `dim` on `module`, for `fused_weight`."""
+    with torch.no_grad():
+        module.__dict__[FUSED] = (torch.cat(tuple(weights), dim), [w.shape[dim] for w in weights], _sources(weights))
+
+
+def fused_weight(
+    module: nn.Module, weights: Sequence[torch.Tensor], hooked: Sequence[nn.Module]
+) -> tuple[torch.Tensor, list[int]] | None:
+    """The fused weight and its split sizes if it may stand in for `weights` now (see the module docstring)."""
+    fused = module.__dict__.get(FUSED)
+    if fused is None or torch.is_grad_enabled():
+        return None
+    if any(m._forward_hooks or m._forward_pre_hooks for m in hooked):
+        return None
+    if fused[2] != _sources(weights):
+        module.__dict__[FUSED] = None  # stale: the separate weights from now on
+        return None
+    return fused[0], fused[1]
+
+
+def is_fused(module: nn.Module) -> bool:
+    return module.__dict__.get(FUSED) is not None
+
+
+def fuse(module: nn.Module, linears: Sequence[nn.Linear]) -> None:
+    fuse_weights(module, [m.weight for m in linears])
+
+
+def project(module: nn.Module, linears: Sequence[nn.Linear], x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """(linear(x) for each linear), as one product with `module`'s fused weight when it may stand in."""
+    fused = fused_weight(module, [m.weight for m in linears], linears)
+    if fused is None:
+        return tuple(m(x) for m in linears)
+    weight, sizes = fused
+    return F.linear(x, weight).split(sizes, dim=-1)
