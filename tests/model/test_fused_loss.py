@@ -1,6 +1,7 @@
 """The fused lm_head + cross-entropy against the plain `lm_head` + `F.cross_entropy`: loss and gradients to 1e-6
 in fp32 (ignored labels, tied weights, odd chunks, a chunk larger than the input), within bf16 rounding under
-autocast, and no [tokens, V] tensor saved for backward.
+autocast, and no [tokens, V] tensor saved for backward; the workspace reused across chunks and calls gives the
+results of fresh buffers bitwise.
 
 Run: `python -m pytest tests/model/test_fused_loss.py -q`.
 """
@@ -11,6 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+import stemlm.model.fused_loss as fused_loss
 from stemlm.errors import StemlmError
 from stemlm.model import build_model
 from stemlm.model.fused_loss import fused_linear_cross_entropy
@@ -78,6 +80,25 @@ def test_no_tokens_by_vocab_tensor_saved():
             assert largest >= N * VOCAB  # the plain loss keeps the logits (or log-probs) for backward ...
         else:
             assert largest == VOCAB * D < N * VOCAB  # ... the fused one only its d(weight) and d(hidden)
+
+
+@pytest.mark.parametrize("autocast", [False, True])
+def test_the_reused_workspace_gives_the_results_of_fresh_buffers_bitwise(autocast):
+    # A larger call first leaves its numbers in the thread's workspace; the calls after it must not see them.
+    def fused(h, w, y):
+        return fused_linear_cross_entropy(h, w, y, 13)
+
+    hidden, weight, labels = inputs(2)
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        fused_loss._WORKSPACE.__dict__.pop("buffers", None)
+        fresh = loss_and_grads(fused, hidden, weight, labels)
+        loss_and_grads(lambda h, w, y: fused_linear_cross_entropy(h, w, y, 40), *inputs(3))
+        workspace = fused_loss._WORKSPACE.buffers[hidden.device]
+        again = [loss_and_grads(fused, hidden, weight, labels) for _ in range(2)]
+    assert fused_loss._WORKSPACE.buffers[hidden.device] is workspace  # no new buffer per chunk or per call
+    for got in again:
+        for name, a, b in zip(("loss", "d_hidden", "d_weight"), got, fresh, strict=True):
+            assert torch.equal(a, b), name
 
 
 def test_no_grad_and_frozen_weight():

@@ -13,27 +13,55 @@ and the head runs three matmuls per chunk instead of the four of `chunked_cross_
 Numerics: fp32 softmax and loss as `F.cross_entropy` on fp32 logits; under autocast the three matmuls run in
 the autocast dtype like the plain path's, while d(weight) sums the chunks in fp32. Without grad (evaluation) the
 gradient work is skipped. The model picks this path with `forward(..., loss_chunk=N, fused_loss=True)`.
+
+Buffers: the chunks' fp32 [chunk, V] logits (then exp, then gradient) are written into one workspace per thread
+and device, kept across chunks and calls (it never leaves the forward, so autograd holds no reference to it), and
+fp32 d(hidden) rows are multiplied straight into their slice. A fresh [chunk, V] tensor per chunk had been the
+largest allocation of a step: above glibc's mmap threshold, so mapped and unmapped each time, one page fault
+per 4 KiB (0.5M faults a step at V = 131072). The workspace stays allocated after the last call: one [chunk, V]
+fp32 buffer per thread that ran the loss. Results are bitwise those of fresh buffers (tests/model).
 """
 
 from __future__ import annotations
+
+import threading
 
 import torch
 
 from stemlm.model.loss import IGNORE_INDEX
 
+_WORKSPACE = threading.local()  # .buffers: device -> the largest flat fp32 buffer asked for on it
+
+
+def _workspace(rows: int, cols: int, device: torch.device) -> torch.Tensor:
+    """An uninitialised fp32 [rows, cols] view of this thread's reusable buffer on `device` (grown when short)."""
+    buffers = _WORKSPACE.__dict__.setdefault("buffers", {})
+    flat = buffers.get(device)
+    if flat is None or flat.numel() < rows * cols:
+        buffers[device] = None  # the old buffer is freed before the larger one is allocated
+        flat = buffers[device] = torch.empty(rows * cols, dtype=torch.float32, device=device)
+    return flat[: rows * cols].view(rows, cols)
+
 
 def _chunk_exp(h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor):
     """One chunk's exp(logits - row max) [chunk, V] in fp32 (the matmul in the autocast dtype, if any), its row
-    sums [chunk, 1], the per-token losses (0 where ignored) and the matmul's dtype (that of the gradient products)."""
-    raw = torch.mm(h, weight.t())
-    logits = raw.float()
+    sums [chunk, 1], the per-token losses (0 where ignored) and the matmul's dtype (that of the gradient products).
+    The exp lives in the thread's workspace: it is valid until the next chunk."""
+    logits = _workspace(h.shape[0], weight.shape[0], h.device)
+    if h.dtype == weight.dtype == torch.float32 and not torch.is_autocast_enabled(h.device.type):
+        torch.mm(h, weight.t(), out=logits)
+        dtype = torch.float32
+    else:
+        raw = torch.mm(h, weight.t())  # in autocast's (or the model's) dtype, as the plain path's lm_head
+        logits.copy_(raw)
+        dtype = raw.dtype
     target_logit = logits.gather(1, _safe(targets)[:, None])
     top = logits.amax(dim=1, keepdim=True)
     # log-sum-exp written out, in place, so that one exp over [chunk, V] serves the loss and the softmax alike
     exp = logits.sub_(top).exp_()
     sums = exp.sum(dim=1, keepdim=True)
     losses = torch.where(targets != IGNORE_INDEX, (top + sums.log() - target_logit).squeeze(1), 0.0)
-    return exp, sums, losses, raw.dtype
+    return exp, sums, losses, dtype
 
 
 def _safe(targets: torch.Tensor) -> torch.Tensor:
@@ -60,7 +88,9 @@ class FusedLinearCrossEntropy(torch.autograd.Function):
             # built in place over the chunk's exp, the only [chunk, V] fp32 buffer.
             scale = torch.where(targets != IGNORE_INDEX, 1.0 / count, 0.0)[:, None]
             g = exp.mul_(scale / sums).scatter_add_(1, _safe(targets)[:, None], -scale).to(dtype)
-            if need_hidden:
+            if need_hidden and g.dtype == weight.dtype == grad_hidden.dtype:
+                torch.mm(g, weight, out=grad_hidden[start : start + chunk])  # no [chunk, d] temporary
+            elif need_hidden:
                 grad_hidden[start : start + chunk] = torch.mm(g, weight)
             if need_weight and g.dtype == grad_weight.dtype == h.dtype:
                 grad_weight.addmm_(g.t(), h)  # fp32 without autocast: accumulate in place, no [V, d] temporary
