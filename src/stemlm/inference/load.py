@@ -14,13 +14,13 @@
 - `dtype`: the compute dtype, as autocast (auto: bf16 on a CUDA device that supports it, else fp32); the
   weights stay as loaded.
 
-The loaded model's q/k/v projections are fused for decoding (`StemLM.fuse_for_decoding`: one matrix-vector
-product instead of three a layer and token; the parameters and their names stay the checkpoint's, and a forward
-with grad or after a weight changed takes the plain path). Its `forward` is bound once (`bind_forward`) so that
-every call, from any thread and from code that knows nothing of offloading (the perplexity scorer, lm-eval, the
-needle test), runs under the chosen autocast and, with host / mmap tables, gets the offloaded rows: a forward
-whose rows were not prefetched fetches them on first use. Callers that pass their own row providers (the offload
-engine) keep them.
+The loaded model's projections of one input are fused for decoding (`StemLM.fuse_for_decoding`: q/k/v, and gate/up
+where the kind has both; one matrix-vector product instead of two or three; the parameters and their names stay
+the checkpoint's, and a forward with grad or after a weight changed takes the plain path). Its `forward` is bound
+once (`bind_forward`) so that every call, from any thread and from code that knows nothing of offloading (the
+perplexity scorer, lm-eval, the needle test), runs under the chosen autocast and, with host / mmap tables, gets
+the offloaded rows: a forward whose rows were not prefetched fetches them on first use. Callers that pass their
+own row providers (the offload engine) keep them.
 """
 
 from __future__ import annotations
