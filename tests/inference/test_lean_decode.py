@@ -112,3 +112,13 @@ def test_decoding_checks_the_prompt_ids_once(monkeypatch):
     monkeypatch.setattr(decoder, "check_token_ids", lambda ids, vocab: (calls.append(ids.shape), real(ids, vocab)))
     generate(model, PROMPT, 6, greedy=True)
     assert calls == [torch.Size([1, len(PROMPT)])]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["dense", "stem"])
+def test_compiled_decoding_gives_the_plain_recompute_greedy_tokens(kind, tmp_path):
+    folder = save_pretrained(make_tiny_model(kind, initializer_range=0.1, max_position_embeddings=40), tmp_path / kind)
+    expected = recompute_greedy(from_pretrained(folder).eval(), PROMPT, NEW)
+    with load_inference(folder, InferenceOptions(compile=True)) as lm:
+        assert not any(is_fused(m) for m in fusable(lm.model))  # the compiled steps use the plain projections
+        assert generate(lm.model, PROMPT, NEW, greedy=True) == expected

@@ -2,6 +2,7 @@
 
     stemlm generate runs/tiny "The capital of France is" --max-new-tokens 40 --top-p 0.9 --seed 1
     stemlm generate runs/tiny --ids 464,3139,286 --greedy --json
+    stemlm generate runs/tiny "Once upon a time" --max-new-tokens 200 --compile   # decoding steps compiled
     echo "The capital of Spain is" | stemlm generate runs/tiny - --greedy --echo   # prompt from stdin
 
 CKPT is a checkpoint folder or a run folder (its newest checkpoint). The prompt is tokenized with the
@@ -127,5 +128,11 @@ def register(subparsers) -> None:
     )
     p.add_argument("--ignore-eos", action="store_true", help="keep going past <|endoftext|> until --max-new-tokens")
     add_inference_flags(p)
+    p.add_argument(
+        "--compile",
+        action="store_true",
+        help="run the decoding steps through torch.compile (resident tables only; the first tokens wait for the "
+        "compile, tens of seconds on a CPU; the same greedy tokens)",
+    )
     add_json_flag(p)
     p.set_defaults(func=run)

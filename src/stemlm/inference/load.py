@@ -12,7 +12,9 @@
   mmap serve rows through the device row cache (`stemlm.offload`);
 - `table_dtype`: fp32, bf16 or int8 rows (`stemlm.offload.compact`; None = as the checkpoint stores them);
 - `dtype`: the compute dtype, as autocast (auto: bf16 on a CUDA device that supports it, else fp32); the
-  weights stay as loaded.
+  weights stay as loaded;
+- `compile` (`stemlm generate --compile`): the decoding steps through `torch.compile` (`compile_decoding`),
+  resident tables only.
 
 The loaded model's projections of one input are fused for decoding (`StemLM.fuse_for_decoding`: q/k/v, and gate/up
 where the kind has both; one matrix-vector product instead of two or three; the parameters and their names stay
@@ -46,6 +48,7 @@ class InferenceOptions:
     cache_policy: str = "lfu"
     device: str = "cpu"
     dtype: str = "auto"
+    compile: bool = False  # decoding steps through torch.compile (`compile_decoding`); `generate --compile`
 
     @classmethod
     def from_args(cls, args) -> InferenceOptions:
@@ -58,6 +61,7 @@ class InferenceOptions:
             cache_policy=args.cache_policy,
             device=args.device,
             dtype=args.dtype,
+            compile=getattr(args, "compile", False),  # only the commands that offer --compile define it
         )
 
 
@@ -108,6 +112,22 @@ def bind_forward(model, rows=None, amp: torch.dtype = torch.float32) -> None:
     model.forward = types.MethodType(forward, model)
 
 
+def compile_decoding(model) -> None:
+    """Run the model's decoding steps (one new token a row, with a KV cache) through `torch.compile`; every other
+    call (the prefill, scoring) stays eager. Call it on a model whose forward is bound (`bind_forward`), in place of
+    `fuse_for_decoding`: the fused copies' staleness check compares storage pointers, which the compiler cannot
+    trace (a graph break per layer). The first steps wait for the compile (tens of seconds on a CPU), and the
+    cache's growing length makes it compile once more, for a dynamic length; docs/results.md has the measured rate."""
+    eager = model.forward
+    compiled = torch.compile(eager)
+
+    def forward(self, input_ids, **kwargs):
+        step = input_ids.shape[1] == 1 and kwargs.get("past_key_values") is not None
+        return (compiled if step else eager)(input_ids, **kwargs)
+
+    model.forward = types.MethodType(forward, model)
+
+
 def load_inference(path: str | Path, options: InferenceOptions | None = None, *, need_tokenizer: str | None = None):
     """A CKPT argument loaded for inference with `options` (see the module docstring) as a `Loaded`."""
     from stemlm.checkpoint.runs import load_checkpoint, resolve_checkpoint
@@ -117,14 +137,20 @@ def load_inference(path: str | Path, options: InferenceOptions | None = None, *,
     device = check_device(opts.device)
     amp = autocast_dtype(opts.dtype, device)
     placement = table_placement(opts.tables)
+    if opts.compile and placement != DEVICE:
+        raise StemlmError(f"--compile needs --tables device, not {opts.tables}: offloaded rows come from Python code")
     if placement == DEVICE:
         if opts.cache_rows is not None or opts.cache_fraction is not None:
             raise StemlmError("--cache-rows / --cache-fraction need --tables host or --tables mmap")
         model, tokenizer = load_checkpoint(path, device=device, need_tokenizer=need_tokenizer)
         if opts.table_dtype is not None:
             _round_resident(model, resolve_checkpoint(path), opts.table_dtype)
-        model.fuse_for_decoding()
-        bind_forward(model, None, amp)
+        if opts.compile:
+            bind_forward(model, None, amp)
+            compile_decoding(model)
+        else:
+            model.fuse_for_decoding()
+            bind_forward(model, None, amp)
         return Loaded(model, tokenizer, None, amp)
     from stemlm.inference.offloaded import open_checkpoint
 
