@@ -122,3 +122,23 @@ def test_compiled_decoding_gives_the_plain_recompute_greedy_tokens(kind, tmp_pat
     with load_inference(folder, InferenceOptions(compile=True)) as lm:
         assert not any(is_fused(m) for m in fusable(lm.model))  # the compiled steps use the plain projections
         assert generate(lm.model, PROMPT, NEW, greedy=True) == expected
+
+
+@pytest.mark.slow
+def test_compiled_batched_decoding_gives_the_eager_outputs(tmp_path):
+    from stemlm.inference.batching import BatchEngine
+    from stemlm.inference.requests import Request, SamplingParams
+
+    folder = save_pretrained(make_tiny_model("stem", initializer_range=0.1, max_position_embeddings=64), tmp_path / "m")
+
+    def outputs(model) -> list[list[int]]:
+        # requests joining a running batch at different steps: batch sizes and cache lengths change
+        engine, requests = BatchEngine(model, slots=4), []
+        for prompt, n in (([5, 17, 3], 12), ([9, 8, 7, 6, 5, 4], 10), ([1, 2], 14)):
+            requests.append(engine.submit(Request(prompt, SamplingParams(max_tokens=n, temperature=0))))
+            engine.step()
+        engine.run_until_idle()
+        return [r.output_ids for r in requests]
+
+    with load_inference(folder) as eager, load_inference(folder, InferenceOptions(compile=True)) as compiled:
+        assert outputs(compiled.model) == outputs(eager.model)

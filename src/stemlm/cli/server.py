@@ -77,6 +77,12 @@ def register(subparsers) -> None:
         help="also answer requests whose Host header is NAME (repeatable; default: loopback names and --host only)",
     )
     add_inference_flags(p)
+    p.add_argument(
+        "--compile",
+        action="store_true",
+        help="run the batched decoding steps through torch.compile (resident tables only; the first steps wait "
+        "for the compile, again for each new batch shape until it compiles a dynamic one)",
+    )
     p.add_argument("--served-model-name", help="the model id clients send (default: the checkpoint folder's name)")
     p.add_argument("--slots", type=int, default=16, help="requests decoded at once, the KV-pool rows (default 16)")
     p.add_argument("--max-queue", type=int, default=64, help="requests waiting for a slot before 429 (default 64)")

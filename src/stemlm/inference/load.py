@@ -13,8 +13,8 @@
 - `table_dtype`: fp32, bf16 or int8 rows (`stemlm.offload.compact`; None = as the checkpoint stores them);
 - `dtype`: the compute dtype, as autocast (auto: bf16 on a CUDA device that supports it, else fp32); the
   weights stay as loaded;
-- `compile` (`stemlm generate --compile`): the decoding steps through `torch.compile` (`compile_decoding`),
-  resident tables only.
+- `compile` (`stemlm generate` / `server --compile`): the decoding steps through `torch.compile`
+  (`compile_decoding`), resident tables only.
 
 The loaded model's projections of one input are fused for decoding (`StemLM.fuse_for_decoding`: q/k/v, and gate/up
 where the kind has both; one matrix-vector product instead of two or three; the parameters and their names stay
@@ -48,7 +48,7 @@ class InferenceOptions:
     cache_policy: str = "lfu"
     device: str = "cpu"
     dtype: str = "auto"
-    compile: bool = False  # decoding steps through torch.compile (`compile_decoding`); `generate --compile`
+    compile: bool = False  # decoding steps through torch.compile (`compile_decoding`); generate / server --compile
 
     @classmethod
     def from_args(cls, args) -> InferenceOptions:
