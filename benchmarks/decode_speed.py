@@ -21,10 +21,13 @@ our dense model's time per token, i.e. how much of a step the matrix kernels tak
     python benchmarks/decode_speed.py                      # single thread (the default), CPU clock
     python benchmarks/decode_speed.py --threads 2 --clock wall --new 128 --reps 7
     python benchmarks/decode_speed.py --device cuda --clock wall      # a GPU's work is not in the CPU clock
+    python benchmarks/decode_speed.py --compile --reps 9                 # and the compiled decoding steps
 
 Last line: `RESULT ours_over_hf=… fused_over_unfused=… share_of_bound=… share_of_matvec=… stem_share_of_bound=…
 hf_share_of_bound=… ours_tok_s=… hf_tok_s=… stem_tok_s=… bound_tok_s=…` (ours = our dense model; ratio > 1 = ours
-faster; a share is tokens/s over the bound's).
+faster; a share is tokens/s over the bound's), and with `--compile` `compiled_over_fused=…`: tiny-dense with its
+decoding steps through torch.compile (`stemlm.inference.load.compile_decoding`, as `generate --compile` runs
+them; compiled before the timing) over the fused eager model.
 """
 
 from __future__ import annotations
@@ -38,6 +41,7 @@ import torch
 
 from stemlm.checkpoint.folder import save_pretrained
 from stemlm.inference.generate import generate
+from stemlm.inference.load import bind_forward, compile_decoding
 from stemlm.model import build_model
 from stemlm.model.accounting import decode_bytes_per_token
 from stemlm.model.presets import get_preset
@@ -52,6 +56,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--clock", choices=("cpu", "wall"), default="cpu", help="process CPU time or wall time")
     p.add_argument("--stream-mib", type=int, default=256, help="MiB read by the bandwidth probe (default 256)")
     p.add_argument("--device", default="cpu", help="cpu or cuda (default cpu)")
+    p.add_argument("--compile", action="store_true", help="also time tiny-dense with compiled decoding steps")
     args = p.parse_args(argv)
     if args.device != "cpu" and args.clock == "cpu":
         p.error("--clock cpu measures this process's CPU time, not a GPU's: use --clock wall with --device cuda")
@@ -59,12 +64,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def matvec_chain(model) -> list[torch.Tensor]:
-    """The weight matrices a dense decode step multiplies by, in order (q/k/v fused as the loaded model has them)."""
+    """The weight matrices a dense decode step multiplies by, in order (q/k/v and gate/up fused as the loaded model
+    has them)."""
     weights = []
     for layer in model.model.layers:
         attn, mlp = layer.self_attn, layer.mlp
         qkv = torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight])
-        weights += [qkv, attn.o_proj.weight, mlp.gate_proj.weight, mlp.up_proj.weight, mlp.down_proj.weight]
+        gate_up = torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight])
+        weights += [qkv, attn.o_proj.weight, gate_up, mlp.down_proj.weight]
     return [w.detach().clone() for w in [*weights, model.lm_head.weight]]  # distinct copies: none cached by the step
 
 
@@ -83,6 +90,10 @@ def main(argv: list[str] | None = None) -> None:
     ours["unfused"] = build_model(dense_cfg, seed=0).eval().to(device)
     for name in ("stem", "dense"):
         ours[name].fuse_for_decoding()
+    if args.compile:
+        ours["compiled"] = build_model(dense_cfg, seed=0).eval().to(device)
+        bind_forward(ours["compiled"])
+        compile_decoding(ours["compiled"])
     prompt = torch.randint(0, dense_cfg.vocab_size, (1, args.prompt), generator=torch.Generator().manual_seed(0))
     prompt = prompt.to(device)
 
@@ -114,9 +125,11 @@ def main(argv: list[str] | None = None) -> None:
             torch.mv(w, vectors[w.shape[1]])
         return torch.mv(chain[-1], vectors[chain[-1].shape[1]])[0].item()  # waits for a GPU's products
 
-    runs = {name: run_ours(name) for name in ("stem", "dense", "unfused")}
+    runs = {name: run_ours(name) for name in ours}
     runs |= {"hf": run_hf, "stream": read_stream, "matvec": run_matvecs}
     tokens = {name: fn() for name, fn in runs.items()}  # warm-up, and the outputs to compare
+    if args.compile:
+        runs["compiled"]()  # the second compile, for a dynamic cache length, is warm-up too
     times: dict[str, list[float]] = {name: [] for name in runs}
     names = list(runs)
     clock = time.process_time if args.clock == "cpu" else time.perf_counter
@@ -136,7 +149,7 @@ def main(argv: list[str] | None = None) -> None:
         n: decode_bytes_per_token(c, context, dtype_bytes=4)["total"]
         for n, c in (("stem", stem_cfg), ("dense", dense_cfg))
     }
-    bytes_tok["hf"] = bytes_tok["unfused"] = bytes_tok["dense"]
+    bytes_tok["hf"] = bytes_tok["unfused"] = bytes_tok["compiled"] = bytes_tok["dense"]
     print(
         f"tiny, fp32 on {device}, threads={torch.get_num_threads()}, prompt {args.prompt} + {args.new} greedy tokens, "
         f"{args.reps} reps, {args.clock} clock; read bandwidth {bandwidth / 1e9:.1f} GB/s (same clock, median)"
@@ -145,7 +158,8 @@ def main(argv: list[str] | None = None) -> None:
     labels = {
         "stem": "ours, tiny STEM",
         "dense": "ours, tiny-dense",
-        "unfused": "ours, unfused q/k/v",
+        "unfused": "ours, unfused",
+        "compiled": "ours, compiled steps",
         "hf": "transformers, tiny-dense",
     }
     for name in names:
@@ -159,8 +173,9 @@ def main(argv: list[str] | None = None) -> None:
         f"({sum(w.numel() for w in chain) * 4 / matvec_s / 1e9:.1f} GB/s), {matvec_s * tok_s['dense']:.0%} of our "
         f"dense model's {1e3 / tok_s['dense']:.2f} ms a token"
     )
-    same = tokens["dense"] == tokens["hf"] == tokens["unfused"]
-    print(f"greedy tokens: ours dense == unfused == transformers: {same}")
+    same = tokens["dense"] == tokens["hf"] == tokens["unfused"] == tokens.get("compiled", tokens["dense"])
+    print(f"greedy tokens: ours dense == unfused (== compiled) == transformers: {same}")
+    compiled = f" compiled_over_fused={tok_s['compiled'] / tok_s['dense']:.3f}" if args.compile else ""
     share = {name: tok_s[name] * bytes_tok[name] / bandwidth for name in names}
     print(
         f"RESULT ours_over_hf={tok_s['dense'] / tok_s['hf']:.3f} "
@@ -168,6 +183,7 @@ def main(argv: list[str] | None = None) -> None:
         f"share_of_matvec={matvec_s * tok_s['dense']:.3f} "
         f"stem_share_of_bound={share['stem']:.3f} hf_share_of_bound={share['hf']:.3f} ours_tok_s={tok_s['dense']:.0f} "
         f"hf_tok_s={tok_s['hf']:.0f} stem_tok_s={tok_s['stem']:.0f} bound_tok_s={bandwidth / bytes_tok['dense']:.0f}"
+        f"{compiled}"
     )
 
 
