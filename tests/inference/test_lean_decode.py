@@ -1,9 +1,10 @@
 """The lean decoding step: q/k/v and gate/up fused at load (`StemLM.fuse_for_decoding`), RoPE rows from a table,
 the id check once per request. Greedy tokens equal a plain model's full recompute (no cache, no fusion, no table)
 for every kind in the registry, with resident tables and, for kinds that have tables, host tables; the fused copy
-never stands in for a weight that changed or a forward with grad.
+never stands in for a weight that changed or a forward with grad. With the decoding steps compiled
+(`InferenceOptions(compile=True)`, slow) the tokens are the same, single-stream and batched.
 
-Run: `OMP_NUM_THREADS=1 python -m pytest tests/inference/test_lean_decode.py -q`.
+Run: `OMP_NUM_THREADS=1 python -m pytest tests/inference/test_lean_decode.py -q -m "slow or not slow"`.
 """
 
 from __future__ import annotations
