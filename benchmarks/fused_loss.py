@@ -32,7 +32,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from stemlm.model.fused_loss import fused_linear_cross_entropy
+from stemlm.model.fused_loss import fused_linear_cross_entropy, release_workspace
 from stemlm.model.loss import IGNORE_INDEX, chunked_cross_entropy
 
 
@@ -95,7 +95,9 @@ def _status_kb(field: str) -> int:
 
 def peak_rss_bytes(fn, hidden, weight, labels, chunk) -> int:
     """Peak resident memory above the start of one forward + backward (Linux: "5" resets VmHWM to VmRSS); on a
-    GPU the CUDA allocator's peak above what it held at the start."""
+    GPU the CUDA allocator's peak above what it held at the start. The fused loss's reused [chunk, V] workspace
+    is freed first, so that its peak counts it."""
+    release_workspace()
     if hidden.device.type == "cuda":
         torch.cuda.synchronize(hidden.device)
         torch.cuda.reset_peak_memory_stats(hidden.device)

@@ -90,7 +90,7 @@ def test_the_reused_workspace_gives_the_results_of_fresh_buffers_bitwise(autocas
 
     hidden, weight, labels = inputs(2)
     with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
-        fused_loss._WORKSPACE.__dict__.pop("buffers", None)
+        fused_loss.release_workspace()
         fresh = loss_and_grads(fused, hidden, weight, labels)
         loss_and_grads(lambda h, w, y: fused_linear_cross_entropy(h, w, y, 40), *inputs(3))
         workspace = fused_loss._WORKSPACE.buffers[hidden.device]

@@ -17,9 +17,10 @@ gradient work is skipped. The model picks this path with `forward(..., loss_chun
 Buffers: the chunks' fp32 [chunk, V] logits (then exp, then gradient) are written into one workspace per thread
 and device, kept across chunks and calls (it never leaves the forward, so autograd holds no reference to it), and
 fp32 d(hidden) rows are multiplied straight into their slice. A fresh [chunk, V] tensor per chunk had been the
-largest allocation of a step: above glibc's mmap threshold, so mapped and unmapped each time, one page fault
-per 4 KiB (0.5M faults a step at V = 131072). The workspace stays allocated after the last call: one [chunk, V]
-fp32 buffer per thread that ran the loss. Results are bitwise those of fresh buffers (tests/model).
+largest allocation of a step: at a large V above glibc's mmap threshold, so mapped and unmapped each time, one
+page fault per 4 KiB (benchmarks/train_step.py counts them). The workspace stays allocated after the last call,
+one [chunk, V] fp32 buffer per thread that ran the loss, until `release_workspace()`. Results are bitwise those
+of fresh buffers (tests/model/test_fused_loss.py).
 """
 
 from __future__ import annotations
@@ -41,6 +42,12 @@ def _workspace(rows: int, cols: int, device: torch.device) -> torch.Tensor:
         buffers[device] = None  # the old buffer is freed before the larger one is allocated
         flat = buffers[device] = torch.empty(rows * cols, dtype=torch.float32, device=device)
     return flat[: rows * cols].view(rows, cols)
+
+
+def release_workspace() -> None:
+    """Free this thread's workspaces (they are allocated again by the next call), e.g. once training is done, or
+    so that a measurement of the loss's peak memory counts its [chunk, V] buffer."""
+    _WORKSPACE.__dict__.pop("buffers", None)
 
 
 def _chunk_exp(h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor):
