@@ -48,3 +48,16 @@ def test_a_dynamic_length_export_gives_the_eager_logits_at_another_length(kind):
     with torch.no_grad():
         got = exported.module()(input_ids=longer, attention_mask=mask, use_cache=False).logits
         assert torch.equal(got, hf(longer, attention_mask=mask, use_cache=False).logits)
+
+
+@pytest.mark.parametrize("kind", ["dense", "stem"])
+def test_a_dynamic_length_export_without_attention_mask_gives_the_eager_logits(kind):
+    # No mask: the causal flag depends on the symbolic length (T > 1) and must still reach SDPA as a bool.
+    hf, ids = model(kind), random_ids(2, 9)
+    seq = torch.export.Dim("seq", min=2, max=32)
+    inputs, shapes = {"input_ids": ids, "use_cache": False}, {"input_ids": {1: seq}, "use_cache": None}
+    exported = torch.export.export(hf, (), inputs, dynamic_shapes=shapes, strict=False)
+    longer = random_ids(2, 13, seed=1)
+    with torch.no_grad():
+        theirs = exported.module()(input_ids=longer, use_cache=False).logits
+        assert torch.equal(theirs, hf(longer, use_cache=False).logits)

@@ -194,7 +194,7 @@ class Attention(nn.Module):
         if cache is not None:
             k, v = cache.update(self.layer_idx, k, v)
         # mask None with T > 1 means a fresh causal prefill; a single new token attends to everything cached.
-        is_causal = mask is None and T > 1
+        is_causal = bool(mask is None and T > 1)  # a plain bool for SDPA under torch.export
         if weights is not None:
             y, w = math_attention(q, k, v, mask, is_causal)
             weights.append(w)
