@@ -27,6 +27,9 @@ CASES = [
     (["data", "prepare", "a.txt", "--out", "o", "--worker", "1"], line("data prepare", "--worker", "--workers")),
     (["experiment", "knowledge", "--quik"], line("experiment knowledge", "--quik", "--quick")),
     (["cache-sim", "--fraction", "0.1"], line("cache-sim", "--fraction", "--fractions")),
+    # A flag before the subcommand is the top-level parser's: its --debug, its --help.
+    (["--debg", "info"], "stemlm: error: unrecognized argument --debg (did you mean --debug? see stemlm --help)"),
+    (["--debg", "info", "--pres", "tiny"], "stemlm: error: unrecognized argument --debg (did you mean --debug?"),
 ]
 
 

@@ -46,10 +46,13 @@ class OneLineParser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
     def parse_args(self, args=None, namespace=None):
-        # argparse would report leftovers from the top-level parser ("stemlm: error"); the chosen subcommand does.
+        # argparse would report leftovers from the top-level parser ("stemlm: error"); the (sub)command whose
+        # part of the command line holds the first of them does: `stemlm train --step 2` -> train's error,
+        # `stemlm --debg info` -> stemlm's own (its --debug).
+        args = list(sys.argv[1:] if args is None else args)
         parsed, extras = self.parse_known_args(args, namespace)
         if extras:
-            chosen_parser(self, parsed).unrecognized(extras)
+            owner_of(args, extras[0], chosen_parsers(self, parsed)).unrecognized(extras)
         return parsed
 
     def unrecognized(self, extras: list[str]):
@@ -63,14 +66,32 @@ class OneLineParser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: unrecognized argument {flags[0]} ({hint}see {self.prog} --help)\n")
 
 
-def chosen_parser(parser: argparse.ArgumentParser, args: argparse.Namespace) -> argparse.ArgumentParser:
-    """The innermost (sub)parser the parsed `args` went through: `stemlm eval ppl ...` -> the `eval ppl` parser."""
+Chain = list[tuple[str, argparse.ArgumentParser]]  # (command word, parser), outermost first
+
+
+def chosen_parsers(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Chain:
+    """The (sub)parsers the parsed `args` went through, outermost first, each with the command word that chose it
+    ("" for the top level): `stemlm eval ppl ...` -> stemlm, eval, eval ppl."""
+    chain = [("", parser)]
     while True:
         action = next((a for a in parser._actions if isinstance(a, argparse._SubParsersAction)), None)
         chosen = getattr(args, action.dest, None) if action is not None else None
         if chosen not in getattr(action, "choices", {}):
-            return parser
+            return chain
         parser = action.choices[chosen]
+        chain.append((chosen, parser))
+
+
+def owner_of(argv: list[str], extra: str, chain: Chain) -> argparse.ArgumentParser:
+    """The innermost parser in `chain` whose command word comes before `extra` in `argv`."""
+    where = next((i for i, a in enumerate(argv) if a == extra), len(argv))
+    owner, start = chain[0][1], 0
+    for word, parser in chain[1:]:
+        position = argv.index(word, start) if word in argv[start:] else len(argv)
+        if position > where:
+            break
+        owner, start = parser, position + 1
+    return owner
 
 
 # import name -> (package, the pyproject extra that installs it)
