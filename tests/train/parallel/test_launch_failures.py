@@ -33,7 +33,8 @@ def test_an_error_inside_the_ranks_is_one_line_naming_the_log(dist_assets, tmp_p
     assert proc.returncode == 2, proc.stderr[-3000:]
     lines = proc.stderr.strip().splitlines()
     assert lines[0].startswith("stemlm train: starting 2 processes")
-    assert lines[1:-1] == ["step 2: non-finite loss or gradient norm, update skipped"]  # rank 0's note, nothing else
+    # Rank 0's note, nothing else; rank 1 (which logs nothing) may raise and get rank 0 stopped before it is written.
+    assert lines[1:-1] in ([], ["step 2: non-finite loss or gradient norm, update skipped"])
     assert lines[-1].startswith("stemlm train: error: training diverged")
     assert re.search(rf"\(rank [01] of 2; full log: {re.escape(str(run / 'launch.log'))}\)$", lines[-1])  # no advice
     log = (run / "launch.log").read_text()
