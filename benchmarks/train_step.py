@@ -17,10 +17,13 @@ the lm_head's matmuls are not in it); and "gemm", the best plain matmul at the m
 (`stemlm.train.throughput.matmul_peak`, in the same clock), against which `share_of_gemm` sets each model's FLOP
 rate. Page faults per step are the process's
 minor faults (`getrusage`) across each timed step: a large buffer that the allocator maps and unmaps every step
-shows up there (glibc's `malloc` serves blocks above its mmap threshold with fresh mappings).
+shows up there (glibc's `malloc` serves blocks above its mmap threshold with fresh mappings). By default the
+process keeps freed blocks for reuse as `stemlm train` does (`stemlm.train.allocator`, `--allocator kept`);
+`--allocator system` leaves glibc's defaults (run both, alternating processes, to see what the setting buys).
 
     python benchmarks/train_step.py                                        # tiny shape, fp32, CPU
     python benchmarks/train_step.py --threads 1 --clock cpu --reps 20      # on a shared, busy CPU
+    python benchmarks/train_step.py --threads 1 --clock cpu --allocator system   # glibc's own malloc settings
     python benchmarks/train_step.py --table-optim adamw                    # dense AdamW on the tables
     python benchmarks/train_step.py --device cuda --dtype bf16 --reps 30
     python benchmarks/train_step.py --threads 1 --clock cpu --vocab 131072 --reps 3   # where the loss dominates
@@ -45,6 +48,7 @@ import torch
 from stemlm.model.accounting import total_parameters, training_flops_per_token
 from stemlm.model.config import ModelConfig
 from stemlm.model.loss import cross_entropy
+from stemlm.train.allocator import keep_freed_blocks
 from stemlm.train.config import TrainConfig
 from stemlm.train.optim import set_learning_rates
 from stemlm.train.tables.optim import TABLE_OPTIMIZERS, clip_grad_norm_mixed
@@ -69,6 +73,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--reps", type=int, default=10, help="timed steps per model, round-robin (default 10)")
     p.add_argument("--threads", type=int, default=0, help="torch intra-op threads; 0 keeps torch's default")
     p.add_argument("--device", default="cpu", help="cpu or cuda (default cpu)")
+    p.add_argument(
+        "--allocator",
+        choices=("kept", "system"),
+        default="kept",
+        help="kept: freed blocks reused, as stemlm train does (stemlm.train.allocator); system: glibc's defaults",
+    )
     p.add_argument(
         "--clock",
         choices=("wall", "cpu"),
@@ -195,6 +205,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
+    allocator = keep_freed_blocks() if args.allocator == "kept" else "system"
     device = torch.device(args.device)
     dense = ModelConfig(
         vocab_size=args.vocab,
@@ -240,12 +251,13 @@ def main(argv: list[str] | None = None) -> None:
                 faults[name].append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
     gemm = [a for a, _ in phases.pop("gemm")]
     loss = [a for a, _ in phases.pop("loss")]
-    report(args, cfg, device, dense, stem, phases, faults, 1e9 / statistics.median(gemm), statistics.median(loss))
+    gemm_flops, loss_s = 1e9 / statistics.median(gemm), statistics.median(loss)
+    report(args, cfg, device, dense, stem, phases, faults, gemm_flops, loss_s, allocator)
 
 
-def report(args, cfg, device, dense: ModelConfig, stem: ModelConfig, phases, faults, gemm: float, loss: float) -> None:
+def report(args, cfg, device, dense, stem, phases, faults, gemm: float, loss: float, allocator: str) -> None:
     """Print the table and the RESULT line; `gemm` is the matmul peak (FLOP/s) and `loss` the plain loss's
-    forward + backward (s), both medians in the benchmark's clock."""
+    forward + backward (s), both medians in the benchmark's clock; `allocator` what `keep_freed_blocks` found."""
     n_tok = args.batch * args.seq
     flops = {"dense": training_flops_per_token(dense, args.seq), "stem": training_flops_per_token(stem, args.seq)}
     flops["hf"] = flops["fused"] = flops["dense"]
@@ -254,7 +266,7 @@ def report(args, cfg, device, dense: ModelConfig, stem: ModelConfig, phases, fau
         f"shape: d={args.hidden} L={args.layers} d_ff={args.ffn_dim} V={args.vocab} batch={args.batch}x{args.seq} "
         f"{cfg.dtype} on {device}, threads={torch.get_num_threads()}, STEM layers {stem.special_layers}, "
         f"table optimizer {cfg.table_optim}, clip {cfg.grad_clip}, {args.reps} reps after {args.warmup} warm-up, "
-        f"{args.clock} clock; fused: dense with the fused loss, chunk {args.fused_chunk}"
+        f"{args.clock} clock; fused: dense with the fused loss, chunk {args.fused_chunk}; malloc: {allocator}"
     )
     print(
         f"{'model':<6} {'params':>10} {'GFLOP/step':>11} {'median ms':>10} {'fwd+bwd':>8} {'clip+opt':>8} "

@@ -17,7 +17,8 @@ time. The data position is the step number and every RNG state is checkpointed, 
 uninterrupted one. `fault_injection(step, loss) -> loss` (Python API only) lets tests poison a step's loss (NaN)
 or raise to simulate a crash. `stemlm.train.distributed.DistributedTrainer` runs this loop on N ranks by
 overriding the underscored hooks (`_build_optimizers`, `_sample`, `_accumulate_gradients`, `_clip_gradients`,
-`_agree`, `_load_optimizer_state`, `_make_logger`) and `is_main`.
+`_agree`, `_load_optimizer_state`, `_make_logger`) and `is_main`. `fit()` first tells glibc to keep large freed blocks
+for reuse (`stemlm.train.allocator`: no fresh mapping of the loss's [tokens, V] tensors each step).
 """
 
 from __future__ import annotations
@@ -46,6 +47,7 @@ from stemlm.model.config import ModelConfig
 from stemlm.model.presets import get_preset
 from stemlm.paths import refuse_symlink
 from stemlm.runtime import resolve_device, resolve_dtype
+from stemlm.train.allocator import keep_freed_blocks
 from stemlm.train.config import TrainConfig, model_config_diff
 from stemlm.train.data import load_datasets, resolve_sampling, resolve_tokenizer
 from stemlm.train.guard import DivergenceGuard, StopSignals, check_no_checkpoints, check_run_dir
@@ -447,6 +449,7 @@ class Trainer:
 
     def fit(self) -> dict[str, Any]:
         """Train from `self.step` to `cfg.steps`, evaluating and saving on schedule; returns the final metrics."""
+        keep_freed_blocks()  # the step's large temporaries reused, not mapped anew each step (stemlm.train.allocator)
         cfg, wall = self.cfg, time.perf_counter()
         if self.resumed:  # accepted once every rank has built its part (`_agree` waits for them all)
             self._agree(False)
