@@ -219,7 +219,13 @@ def main(argv: list[str] | None = None) -> None:
     stem = dense.replace(ffn="stem", stem_layers=args.stem_layers)
     total = args.warmup + args.reps + 1
     cfg = TrainConfig(
-        steps=total, batch_size=args.batch, seq_len=args.seq, device=args.device, dtype=args.dtype, eval_every=0
+        steps=total,
+        batch_size=args.batch,
+        seq_len=args.seq,
+        device=args.device,
+        dtype=args.dtype,
+        eval_every=0,
+        fused_loss=False,  # the plain path at every --vocab ("fused" below is the fused one)
     )
     if args.table_optim:
         cfg = cfg.replace(table_optim=args.table_optim)

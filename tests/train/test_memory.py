@@ -85,3 +85,41 @@ def test_fused_loss_needs_a_chunk(tmp_path, make_train_config):
 
     with pytest.raises(StemlmError, match="fused_loss needs loss_chunk > 0"):
         make_train_config(tmp_path, fused_loss=True).validate()
+
+
+@pytest.mark.parametrize(
+    "vocab, given, expected",
+    [
+        (8192, {}, (False, 0)),  # the default run: the plain path, bitwise as before
+        (65535, {"loss_chunk": 64}, (False, 64)),  # the chunked, checkpointed path the flag asks for
+        (65536, {}, (True, 512)),  # from the threshold up: fused, with the default chunk
+        (131072, {"loss_chunk": 1024}, (True, 1024)),
+        (131072, {"fused_loss": False}, (False, 0)),  # an explicit choice is kept
+        (8192, {"fused_loss": True, "loss_chunk": 8}, (True, 8)),
+    ],
+)
+def test_the_loss_path_is_chosen_by_the_vocabulary(
+    tmp_path, make_train_config, make_model_config, vocab, given, expected
+):
+    from stemlm.train.memory import resolve_loss
+
+    cfg = resolve_loss(make_train_config(tmp_path, **given), make_model_config("stem").replace(vocab_size=vocab))
+    assert (cfg.fused_loss, cfg.loss_chunk) == expected
+
+
+def test_a_large_vocabulary_trains_through_the_fused_loss_and_records_it(
+    tmp_path, make_train_config, make_model_config, monkeypatch
+):
+    import json
+
+    from stemlm.model import decoder
+    from stemlm.model.fused_loss import fused_linear_cross_entropy
+
+    calls = []
+    monkeypatch.setattr(
+        decoder, "fused_linear_cross_entropy", lambda *a: calls.append(1) or fused_linear_cross_entropy(*a)
+    )
+    config = make_model_config("stem").replace(vocab_size=65536)
+    Trainer(config, make_train_config(tmp_path, steps=1, eval_every=0), progress=False).fit()
+    train = json.loads((tmp_path / "run" / "run_config.json").read_text())["train"]
+    assert calls and (train["fused_loss"], train["loss_chunk"]) == (True, 512)

@@ -130,7 +130,9 @@ class TrainConfig:
     trainable: str = "all"  # all, or tables: only the token tables learn (backbone frozen, e.g. after a retrofit)
     # --- memory levers (stemlm.train.memory; the math is unchanged) ---
     loss_chunk: int = 0  # > 0: lm_head + cross-entropy this many tokens at a time, no full [tokens, V] logits kept
-    fused_loss: bool = False  # with loss_chunk: the fused lm_head + cross-entropy (stemlm.model.fused_loss), eval too
+    # The fused lm_head + cross-entropy (stemlm.model.fused_loss; true needs loss_chunk), evaluation too; None: by the
+    # vocabulary, fused from 65536 tokens up (stemlm.train.memory.resolve_loss).
+    fused_loss: bool | None = None
     activation_checkpointing: bool = False  # recompute each decoder block's activations in backward
     compile: bool = False  # torch.compile each decoder block (stemlm.train.compile)
     profile: bool = False  # torch.profiler traces of a few steps in RUN/profile (stemlm.train.profiling)
@@ -198,7 +200,7 @@ class TrainConfig:
             value = getattr(self, name)
             need(_is_int(value) and value >= 0, f"{name} must be a non-negative integer, got {value!r}")
         need(
-            not self.fused_loss or (_is_int(self.loss_chunk) and self.loss_chunk > 0),
+            self.fused_loss is not True or (_is_int(self.loss_chunk) and self.loss_chunk > 0),
             f"fused_loss needs loss_chunk > 0 (tokens per chunk), got loss_chunk={self.loss_chunk!r}",
         )
         need(

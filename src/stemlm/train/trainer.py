@@ -52,6 +52,7 @@ from stemlm.train.config import TrainConfig, model_config_diff
 from stemlm.train.data import load_datasets, resolve_sampling, resolve_tokenizer
 from stemlm.train.guard import DivergenceGuard, StopSignals, check_no_checkpoints, check_run_dir
 from stemlm.train.logging import METRICS_NAME, PLOT_NAME, RunLogger, plot_losses
+from stemlm.train.memory import resolve_loss
 from stemlm.train.optim import freeze_backbone
 from stemlm.train.profiling import StepProfiler, check_profiling
 from stemlm.train.recipes import get_recipe
@@ -114,6 +115,7 @@ class Trainer:
         self.recipe = get_recipe(cfg.recipe)  # init, optimizer groups, schedule and clipping (stemlm.train.recipes)
         self.model = self._build_model(model_config, _resume_from)
         self.config = self.model.config
+        self.cfg = cfg = resolve_loss(cfg, self.config)  # fused_loss=None: by the vocabulary (stemlm.train.memory)
         if _resume_from is not None and not _allow_nonfinite:
             check_finite_weights(self.model, _resume_from)
         check_fits(self.config, self.tokenizer, cfg)
