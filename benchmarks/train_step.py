@@ -27,11 +27,15 @@ process keeps freed blocks for reuse as `stemlm train` does (`stemlm.train.alloc
     python benchmarks/train_step.py --table-optim adamw                    # dense AdamW on the tables
     python benchmarks/train_step.py --device cuda --dtype bf16 --reps 30
     python benchmarks/train_step.py --threads 1 --clock cpu --vocab 131072 --reps 3   # where the loss dominates
+    python benchmarks/train_step.py --threads 1 --clock cpu --compile                  # and the compiled blocks
 
 The last line is `RESULT stem_over_dense=… ours_over_hf=… predicted_stem_over_dense=… share_of_gemm=…
 stem_share_of_gemm=… loss_over_step=… fused_over_plain=… faults_per_step=… fused_faults_per_step=…` (time
 ratios, > 1 = slower than the denominator; shares of the matmul peak; minor page faults per dense step, plain
-and fused loss).
+and fused loss). With `--compile`, two more trainers join the rotation, dense with every decoder block through
+torch.compile (`stemlm train --compile`, `stemlm.train.compile`), plain and fused loss (compiled during the
+warm-up steps), and the line ends with `compiled_over_plain=… compiled_fused_over_plain=…
+compiled_share_of_gemm=…`.
 """
 
 from __future__ import annotations
@@ -73,6 +77,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--reps", type=int, default=10, help="timed steps per model, round-robin (default 10)")
     p.add_argument("--threads", type=int, default=0, help="torch intra-op threads; 0 keeps torch's default")
     p.add_argument("--device", default="cpu", help="cpu or cuda (default cpu)")
+    p.add_argument("--compile", action="store_true", help="also time dense with compiled decoder blocks")
     p.add_argument(
         "--allocator",
         choices=("kept", "system"),
@@ -236,6 +241,9 @@ def main(argv: list[str] | None = None) -> None:
             name: Trainer(config, train_cfg.replace(out=f"{tmp}/{name}"), progress=False)
             for name, config, train_cfg in (("dense", dense, cfg), ("stem", stem, cfg), ("fused", dense, fused_cfg))
         }
+        if args.compile:
+            for name, train_cfg in (("compiled", cfg), ("compiled_fused", fused_cfg)):
+                trainers[name] = Trainer(dense, train_cfg.replace(out=f"{tmp}/{name}", compile=True), progress=False)
         batch, _ = trainers["dense"].train_data.sample_batch(args.batch, args.seq + 1, seed=0, step=0)
         torch.manual_seed(0)
         hf = hf_llama(dense).to(device).train()
@@ -266,8 +274,10 @@ def report(args, cfg, device, dense, stem, phases, faults, gemm: float, loss: fl
     forward + backward (s), both medians in the benchmark's clock; `allocator` what `keep_freed_blocks` found."""
     n_tok = args.batch * args.seq
     flops = {"dense": training_flops_per_token(dense, args.seq), "stem": training_flops_per_token(stem, args.seq)}
-    flops["hf"] = flops["fused"] = flops["dense"]
-    params = {name: total_parameters(dense) for name in ("dense", "hf", "fused")} | {"stem": total_parameters(stem)}
+    like_dense = ("hf", "fused", "compiled", "compiled_fused")
+    flops |= {name: flops["dense"] for name in like_dense}
+    params = {name: total_parameters(dense) for name in ("dense", *like_dense)} | {"stem": total_parameters(stem)}
+    width = max(6, *map(len, phases))
     print(
         f"shape: d={args.hidden} L={args.layers} d_ff={args.ffn_dim} V={args.vocab} batch={args.batch}x{args.seq} "
         f"{cfg.dtype} on {device}, threads={torch.get_num_threads()}, STEM layers {stem.special_layers}, "
@@ -275,7 +285,7 @@ def report(args, cfg, device, dense, stem, phases, faults, gemm: float, loss: fl
         f"{args.clock} clock; fused: dense with the fused loss, chunk {args.fused_chunk}; malloc: {allocator}"
     )
     print(
-        f"{'model':<6} {'params':>10} {'GFLOP/step':>11} {'median ms':>10} {'fwd+bwd':>8} {'clip+opt':>8} "
+        f"{'model':<{width}} {'params':>10} {'GFLOP/step':>11} {'median ms':>10} {'fwd+bwd':>8} {'clip+opt':>8} "
         f"{'min ms':>8} {'max ms':>8} {'tok/s':>7} {'GFLOP/s':>8} {'of gemm':>8} {'faults':>8}"
     )
     median = {}
@@ -285,7 +295,7 @@ def report(args, cfg, device, dense, stem, phases, faults, gemm: float, loss: fl
         gflop = flops[name] * n_tok / 1e9
         fwd_bwd, opt = statistics.median(a for a, _ in ps), statistics.median(b for _, b in ps)
         print(
-            f"{name:<6} {params[name]:>10,} {gflop:>11.2f} {median[name] * 1e3:>10.1f} {fwd_bwd * 1e3:>8.1f} "
+            f"{name:<{width}} {params[name]:>10,} {gflop:>11.2f} {median[name] * 1e3:>10.1f} {fwd_bwd * 1e3:>8.1f} "
             f"{opt * 1e3:>8.1f} {min(totals) * 1e3:>8.1f} {max(totals) * 1e3:>8.1f} {n_tok / median[name]:>7.0f} "
             f"{gflop / median[name]:>8.1f} {gflop * 1e9 / median[name] / gemm:>8.0%} "
             f"{statistics.median(faults[name]):>8,.0f}"
@@ -312,6 +322,13 @@ def report(args, cfg, device, dense, stem, phases, faults, gemm: float, loss: fl
         f"fused_over_plain={median['fused'] / median['dense']:.3f} "
         f"faults_per_step={statistics.median(faults['dense']):.0f} "
         f"fused_faults_per_step={statistics.median(faults['fused']):.0f}"
+        + (
+            f" compiled_over_plain={median['compiled'] / median['dense']:.3f} "
+            f"compiled_fused_over_plain={median['compiled_fused'] / median['dense']:.3f} "
+            f"compiled_share_of_gemm={flops['dense'] * n_tok / median['compiled'] / gemm:.3f}"
+            if "compiled" in median
+            else ""
+        )
     )
 
 

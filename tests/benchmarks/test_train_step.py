@@ -41,3 +41,17 @@ def test_result_line_and_its_arithmetic(capsys):
         float(rows["fused"][3]) / float(rows["dense"][3]), rel=0.05, abs=2e-3
     )
     assert int(fields["faults_per_step"]) >= 0 and int(fields["fused_faults_per_step"]) >= 0
+
+
+@pytest.mark.slow
+def test_compiled_trainers_join_the_rotation(capsys):
+    bench.main([*TOY, "--stem-layers", "1", "--fused-chunk", "8", "--warmup", "1", "--reps", "1", "--threads", "1",
+                "--compile"])  # fmt: skip
+    lines = capsys.readouterr().out.strip().splitlines()
+    fields = dict(item.split("=") for item in lines[-1].removeprefix("RESULT ").split())
+    rows = {line.split()[0]: line.split() for line in lines}
+    assert {"compiled", "compiled_fused"} <= set(rows)
+    assert float(fields["compiled_over_plain"]) == pytest.approx(
+        float(rows["compiled"][3]) / float(rows["dense"][3]), rel=0.05, abs=2e-3
+    )
+    assert float(fields["compiled_fused_over_plain"]) > 0 and float(fields["compiled_share_of_gemm"]) > 0
