@@ -25,9 +25,10 @@ our dense model's time per token, i.e. how much of a step the matrix kernels tak
 
 Last line: `RESULT ours_over_hf=… fused_over_unfused=… share_of_bound=… share_of_matvec=… stem_share_of_bound=…
 hf_share_of_bound=… ours_tok_s=… hf_tok_s=… stem_tok_s=… bound_tok_s=…` (ours = our dense model; ratio > 1 = ours
-faster; a share is tokens/s over the bound's), and with `--compile` `compiled_over_fused=…`: tiny-dense with its
-decoding steps through torch.compile (`stemlm.inference.load.compile_decoding`, as `generate --compile` runs
-them; compiled before the timing) over the fused eager model.
+faster; a share is tokens/s over the bound's), and with `--compile` `compiled_over_fused=… compiled_over_hf=…
+compiled_share_of_bound=…`: tiny-dense with its decoding steps through torch.compile
+(`stemlm.inference.load.compile_decoding`, as `generate --compile` runs them; compiled before the timing) over the
+fused eager model and over `transformers`, and its share of the bound.
 """
 
 from __future__ import annotations
@@ -178,8 +179,12 @@ def main(argv: list[str] | None = None) -> None:
     compiled = ""
     if args.compile:
         print(f"greedy tokens: ours compiled == ours dense: {tokens['compiled'] == tokens['dense']}")
-        compiled = f" compiled_over_fused={tok_s['compiled'] / tok_s['dense']:.3f}"
     share = {name: tok_s[name] * bytes_tok[name] / bandwidth for name in names}
+    if args.compile:
+        compiled = (
+            f" compiled_over_fused={tok_s['compiled'] / tok_s['dense']:.3f} "
+            f"compiled_over_hf={tok_s['compiled'] / tok_s['hf']:.3f} compiled_share_of_bound={share['compiled']:.3f}"
+        )
     print(
         f"RESULT ours_over_hf={tok_s['dense'] / tok_s['hf']:.3f} "
         f"fused_over_unfused={tok_s['dense'] / tok_s['unfused']:.3f} share_of_bound={share['dense']:.3f} "

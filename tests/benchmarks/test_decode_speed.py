@@ -34,3 +34,18 @@ def test_result_line_and_shares(capsys, clock):
         float(x) for x in re.search(r"alone: ([\d.]+) ms .* dense model's ([\d.]+) ms", out).groups()
     )
     assert float(fields["share_of_matvec"]) == pytest.approx(matvec_ms / token_ms, rel=0.05, abs=5e-3)
+
+
+@pytest.mark.slow
+def test_compiled_steps_report_their_ratios_and_share(capsys):
+    bench.main(["--prompt", "4", "--new", "3", "--reps", "1", "--stream-mib", "8", "--compile"])
+    out = capsys.readouterr().out
+    fields = dict(item.split("=") for item in out.strip().splitlines()[-1].removeprefix("RESULT ").split())
+    assert "greedy tokens: ours compiled == ours dense: True" in out
+    labels = {"compiled": "ours, compiled steps", "dense": "ours, tiny-dense", "hf": "transformers, tiny-dense"}
+    tok_s = {k: float(re.search(rf"{label}\s+(\d+)", out).group(1)) for k, label in labels.items()}
+    assert float(fields["compiled_over_fused"]) == pytest.approx(tok_s["compiled"] / tok_s["dense"], rel=0.05, abs=0.01)
+    assert float(fields["compiled_over_hf"]) == pytest.approx(tok_s["compiled"] / tok_s["hf"], rel=0.05, abs=0.01)
+    assert float(fields["compiled_share_of_bound"]) == pytest.approx(
+        float(fields["share_of_bound"]) * float(fields["compiled_over_fused"]), rel=0.01, abs=2e-3
+    )
