@@ -124,3 +124,18 @@ def test_info_memory_cli(capsys):
     assert plan["bytes_per_rank"]["total"] == sum(v for k, v in plan["bytes_per_rank"].items() if k != "total")
     assert main(args) == 0
     assert "training memory per rank: 8 ranks" in capsys.readouterr().out
+
+
+def test_info_memory_plans_the_default_runs_loss_path(capsys):
+    """Without --loss-chunk the plan takes what a default `stemlm train` takes: full logits below V = 65536, the
+    fused loss's chunks of 512 from there up (stemlm.train.memory.resolve_loss); --loss-chunk 0 plans full logits."""
+
+    def logits(*flags):
+        assert main(["info", *flags, "--memory", "--json"]) == 0
+        return json.loads(capsys.readouterr().out)["memory"]["bytes_per_rank"]["loss_chunk_logits"]
+
+    vocab = get_preset("paper-1b").vocab_size
+    assert vocab >= 65536
+    assert logits("--preset", "paper-1b") == 512 * vocab * 6  # a chunk as memory_plan counts it: 4 + 2 bytes each
+    assert logits("--preset", "paper-1b", "--loss-chunk", "0") == 0
+    assert logits("--preset", "tiny") == 0  # V = 8192: the plain path

@@ -75,7 +75,12 @@ def add_memory_flags(parser) -> None:
     group.add_argument("--parallel", choices=("ddp", "fsdp"), default="ddp", help="backbone layout (default ddp)")
     group.add_argument("--table-optim", default="adamw", help="table optimizer of the planned run (default adamw)")
     group.add_argument("--micro-batch", type=int, default=1, help="sequences per rank per micro-batch (default 1)")
-    group.add_argument("--loss-chunk", type=int, default=0, help="planned --loss-chunk (default 0: full logits)")
+    group.add_argument(
+        "--loss-chunk",
+        type=int,
+        default=None,
+        help="planned --loss-chunk; 0: full logits (default: as stemlm train, chunks of 512 from V = 65536 up)",
+    )
     group.add_argument(
         "--activation-checkpointing", action="store_true", help="plan with per-block activation checkpointing"
     )
@@ -100,10 +105,14 @@ def run(args) -> int:
 
         summary["verified_parameters_on_meta"] = verify_on_meta(config)
     if args.memory:
+        from stemlm.train.memory import default_loss_chunk
         from stemlm.train.memory_plan import memory_plan
 
-        planned = ("nproc", "parallel", "table_optim", "micro_batch", "loss_chunk", "activation_checkpointing")
-        summary["memory"] = memory_plan(config, seq_len=seq_len, **{k: getattr(args, k) for k in planned})
+        planned = ("nproc", "parallel", "table_optim", "micro_batch", "activation_checkpointing")
+        chunk = default_loss_chunk(config) if args.loss_chunk is None else args.loss_chunk
+        summary["memory"] = memory_plan(
+            config, seq_len=seq_len, loss_chunk=chunk, **{k: getattr(args, k) for k in planned}
+        )
     if args.json:
         print_json(summary)
     else:

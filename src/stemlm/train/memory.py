@@ -36,11 +36,17 @@ FUSED_LOSS_MIN_VOCAB = 65536  # from here up the default run takes the fused los
 AUTO_LOSS_CHUNK = 512  # tokens per chunk of the fused loss when the run sets no --loss-chunk
 
 
+def default_loss_chunk(config: ModelConfig) -> int:
+    """Tokens per loss chunk of a default run (no --loss-chunk, fused_loss unset): 0 (full logits) below
+    `FUSED_LOSS_MIN_VOCAB`, else `AUTO_LOSS_CHUNK` (the fused loss); `stemlm info --memory` plans with it."""
+    return AUTO_LOSS_CHUNK if config.vocab_size >= FUSED_LOSS_MIN_VOCAB else 0
+
+
 def resolve_loss(cfg: TrainConfig, config: ModelConfig) -> TrainConfig:
     """`cfg` with `fused_loss` decided (None: by `config.vocab_size`) and, when fused, a `loss_chunk` > 0."""
     if cfg.fused_loss is not None:
         return cfg
-    if config.vocab_size < FUSED_LOSS_MIN_VOCAB:
+    if not default_loss_chunk(config):
         return cfg.replace(fused_loss=False)
     return cfg.replace(fused_loss=True, loss_chunk=cfg.loss_chunk or AUTO_LOSS_CHUNK)
 
