@@ -176,11 +176,10 @@ def main(argv: list[str] | None = None) -> None:
     )
     same = tokens["dense"] == tokens["hf"] == tokens["unfused"]
     print(f"greedy tokens: ours dense == unfused == transformers: {same}")
+    share = {name: tok_s[name] * bytes_tok[name] / bandwidth for name in names}
     compiled = ""
     if args.compile:
         print(f"greedy tokens: ours compiled == ours dense: {tokens['compiled'] == tokens['dense']}")
-    share = {name: tok_s[name] * bytes_tok[name] / bandwidth for name in names}
-    if args.compile:
         compiled = (
             f" compiled_over_fused={tok_s['compiled'] / tok_s['dense']:.3f} "
             f"compiled_over_hf={tok_s['compiled'] / tok_s['hf']:.3f} compiled_share_of_bound={share['compiled']:.3f}"

@@ -27,6 +27,7 @@ M_TRIM_THRESHOLD, M_MMAP_MAX = -1, -4  # mallopt parameters, <malloc.h>
 TRIM_NEVER = -1  # mallopt(3): "Setting M_TRIM_THRESHOLD to -1 disables trimming completely"
 OPT_OUT = "STEMLM_MALLOC"  # "system": leave glibc's defaults
 CHOSEN_BY_ENV = ("MALLOC_MMAP_MAX_", "MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_")
+PRELOADED_ALLOCATORS = ("jemalloc", "tcmalloc", "mimalloc")  # in LD_PRELOAD: glibc's malloc is not the one in use
 
 _state: str | None = None  # what the first call found, kept for the rest of the process
 
@@ -43,10 +44,12 @@ def keep_freed_blocks() -> str:
 def _apply() -> str:
     if os.environ.get(OPT_OUT, "").lower() == "system":
         return "system"
-    preload = os.environ.get("LD_PRELOAD", "")
-    if any(os.environ.get(name) for name in CHOSEN_BY_ENV) or "malloc" in os.environ.get("GLIBC_TUNABLES", ""):
-        return "environment"
-    if any(name in preload for name in ("jemalloc", "tcmalloc", "mimalloc")):
+    preload, tunables = os.environ.get("LD_PRELOAD", ""), os.environ.get("GLIBC_TUNABLES", "")
+    if (
+        any(os.environ.get(name) for name in CHOSEN_BY_ENV)
+        or "malloc" in tunables
+        or any(name in preload for name in PRELOADED_ALLOCATORS)
+    ):
         return "environment"
     libc = _glibc()
     if libc is None:
