@@ -39,12 +39,14 @@ import tempfile
 import time
 
 import torch
+import torch.nn.functional as F
 
 from stemlm.checkpoint.folder import save_pretrained
 from stemlm.inference.generate import generate
 from stemlm.inference.load import bind_forward, compile_decoding
 from stemlm.model import build_model
 from stemlm.model.accounting import decode_bytes_per_token
+from stemlm.model.fusion import stored_transposed
 from stemlm.model.presets import get_preset
 
 
@@ -64,16 +66,21 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def matvec_chain(model) -> list[torch.Tensor]:
-    """The weight matrices a dense decode step multiplies by, in order (q/k/v and gate/up fused as the loaded model
-    has them)."""
+def matvec_chain(model) -> list[tuple[torch.Tensor, bool]]:
+    """The weight matrices a dense decode step multiplies by, in order, each in the layout the loaded model keeps it
+    in (q/k/v and gate/up fused, and transposed where `stemlm.model.fusion.stored_transposed` says): (weight,
+    transposed) pairs, a transposed one as [in, out]."""
     weights = []
     for layer in model.model.layers:
         attn, mlp = layer.self_attn, layer.mlp
         qkv = torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight])
         gate_up = torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight])
         weights += [qkv, attn.o_proj.weight, gate_up, mlp.down_proj.weight]
-    return [w.detach().clone() for w in [*weights, model.lm_head.weight]]  # distinct copies: none cached by the step
+    chain = []
+    for w in [*weights, model.lm_head.weight]:  # distinct copies: none cached by the step
+        transposed = stored_transposed(*w.shape, w.device)
+        chain.append((w.detach().t().contiguous() if transposed else w.detach().clone(), transposed))
+    return chain
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -119,12 +126,12 @@ def main(argv: list[str] | None = None) -> None:
         return stream.sum().item()  # .item() waits for a GPU's reduction
 
     chain = matvec_chain(ours["dense"])
-    vectors = {w.shape[1]: torch.randn(w.shape[1], device=device) for w in chain}
+    vectors = {w.shape[t]: torch.randn(1, w.shape[t], device=device) for w, t in chain}
 
     def run_matvecs():
-        for w in chain:
-            torch.mv(w, vectors[w.shape[1]])
-        return torch.mv(chain[-1], vectors[chain[-1].shape[1]])[0].item()  # waits for a GPU's products
+        for w, transposed in chain:
+            y = vectors[w.shape[0]] @ w if transposed else F.linear(vectors[w.shape[1]], w)
+        return y[0, 0].item()  # waits for a GPU's products
 
     runs = {name: run_ours(name) for name in ours}
     runs |= {"hf": run_hf, "stream": read_stream, "matvec": run_matvecs}
@@ -171,7 +178,7 @@ def main(argv: list[str] | None = None) -> None:
         )
     print(
         f"the matrix-vector products of one dense step alone: {matvec_s * 1e3:.2f} ms "
-        f"({sum(w.numel() for w in chain) * 4 / matvec_s / 1e9:.1f} GB/s), {matvec_s * tok_s['dense']:.0%} of our "
+        f"({sum(w.numel() for w, _ in chain) * 4 / matvec_s / 1e9:.1f} GB/s), {matvec_s * tok_s['dense']:.0%} of our "
         f"dense model's {1e3 / tok_s['dense']:.2f} ms a token"
     )
     same = tokens["dense"] == tokens["hf"] == tokens["unfused"]

@@ -1,4 +1,5 @@
-"""The lean decoding step: q/k/v and gate/up fused at load (`StemLM.fuse_for_decoding`), RoPE rows from a table,
+"""The lean decoding step: q/k/v and gate/up fused at load (`StemLM.fuse_for_decoding`; on a CPU the copies with more
+outputs than inputs, STEM's gate and the lm_head among them, stored transposed), RoPE rows from a table,
 the id check once per request. Greedy tokens equal a plain model's full recompute (no cache, no fusion, no table)
 for every kind in the registry, with resident tables and, for kinds that have tables, host tables; the fused copy
 never stands in for a weight that changed or a forward with grad. With the decoding steps compiled
@@ -18,7 +19,7 @@ from stemlm.inference.generate import generate
 from stemlm.inference.load import InferenceOptions, load_inference
 from stemlm.model.attention import RotaryEmbedding
 from stemlm.model.config import FFN_KINDS
-from stemlm.model.fusion import is_fused
+from stemlm.model.fusion import FUSED, is_fused, stored_transposed
 from tests.conftest import make_tiny_model
 
 PROMPT, NEW = [5, 17, 3, 99, 42], 12
@@ -69,7 +70,23 @@ def test_every_module_with_gate_and_up_of_one_input_fuses_them(kind):
     both = [m for m in model.modules() if hasattr(m, "gate_proj") and hasattr(m, "up_proj")]
     assert all(hasattr(m, "fuse_projections") for m in both)
     model.fuse_for_decoding()
-    assert len(fusable(model)) == model.config.num_hidden_layers + len(both)  # every attention, and those FFNs
+    assert all(is_fused(m) for m in [*both, *(layer.self_attn for layer in model.model.layers)])
+
+
+def test_wide_copies_are_kept_transposed_on_a_cpu_and_narrow_weights_get_none():
+    model = make_tiny_model("stem")  # d = 64, d_ff = 128, V = 256; layer 1 is a STEM layer
+    model.fuse_for_decoding()
+    layer = model.model.layers[1]
+    assert model.__dict__[FUSED][0].shape == (64, 256)  # the lm_head's copy, [in, out]
+    assert layer.mlp.__dict__[FUSED][0].shape == (64, 128)  # STEM's gate alone
+    qkv = (model.config.num_attention_heads + 2 * model.config.kv_heads) * model.config.head_size
+    assert layer.self_attn.__dict__[FUSED][0].shape == (64, qkv)  # q/k/v
+    assert not is_fused(layer.mlp.down_proj) and FUSED not in layer.self_attn.o_proj.__dict__
+    assert not stored_transposed(64, 128, torch.device("cpu"))  # the down projection's shape: kept [out, in]
+    assert not stored_transposed(8192, 256, torch.device("cuda"))  # the layout rule was measured on CPUs only
+    ids = torch.tensor([PROMPT])
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids).logits, make_tiny_model("stem")(ids).logits, atol=1e-6, rtol=0)
 
 
 @pytest.mark.parametrize(
