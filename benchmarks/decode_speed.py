@@ -2,8 +2,8 @@
 
 Three models with random weights (seed 0): our tiny STEM model and our tiny-dense model decode with
 `stemlm.inference.generate.generate`, prepared as `stemlm.inference.load` prepares a loaded checkpoint (q/k/v
-and gate/up fused, `StemLM.fuse_for_decoding`), and beside them the same tiny-dense model without the fusion
-("unfused", for `fused_over_unfused`); the same tiny-dense weights loaded into `transformers.LlamaForCausalLM` (a dense
+and gate/up fused, on a CPU the wide copies kept transposed: `StemLM.fuse_for_decoding`), and beside them the
+same tiny-dense model without those copies ("unfused", for `fused_over_unfused`); the same tiny-dense weights loaded into `transformers.LlamaForCausalLM` (a dense
 stemlm folder is a Llama folder) decode with HF `generate()` (greedy, eos disabled, dynamic cache). Each
 repetition runs every model once, in a rotating order, so machine load hits all alike; a run is a `--prompt`
 token prefill plus `--new` greedy tokens, and tokens/s counts the new tokens (median over repetitions).
@@ -15,8 +15,9 @@ repetitions. The clock is this process's CPU time by default (`--clock cpu`: bli
 the other processes of a shared machine, so rates and bound move together; with one thread CPU seconds are
 seconds of that thread's work) or wall time (`--clock wall`, for a quiet machine or more threads). A third
 reference, in the same rotation and clock: the matrix-vector products alone of one dense decode step (every weight
-matrix the step multiplies by, each once, in order, on a vector; "matvec"): `share_of_matvec` is their time over
-our dense model's time per token, i.e. how much of a step the matrix kernels take, whatever bandwidth they reach.
+matrix the step multiplies by, each once, in order, on a vector, in the loaded model's layout; "matvec"):
+`share_of_matvec` is their time over our dense model's time per token, i.e. how much of a step the matrix
+kernels take, whatever bandwidth they reach.
 
     python benchmarks/decode_speed.py                      # single thread (the default), CPU clock
     python benchmarks/decode_speed.py --threads 2 --clock wall --new 128 --reps 7
