@@ -32,6 +32,7 @@ def test_rows_ratios_and_the_rule(capsys):
     for _, out_f, in_f, plain, transposed, ratio, kept in rows:
         key = f"transposed_over_plain_{out_f}x{in_f}"
         assert float(fields[key]) == pytest.approx(float(transposed) / float(plain), rel=0.1, abs=0.02)
+        assert float(ratio) == pytest.approx(float(fields[key]), abs=0.011)  # the table's column is the RESULT's
         rule = stored_transposed(int(out_f), int(in_f), torch.device("cpu"))
         assert kept == ("[in, out]" if rule else "[out, in]")
         picks.append(float(fields[key]) if rule else 1 / float(fields[key]))
