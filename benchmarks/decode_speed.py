@@ -1,23 +1,23 @@
 """Decode tokens/s at the tiny shape: our `generate` against `transformers`' `generate()`, with the memory bound.
 
 Three models with random weights (seed 0): our tiny STEM model and our tiny-dense model decode with
-`stemlm.inference.generate.generate`, prepared as `stemlm.inference.load` prepares a loaded checkpoint (q/k/v
-and gate/up fused, on a CPU the wide copies kept transposed: `StemLM.fuse_for_decoding`), and beside them the
-same tiny-dense model without those copies ("unfused", for `fused_over_unfused`); the same tiny-dense weights loaded into `transformers.LlamaForCausalLM` (a dense
-stemlm folder is a Llama folder) decode with HF `generate()` (greedy, eos disabled, dynamic cache). Each
-repetition runs every model once, in a rotating order, so machine load hits all alike; a run is a `--prompt`
-token prefill plus `--new` greedy tokens, and tokens/s counts the new tokens (median over repetitions).
-Beside them: the bytes one decode step reads (weights touched + KV cache at the mean context, fp32, from
-`stemlm.model.accounting.decode_bytes_per_token`) and the tokens/s that bound allows at the memory read bandwidth
-measured in this process, in the same clock as the decoding: a streaming sum over a 256 MiB tensor on the same
-threads, timed once per repetition inside the rotation (so load hits it as it hits the models), median over the
-repetitions. The clock is this process's CPU time by default (`--clock cpu`: blind to time spent descheduled by
-the other processes of a shared machine, so rates and bound move together; with one thread CPU seconds are
-seconds of that thread's work) or wall time (`--clock wall`, for a quiet machine or more threads). A third
-reference, in the same rotation and clock: the matrix-vector products alone of one dense decode step (every weight
-matrix the step multiplies by, each once, in order, on a vector, in the loaded model's layout; "matvec"):
-`share_of_matvec` is their time over our dense model's time per token, i.e. how much of a step the matrix
-kernels take, whatever bandwidth they reach.
+`stemlm.inference.generate.generate`, prepared as `stemlm.inference.load` prepares a loaded checkpoint (q/k/v and
+gate/up fused, on a CPU the wide copies kept transposed: `StemLM.fuse_for_decoding`), and beside them the same
+tiny-dense model without those copies ("unfused", for `fused_over_unfused`); the same tiny-dense weights loaded into
+`transformers.LlamaForCausalLM` (a dense stemlm folder is a Llama folder) decode with HF `generate()` (greedy, eos
+disabled, dynamic cache). Each repetition runs every model once, in a rotating order, so machine load hits all
+alike; a run is a `--prompt` token prefill plus `--new` greedy tokens, and tokens/s counts the new tokens (median
+over repetitions). Beside them: the bytes one decode step reads (weights touched + KV cache at the mean context,
+fp32, from `stemlm.model.accounting.decode_bytes_per_token`) and the tokens/s that bound allows at the memory read
+bandwidth measured in this process, in the same clock as the decoding: a streaming sum over a 256 MiB tensor on the
+same threads, timed once per repetition inside the rotation (so load hits it as it hits the models), median over the
+repetitions. The clock is this process's CPU time by default (`--clock cpu`: blind to time spent descheduled by the
+other processes of a shared machine, so rates and bound move together; with one thread CPU seconds are seconds of
+that thread's work) or wall time (`--clock wall`, for a quiet machine or more threads). A third reference, in the
+same rotation and clock: the matrix-vector products alone of one dense decode step (every weight matrix the step
+multiplies by, each once, in order, on a vector, in the loaded model's layout; "matvec"): `share_of_matvec` is their
+time over our dense model's time per token, i.e. how much of a step the matrix kernels take, whatever bandwidth they
+reach.
 
     python benchmarks/decode_speed.py                      # single thread (the default), CPU clock
     python benchmarks/decode_speed.py --threads 2 --clock wall --new 128 --reps 7

@@ -22,8 +22,8 @@ than inputs, STEM's gate and the lm_head among them, kept transposed, which stre
 and their names stay the checkpoint's, and a forward with grad or after a weight changed takes the plain path).
 Its `forward` is bound once (`bind_forward`) so that every call, from any thread and from code that knows nothing
 of offloading (the perplexity scorer, lm-eval, the needle test), runs under the chosen autocast and, with host /
-mmap tables, gets the offloaded rows: a forward whose rows were not prefetched fetches them on first use. Callers that pass their
-own row providers (the offload engine) keep them.
+mmap tables, gets the offloaded rows: a forward whose rows were not prefetched fetches them on first use. Callers
+that pass their own row providers (the offload engine) keep them.
 """
 
 from __future__ import annotations
