@@ -17,16 +17,17 @@ that thread's work) or wall time (`--clock wall`, for a quiet machine or more th
 same rotation and clock: the matrix-vector products alone of one dense decode step (every weight matrix the step
 multiplies by, each once, in order, on a vector, in the loaded model's layout; "matvec"): `share_of_matvec` is their
 time over our dense model's time per token, i.e. how much of a step the matrix kernels take, whatever bandwidth they
-reach.
+reach, and `matvec_share_of_bound` the share of the bound a step made of those products alone would reach: the
+ceiling that torch's matrix-vector kernels set on this machine, whatever is done around them.
 
     python benchmarks/decode_speed.py                      # single thread (the default), CPU clock
     python benchmarks/decode_speed.py --threads 2 --clock wall --new 128 --reps 7
     python benchmarks/decode_speed.py --device cuda --clock wall      # a GPU's work is not in the CPU clock
     python benchmarks/decode_speed.py --compile --reps 9                 # and the compiled decoding steps
 
-Last line: `RESULT ours_over_hf=… fused_over_unfused=… share_of_bound=… share_of_matvec=… stem_share_of_bound=…
-hf_share_of_bound=… ours_tok_s=… hf_tok_s=… stem_tok_s=… bound_tok_s=…` (ours = our dense model; ratio > 1 = ours
-faster; a share is tokens/s over the bound's), and with `--compile` `compiled_over_fused=… compiled_over_hf=…
+Last line: `RESULT ours_over_hf=… fused_over_unfused=… share_of_bound=… share_of_matvec=… matvec_share_of_bound=…
+stem_share_of_bound=… hf_share_of_bound=… ours_tok_s=… hf_tok_s=… stem_tok_s=… bound_tok_s=…` (ours = our dense
+model; ratio > 1 = ours faster; a share is tokens/s over the bound's), and with `--compile` `compiled_over_fused=… compiled_over_hf=…
 compiled_share_of_bound=…`: tiny-dense with its decoding steps through torch.compile
 (`stemlm.inference.load.compile_decoding`, as `generate --compile` runs them; compiled before the timing) over the
 fused eager model and over `transformers`, and its share of the bound.
@@ -101,6 +102,7 @@ def main(argv: list[str] | None = None) -> None:
         ours[name].fuse_for_decoding()
     if args.compile:
         ours["compiled"] = build_model(dense_cfg, seed=0).eval().to(device)
+        ours["compiled"].fuse_for_decoding()
         bind_forward(ours["compiled"])
         compile_decoding(ours["compiled"])
     prompt = torch.randint(0, dense_cfg.vocab_size, (1, args.prompt), generator=torch.Generator().manual_seed(0))
@@ -177,10 +179,12 @@ def main(argv: list[str] | None = None) -> None:
             f"{labels[name]:<24} {tok_s[name]:>7.0f} {bytes_tok[name] / 1e6:>9.1f} {bound:>12.0f} "
             f"{tok_s[name] / bound:>15.0%}"
         )
+    matvec_share = bytes_tok["dense"] / matvec_s / bandwidth  # the share of a step made of nothing else: a ceiling
     print(
         f"the matrix-vector products of one dense step alone: {matvec_s * 1e3:.2f} ms "
         f"({sum(w.numel() for w, _ in chain) * 4 / matvec_s / 1e9:.1f} GB/s), {matvec_s * tok_s['dense']:.0%} of our "
-        f"dense model's {1e3 / tok_s['dense']:.2f} ms a token"
+        f"dense model's {1e3 / tok_s['dense']:.2f} ms a token; a step of them alone would reach "
+        f"{matvec_share:.0%} of the bound"
     )
     same = tokens["dense"] == tokens["hf"] == tokens["unfused"]
     print(f"greedy tokens: ours dense == unfused == transformers: {same}")
@@ -195,7 +199,7 @@ def main(argv: list[str] | None = None) -> None:
     print(
         f"RESULT ours_over_hf={tok_s['dense'] / tok_s['hf']:.3f} "
         f"fused_over_unfused={tok_s['dense'] / tok_s['unfused']:.3f} share_of_bound={share['dense']:.3f} "
-        f"share_of_matvec={matvec_s * tok_s['dense']:.3f} "
+        f"share_of_matvec={matvec_s * tok_s['dense']:.3f} matvec_share_of_bound={matvec_share:.3f} "
         f"stem_share_of_bound={share['stem']:.3f} hf_share_of_bound={share['hf']:.3f} ours_tok_s={tok_s['dense']:.0f} "
         f"hf_tok_s={tok_s['hf']:.0f} stem_tok_s={tok_s['stem']:.0f} bound_tok_s={bandwidth / bytes_tok['dense']:.0f}"
         f"{compiled}"

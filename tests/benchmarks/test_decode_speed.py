@@ -1,6 +1,6 @@
 """benchmarks/decode_speed.py in a small mode: its RESULT line carries the shares of the bound (the decode rate
 times the bytes a token reads over the bandwidth measured in the same clock) and of the matrix-vector products,
-each re-computed here from the printed figures, and our greedy tokens equal transformers'."""
+each re-computed here from the printed figures (and the share the products alone would reach), and our greedy tokens equal transformers'."""
 
 from __future__ import annotations
 
@@ -22,7 +22,8 @@ def test_result_line_and_shares(capsys, clock):
     out = capsys.readouterr().out
     fields = dict(item.split("=") for item in out.strip().splitlines()[-1].removeprefix("RESULT ").split())
     assert set(fields) == {
-        "ours_over_hf", "fused_over_unfused", "share_of_bound", "share_of_matvec", "stem_share_of_bound",
+        "ours_over_hf", "fused_over_unfused", "share_of_bound", "share_of_matvec", "matvec_share_of_bound",
+        "stem_share_of_bound",
         "hf_share_of_bound", "ours_tok_s", "hf_tok_s", "stem_tok_s", "bound_tok_s",
     }  # fmt: skip
     assert "greedy tokens: ours dense == unfused == transformers: True" in out
@@ -34,6 +35,10 @@ def test_result_line_and_shares(capsys, clock):
         float(x) for x in re.search(r"alone: ([\d.]+) ms .* dense model's ([\d.]+) ms", out).groups()
     )
     assert float(fields["share_of_matvec"]) == pytest.approx(matvec_ms / token_ms, rel=0.05, abs=5e-3)
+    # the matrix-vector products alone, as a rate against the same bound: the most a step could reach
+    ceiling = float(re.search(r"would reach (\d+)% of the bound", out).group(1)) / 100
+    assert float(fields["matvec_share_of_bound"]) == pytest.approx(ceiling, abs=0.006)
+    assert float(fields["matvec_share_of_bound"]) == pytest.approx(1e3 / bound / matvec_ms, rel=0.05, abs=5e-3)
 
 
 @pytest.mark.slow

@@ -3,7 +3,8 @@ outputs than inputs, STEM's gate and the lm_head among them, stored transposed),
 the id check once per request. Greedy tokens equal a plain model's full recompute (no cache, no fusion, no table)
 for every kind in the registry, with resident tables and, for kinds that have tables, host tables; the fused copy
 never stands in for a weight that changed or a forward with grad. With the decoding steps compiled
-(`InferenceOptions(compile=True)`, slow) the tokens are the same, single-stream and batched.
+(`InferenceOptions(compile=True)`, slow) the tokens are the same, single-stream and batched, and a weight edited
+after the compile has its copy dropped before the next compiled step.
 
 Run: `OMP_NUM_THREADS=1 python -m pytest tests/inference/test_lean_decode.py -q -m "slow or not slow"`.
 """
@@ -138,8 +139,25 @@ def test_compiled_decoding_gives_the_plain_recompute_greedy_tokens(kind, tmp_pat
     folder = save_pretrained(make_tiny_model(kind, initializer_range=0.1, max_position_embeddings=40), tmp_path / kind)
     expected = recompute_greedy(from_pretrained(folder).eval(), PROMPT, NEW)
     with load_inference(folder, InferenceOptions(compile=True)) as lm:
-        assert not any(is_fused(m) for m in fusable(lm.model))  # the compiled steps use the plain projections
+        assert all(is_fused(m) for m in fusable(lm.model))  # the compiled steps use the fused copies too
         assert generate(lm.model, PROMPT, NEW, greedy=True) == expected
+
+
+@pytest.mark.slow
+def test_compiled_decoding_drops_the_copy_of_a_weight_edited_after_compiling(tmp_path):
+    model = make_tiny_model("dense", initializer_range=0.1, max_position_embeddings=40)
+    folder = save_pretrained(model, tmp_path / "m")
+    plain = from_pretrained(folder).eval()
+    with load_inference(folder, InferenceOptions(compile=True)) as lm:
+        before = generate(lm.model, PROMPT, NEW, greedy=True)  # compiled with every copy in place
+        layer = lm.model.model.layers[1]
+        with torch.no_grad():
+            for model in (lm.model, plain):
+                model.model.layers[1].mlp.up_proj.weight.mul_(3.0)
+                model.lm_head.weight.mul_(1.5)
+        after = generate(lm.model, PROMPT, NEW, greedy=True)
+        assert not is_fused(layer.mlp) and not is_fused(lm.model) and is_fused(layer.self_attn)
+    assert after == recompute_greedy(plain, PROMPT, NEW) != before
 
 
 @pytest.mark.slow

@@ -36,6 +36,7 @@ from typing import Any
 import torch
 
 from stemlm.errors import StemlmError
+from stemlm.model.fusion import drop_stale_copies, fused_modules
 
 COMPUTE_DTYPES = ("auto", "fp32", "bf16")
 
@@ -115,16 +116,21 @@ def bind_forward(model, rows=None, amp: torch.dtype = torch.float32) -> None:
 
 def compile_decoding(model) -> None:
     """Run the model's decoding steps (one new token a row, with a KV cache) through `torch.compile`; every other
-    call (the prefill, scoring) stays eager. Call it on a model whose forward is bound (`bind_forward`), in place of
-    `fuse_for_decoding`: the fused copies' staleness check compares storage pointers, which the compiler cannot
-    trace (a graph break per layer). The first steps wait for the compile (tens of seconds on a CPU), and the
-    cache's growing length makes it compile once more, for a dynamic length; docs/results.md has the measured rate."""
+    call (the prefill, scoring) stays eager. Call it on a model whose forward is bound (`bind_forward`), after
+    `fuse_for_decoding`: the compiled steps use the fused copies too, whose staleness check (storage pointers, which
+    the compiler cannot trace) runs before each step, outside the graph (`drop_stale_copies`); a copy dropped there
+    makes the compiled step recompile for the plain projections. The first steps wait for the compile (tens of
+    seconds on a CPU), and the cache's growing length makes it compile once more, for a dynamic length;
+    docs/results.md has the measured rate."""
     eager = model.forward
     compiled = torch.compile(eager)
+    fused = fused_modules(model)
 
     def forward(self, input_ids, **kwargs):
-        step = input_ids.shape[1] == 1 and kwargs.get("past_key_values") is not None
-        return (compiled if step else eager)(input_ids, **kwargs)
+        if input_ids.shape[1] == 1 and kwargs.get("past_key_values") is not None:
+            drop_stale_copies(fused)
+            return compiled(input_ids, **kwargs)
+        return eager(input_ids, **kwargs)
 
     model.forward = types.MethodType(forward, model)
 
@@ -146,12 +152,10 @@ def load_inference(path: str | Path, options: InferenceOptions | None = None, *,
         model, tokenizer = load_checkpoint(path, device=device, need_tokenizer=need_tokenizer)
         if opts.table_dtype is not None:
             _round_resident(model, resolve_checkpoint(path), opts.table_dtype)
+        model.fuse_for_decoding()
+        bind_forward(model, None, amp)
         if opts.compile:
-            bind_forward(model, None, amp)
             compile_decoding(model)
-        else:
-            model.fuse_for_decoding()
-            bind_forward(model, None, amp)
         return Loaded(model, tokenizer, None, amp)
     from stemlm.inference.offloaded import open_checkpoint
 

@@ -20,8 +20,11 @@ saved is unchanged; the copy costs the fused weights' memory once more). It stan
 grad (a training step needs the parameters' own graph), while no forward hook sits on the linears (a hook must
 see its call), and while every weight is the one it was made from: same storage, same in-place version, same
 device and dtype. A load, an edit or `.to()` changes one of these, and the stale copy is then dropped for good
-(fuse again to refresh). Outputs equal the separate products to rounding (the GEMM blocks the columns another
-way), not bitwise; tests/inference/test_lean_decode.py checks greedy tokens and logits for every kind.
+(fuse again to refresh). Storage pointers can't be traced by torch.compile, so a compiled forward skips that check
+and `drop_stale_copies` makes it before each compiled decoding step (`stemlm.inference.load.compile_decoding`); the
+compiled graph is guarded on each copy being there, and recompiles for the plain projections when one is dropped.
+Outputs equal the separate products to rounding (the GEMM blocks the columns another way), not bitwise;
+tests/inference/test_lean_decode.py checks greedy tokens and logits for every kind.
 """
 
 from __future__ import annotations
@@ -32,7 +35,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-FUSED = "_fused"  # the attribute on the owning module: (weight, split sizes, sources, transposed) or None
+FUSED = "_fused"  # on the owning module: (weight, split sizes, sources, transposed, the weights' names) or None
 
 
 def _sources(weights: Sequence[torch.Tensor]) -> tuple:
@@ -47,11 +50,13 @@ def stored_transposed(out_features: int, in_features: int, device: torch.device)
 def fuse_weights(module: nn.Module, weights: Sequence[torch.Tensor], dim: int = 0, transposed: bool = False) -> None:
     """Keep `weights` concatenated along `dim` on `module` (transposed: as the [in, out] transpose of the
     concatenation of [out, in] weights along dim 0), for `fused_weight`."""
+    names = {id(p): name for name, p in module.named_parameters()}  # to find the weights again: drop_stale_copies
     with torch.no_grad():
         weight = torch.cat(tuple(weights), dim)
         if transposed:
             weight = weight.t().contiguous()
-        module.__dict__[FUSED] = (weight, [w.shape[dim] for w in weights], _sources(weights), transposed)
+        sizes = [w.shape[dim] for w in weights]
+        module.__dict__[FUSED] = (weight, sizes, _sources(weights), transposed, [names[id(w)] for w in weights])
 
 
 def fused_weight(
@@ -63,10 +68,32 @@ def fused_weight(
         return None
     if any(m._forward_hooks or m._forward_pre_hooks for m in hooked):
         return None
+    if torch.compiler.is_compiling():  # storage pointers can't be traced: checked before the step (drop_stale_copies)
+        return fused[0], fused[1]
     if fused[2] != _sources(weights):
         module.__dict__[FUSED] = None  # stale: the separate weights from now on
         return None
     return fused[0], fused[1]
+
+
+def fused_modules(model: nn.Module) -> list[nn.Module]:
+    """The modules of `model` (itself included) that hold a fused copy now."""
+    return [m for m in model.modules() if m.__dict__.get(FUSED) is not None]
+
+
+def drop_stale_copies(modules: Sequence[nn.Module]) -> None:
+    """Drop the fused copy of each of `modules` whose weights changed since it was made: the check `fused_weight`
+    makes in an eager forward, made outside a compiled one (`stemlm.inference.load.compile_decoding`)."""
+    for module in modules:
+        fused = module.__dict__.get(FUSED)
+        if fused is None:
+            continue
+        try:
+            weights = [module.get_parameter(name) for name in fused[4]]
+        except AttributeError:  # a weight was removed or replaced by a plain tensor
+            weights = None
+        if weights is None or fused[2] != _sources(weights):
+            module.__dict__[FUSED] = None
 
 
 def _transposed(module: nn.Module) -> bool:
