@@ -27,8 +27,8 @@ ceiling that torch's matrix-vector kernels set on this machine, whatever is done
 
 Last line: `RESULT ours_over_hf=… fused_over_unfused=… share_of_bound=… share_of_matvec=… matvec_share_of_bound=…
 stem_share_of_bound=… hf_share_of_bound=… ours_tok_s=… hf_tok_s=… stem_tok_s=… bound_tok_s=…` (ours = our dense
-model; ratio > 1 = ours faster; a share is tokens/s over the bound's), and with `--compile` `compiled_over_fused=… compiled_over_hf=…
-compiled_share_of_bound=…`: tiny-dense with its decoding steps through torch.compile
+model; ratio > 1 = ours faster; a share is tokens/s over the bound's), and with `--compile` `compiled_over_fused=…
+compiled_over_hf=… compiled_share_of_bound=…`: tiny-dense with its decoding steps through torch.compile
 (`stemlm.inference.load.compile_decoding`, as `generate --compile` runs them; compiled before the timing) over the
 fused eager model and over `transformers`, and its share of the bound.
 """

@@ -1,6 +1,7 @@
 """benchmarks/decode_speed.py in a small mode: its RESULT line carries the shares of the bound (the decode rate
 times the bytes a token reads over the bandwidth measured in the same clock) and of the matrix-vector products,
-each re-computed here from the printed figures (and the share the products alone would reach), and our greedy tokens equal transformers'."""
+and the share the products alone would reach, each re-computed here from the printed figures, and our greedy
+tokens equal transformers'."""
 
 from __future__ import annotations
 
