@@ -1,7 +1,7 @@
-"""The lean decoding step: q/k/v and gate/up fused at load (`StemLM.fuse_for_decoding`; on a CPU the copies with more
-outputs than inputs, STEM's gate and the lm_head among them, stored transposed), RoPE rows from a table,
-the id check once per request. Greedy tokens equal a plain model's full recompute (no cache, no fusion, no table)
-for every kind in the registry, with resident tables and, for kinds that have tables, host tables; the fused copy
+"""The lean decoding step: q/k/v and gate/up fused at load (`StemLM.fuse_for_decoding`; on a CPU the copies with at
+least as many outputs as inputs, STEM's gate, o_proj and the lm_head among them, stored transposed), RoPE rows from
+a table, the id check once per request. Greedy tokens equal a plain model's full recompute (no cache, no fusion, no
+table) for every kind in the registry, with resident tables and, for kinds that have tables, host tables; the fused copy
 never stands in for a weight that changed or a forward with grad. With the decoding steps compiled
 (`InferenceOptions(compile=True)`, slow) the tokens are the same, single-stream and batched, and a weight edited
 after the compile has its copy dropped before the next compiled step.
@@ -82,7 +82,9 @@ def test_wide_copies_are_kept_transposed_on_a_cpu_and_narrow_weights_get_none():
     assert layer.mlp.__dict__[FUSED][0].shape == (64, 128)  # STEM's gate alone
     qkv = (model.config.num_attention_heads + 2 * model.config.kv_heads) * model.config.head_size
     assert layer.self_attn.__dict__[FUSED][0].shape == (64, qkv)  # q/k/v
-    assert not is_fused(layer.mlp.down_proj) and FUSED not in layer.self_attn.o_proj.__dict__
+    assert layer.self_attn.o_proj.__dict__[FUSED][0].shape == (64, 64)  # square: kept [in, out] too
+    assert layer.self_attn.o_proj.__dict__[FUSED][3]
+    assert FUSED not in layer.mlp.down_proj.__dict__
     assert not stored_transposed(64, 128, torch.device("cpu"))  # the down projection's shape: kept [out, in]
     assert not stored_transposed(8192, 256, torch.device("cuda"))  # the layout rule was measured on CPUs only
     ids = torch.tensor([PROMPT])

@@ -17,9 +17,10 @@
   (`compile_decoding`), resident tables only.
 
 The loaded model's projections of one input are fused for decoding (`StemLM.fuse_for_decoding`: q/k/v, and gate/up
-where the kind has both; one matrix-vector product instead of two or three; on a CPU the copies with more outputs
-than inputs, STEM's gate and the lm_head among them, kept transposed, which streams them faster; the parameters
-and their names stay the checkpoint's, and a forward with grad or after a weight changed takes the plain path).
+where the kind has both; one matrix-vector product instead of two or three; on a CPU the copies with at least as
+many outputs as inputs, STEM's gate, o_proj and the lm_head among them, kept transposed, which streams them
+faster; the parameters and their names stay the checkpoint's, and a forward with grad or after a weight changed
+takes the plain path).
 Its `forward` is bound once (`bind_forward`) so that every call, from any thread and from code that knows nothing
 of offloading (the perplexity scorer, lm-eval, the needle test), runs under the chosen autocast and, with host /
 mmap tables, gets the offloaded rows: a forward whose rows were not prefetched fetches them on first use. Callers

@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from stemlm.model.fusion import fuse, project
+from stemlm.model.fusion import fuse, fuse_single, project
 
 if TYPE_CHECKING:  # annotations only: the config imports the kinds, and a kind (engram) imports RMSNorm from here
     from stemlm.model.config import ModelConfig
@@ -167,8 +167,14 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, d, bias=False)
 
     def fuse_projections(self) -> None:
-        """q/k/v as one projection in forwards without grad (inference; `stemlm.model.fusion`)."""
+        """q/k/v as one projection in forwards without grad (inference; `stemlm.model.fusion`), and o_proj's copy
+        kept transposed where `stored_transposed` says (a square one on a CPU)."""
         fuse(self, (self.q_proj, self.k_proj, self.v_proj))
+        fuse_single(self.o_proj, self.o_proj)
+
+    def _output(self, y: torch.Tensor) -> torch.Tensor:
+        B, _, T, _ = y.shape
+        return project(self.o_proj, (self.o_proj,), y.transpose(1, 2).reshape(B, T, self.num_heads * self.head_dim))[0]
 
     def forward(
         self,
@@ -198,7 +204,7 @@ class Attention(nn.Module):
         if weights is not None:
             y, w = math_attention(q, k, v, mask, is_causal)
             weights.append(w)
-            return self.o_proj(y.transpose(1, 2).reshape(B, T, self.num_heads * self.head_dim))
+            return self._output(y)
         gqa = {}
         if self.num_kv_heads != self.num_heads:
             if SDPA_GQA:
@@ -207,7 +213,7 @@ class Attention(nn.Module):
                 repeat = self.num_heads // self.num_kv_heads
                 k, v = k.repeat_interleave(repeat, dim=1), v.repeat_interleave(repeat, dim=1)
         y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal, **gqa)
-        return self.o_proj(y.transpose(1, 2).reshape(B, T, self.num_heads * self.head_dim))
+        return self._output(y)
 
 
 def math_attention(

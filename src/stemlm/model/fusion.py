@@ -6,14 +6,15 @@ in for them, else from each linear. Attention fuses q/k/v, the SwiGLU kinds gate
 the experts their stacked gate/up (`stemlm.model.experts`): one matrix-vector product a token instead of two or
 three, which is what a decode step is made of. `StemLM.fuse_for_decoding` applies it at load for inference.
 
-On a CPU, a copy with more outputs than inputs is stored transposed, [in, out] (`stored_transposed`), and
-multiplied as x @ W^T: a matrix-vector product then streams whole rows of W^T into a short output vector, where
-the [out, in] layout takes one short dot product per output. From memory, one thread, on an AMD EPYC (AVX2) the
-transposed layout ran 2.2x as fast for the tiny lm_head (8192 x 256), 1.8x for a fused gate/up (1536 x 256),
-1.6x for 768 x 256, the same for a square matrix and 0.74x for the down projection (256 x 768), which therefore
-stays as it is (`benchmarks/matvec_layout.py` prints these ratios on the machine at hand). A single linear gets
-a copy only when it is stored transposed (STEM's gate, the lm_head: `fuse_single`); otherwise it has nothing to
-gain from one.
+On a CPU, a copy with at least as many outputs as inputs is stored transposed, [in, out] (`stored_transposed`),
+and multiplied as x @ W^T: a matrix-vector product then streams whole rows of W^T into a short output vector,
+where the [out, in] layout takes one short dot product per output. From memory, one thread, on two AMD EPYCs (one
+AVX2, one AVX-512) the transposed layout ran 2.2-2.6x as fast for the tiny lm_head (8192 x 256), 1.9-2.2x for a
+fused gate/up (1536 x 256), 1.5-1.8x for 768 x 256, 1.03-1.24x for a square matrix (256 and 960 wide) and
+0.67-0.99x for the down projection (256 x 768, 960 x 2560), which therefore stays as it is
+(`benchmarks/matvec_layout.py` prints these ratios on the machine at hand). A single linear gets a copy only when
+it is stored transposed (STEM's gate, o_proj, the lm_head: `fuse_single`); otherwise it has nothing to gain from
+one.
 
 The fused weight is a copy beside the parameters (their names and storage stay the checkpoint's, so what is
 saved is unchanged; the copy costs the fused weights' memory once more). It stands in only in forwards without
@@ -44,7 +45,7 @@ def _sources(weights: Sequence[torch.Tensor]) -> tuple:
 
 def stored_transposed(out_features: int, in_features: int, device: torch.device) -> bool:
     """Whether a decoding copy of an [out, in] weight is kept as [in, out] (see the module docstring)."""
-    return device.type == "cpu" and out_features > in_features
+    return device.type == "cpu" and out_features >= in_features
 
 
 def fuse_weights(module: nn.Module, weights: Sequence[torch.Tensor], dim: int = 0, transposed: bool = False) -> None:
