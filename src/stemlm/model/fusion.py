@@ -11,7 +11,8 @@ and multiplied as x @ W^T: a matrix-vector product then streams whole rows of W^
 where the [out, in] layout takes one short dot product per output. From memory, one thread, on two AMD EPYCs (one
 AVX2, one AVX-512) the transposed layout ran 2.2-2.6x as fast for the tiny lm_head (8192 x 256), 1.9-2.2x for a
 fused gate/up (1536 x 256), 1.5-1.8x for 768 x 256, 1.03-1.24x for a square matrix (256 and 960 wide) and
-0.67-0.99x for the down projection (256 x 768, 960 x 2560), which therefore stays as it is
+0.67-0.99x for the down projection (256 x 768, 960 x 2560), which therefore stays as it is; on an Intel Xeon
+(AVX-512, AMX) every copy so stored ran 1.06-1.23x as fast and the down projection 1.00-1.05x
 (`benchmarks/matvec_layout.py` prints these ratios on the machine at hand). A single linear gets a copy only when
 it is stored transposed (STEM's gate, o_proj, the lm_head: `fuse_single`); otherwise it has nothing to gain from
 one.
