@@ -28,8 +28,26 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 STEMLM = [sys.executable, "-m", "stemlm.cli.main"]
-SMALL = ["--steps", "12", "--lr", "0.006", "--batch-size", "4", "--seq-len", "64", "--eval-every", "0", "--eval-batches", "1",
-         "--sample-tokens", "0", "--no-progress", "--json", "--threads", "1"]
+SMALL = [
+    "--steps",
+    "12",
+    "--lr",
+    "0.006",
+    "--batch-size",
+    "4",
+    "--seq-len",
+    "64",
+    "--eval-every",
+    "0",
+    "--eval-batches",
+    "1",
+    "--sample-tokens",
+    "0",
+    "--no-progress",
+    "--json",
+    "--threads",
+    "1",
+]
 PROMPT = "The capital of Spain is"
 TOKEN_KINDS = {"stem", "stem_gate", "ple", "stem_ngram", "stem_adapter", "value_embed"}  # checked against the model
 
@@ -66,14 +84,31 @@ def train_case(tmp: Path, name: str, data: Path, extra: list[str], resume: bool 
     out = tmp / name.replace("/", "_")
     run([*STEMLM, "train", "--data", str(data), *SMALL, "--out", str(out), *extra], tmp)
     if resume:  # four more steps from the checkpoint
-        run([*STEMLM, "train", "--resume", str(out), "--steps", "16", "--no-progress", "--json", "--threads", "1",
-             "--sample-tokens", "0"], tmp)
+        run(
+            [
+                *STEMLM,
+                "train",
+                "--resume",
+                str(out),
+                "--steps",
+                "16",
+                "--no-progress",
+                "--json",
+                "--threads",
+                "1",
+                "--sample-tokens",
+                "0",
+            ],
+            tmp,
+        )
     exported = tmp / f"{out.name}-export"
     run([*STEMLM, "export", str(out), "--out", str(exported)], tmp)
     latest = json.loads((out / "checkpoints" / "latest.json").read_text())
     ckpt = out / "checkpoints" / Path(latest.get("checkpoint", latest.get("latest", ""))).name
     optimizer = {k: v for k, v in tensor_digests(ckpt).items() if "optimizer" in k}
-    return {"losses": losses(out), "weights": tensor_digests(exported), "optimizer": optimizer, "_run": str(out)}
+    # A sharded (--nproc) checkpoint is decoded from its export; a one-process run from the run folder itself.
+    decoded = exported if "--nproc" in extra else out
+    return {"losses": losses(out), "weights": tensor_digests(exported), "optimizer": optimizer, "_run": str(decoded)}
 
 
 def decode_case(tmp: Path, run_dir: str, tables: str) -> dict[str, list[int]]:
@@ -81,15 +116,30 @@ def decode_case(tmp: Path, run_dir: str, tables: str) -> dict[str, list[int]]:
     greedily; sampling also covers the seeded generator, temperature, top-k and top-p)."""
     found = {}
     for mode, flags in (("greedy", ["--greedy"]), ("sampled", ["--seed", "3", "--temperature", "1.2"])):
-        printed = run([*STEMLM, "generate", run_dir, PROMPT, *flags, "--max-new-tokens", "12", "--ignore-eos",
-                       "--tables", tables, "--json"], tmp)
+        printed = run(
+            [
+                *STEMLM,
+                "generate",
+                run_dir,
+                PROMPT,
+                *flags,
+                "--max-new-tokens",
+                "12",
+                "--ignore-eos",
+                "--tables",
+                tables,
+                "--json",
+            ],
+            tmp,
+        )
         found[mode] = json.loads(printed)["token_ids"]
     return found
 
 
 def edit_case(tmp: Path, run_dir: str) -> dict:
-    return json.loads(run([*STEMLM, "edit", run_dir, "--prompt", PROMPT, "--source", "Spain", "--target",
-                "Germany", "--json"], tmp))
+    return json.loads(
+        run([*STEMLM, "edit", run_dir, "--prompt", PROMPT, "--source", "Spain", "--target", "Germany", "--json"], tmp)
+    )
 
 
 def kinds() -> list[str]:
@@ -143,7 +193,7 @@ def fingerprint(only: str | None) -> dict:
                 if spec.get("edit"):
                     result["edit"] = edit_case(tmp, run_dir)
             except Exception as error:  # recorded, so one broken case does not hide the others
-                result = {"error": str(error).splitlines()[0][:500]}
+                result = {"error": " | ".join(str(error).splitlines()[-3:])[:800]}
             results[case] = result
     return results
 
