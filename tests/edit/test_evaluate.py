@@ -177,8 +177,8 @@ def test_leaking_positional_edit_fails_locality(knowing_model, fact_tokenizer, m
 
     def leaky_batch_hooks(model, edits):
         """A faulty edit implementation: besides each row's edit, France reads Germany's rows everywhere."""
-        rows, embed_rows = real(model, edits)
-        table_rows = (rows or {}).get("token")
+        hooks = real(model, edits) or {}
+        table_rows, embed_rows = hooks.get("token"), hooks.get("embed")
         tables, embed = model.stem_tables(), model.model.embed_tokens
 
         def leak(rows, ids, weight):
@@ -192,7 +192,7 @@ def test_leaking_positional_edit_fails_locality(knowing_model, fact_tokenizer, m
         def embed_hook(ids):
             return leak(embed_rows(ids) if embed_rows else embed(ids), ids, embed.weight)
 
-        return {"token": tables_hook}, embed_hook
+        return {"token": tables_hook, "embed": embed_hook}
 
     monkeypatch.setattr(evaluate, "batch_hooks", leaky_batch_hooks)
     leaking = evaluate_edits(

@@ -216,13 +216,13 @@ def test_batch_hooks_equal_separate_edits(edit_model, fact_tokenizer):
     ids = torch.zeros(3, width, dtype=torch.long)
     for i, r in enumerate(rows):
         ids[i, : len(r)] = torch.tensor(r)
-    table_rows, embed_rows = batch_hooks(model, edits)
-    got = model(ids, rows=table_rows, embed_rows=embed_rows).logits
+    hooks = batch_hooks(model, edits)
+    got = model(ids, rows=hooks).logits
     for i, (r, e) in enumerate(zip(rows, edits, strict=True)):
         want = edited_forward(model, torch.tensor([r]), e).logits[0]
         torch.testing.assert_close(got[i, : len(r)], want, atol=1e-5, rtol=1e-5)
     with pytest.raises(StemlmError, match="one per row"):
-        model(ids[:2], rows=table_rows)
+        model(ids[:2], rows=hooks)
 
 
 def test_auto_copies_a_shorter_target_equal_to_reference(edit_model, fact_tokenizer, reference):
@@ -242,7 +242,7 @@ def test_auto_copies_a_shorter_target_equal_to_reference(edit_model, fact_tokeni
 def test_embed_rows_hook_shape_is_checked(edit_model):
     model = edit_model()
     ids = torch.tensor([[1, 2, 3]])
-    with pytest.raises(StemlmError, match="embed_rows returned shape"):
-        model(ids, embed_rows=lambda input_ids: torch.zeros(1, 3, 7))
-    same = model(ids, embed_rows=lambda input_ids: model.model.embed_tokens(input_ids)).logits
+    with pytest.raises(StemlmError, match=r"rows\['embed'\] returned shape"):
+        model(ids, rows={"embed": lambda input_ids: torch.zeros(1, 3, 7)})
+    same = model(ids, rows={"embed": lambda input_ids: model.model.embed_tokens(input_ids)}).logits
     torch.testing.assert_close(same, model(ids).logits, atol=0, rtol=0)

@@ -81,8 +81,9 @@ def test_global_hooks_equal_in_place_edit(edit_model, fact_tokenizer):
     ids = torch.tensor([fact_tokenizer.encode("Country: United Kingdom. Capital: United Kingdom's capital").ids])
     src, tgt = fact_tokenizer.encode(" United Kingdom").ids, fact_tokenizer.encode(" Bosnia and Herzegovina").ids
     plan = align(len(src), tgt, "subset")
-    rows, embed_rows = global_edit_hooks(model, src, plan, rows="both")
-    hooked = model(ids, rows=rows, embed_rows=embed_rows).logits
+    hooks = global_edit_hooks(model, src, plan, rows="both")
+    assert set(hooks) == {"token", "embed"}
+    hooked = model(ids, rows=hooks).logits
     editor = TableEditor(model, fact_tokenizer)
     editor.edit("United Kingdom", "Bosnia and Herzegovina", strategy="subset", rows="both")
     torch.testing.assert_close(hooked, model(ids).logits, atol=1e-6, rtol=1e-6)

@@ -61,8 +61,7 @@ def test_global_edit_writes_the_rows_and_undoes(edit_model, fact_tokenizer):
     plan = [tuple(dst)]
     with torch.no_grad():
         plain = model(x).logits
-        rows, embed_rows = global_edit_hooks(model, src, plan)
-        hooked = model(x, rows=rows, embed_rows=embed_rows).logits
+        hooked = model(x, rows=global_edit_hooks(model, src, plan)).logits
         record = apply_global_edit(model, src, plan)
         written = model(x).logits
         undo(record)

@@ -19,6 +19,7 @@ from stemlm.hf.remote_code import AUTO_MAP, remote_code_files
 from stemlm.inference.generate import generate
 from stemlm.model import build_model
 from stemlm.model.config import ModelConfig
+from stemlm.model.decoder import ForwardOptions
 
 # Runs with -I (no PYTHONPATH, no user site) and a finder that refuses stemlm, so the venv's editable install of
 # stemlm cannot be reached either: the folder's own files are all there is.
@@ -30,6 +31,7 @@ class Refuse(importlib.abc.MetaPathFinder):
             raise ImportError(f"stemlm is not installed here ({name})")
 sys.meta_path.insert(0, Refuse())
 import torch
+from stemlm.model.decoder import ForwardOptions
 from transformers import AutoModelForCausalLM
 folder, out = sys.argv[1], sys.argv[2]
 model = AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True).eval()
@@ -55,7 +57,7 @@ def make_eos_reachable(model, prompt: list[int]) -> None:
     eos = eot_id(default_tokenizer())
     tokens = generate(model, prompt, 6, greedy=True)
     with torch.no_grad():
-        out = model(torch.tensor([prompt + tokens]), output_hidden_states=True)
+        out = model(torch.tensor([prompt + tokens]), options=ForwardOptions(hidden_states=True))
         h = out.hidden_states[-1][0, len(prompt) + 3]
         model.lm_head.weight[eos] = 50.0 * h / h.norm()
 

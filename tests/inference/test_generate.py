@@ -161,13 +161,13 @@ def test_table_rows_used_and_prefill_override(stem):
 def test_embed_rows_prefill_override(stem):
     embed = stem.model.embed_tokens
     plain = generate(stem, PROMPT, 8, greedy=True)
-    assert generate(stem, PROMPT, 8, greedy=True, embed_rows=embed) == plain
+    assert generate(stem, PROMPT, 8, greedy=True, rows={"embed": embed}) == plain
     calls = []
     shifted = lambda ids: (calls.append(tuple(ids.shape)), embed(ids) + 0.5)[1]
-    edited = generate(stem, PROMPT, 8, greedy=True, prefill_embed_rows=shifted)
+    edited = generate(stem, PROMPT, 8, greedy=True, prefill_rows={"embed": shifted})
     assert calls == [(1, len(PROMPT))] and edited != plain
     with torch.no_grad():
-        out = stem(torch.tensor([PROMPT]), use_cache=True, embed_rows=shifted)
+        out = stem(torch.tensor([PROMPT]), use_cache=True, rows={"embed": shifted})
         ids = [int(out.logits[0, -1].argmax())]
         for _ in range(7):
             out = stem(torch.tensor([[ids[-1]]]), past_key_values=out.past_key_values, use_cache=True)

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 import stemlm.model.fused_loss as fused_loss
 from stemlm.errors import StemlmError
 from stemlm.model import build_model
+from stemlm.model.decoder import ForwardOptions
 from stemlm.model.fused_loss import fused_linear_cross_entropy
 from stemlm.model.loss import IGNORE_INDEX
 from tests.model.test_loss import VOCAB, config
@@ -124,7 +125,7 @@ def test_all_ignored_labels_give_nan_loss_and_zero_grads():
 
 def model_loss_grads(cfg, x, y, **kw):
     model = build_model(cfg, seed=0).train()
-    out = model(x, labels=y, **kw)
+    out = model(x, labels=y, options=ForwardOptions(**kw))
     out.loss.backward()
     return out, {n: p.grad for n, p in model.named_parameters()}
 
@@ -161,4 +162,4 @@ def test_model_fused_loss_under_bf16_autocast():
 def test_fused_loss_without_chunk_is_an_error():
     x = torch.zeros(1, 4, dtype=torch.long)
     with pytest.raises(StemlmError, match="fused_loss needs loss_chunk"):
-        build_model(config(), seed=0)(x, labels=x, fused_loss=True)
+        build_model(config(), seed=0)(x, labels=x, options=ForwardOptions(fused_loss=True))

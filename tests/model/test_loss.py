@@ -11,6 +11,7 @@ import torch
 
 from stemlm.model import build_model
 from stemlm.model.config import ModelConfig
+from stemlm.model.decoder import ForwardOptions
 
 VOCAB = 300
 
@@ -32,7 +33,7 @@ def loss_grads_saved(cfg: ModelConfig, chunk: int, x, y):
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        out = model(x, labels=y, loss_chunk=chunk)
+        out = model(x, labels=y, options=ForwardOptions(loss_chunk=chunk))
     out.loss.backward()
     return out, {n: p.grad for n, p in model.named_parameters()}, saved
 
@@ -62,4 +63,4 @@ def test_all_ignored_labels_give_nan_as_before():
     x = torch.zeros(1, 4, dtype=torch.long)
     y = torch.full((1, 4), -100)
     model = build_model(config(), seed=0)
-    assert model(x, labels=y).loss.isnan() and model(x, labels=y, loss_chunk=2).loss.isnan()
+    assert model(x, labels=y).loss.isnan() and model(x, labels=y, options=ForwardOptions(loss_chunk=2)).loss.isnan()

@@ -37,7 +37,7 @@ def single_stream(folder):
     def greedy(prompt, max_tokens: int, edit: EditSpec | None = None) -> str:
         ids = prompt if isinstance(prompt, list) else tok.encode(prompt, add_special_tokens=False).ids
         hooks = {} if edit is None else edit_prefill_hooks(model, tok, ids, edit)
-        rows = dict(prefill_rows=hooks.get("rows"), prefill_embed_rows=hooks.get("embed_rows"))
+        rows = dict(prefill_rows=hooks.get("rows"))
         return tok.decode(generate(model, ids, max_tokens, greedy=True, eos_id=eot, **rows))
 
     return greedy

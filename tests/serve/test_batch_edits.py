@@ -25,9 +25,7 @@ def test_edited_and_plain_requests_share_a_batch(ffn):
     ids = tok.encode(PROMPT, add_special_tokens=False).ids
     specs = [EditSpec(target=TARGET, source=SOURCE, strategy="average"), None, EditSpec(target=OTHER, source=SOURCE)]
     hooks = [{} if spec is None else edit_prefill_hooks(model, tok, ids, spec) for spec in specs]
-    expected = [
-        generate(model, ids, NEW, greedy=True, prefill_rows=h.get("rows"), prefill_embed_rows=None) for h in hooks
-    ]
+    expected = [generate(model, ids, NEW, greedy=True, prefill_rows=h.get("rows")) for h in hooks]
     assert len({tuple(e) for e in expected}) > 1  # the edits change the output, or the test shows nothing
     engine = BatchEngine(model, slots=3)
     requests = [Request(ids, SamplingParams(max_tokens=NEW, temperature=0), prefill_hooks=h) for h in hooks]

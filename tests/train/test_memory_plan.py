@@ -16,6 +16,7 @@ from stemlm.cli.main import main
 from stemlm.model import build_model
 from stemlm.model.accounting import total_parameters
 from stemlm.model.config import ModelConfig
+from stemlm.model.decoder import ForwardOptions
 from stemlm.model.presets import get_preset
 from stemlm.train.memory import checkpoint_blocks
 from stemlm.train.memory_plan import activation_elements_per_token, memory_plan, recompute_elements_per_token
@@ -48,7 +49,7 @@ def saved_elements_per_token(cfg: ModelConfig, chunk: int, ac: bool, B: int = 2,
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        model(x, labels=y, loss_chunk=chunk)
+        model(x, labels=y, options=ForwardOptions(loss_chunk=chunk))
     scalars = 4 * (-(-B * T // chunk) if chunk else 1)  # the loss (per chunk) scalars: not per token
     return (sum(seen.values()) - scalars) / 4 / (B * T)
 

@@ -67,7 +67,7 @@ def encode(tokenizer: Tokenizer, text: str) -> list[int]:
 
 @torch.no_grad()
 def score_items(
-    model: StemLM, items: Sequence[Item], hooks: Hooks = (None, None), batch_rows: int | None = None
+    model: StemLM, items: Sequence[Item], hooks: Hooks = None, batch_rows: int | None = None
 ) -> list[Score]:
     """(sum of continuation log-probs, greedy exact match, argmax ids) of each (prompt, continuation).
 
@@ -75,7 +75,7 @@ def score_items(
     see the whole batch, so they must be built for exactly these rows: `batch_rows` (chunking) is only for
     hook-free calls."""
     if batch_rows is not None and len(items) > batch_rows:
-        if hooks != (None, None):
+        if hooks is not None:
             raise ValueError("chunked scoring needs hook-free calls; build hooks per chunk instead")
         return [s for k in range(0, len(items), batch_rows) for s in score_items(model, items[k : k + batch_rows])]
     if not items:
@@ -84,7 +84,7 @@ def score_items(
     ids = torch.zeros(len(items), width, dtype=torch.long, device=next(model.parameters()).device)
     for b, (p, c) in enumerate(items):
         ids[b, : len(p) + len(c)] = torch.as_tensor(list(p) + list(c))
-    logp = model(ids, rows=hooks[0], embed_rows=hooks[1]).logits.float().log_softmax(-1)
+    logp = model(ids, rows=hooks).logits.float().log_softmax(-1)
     out = []
     for b, (p, c) in enumerate(items):
         rows = logp[b, len(p) - 1 : len(p) - 1 + len(c)]
@@ -97,7 +97,7 @@ def score_items(
 
 
 def score_continuations(
-    model: StemLM, prompt_ids: Sequence[int], continuations: Sequence[Sequence[int]], hooks: Hooks = (None, None)
+    model: StemLM, prompt_ids: Sequence[int], continuations: Sequence[Sequence[int]], hooks: Hooks = None
 ) -> list[tuple[float, bool]]:
     """(sum of log-probs, greedy exact match) of several continuations of one prompt."""
     return [s[:2] for s in score_items(model, [(list(prompt_ids), list(c)) for c in continuations], hooks)]
@@ -269,7 +269,7 @@ def _fluency(editor: _Editor, prompt: list[int], tokens: int, cache: dict | None
     if editor.mode == "global":  # a global edit applies to generated tokens too
         hooks = decode = editor.global_hooks
     else:  # positional: substituted at prefill, read from the KV cache afterwards
-        hooks, decode = edit_hooks(model, editor.edit(prompt)), (None, None)
+        hooks, decode = edit_hooks(model, editor.edit(prompt)), None
     edited_ids = greedy_generate(model, prompt, tokens, prefill=hooks, decode=decode)
     key = ("generate", tuple(prompt), tokens)
     if cache is None or key not in cache:

@@ -32,12 +32,12 @@ from tokenizers import Tokenizer
 
 from stemlm.edit.spans import DEFAULT_PAD, RowPlan, align, entity_ids, locate, tokenizer_eot
 from stemlm.errors import StemlmError
-from stemlm.model.decoder import EmbedRows, ModelOutput, StemLM
-from stemlm.model.ffn import Rows, TableRows
+from stemlm.model.decoder import ModelOutput, StemLM
+from stemlm.model.ffn import EMBED, EmbedRows, Rows, TableRows
 from stemlm.model.kinds.registry import get_kind
 
 ROW_KINDS = ("stem", "embed", "both")
-Hooks = tuple[Rows | None, EmbedRows | None]  # (the forward's rows= mapping, embed_rows) for one forward
+Hooks = Rows | None  # the forward's rows= mapping of an edit ("token" and / or "embed"); None: no edit
 
 
 def edit_note(model: StemLM) -> str | None:
@@ -189,9 +189,8 @@ def batch_hooks(model: StemLM, edits: Sequence[PositionalEdit | None]) -> Hooks:
         return apply(embed(input_ids), input_ids, lambda: embed.weight, lambda e: e.embed)
 
     real = [e for e in edits if e is not None]
-    return token_rows(table_rows if any(e.layers for e in real) else None), (
-        embed_rows if any(e.embed for e in real) else None
-    )
+    tables_edited, embeddings_edited = any(e.layers for e in real), any(e.embed for e in real)
+    return hooks_of(table_rows if tables_edited else None, embed_rows if embeddings_edited else None)
 
 
 def token_rows(provider: TableRows | None) -> Rows | None:
@@ -199,10 +198,15 @@ def token_rows(provider: TableRows | None) -> Rows | None:
     return None if provider is None else {"token": provider}
 
 
+def hooks_of(table_rows: TableRows | None, embed_rows: EmbedRows | None) -> Hooks:
+    """The forward's `rows=` mapping of a token-table provider and an input-embedding provider (None: neither)."""
+    rows = {family: p for family, p in (("token", table_rows), (EMBED, embed_rows)) if p is not None}
+    return rows or None
+
+
 def edited_forward(model: StemLM, input_ids: torch.Tensor, edit: PositionalEdit | None, **kwargs) -> ModelOutput:
     """`model(input_ids, **kwargs)` with the edit's rows at its positions (no edit: a plain forward)."""
-    rows, embed_rows = edit_hooks(model, edit)
-    return model(input_ids, rows=rows, embed_rows=embed_rows, **kwargs)
+    return model(input_ids, rows=edit_hooks(model, edit), **kwargs)
 
 
 @torch.no_grad()
@@ -211,8 +215,8 @@ def greedy_generate(
     prompt_ids: Sequence[int],
     max_new_tokens: int,
     *,
-    prefill: Hooks = (None, None),
-    decode: Hooks = (None, None),
+    prefill: Hooks = None,
+    decode: Hooks = None,
     eos_id: int | None = None,
 ) -> list[int]:
     """Greedy continuation with a KV cache: `prefill` hooks on the prompt forward, `decode` hooks on each step
@@ -220,7 +224,7 @@ def greedy_generate(
     device = next(model.parameters()).device
     ids = torch.tensor([list(prompt_ids)], dtype=torch.long, device=device)
     budget = max(0, min(max_new_tokens, model.config.max_position_embeddings - ids.shape[1]))
-    out = model(ids, use_cache=True, rows=prefill[0], embed_rows=prefill[1])
+    out = model(ids, use_cache=True, rows=prefill)
     tokens: list[int] = []
     while len(tokens) < budget:
         token = int(out.logits[0, -1].argmax())
@@ -228,14 +232,14 @@ def greedy_generate(
         if token == eos_id or len(tokens) == budget:
             break
         step = torch.tensor([[token]], device=device)
-        out = model(step, past_key_values=out.past_key_values, use_cache=True, rows=decode[0], embed_rows=decode[1])
+        out = model(step, past_key_values=out.past_key_values, use_cache=True, rows=decode)
     return tokens
 
 
 def edit_hooks(model: StemLM, edit: PositionalEdit | None) -> Hooks:
     if edit is None:
-        return None, None
-    return token_rows(table_rows_hook(model, edit)), embed_rows_hook(model, edit)
+        return None
+    return hooks_of(table_rows_hook(model, edit), embed_rows_hook(model, edit))
 
 
 def generate_edited(

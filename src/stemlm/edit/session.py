@@ -97,7 +97,7 @@ def next_token_view(model, tokenizer, prompt_ids, hooks, max_new_tokens: int, to
     from stemlm.edit.positional import greedy_generate
 
     with torch.no_grad():
-        logits = model(torch.tensor([prompt_ids]), rows=hooks[0], embed_rows=hooks[1]).logits[0, -1]
+        logits = model(torch.tensor([prompt_ids]), rows=hooks).logits[0, -1]
     probs = logits.float().softmax(-1)
     top = torch.topk(probs, min(top_k, probs.numel()))
     eos = tokenizer.token_to_id(EOT_TOKEN)
@@ -132,7 +132,7 @@ def run_edit(model, tokenizer, o: EditOptions, sources: tuple = ()) -> dict:
     if prompt_ids is not None and not prompt_ids:
         raise StemlmError("the prompt encodes to no tokens; pass some text")
 
-    def view(hooks=(None, None)) -> dict | None:
+    def view(hooks=None) -> dict | None:
         if prompt_ids is None:
             return None
         return next_token_view(model, tokenizer, prompt_ids, hooks, o.max_new_tokens, o.top_k)

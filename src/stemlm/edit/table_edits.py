@@ -27,7 +27,7 @@ import torch
 from tokenizers import AddedToken, Tokenizer
 
 from stemlm.checkpoint.folder import AtomicFolder, write_json, write_model_files
-from stemlm.edit.positional import Hooks, replacement_rows, rows_to_parts, table_layers, token_rows
+from stemlm.edit.positional import Hooks, hooks_of, replacement_rows, rows_to_parts, table_layers
 from stemlm.edit.shared_tokens import changed_token_ids, describe_shared
 from stemlm.edit.spans import GLOBAL_DEFAULT_PAD, RowPlan, align, entity_ids, tokenizer_eot
 from stemlm.errors import StemlmError
@@ -83,8 +83,8 @@ def apply_global_edit(
 def global_edit_hooks(
     model: StemLM, source_ids: Sequence[int], plan: RowPlan, *, layers: Sequence[int] | None = None, rows: str = "stem"
 ) -> Hooks:
-    """The same global edit as per-call hooks (`rows`, `embed_rows`): every occurrence of a source id
-    reads its new row, the model is untouched. Used to evaluate global edits without writing the tables."""
+    """The same global edit as a per-call `rows=` mapping (token tables, input embeddings): every occurrence of a
+    source id reads its new row, the model is untouched. Used to evaluate global edits without writing the tables."""
     stem, embed = rows_to_parts(rows)
     chosen = table_layers(model, layers) if stem else ()
     tables = model.stem_tables()
@@ -103,7 +103,7 @@ def global_edit_hooks(
         weight = model.model.embed_tokens.weight
         return swap(weight, input_ids, model.model.embed_tokens(input_ids))
 
-    return token_rows(table_rows if chosen else None), (embed_rows if embed else None)
+    return hooks_of(table_rows if chosen else None, embed_rows if embed else None)
 
 
 @torch.no_grad()

@@ -55,8 +55,9 @@ from transformers.utils.deprecation import deprecate_kwarg
 from stemlm.errors import StemlmError
 from stemlm.hf.configuration import StemlmConfig
 from stemlm.model.attention import KVCache
-from stemlm.model.decoder import StemLM
+from stemlm.model.decoder import ForwardOptions, StemLM
 from stemlm.model.decoding_state import reorder_decoding_state
+from stemlm.model.ffn import EMBED
 from stemlm.model.kinds.registry import get_kind
 from stemlm.model.resize import resize_vocabulary
 
@@ -157,11 +158,14 @@ class StemlmPreTrainedModel(PreTrainedModel):
             attention_mask=attention_mask,
             position_ids=position_ids,
             past_key_values=cache,
-            embed_rows=embed_rows,
-            output_hidden_states=bool(output_hidden_states),
-            # "eager" (attn_implementation="eager") runs the math attention even when the weights are not asked for.
-            output_attentions=bool(output_attentions) or self.config._attn_implementation == "eager",
-            head=head,
+            rows=None if embed_rows is None else {EMBED: embed_rows},
+            options=ForwardOptions(
+                hidden_states=bool(output_hidden_states),
+                # "eager" (attn_implementation="eager") runs the math attention even when the weights are not asked
+                # for.
+                attentions=bool(output_attentions) or self.config._attn_implementation == "eager",
+                head=head,
+            ),
         )
         return out, (cache.cache if isinstance(cache, _HFCacheView) else cache)
 

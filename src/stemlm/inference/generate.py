@@ -11,8 +11,8 @@ times a stream as `stemlm generate` reports it, and `encode_prompt` turns a prom
 
 Table rows from outside the model (editing, offload) go in as `rows={family: provider}` (used by every
 forward: the prefill sees the prompt ids [1, P], each decoding step the one new id [1, 1]); `prefill_rows`,
-when given, replaces it for the prefill only, e.g. an edit that swaps rows at chosen prompt positions.
-`embed_rows` / `prefill_embed_rows` do the same for the input embeddings (`StemLM.forward(embed_rows=)`).
+when given, replaces it for the prefill only, e.g. an edit that swaps rows at chosen prompt positions (its
+`"embed"` entry supplies the input embeddings: `StemLM.forward`).
 Generation stops at `eos_id` (which is included in the output), after `max_new_tokens`, or when prompt plus
 output reach the model's `max_position_embeddings`. The prompt's ids are checked once, by the prefill; each
 decoding step feeds back a sampled id (in range by construction) without the model's check, and reads its RoPE
@@ -32,10 +32,10 @@ import torch
 
 from stemlm.errors import StemlmError
 from stemlm.model.attention import KVCache
-from stemlm.model.decoder import StemLM
+from stemlm.model.decoder import ForwardOptions, StemLM
 from stemlm.model.ffn import Rows
 
-EmbedRows = Callable[[torch.Tensor], torch.Tensor]  # input_ids [B, T] -> embeddings [B, T, d], as in StemLM.forward
+CHECKED, UNCHECKED = ForwardOptions(), ForwardOptions(check_ids=False)  # the prefill checks the prompt ids, once
 
 __all__ = [
     "IncrementalDecoder",
@@ -143,11 +143,10 @@ def _check_id_values(input_ids: Sequence[int] | torch.Tensor) -> None:
 
 
 @torch.no_grad()
-def _forward(model: StemLM, ids: torch.Tensor, cache, rows: Rows | None, embed_rows: EmbedRows | None, check=True):
+def _forward(model: StemLM, ids: torch.Tensor, cache, rows: Rows | None, check=True):
     # no_grad per call rather than around the generator: a context held across `yield` would leak into the caller.
-    extra = {} if embed_rows is None else {"embed_rows": embed_rows}
-    extra.update({} if rows is None else {"rows": rows})
-    out = model(ids, past_key_values=cache, use_cache=True, check_ids=check, **extra)
+    extra = {} if rows is None else {"rows": rows}
+    out = model(ids, past_key_values=cache, use_cache=True, options=CHECKED if check else UNCHECKED, **extra)
     return out.logits[0, -1], out.past_key_values
 
 
@@ -164,8 +163,6 @@ def stream_tokens(
     eos_id: int | None = None,
     rows: Rows | None = None,
     prefill_rows: Rows | None = None,
-    embed_rows: EmbedRows | None = None,
-    prefill_embed_rows: EmbedRows | None = None,
 ) -> Iterator[int]:
     """An iterator of new token ids; each is yielded before the forward that consumes it runs.
 
@@ -179,25 +176,22 @@ def stream_tokens(
     generator = torch.Generator(device=prompt.device)
     generator.manual_seed(seed)
     sample = dict(greedy=greedy, temperature=temperature, top_k=top_k, top_p=top_p, generator=generator)
-    first = (
-        prefill_rows if prefill_rows is not None else rows,
-        prefill_embed_rows if prefill_embed_rows is not None else embed_rows,
-    )
-    return _decode(model, prompt, budget, sample, eos_id, first, (rows, embed_rows))
+    first = prefill_rows if prefill_rows is not None else rows
+    return _decode(model, prompt, budget, sample, eos_id, first, rows)
 
 
 def _decode(model, prompt, budget, sample, eos_id, prefill_rows, decode_rows) -> Iterator[int]:
     if budget == 0:
         return
     cache = KVCache(model.config.num_hidden_layers, capacity=prompt.shape[1] + budget)  # no regrowth while decoding
-    logits, cache = _forward(model, prompt, cache, *prefill_rows)  # the prompt's ids are checked here, once
+    logits, cache = _forward(model, prompt, cache, prefill_rows)  # the prompt's ids are checked here, once
     for step in range(budget):
         token = sample_token(logits, **sample)
         yield token
         if token == eos_id or step == budget - 1:
             return
         # A sampled id indexes the logits, so it is in range: the decoding steps skip the model's id check.
-        logits, cache = _forward(model, torch.tensor([[token]], device=prompt.device), cache, *decode_rows, False)
+        logits, cache = _forward(model, torch.tensor([[token]], device=prompt.device), cache, decode_rows, False)
 
 
 def generate(

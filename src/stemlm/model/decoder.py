@@ -11,7 +11,6 @@ offload, sharding and editing act through the forward's `rows={family: provider}
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import partial
 
@@ -23,15 +22,13 @@ from stemlm.errors import StemlmError
 from stemlm.model.attention import Attention, KVCache, RMSNorm, RotaryEmbedding, build_attention_mask
 from stemlm.model.config import ModelConfig
 from stemlm.model.decoding_state import fill_lookup_context
-from stemlm.model.ffn import Rows, TokenContext, checked_rows, token_table
+from stemlm.model.ffn import EMBED, EmbedRows, Rows, TokenContext, checked_rows, token_table
 from stemlm.model.fused_loss import fused_linear_cross_entropy
 from stemlm.model.fusion import fuse_single, project
 from stemlm.model.kinds.registry import FAMILIES, get_kind
 from stemlm.model.loss import chunked_cross_entropy, cross_entropy
 from stemlm.model.memory_check import check_fits
 from stemlm.model.ngram import ngram_hasher
-
-EmbedRows = Callable[[torch.Tensor], torch.Tensor]  # input_ids [B, T] -> input embeddings [B, T, hidden]
 
 
 @dataclass
@@ -46,6 +43,32 @@ class ModelOutput:
     # Only when asked (forward's output_hidden_states / output_attentions), in Hugging Face's layout:
     hidden_states: tuple[torch.Tensor, ...] | None = None  # embeddings, layers 0..L-2 outputs, final-normed output
     attentions: tuple[torch.Tensor, ...] | None = None  # per layer [B, heads, T, past+T] (math attention)
+
+
+@dataclass(frozen=True)
+class ForwardOptions:
+    """What a forward computes beyond the logits of every position (`StemLM.forward(options=...)`)."""
+
+    # With labels: the loss `loss_chunk` tokens at a time (`stemlm.model.loss`), returning no logits (None);
+    # `fused_loss` then takes the fused lm_head + cross-entropy (`stemlm.model.fused_loss`) instead of the
+    # recomputing checkpoints.
+    loss_chunk: int = 0
+    fused_loss: bool = False
+    # Hugging Face Llama's hidden_states / attentions (see `ModelOutput`); the weights come from `math_attention`,
+    # so that forward's logits equal the default's to rounding, not bitwise.
+    hidden_states: bool = False
+    attentions: bool = False
+    head: bool = True  # False: stop after the final norm (logits None; with hidden_states, HF's base model)
+    # False skips the range check of the ids (a reduction and a host read per call) for a caller that checked them
+    # already: generation checks the prompt once and samples the rest from the logits, so in range by construction.
+    check_ids: bool = True
+
+    def __post_init__(self) -> None:
+        if self.fused_loss and self.loss_chunk <= 0:
+            raise StemlmError(f"fused_loss needs loss_chunk > 0 (tokens per chunk), got loss_chunk={self.loss_chunk}")
+
+
+DEFAULT_OPTIONS = ForwardOptions()
 
 
 def build_ffn(config: ModelConfig, layer_idx: int) -> nn.Module:
@@ -111,33 +134,19 @@ class StemLM(nn.Module):
         past_key_values: KVCache | None = None,
         use_cache: bool = False,
         rows: Rows | None = None,
-        embed_rows: EmbedRows | None = None,
-        loss_chunk: int = 0,
-        fused_loss: bool = False,
-        output_hidden_states: bool = False,
-        output_attentions: bool = False,
-        head: bool = True,
-        check_ids: bool = True,
+        options: ForwardOptions = DEFAULT_OPTIONS,
     ) -> ModelOutput:
         """Logits for `input_ids` [B, T]. `labels` [B, T] are the targets of each position (not shifted here);
         `attention_mask` [B, past + T] marks real tokens with 1 (left padding); `past_key_values` continues a
         cache from an earlier call (`use_cache=True` starts one). `rows={family: provider}` supplies the rows of
         a table family from outside (offload, sharding, edits; `stemlm.model.kinds.registry.FAMILIES`), called
-        as `provider(layer_idx, ids)`; families left out read the model's own tables. `embed_rows(input_ids) ->
-        [B, T, hidden]`, when given, supplies the input embeddings instead of `embed_tokens` (editing from
-        outside); the lm_head is unaffected even when tied. `loss_chunk` > 0 with `labels` computes the loss
-        `loss_chunk` tokens at a time (`stemlm.model.loss`) and returns no logits (None); `fused_loss` then takes
-        the fused lm_head + cross-entropy (`stemlm.model.fused_loss`) instead of the recomputing checkpoints.
-        `output_hidden_states` and `output_attentions` return them as Hugging Face Llama does (see `ModelOutput`);
-        the attention weights come from `math_attention`, so that forward's logits equal the default's to rounding,
-        not bitwise. `head=False` stops after the final norm (logits None; with `output_hidden_states` that is
-        Hugging Face's base model). `check_ids=False` skips the range check of the ids (a reduction and a host
-        read per call) for a caller that checked them already: generation checks the prompt once and samples the
-        rest from the logits, so in range by construction."""
+        as `provider(layer_idx, ids)`; families left out read the model's own tables. `rows["embed"]`, a
+        provider `(input_ids) -> [B, T, hidden]`, supplies the input embeddings instead of `embed_tokens`
+        (editing from outside); the lm_head is unaffected even when tied. `options` (`ForwardOptions`) asks for
+        the chunked or fused loss, hidden states, attention weights, no head, or no id check."""
+        check_ids, loss_chunk, fused_loss = options.check_ids, options.loss_chunk, options.fused_loss
         if check_ids:
             check_token_ids(input_ids, self.config.vocab_size)
-        if fused_loss and loss_chunk <= 0:
-            raise StemlmError(f"fused_loss needs loss_chunk > 0 (tokens per chunk), got loss_chunk={loss_chunk}")
         input_ids = input_ids.long()  # embedding and hash lookups need int64/int32; narrower ids are accepted
         B, T = input_ids.shape
         cache = (
@@ -149,6 +158,8 @@ class StemLM(nn.Module):
                 f"sequence length {past_len + T} exceeds max_position_embeddings={self.config.max_position_embeddings}"
             )
         _check_optional_inputs(B, T, past_len, attention_mask, labels, position_ids, self.config.vocab_size)
+        providers = checked_rows(rows)
+        embed_rows = providers.pop(EMBED, None)
         x = self.model.embed_tokens(input_ids) if embed_rows is None else _embeddings_from(self, embed_rows, input_ids)
         if position_ids is None and attention_mask is None and cache is not None and not torch.compiler.is_compiling():
             # Decoding: the positions are past_len.. past_len + T, so cos/sin come from the table (bitwise equal)
@@ -158,10 +169,10 @@ class StemLM(nn.Module):
                 position_ids = default_position_ids(B, T, past_len, attention_mask, input_ids.device)
             rope = self.model.rotary_emb(position_ids, x.dtype)
         mask = build_attention_mask(T, past_len, attention_mask, input_ids.device)
-        ctx = TokenContext(input_ids=input_ids, rows=checked_rows(rows))
+        ctx = TokenContext(input_ids=input_ids, rows=providers)
         fill_lookup_context(ctx, self.ngram_hasher, attention_mask, cache, past_len)
-        hidden = [] if output_hidden_states else None
-        weights = [] if output_attentions else None
+        hidden = [] if options.hidden_states else None
+        weights = [] if options.attentions else None
         checkpointed = self.model.gradient_checkpointing and self.training
         for layer in self.model.layers:
             if hidden is not None:
@@ -173,7 +184,7 @@ class StemLM(nn.Module):
         x = self.model.norm(x)
         if hidden is not None:
             hidden.append(x)  # HF Llama's convention: the last layer's output is given after the final norm
-        if not head:
+        if not options.head:
             logits, loss = None, None
         elif labels is not None and loss_chunk > 0 and fused_loss:
             logits, loss = None, fused_linear_cross_entropy(x, self.lm_head.weight, labels, loss_chunk)
@@ -288,7 +299,7 @@ def _embeddings_from(model: StemLM, embed_rows: EmbedRows, input_ids: torch.Tens
     x = embed_rows(input_ids)
     expected = (*input_ids.shape, model.config.hidden_size)
     if tuple(x.shape) != expected:
-        raise StemlmError(f"embed_rows returned shape {list(x.shape)}; expected {list(expected)} ([batch, seq, d])")
+        raise StemlmError(f"rows['embed'] returned shape {list(x.shape)}; expected {list(expected)} ([batch, seq, d])")
     return x.to(model.model.embed_tokens.weight.dtype)
 
 
@@ -363,4 +374,4 @@ def build_model(config: ModelConfig, *, device: str | torch.device | None = None
     return model
 
 
-__all__ = ["ModelOutput", "StemLM", "build_model", "check_token_ids"]
+__all__ = ["ForwardOptions", "ModelOutput", "StemLM", "build_model", "check_token_ids"]

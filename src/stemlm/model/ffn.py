@@ -24,8 +24,10 @@ from stemlm.model.kinds.registry import FAMILIES
 TableRows = Callable[[int, torch.Tensor], torch.Tensor]
 # (layer_idx, value ids [N, k]) -> (rows [U, width], positions [N, k] into rows): the rows fetched on demand
 MemoryRows = Callable[[int, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
-# family -> provider: "token" and "ngram" take TableRows, "memory" a MemoryRows
+# family -> provider: "token" and "ngram" take TableRows, "memory" a MemoryRows, "embed" an EmbedRows
 Rows = Mapping[str, Callable | None]
+EmbedRows = Callable[[torch.Tensor], torch.Tensor]  # input_ids [B, T] -> input embeddings [B, T, hidden]
+EMBED = "embed"  # the rows= key of the input embeddings (not a table family of the layers)
 
 
 @dataclass
@@ -45,9 +47,9 @@ class TokenContext:
 def checked_rows(rows: Rows | None) -> dict[str, Callable]:
     """The providers of a forward's `rows=` mapping (None entries dropped), refusing families nobody declares."""
     out = {family: provider for family, provider in (rows or {}).items() if provider is not None}
-    unknown = sorted(set(out) - set(FAMILIES))
+    unknown = sorted(set(out) - set(FAMILIES) - {EMBED})
     if unknown:
-        raise StemlmError(f"rows= names unknown table families {unknown}; families: {', '.join(FAMILIES)}")
+        raise StemlmError(f"rows= names unknown table families {unknown}; families: {', '.join((*FAMILIES, EMBED))}")
     return out
 
 

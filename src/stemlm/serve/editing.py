@@ -89,7 +89,7 @@ def _top(probs: torch.Tensor, other: torch.Tensor, k: int, tokenizer: Tokenizer)
 
 
 def _continuation(model: StemLM, ids, edit: PositionalEdit | None, tokenizer, eos_id, sampling: dict) -> dict:
-    rows, embed_rows = edit_hooks(model, edit)
+    rows = edit_hooks(model, edit)
     options = {k: v for k, v in sampling.items() if k != "max_new_tokens"}
     # The edit is applied at prefill only: decode steps read the edited prompt from the KV cache.
     new = list(
@@ -98,7 +98,6 @@ def _continuation(model: StemLM, ids, edit: PositionalEdit | None, tokenizer, eo
             ids,
             sampling["max_new_tokens"],
             prefill_rows=rows,
-            prefill_embed_rows=embed_rows,
             eos_id=eos_id,
             **options,
         )
@@ -112,9 +111,9 @@ def compare(
 ) -> dict:
     """Unedited and edited: top-k next-token probabilities and a continuation, side by side."""
     batch = torch.tensor([list(ids)], device=next(model.parameters()).device)
-    rows, embed_rows = edit_hooks(model, edit)
+    rows = edit_hooks(model, edit)
     before = model(batch).logits[0, -1].float().softmax(-1)
-    after = model(batch, rows=rows, embed_rows=embed_rows).logits[0, -1].float().softmax(-1)
+    after = model(batch, rows=rows).logits[0, -1].float().softmax(-1)
     return {
         "positions": list(edit.positions),
         "layers": list(edit.layers),

@@ -33,8 +33,8 @@ def edit_prefill_hooks(view, tokenizer, ids: list[int], spec: EditSpec) -> dict:
     from stemlm.edit.positional import edit_hooks
 
     edit = build_edit(view, tokenizer, ids, spec)
-    rows, embed_rows = edit_hooks(view, edit)
-    return {name: hook for name, hook in (("rows", rows), ("embed_rows", embed_rows)) if hook}
+    rows = edit_hooks(view, edit)
+    return {"rows": rows} if rows else {}
 
 
 class ApiService:

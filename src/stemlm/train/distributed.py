@@ -54,6 +54,7 @@ from stemlm.checkpoint.table_storage import read_storage
 from stemlm.errors import StemlmError
 from stemlm.model import build_model
 from stemlm.model.config import MODEL_TYPE, ModelConfig
+from stemlm.model.decoder import ForwardOptions
 from stemlm.model.kinds.registry import FAMILIES
 from stemlm.model.presets import get_preset
 from stemlm.train.config import TrainConfig, model_config_diff
@@ -345,7 +346,8 @@ class DistributedTrainer(Trainer):
                             tables.prefetch(window + 2)
                         if k + 1 < cfg.grad_accum:
                             pending = tables.start_window(window + 1)
-                    out = self.net(x, labels=y, loss_chunk=cfg.loss_chunk, fused_loss=cfg.fused_loss, **kwargs)
+                    options = ForwardOptions(loss_chunk=cfg.loss_chunk, fused_loss=cfg.fused_loss)
+                    out = self.net(x, labels=y, options=options, **kwargs)
                 loss = out.loss if self.fault_injection is None else self.fault_injection(step + 1, out.loss)
                 aux = out.aux_loss.float() if out.aux_loss is not None else None
                 has_aux = aux is not None

@@ -44,6 +44,7 @@ from stemlm.data.tokenizer import tokenizer_digest
 from stemlm.errors import StemlmError
 from stemlm.model import build_model
 from stemlm.model.config import ModelConfig
+from stemlm.model.decoder import ForwardOptions
 from stemlm.model.presets import get_preset
 from stemlm.paths import refuse_symlink
 from stemlm.runtime import resolve_device, resolve_dtype
@@ -409,7 +410,8 @@ class Trainer:
             x, y = self._batch(window)
             rows = {} if self.host_tables is None else {"rows": {"token": self.host_tables.train_rows(window, x)}}
             with self.autocast():
-                out = self.model(x, labels=y, loss_chunk=cfg.loss_chunk, fused_loss=cfg.fused_loss, **rows)
+                options = ForwardOptions(loss_chunk=cfg.loss_chunk, fused_loss=cfg.fused_loss)
+                out = self.model(x, labels=y, options=options, **rows)
             loss = out.loss if self.fault_injection is None else self.fault_injection(step + 1, out.loss)
             total = loss if out.aux_loss is None else loss + cfg.aux_loss_coef * out.aux_loss.float()
             losses.append(loss.detach().float())
@@ -447,7 +449,9 @@ class Trainer:
     def eval_loss(self) -> dict[str, Any]:
         """The fused loss evaluates without [tokens, V] logits too (no gradient work under no_grad); the other
         paths keep evaluating on the full logits."""
-        return {"loss_chunk": self.cfg.loss_chunk, "fused_loss": True} if self.cfg.fused_loss else {}
+        if not self.cfg.fused_loss:
+            return {}
+        return {"options": ForwardOptions(loss_chunk=self.cfg.loss_chunk, fused_loss=True)}
 
     def fit(self) -> dict[str, Any]:
         """Train from `self.step` to `cfg.steps`, evaluating and saving on schedule; returns the final metrics."""
