@@ -13,24 +13,26 @@ import importlib
 import os
 import sys
 
-# Subcommand modules, in the order `stemlm --help` lists them.
-SUBCOMMANDS = [
-    "info",
-    "train",
-    "tokenizer",
-    "data",
-    "generate",
-    "convert",
-    "cache-sim",
-    "edit",
-    "eval",
-    "analyze",
-    "experiment",
-    "serve",
-    "server",
-    "verify",
-    "export",
-]
+# Subcommand -> its one-line summary, in the order `stemlm --help` lists them. Each is module
+# `stemlm.cli.<name>` (dashes as underscores), imported only when its command runs, so `stemlm info` does not pay
+# for the server's or the trainer's imports; tests/cli/test_main.py holds each summary to its module's own help.
+SUBCOMMANDS = {
+    "info": "parameter, FLOP and memory accounting of a model config",
+    "train": "train a model (default: tiny STEM on the embedded corpus)",
+    "tokenizer": "train or try a byte-level BPE tokenizer",
+    "data": "tokenize a corpus into memory-mapped token shards for training",
+    "generate": "sample a continuation of a prompt from a checkpoint",
+    "convert": "import a GGUF model, retrofit a dense checkpoint into STEM, or export a dense one as Llama",
+    "cache-sim": "hit rate of the hot-row table cache on real text",
+    "edit": "swap an entity's STEM rows for another's (positional, global, inject)",
+    "eval": "evaluate a checkpoint (edits, ...)",
+    "analyze": "interpretability: angular spread, attribution, nearest tokens, ...",
+    "experiment": "run a reproducible experiment (knowledge, ...)",
+    "serve": "local web playground: generate, see STEM contributions, edit entities",
+    "server": "OpenAI-compatible API with continuous batching (completions, chat, streaming, edits per request)",
+    "verify": "check a checkpoint's files against the SHA-256 sums recorded at save",
+    "export": "write a (sharded) training checkpoint as a plain model folder",
+}
 
 
 class OneLineParser(argparse.ArgumentParser):
@@ -98,17 +100,29 @@ def owner_of(argv: list[str], extra: str, chain: Chain) -> argparse.ArgumentPars
 OPTIONAL_EXTRAS = {"lm_eval": ("lm-eval", "eval"), "gguf": ("gguf", "gguf"), "selenium": ("selenium", "dev")}
 
 
-def build_parser() -> argparse.ArgumentParser:
+def command_of(argv: list[str]) -> str | None:
+    """The subcommand an argument list invokes: its first word that is not a flag (None: none, e.g. --help)."""
+    return next((arg for arg in argv if not arg.startswith("-")), None)
+
+
+def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
+    """The `stemlm` parser. With `argv`, only the subcommand it invokes is built in full (its module imported);
+    the others are listed by their summaries alone. Without, every subcommand is built."""
     parser = OneLineParser(prog="stemlm", description="STEM transformers: train, run, edit and inspect.")
     parser.add_argument("--debug", action="store_true", help="show full tracebacks instead of one-line errors")
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
-    for name in SUBCOMMANDS:
-        importlib.import_module(f"stemlm.cli.{name.replace('-', '_')}").register(subparsers)
+    wanted = None if argv is None else command_of(argv)
+    for name, summary in SUBCOMMANDS.items():
+        if argv is None or name == wanted:
+            importlib.import_module(f"stemlm.cli.{name.replace('-', '_')}").register(subparsers)
+        else:
+            subparsers.add_parser(name, help=summary)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
+    argv = sys.argv[1:] if argv is None else list(argv)
+    parser = build_parser(argv)
     args = parser.parse_args(argv)
     if getattr(args, "func", None) is None:
         parser.print_help()
