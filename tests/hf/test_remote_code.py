@@ -31,7 +31,6 @@ class Refuse(importlib.abc.MetaPathFinder):
             raise ImportError(f"stemlm is not installed here ({name})")
 sys.meta_path.insert(0, Refuse())
 import torch
-from stemlm.model.decoder import ForwardOptions
 from transformers import AutoModelForCausalLM
 folder, out = sys.argv[1], sys.argv[2]
 model = AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True).eval()
