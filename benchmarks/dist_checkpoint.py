@@ -1,7 +1,7 @@
 """Sharded asynchronous checkpoints: how long training is held up by a save, against the whole save.
 
 Two gloo processes train a model whose STEM tables dominate (V 32768, d_ff 1024, STEM in layer 1 of 2: 33.6M
-table parameters, `lazy_adamw` moments) for one step, then save through `DistributedTrainer.save` (the
+table parameters, `lazy_adamw` moments) for one step, then save through `Trainer.save` (the
 pieces are copied to host memory, then written by a background thread) and wait for the checkpoint to be in
 place. `blocking` is the time `save` held the training thread (block exchange + staging copy), `total` until
 the folder was renamed into place with its manifest (the files hashed, fsynced). Per rank, median of
@@ -49,8 +49,8 @@ def _worker(rank: int, port: int, root: Path, saves: int) -> None:
     os.environ.update(
         RANK=str(rank), WORLD_SIZE=str(WORLD), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)
     )
-    from stemlm.train.distributed import DistributedTrainer
     from stemlm.train.parallel.launch import destroy_distributed
+    from stemlm.train.trainer import Trainer
 
     cfg = TrainConfig(
         steps=saves + 1,
@@ -64,7 +64,7 @@ def _worker(rank: int, port: int, root: Path, saves: int) -> None:
         out=str(root / "run"),
         device="cpu",
     )
-    trainer = DistributedTrainer(config(), cfg, progress=False)
+    trainer = Trainer(config(), cfg, progress=False)
     blocking, total = [], []
     for _ in range(saves):
         trainer.train_step()

@@ -76,7 +76,7 @@ with tempfile.TemporaryDirectory() as tmp:
         records = [trainer.train_step()["loss"] for _ in range(cfg.steps)]
         losses[tables] = records
         if tables == "host":
-            summary = trainer.host_tables.summary(trainer.optimizers[-1])
+            summary = trainer.tables.summary(trainer.optimizers)
 diff = max(abs(a - b) for a, b in zip(losses["device"], losses["host"]))
 print(f"step-20 loss device {losses['device'][-1]:.4f} host {losses['host'][-1]:.4f}; max |diff| {diff:.2e}; "
       f"kept off the GPU {summary['device_bytes_saved'] / 2**20:.1f} MiB")

@@ -227,8 +227,7 @@ def train_one(args: argparse.Namespace, plan: dict, tokenizer: Any, name: str, s
     for _ in range(cfg.steps):
         last = trainer.train_step()
     heldout = trainer.evaluate()
-    if trainer.prefetcher is not None:
-        trainer.prefetcher.close()
+    trainer.batches.close()
     record = {
         "variant": name,
         "seed": seed,

@@ -75,7 +75,7 @@ def main(argv: list[str] | None = None) -> None:
         for trainer in trainers.values():
             for _ in range(args.warmup):
                 trainer.train_step()
-        host = trainers["host"].host_tables
+        host = trainers["host"].tables
         host.sync()
         host.work_s = host.wait_s = 0.0
         names = list(trainers)

@@ -14,7 +14,7 @@ Last line: `RESULT sharded_over_official_bytes=...`
 `--exchange`: the trainer's step with the exchange planned on the host and issued a micro-batch ahead ("after",
 today's code) against the previous path ("before": the collective plan, i.e. a count all_to_all, an id
 all_to_all and a read of the counts per micro-batch, the rows exchanged when the forward asks for them and, with
-`--tables host` shards, the table update on the trainer's thread and no gathers ahead). Two `DistributedTrainer`s
+`--tables host` shards, the table update on the trainer's thread and no gathers ahead). Two `Trainer`s
 per placement (tiny preset, lazy_adamw, the default corpus) run their real `train_step()` round-robin on the same 2
 gloo ranks after warm-up; one extra step of each counts the collectives called from Python and the tensor reads
 (`item` / `tolist`). Last line: `RESULT device_after_over_before=... host_after_over_before=...
@@ -99,8 +99,8 @@ def as_before(trainer) -> None:
         return pending
 
     tables.start_window, tables.prefetch = start_window, lambda window: None
-    if hasattr(trainer, "_ahead_hook"):  # device shards: no exchange issued after the table update
-        trainer._ahead_hook.remove()
+    if hasattr(tables, "_ahead_hook"):  # device shards: no exchange issued after the table update
+        tables._ahead_hook.remove()
     if hasattr(trainer.optimizers[-1], "inner"):  # host shards: the update on the trainer's thread
         trainer.optimizers[-1] = trainer.optimizers[-1].inner
 
@@ -142,7 +142,7 @@ def exchange_worker(rank: int, port: int, tmp: str, args: argparse.Namespace) ->
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(WORLD), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1")
     os.environ["MASTER_PORT"] = str(port)
     from stemlm.train.config import TrainConfig
-    from stemlm.train.distributed import DistributedTrainer
+    from stemlm.train.trainer import Trainer
 
     cfg = TrainConfig(
         steps=args.warmup + args.reps + 2,
@@ -159,7 +159,7 @@ def exchange_worker(rank: int, port: int, tmp: str, args: argparse.Namespace) ->
     for tables in args.tables.split(","):
         for mode in ("before", "after"):
             out = f"{tmp}/{tables}-{mode}"
-            trainers[f"{tables}-{mode}"] = trainer = DistributedTrainer(
+            trainers[f"{tables}-{mode}"] = trainer = Trainer(
                 get_preset("tiny"), cfg.replace(out=out, tables=tables), progress=False
             )
             if mode == "before":

@@ -95,7 +95,7 @@ def test_prefetching_changes_no_number(tmp_path, make_train_config, make_model_c
     ref.fit()
     other = Trainer(model_config, make_train_config(tmp_path / "b", prefetch=prefetch, **kw), progress=False)
     other.fit()
-    assert other.prefetcher is None  # closed at the end of fit
+    assert other.batches.prefetcher is None  # closed at the end of fit
     for a, b in zip(ref.model.parameters(), other.model.parameters(), strict=True):
         assert torch.equal(a, b)
 

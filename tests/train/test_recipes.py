@@ -198,7 +198,7 @@ def test_two_steps_equal_the_official_update_in_fp64(tmp_path, make_train_config
     trainer.model.double()
     trainer.optimizers = trainer._build_optimizers()  # over the fp64 parameters
     reference = copy.deepcopy(trainer.model)
-    batches = [trainer._sample(step) for step in range(cfg.steps)]
+    batches = [trainer.batches.sample(step) for step in range(cfg.steps)]
     for _ in range(cfg.steps):
         assert not trainer.train_step()["skipped"]
     tables = {f"model.layers.{i}.mlp.stem_embedding.weight" for i in reference.stem_tables()}

@@ -71,5 +71,5 @@ def test_host_tables_train_bitwise_like_resident(tmp_path, make_train_config, ma
     host.fit()
     same_run(resident, host, tmp_path / "a" / "run", tmp_path / "b" / "run")
     for i, table in host.model.stem_tables().items():
-        assert table.weight is host.host_tables.params[i]
-    assert host.model.model.layers[2].mlp.value_embedding.weight is host.host_tables.params[0 if tables else 2]
+        assert table.weight is host.tables.params[i]
+    assert host.model.model.layers[2].mlp.value_embedding.weight is host.tables.params[0 if tables else 2]

@@ -14,12 +14,17 @@
   because torchrun forwards the terminal's Ctrl-C as a SIGTERM of its own and kills stragglers itself.
 - `DivergenceGuard`: after `max_skipped_in_row` consecutive skipped (non-finite) steps, a one-line
   StemlmError naming the step, the lr and the last finite loss.
+- `maybe_inject_exit` (tests only): `STEMLM_FAULT_EXIT=RANK:STEP` makes that rank exit with status 1 just before
+  it computes that (1-based) step, once its part of any checkpoint being written in the background is on disk (so
+  the test knows which checkpoint survives; a real crash can lose the one in flight, never an earlier one).
 """
 
 from __future__ import annotations
 
 import json
+import os
 import signal
+import sys
 import threading
 from pathlib import Path
 from typing import Any
@@ -163,3 +168,19 @@ class DivergenceGuard:
 def exit_code(signal_name: str) -> int:
     """The shell's code for a process ended by that signal: 130 for SIGINT, 143 for SIGTERM."""
     return 128 + int(getattr(signal, signal_name))
+
+
+FAULT_ENV = "STEMLM_FAULT_EXIT"
+
+
+def maybe_inject_exit(rank: int, step: int, before=None) -> None:
+    """Exit with status 1 if `FAULT_ENV` names this rank and step (after `before()`, e.g. a checkpoint's wait)."""
+    spec = os.environ.get(FAULT_ENV)
+    if not spec:
+        return
+    target_rank, _, target_step = spec.partition(":")
+    if int(target_rank) == rank and int(target_step) == step:
+        if before is not None:
+            before()  # this rank's part of a checkpoint in flight is written first: tests know which one survives
+        print(f"{FAULT_ENV}: rank {rank} exits before step {step}", file=sys.stderr, flush=True)
+        os._exit(1)

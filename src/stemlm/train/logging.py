@@ -115,6 +115,22 @@ class RunLogger:
 SMOOTH_STEPS = 20  # trailing window of the smoothed train curve in loss.png
 
 
+class QuietLogger:
+    """The logger of the ranks other than 0 of a multi-process run: they train silently."""
+
+    def log(self, record: dict[str, Any]) -> None:
+        pass
+
+    def advance(self, loss: float, tokens_per_s: float) -> None:
+        pass
+
+    def message(self, text: str) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
 def smoothed(values, window: int = SMOOTH_STEPS) -> list[float]:
     """Trailing mean over up to `window` values (the first points average what exists so far)."""
     out, total = [], 0.0

@@ -93,13 +93,12 @@ def plan_run(r: RunRequest) -> RunPlan:
 
 
 def build_trainer(r: RunRequest):
-    """A fresh, resumed or initialised trainer (`DistributedTrainer` in a torchrun worker, else `Trainer`)."""
-    from stemlm.train.parallel.workers import trainer_class
+    """A fresh, resumed or initialised trainer (in a torchrun worker, one rank of the job: `stemlm.train.world`)."""
+    from stemlm.train.trainer import Trainer
 
-    trainer_cls = trainer_class()
     plan = plan_run(r)
     if r.resume:
-        return trainer_cls.resume(
+        return Trainer.resume(
             r.resume,
             model_config=plan.model,
             tokenizer=plan.tokenizer,
@@ -107,7 +106,7 @@ def build_trainer(r: RunRequest):
             progress=r.progress,
             allow_nonfinite=r.allow_nonfinite,
         )
-    return trainer_cls(plan.model, plan.cfg, tokenizer=plan.tokenizer, progress=r.progress)
+    return Trainer(plan.model, plan.cfg, tokenizer=plan.tokenizer, progress=r.progress)
 
 
 def run_training(r: RunRequest, sample_prompt: str, sample_tokens: int) -> dict[str, Any] | None:
@@ -129,7 +128,7 @@ def run_training(r: RunRequest, sample_prompt: str, sample_tokens: int) -> dict[
             sampled = sample_tokens > 0 and not result.get("stopped_by")
             facts = trainer.cfg.data is None and trainer.cfg.fact_fraction > 0
             trainer.finish(result["checkpoint"] if sampled or facts else None)
-            if not trainer.is_main:
+            if not trainer.world.is_main:
                 return None
         return final_report(trainer, result, sample_prompt, sample_tokens)
     finally:

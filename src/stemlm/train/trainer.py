@@ -1,11 +1,13 @@
-"""The training loop: a `Trainer` that trains a stemlm model on windows of a token dataset, evaluates, saves.
+"""The training loop: one `Trainer`, for one process or many, that trains a stemlm model on windows of a token
+dataset, evaluates, saves.
 
     from stemlm.train import Trainer, TrainConfig
     result = Trainer(model_config, TrainConfig(steps=400, out="runs/x")).fit()
     result = Trainer.resume("runs/x", overrides={"steps": 800}).fit()     # continue, bitwise on CPU
+    stemlm train --nproc 2 --parallel fsdp ...       # N ranks: the CLI relaunches itself under torchrun
 
 One step: `grad_accum` micro-batches, each the deterministic window batch `sample_batch(seed, step * grad_accum +
-k)` (read `cfg.prefetch` micro-batches ahead on a worker thread: `stemlm.train.prefetch`), forward under autocast
+k)` (read `cfg.prefetch` micro-batches ahead on a worker thread: `stemlm.train.batches`), forward under autocast
 (fp32 master weights), loss = cross-entropy + aux_loss_coef x MoE aux loss, backward of loss / grad_accum; then
 one global gradient-norm clip over all parameters and a step of every optimizer (`stemlm.train.optim`); `cfg.recipe`
 picks those rules and the init (`stemlm.train.recipes`: `official` clips per optimizer). A
@@ -15,14 +17,32 @@ losses, is counted as a spike. SIGINT / SIGTERM end the run after the current st
 (`stemlm.train.guard`); checkpoints are also written every `save_every` steps and every `save_minutes` of wall
 time. The data position is the step number and every RNG state is checkpointed, so a resumed run reproduces the
 uninterrupted one. `fault_injection(step, loss) -> loss` (Python API only) lets tests poison a step's loss (NaN)
-or raise to simulate a crash. `stemlm.train.distributed.DistributedTrainer` runs this loop on N ranks by
-overriding the underscored hooks (`_build_optimizers`, `_sample`, `_accumulate_gradients`, `_clip_gradients`,
-`_agree`, `_load_optimizer_state`, `_make_logger`) and `is_main`. `fit()` first tells glibc to keep large freed blocks
-for reuse (`stemlm.train.allocator`: no fresh mapping of the loss's [tokens, V] tensors each step).
+or raise to simulate a crash. `fit()` first tells glibc to keep large freed blocks for reuse
+(`stemlm.train.allocator`: no fresh mapping of the loss's [tokens, V] tensors each step).
+
+What differs between one process and N enters from outside, never by subclassing:
+- the `World` (`stemlm.train.world`): rank, size, device and the collectives (`agree` on stop / save, the loss
+  and held-out sums); rank 0 alone writes the run folder, metrics and progress;
+- the table placement (`stemlm.train.tables.placement`): resident, host, row-sharded or host-sharded tables
+  give each micro-batch its rows through `StemLM.forward(rows=...)`, finish their gradients and own their
+  optimizer; row-sharded tables also make every rank read the whole micro-batch (its ids plan the exchange);
+- `parallelize` (`stemlm.train.parallel.parallelize`): activation checkpointing, compile, then DDP / FSDP2, in
+  torchtitan's order; several ranks build the model on the meta device and materialise their part
+  (`stemlm.train.model_source`);
+- checkpoints: one process writes `stemlm.train.state`'s folder, several ranks write their pieces
+  asynchronously (`stemlm.train.parallel.checkpoint`); either resumes on any number of processes.
+The global batch is the 1-process batch at any N (rank r takes rows [r * b, (r + 1) * b), b = batch_size / N),
+DDP / FSDP2 average the backbone gradients and the row shards divide theirs by N, so N processes train the same
+model as one (up to float rounding); the MoE balancing loss is the exception (its batch statistics are per rank).
+A failing rank ends the job: torchrun then stops the others, and a rank blocked in a collective gives up after
+`cfg.dist_timeout` seconds (`STEMLM_FAULT_EXIT`, stemlm.train.guard, makes a rank fail for tests).
+Tests: tests/train/test_trainer.py; several ranks: `OMP_NUM_THREADS=1 python -m pytest
+tests/train/parallel/test_train_dist.py -q`.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 import random
@@ -42,19 +62,22 @@ from stemlm.checkpoint.folder import load_config, write_json
 from stemlm.checkpoint.runs import from_pretrained
 from stemlm.data.tokenizer import tokenizer_digest
 from stemlm.errors import StemlmError
-from stemlm.model import build_model
 from stemlm.model.config import ModelConfig
 from stemlm.model.decoder import ForwardOptions
 from stemlm.model.presets import get_preset
 from stemlm.paths import refuse_symlink
-from stemlm.runtime import resolve_device, resolve_dtype
+from stemlm.runtime import resolve_dtype
 from stemlm.train.allocator import keep_freed_blocks
-from stemlm.train.config import TrainConfig, model_config_diff
-from stemlm.train.data import load_datasets, resolve_sampling, resolve_tokenizer
-from stemlm.train.guard import DivergenceGuard, StopSignals, check_no_checkpoints, check_run_dir
-from stemlm.train.logging import METRICS_NAME, PLOT_NAME, RunLogger, plot_losses
+from stemlm.train.batches import MicroBatches
+from stemlm.train.config import TrainConfig
+from stemlm.train.data import load_datasets, load_datasets_distributed, resolve_sampling, resolve_tokenizer
+from stemlm.train.guard import DivergenceGuard, StopSignals, check_no_checkpoints, check_run_dir, maybe_inject_exit
+from stemlm.train.logging import METRICS_NAME, PLOT_NAME, QuietLogger, RunLogger, plot_losses
 from stemlm.train.memory import resolve_loss
+from stemlm.train.model_source import ModelSource
 from stemlm.train.optim import freeze_backbone
+from stemlm.train.parallel.launch import local_batch_size
+from stemlm.train.parallel.parallelize import gradient_sync
 from stemlm.train.profiling import StepProfiler, check_profiling
 from stemlm.train.recipes import get_recipe
 from stemlm.train.resume import RUN_CONFIG_NAME, check_finite_weights, check_resume_state, resume_setup
@@ -67,6 +90,9 @@ from stemlm.train.state import (
     restore_rng,
     save_checkpoint,
 )
+from stemlm.train.tables.placement import make_placement
+from stemlm.train.tables.resident import ResidentTables
+from stemlm.train.world import LocalWorld, detect_world
 
 FaultInjection = Callable[[int, torch.Tensor], torch.Tensor]
 
@@ -89,40 +115,51 @@ def check_fits(config: ModelConfig, tokenizer: Tokenizer, cfg: TrainConfig) -> N
 
 
 class Trainer:
-    """One training run: model, optimizers, data and run folder; `fit()` trains to `cfg.steps`."""
-
-    is_main = True  # this process writes the run folder (rank 0 of a multi-process run: stemlm.train.distributed)
-    rank = 0  # this process's rank (stemlm.train.distributed overrides it)
+    """One training run on any number of ranks: model, optimizers, data and run folder; `fit()` trains to
+    `cfg.steps`. `world` (default: `detect_world(cfg)`) says which rank of how many this process is."""
 
     def __init__(
         self,
         model_config: ModelConfig | None,
         cfg: TrainConfig,
         *,
+        world: LocalWorld | None = None,
         tokenizer: Tokenizer | None = None,
         fault_injection: FaultInjection | None = None,
         progress: bool = True,
         _resume_from: Path | None = None,
         _allow_nonfinite: bool = False,
     ) -> None:
-        self.cfg, self.fault_injection, self.progress = cfg, fault_injection, progress
+        self.world = world = world or detect_world(cfg)
+        self.local_batch = local_batch_size(cfg.batch_size, world.size)  # this rank's rows of the global batch
+        if world.distributed and _resume_from is None and cfg.out is None:
+            cfg = cfg.replace(out=self._shared_run_dir(model_config, cfg))
+        self.cfg, self.fault_injection, self.progress = cfg, fault_injection, progress and world.is_main
         self.resumed = _resume_from is not None
         if _resume_from is None and cfg.out:
             check_run_dir(cfg.out)  # before anything is built: a refused --out costs nothing
-        self.device = resolve_device(cfg.device)
+        self.device = world.device
         check_profiling(cfg.memory_snapshot, self.device)
         self.amp_dtype = resolve_dtype(cfg.dtype, self.device)
         self.tokenizer = tokenizer or resolve_tokenizer(cfg)
         self.recipe = get_recipe(cfg.recipe)  # init, optimizer groups, schedule and clipping (stemlm.train.recipes)
-        self.model = self._build_model(model_config, _resume_from)
+        self.model, self.tables, self.net = self._build_model(model_config, _resume_from)
         self.config = self.model.config
         self.cfg = cfg = resolve_loss(cfg, self.config)  # fused_loss=None: by the vocabulary (stemlm.train.memory)
         if _resume_from is not None and not _allow_nonfinite:
             check_finite_weights(self.model, _resume_from)
         check_fits(self.config, self.tokenizer, cfg)
         self.train_data, self.heldout_data = self._load_data()
-        self.prefetcher = None  # built at the first micro-batch (stemlm.train.prefetch)
+        self.batches = MicroBatches(
+            self.train_data, cfg, world, self.local_batch, every_rank=self.tables.every_rank_ids
+        )
         self.train_data.sample_batch(cfg.batch_size, cfg.seq_len, seed=cfg.seed, step=0)  # fails early if too small
+        self.saver = None  # several ranks: asynchronous sharded checkpoints (stemlm.train.parallel.checkpoint)
+        if world.distributed:
+            from stemlm.train.parallel.checkpoint import ShardedSaver
+
+            self.saver = ShardedSaver(cfg.dist_timeout)
+        self.tables.bind(self.batches, cfg, self.autocast)
         self.optimizers = self._build_optimizers()
         self.step, self.skipped_steps, self.loss_spikes = 0, 0, 0
         self.window: deque[float] = deque(maxlen=cfg.spike_window)
@@ -138,63 +175,39 @@ class Trainer:
             self._start_run_dir()
 
     # ----- construction -----
+    def _shared_run_dir(self, model_config: ModelConfig | None, cfg: TrainConfig) -> str:
+        # The default folder name carries a timestamp: rank 0 picks it, the others take its choice.
+        name = None
+        if self.world.is_main:
+            config = model_config or (load_config(cfg.init_from) if cfg.init_from else get_preset(cfg.preset))
+            name = str(default_run_dir(cfg, config))
+        return self.world.broadcast(name)
+
     def _build_model(self, model_config: ModelConfig | None, resume_from: Path | None):
-        model = self._construct_model(model_config, resume_from)
-        if self.cfg.trainable == "tables":  # before any wrapping: DDP / FSDP2 must see the frozen backbone as frozen
+        """(model, table placement, the module whose forward trains), in this order: the model (on the meta device
+        on several ranks), the backbone frozen (`--train tables`: DDP / FSDP2 must see it frozen), the tables
+        placed (row shards leave the model before any wrapping), then checkpointing, compile and data
+        parallelism applied from outside (stemlm.train.parallel.parallelize) as this rank's part is materialised."""
+        from stemlm.train.parallel.parallelize import parallelize
+
+        self.model_source = source = ModelSource(self.cfg, model_config, resume_from, self.world, self.recipe)
+        model = source.build()
+        if self.cfg.trainable == "tables":
             freeze_backbone(model)
-        if self.cfg.activation_checkpointing:  # before any FSDP wrapping (DistributedTrainer), as torchtitan orders
-            from stemlm.train.memory import checkpoint_blocks
-
-            checkpoint_blocks(model)
-        if self.cfg.compile:
-            from stemlm.train.compile import compile_blocks
-
-            compile_blocks(model)
-        return model
-
-    def _construct_model(self, model_config: ModelConfig | None, resume_from: Path | None):
-        source = resume_from or (Path(self.cfg.init_from) if self.cfg.init_from else None)
-        if source is None:
-            config = model_config or get_preset(self.cfg.preset)
-            model = build_model(config, device=self.device, seed=self.cfg.seed).train()
-            self.recipe.init_weights(model, self.cfg.seed)  # a fresh run only: a checkpoint keeps its weights
-            return model
-        if model_config is not None:
-            diff = model_config_diff(load_config(source), model_config)
-            if diff:
-                raise StemlmError(f"model config differs from the checkpoint {source}: {'; '.join(diff)}")
-        model = from_pretrained(source, device=self.device).train()
-        # Tensors read from safetensors are views at unaligned offsets of a file buffer, and some CPU kernels round
-        # differently with differently aligned operands (measured: a resumed MoE run lost bitwise equality with
-        # the uninterrupted one after 4 steps). Fresh allocations, like an uninterrupted run's, keep it exact.
-        with torch.no_grad():
-            for param in model.parameters():
-                param.data = param.data.clone()
-        return model
+        tables = make_placement(self.cfg, model, self.world)
+        net = parallelize(
+            model, self.cfg, self.world, self.amp_dtype, lambda: source.materialise(model, tables.row_shards)
+        )
+        return model, tables, net
 
     def _build_optimizers(self) -> list[torch.optim.Optimizer]:
-        self.host_tables = self._make_host_tables()
-        optimizers = self.recipe.build_optimizers(self.model, self.cfg)
-        if self.host_tables is not None:
-            optimizers[-1] = self.host_tables.wrap(optimizers[-1], self.cfg.table_optim)
-        return optimizers
-
-    def _make_host_tables(self):
-        """`--tables host`: the tables and their optimizer leave the device (stemlm.train.tables.host)."""
-        if self.cfg.tables != "host":
-            return None
-        from stemlm.train.tables.host import HostTables
-
-        cfg = self.cfg
-
-        def ids_for(window: int) -> torch.Tensor:
-            return self.train_data.sample_batch(cfg.batch_size, cfg.seq_len, seed=cfg.seed, step=window)[0]
-
-        return HostTables(self.model, self.device, ids_for, cfg.grad_accum)
+        """The recipe's optimizers over the model's parameters, with the table placement's in them."""
+        return self.tables.wrap_optimizers(self.recipe.build_optimizers(self.model, self.cfg), self.cfg)
 
     def inference_rows(self) -> dict[str, Any]:
-        """Keyword arguments for a no-grad forward of `self.model` (evaluation, sampling)."""
-        return {} if self.host_tables is None else {"rows": {"token": self.host_tables.lookup}}
+        """Keyword arguments for a no-grad forward of `self.model` in this process (sampling)."""
+        rows = self.tables.lookup_rows()
+        return {} if rows is None else {"rows": rows}
 
     @functools.cached_property
     def flops_per_token(self) -> float:
@@ -203,26 +216,30 @@ class Trainer:
         return training_flops_per_token(self.config, self.cfg.seq_len)
 
     def _load_data(self) -> tuple[Any, Any]:
+        if self.world.distributed:  # rank 0 builds the shards, the others open its files
+            return load_datasets_distributed(self.cfg, self.tokenizer, self.world.is_main)
         return load_datasets(self.cfg, self.tokenizer)
 
     def _start_run_dir(self) -> None:
-        check_no_checkpoints(self.run_dir)
-        try:
-            self.run_dir.mkdir(parents=True, exist_ok=True)
-            for stale in (METRICS_NAME, PLOT_NAME):
-                (self.run_dir / stale).unlink(missing_ok=True)
-        except OSError as exc:
-            raise StemlmError(f"cannot write the run folder {self.run_dir}: {exc.strerror or exc}") from None
-        self._write_run_config()
+        if self.world.is_main:
+            check_no_checkpoints(self.run_dir)
+            try:
+                self.run_dir.mkdir(parents=True, exist_ok=True)
+                for stale in (METRICS_NAME, PLOT_NAME):
+                    (self.run_dir / stale).unlink(missing_ok=True)
+            except OSError as exc:
+                raise StemlmError(f"cannot write the run folder {self.run_dir}: {exc.strerror or exc}") from None
+            self._write_run_config()
         # The loop draws from no global RNG today (windows and init use their own generators); seeding them, and
         # checkpointing their states, keeps anything added later (dropout, sampling) reproducible across resumes.
         random.seed(self.cfg.seed)
         np.random.seed(self.cfg.seed)
         torch.manual_seed(self.cfg.seed)
+        self.world.barrier()
 
     def run_config(self) -> dict[str, Any]:
         """The resolved configuration written to RUN/run_config.json (model + train + tokenizer + derived)."""
-        return {
+        config = {
             "model": self.config.to_dict(),
             "train": self.cfg.to_dict(),
             "tokenizer": {
@@ -241,6 +258,14 @@ class Trainer:
                 "heldout_tokens": self.heldout_data.num_tokens if self.heldout_data else 0,
             },
         }
+        if self.world.distributed:
+            config["distributed"] = {
+                "world_size": self.world.size,
+                "backend": self.world.backend,
+                "parallel": self.cfg.parallel,
+                "local_batch_size": self.local_batch,
+            }
+        return config
 
     # ----- resume -----
     @classmethod
@@ -254,6 +279,7 @@ class Trainer:
         fault_injection: FaultInjection | None = None,
         progress: bool = True,
         allow_nonfinite: bool = False,
+        world: LocalWorld | None = None,
     ) -> Trainer:
         """Continue a run from its newest checkpoint (or the given checkpoint folder of a run).
 
@@ -265,6 +291,7 @@ class Trainer:
         return cls(
             model_config,
             setup.cfg,
+            world=world,
             tokenizer=setup.tokenizer,
             fault_injection=fault_injection,
             progress=progress,
@@ -287,7 +314,7 @@ class Trainer:
     def _write_run_config(self) -> None:
         """RUN/run_config.json, written when training starts (a resume's with its overrides): a refused run or
         resume has written nothing."""
-        if not self.is_main:
+        if not self.world.is_main:
             return
         path = refuse_symlink(self.run_dir / RUN_CONFIG_NAME, "run folder entry")
         try:
@@ -296,10 +323,11 @@ class Trainer:
             raise StemlmError(f"cannot write the run folder {self.run_dir}: {exc.strerror or exc}") from None
 
     def _load_optimizer_state(self, ckpt: Path, state: dict[str, Any]) -> None:
-        if "distributed" in state:  # written by several processes: sharded, in torch.distributed.checkpoint form
+        # Several ranks, or a checkpoint several wrote (sharded, in torch.distributed.checkpoint form): resharded.
+        if self.world.distributed or "distributed" in state:
             from stemlm.train.parallel.checkpoint import load_optimizers
 
-            load_optimizers(self.optimizers, ckpt, state)
+            load_optimizers(self.optimizers, ckpt, state, tables=self.tables.row_shards, mesh=self.world.mesh)
         else:
             _, tensors = read_trainer_state(ckpt)
             load_optimizer_state(self.optimizers, tensors, state["optimizers"], ckpt)
@@ -320,6 +348,11 @@ class Trainer:
         }
 
     def save(self) -> Path:
+        """Checkpoint this step: RUN/checkpoints/step-<step>/ (several ranks: started asynchronously, in place
+        once `self.saver.wait()` returns; `fit` waits for it)."""
+        self.tables.before_save()
+        if self.saver is not None:
+            return self.saver.save(self)
         cfg = self.cfg
         return save_checkpoint(
             self.run_dir,
@@ -338,6 +371,7 @@ class Trainer:
 
     def train_step(self) -> dict[str, Any]:
         """One optimizer step at `self.step`; returns its metrics record and advances the step."""
+        maybe_inject_exit(self.world.rank, self.step + 1, before=self.saver.wait if self.saver else None)
         cfg, step = self.cfg, self.step
         mult = self.recipe.set_learning_rates(self.optimizers, step, cfg)
         start, cpu_start = time.perf_counter(), time.process_time()
@@ -380,71 +414,75 @@ class Trainer:
             record["aux_loss"] = sum(auxes) / len(auxes)
         if self.model.lookup_tables():
             record["table_lr"] = cfg.table_peak_lr * mult
-        return record
-
-    def _sample(self, window: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Micro-batch `window` of the run on the host (this process's rows of it)."""
-        cfg = self.cfg
-        return self.train_data.sample_batch(cfg.batch_size, cfg.seq_len, seed=cfg.seed, step=window)
-
-    def _batch(self, window: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Micro-batch `window` on the device, the next ones being read meanwhile."""
-        return self._prefetched(window, self.device)
-
-    def _prefetched(self, window: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        """`_sample(window)` moved to `device`, from the run's prefetcher (pinned on the host when training on CUDA)."""
-        if self.prefetcher is None:
-            from stemlm.train.prefetch import BatchPrefetcher
-
-            cfg, pin = self.cfg, self.device.type == "cuda"
-            end = cfg.steps * cfg.grad_accum
-            self.prefetcher = BatchPrefetcher(self._sample, device, ahead=cfg.prefetch, end=end, pin=pin)
-        return self.prefetcher.get(window)
+        return record | self.tables.step_record(self.step, self.step == cfg.steps)
 
     def _accumulate_gradients(self, step: int) -> tuple[list[float], list[float], bool]:
-        """Forward and backward of the step's `grad_accum` micro-batches: (losses, aux losses, all finite)."""
-        cfg = self.cfg
-        losses, auxes = [], []
+        """Forward and backward of the step's `grad_accum` micro-batches: (losses, aux losses, all finite), the
+        means over the ranks."""
+        cfg, tables = self.cfg, self.tables
+        first = step * cfg.grad_accum
+        tables.begin_step(first, final=step + 1 >= cfg.steps)
+        options = ForwardOptions(loss_chunk=cfg.loss_chunk, fused_loss=cfg.fused_loss)
+        stats, has_aux = [], False
         for k in range(cfg.grad_accum):
-            window = step * cfg.grad_accum + k
-            x, y = self._batch(window)
-            rows = {} if self.host_tables is None else {"rows": {"token": self.host_tables.train_rows(window, x)}}
-            with self.autocast():
-                options = ForwardOptions(loss_chunk=cfg.loss_chunk, fused_loss=cfg.fused_loss)
-                out = self.model(x, labels=y, options=options, **rows)
-            loss = out.loss if self.fault_injection is None else self.fault_injection(step + 1, out.loss)
-            total = loss if out.aux_loss is None else loss + cfg.aux_loss_coef * out.aux_loss.float()
-            losses.append(loss.detach().float())
-            auxes += [] if out.aux_loss is None else [out.aux_loss.detach().float()]
-            # No host sync per micro-batch: a non-finite loss is found once per step below; its NaN gradients are
-            # never applied (the step is skipped and zero_grad drops them).
-            (total / cfg.grad_accum).backward()
-        if self.host_tables is not None:
-            self.host_tables.finish_grads()
-        values = torch.stack(losses + auxes).tolist()  # the step's one device->host read of the losses
-        losses_f, auxes_f = values[: len(losses)], values[len(losses) :]
-        return losses_f, auxes_f, all(math.isfinite(v) for v in values)
+            window = first + k
+            x, y = self.batches.get(window)
+            with gradient_sync(self.net, last=k == cfg.grad_accum - 1):
+                with self.autocast():
+                    out = self.net(x, labels=y, options=options, rows=tables.rows(window, x))
+                loss = out.loss if self.fault_injection is None else self.fault_injection(step + 1, out.loss)
+                aux = out.aux_loss.float() if out.aux_loss is not None else None
+                has_aux = aux is not None
+                total = loss if aux is None else loss + cfg.aux_loss_coef * aux
+                no_aux = torch.zeros((), device=loss.device)
+                finite = (~torch.isfinite(total.detach())).float()
+                stats.append(torch.stack([loss.detach().float(), no_aux if aux is None else aux.detach(), finite]))
+                # No host sync per micro-batch, and every rank runs every micro-batch (collectives stay matched):
+                # NaN gradients of a bad micro-batch are never applied, the step is skipped on all ranks below.
+                (total / cfg.grad_accum).backward()
+        tables.finish_grads()
+        # One all_reduce (several ranks) and one device->host read per step: the mean losses and aux losses over
+        # the ranks, and whether any rank went non-finite in any micro-batch, so that every rank skips together.
+        values = (self.world.all_reduce_(torch.stack(stats)) / self.world.size).tolist()
+        losses = [v[0] for v in values]
+        auxes = [v[1] for v in values] if has_aux else []
+        return losses, auxes, all(v[2] == 0 for v in values)
 
     def _clip_gradients(self) -> float:
-        return self.recipe.clip_gradients(self.optimizers, self.cfg.grad_clip).item()
+        if not self.world.distributed:
+            return self.recipe.clip_gradients(self.optimizers, self.cfg.grad_clip).item()
+        # One clip over every optimized tensor: the backbone (replicated or FSDP2-sharded; `--train tables` may
+        # leave none), replicated n-gram / memory tables, and the row shards, whose norm needs a cross-rank sum.
+        shards = list(self.tables.row_shards.parameters()) if self.tables.row_shards is not None else []
+        sharded = {id(p) for p in shards}
+        backbone = [p for opt in self.optimizers for g in opt.param_groups for p in g["params"] if id(p) not in sharded]
+        return self.recipe.clip_distributed(backbone, shards, self.cfg.grad_clip).item()
 
     @torch.no_grad()
     def evaluate(self) -> float | None:
-        """Mean held-out cross-entropy over `eval_batches` fixed batches spread over the held-out split."""
+        """Mean held-out cross-entropy over `eval_batches` fixed batches spread over the held-out split (on several
+        ranks: the same windows, each batch split over the ranks)."""
         if self.heldout_data is None:
             return None
-        cfg, total, count = self.cfg, 0.0, 0
+        cfg, n, rank = self.cfg, self.world.size, self.world.rank
+        totals = torch.zeros(2, dtype=torch.float64)
         self.model.eval()
         windows = self.heldout_data.iter_eval_windows(cfg.seq_len, cfg.eval_batches * cfg.batch_size, cfg.batch_size)
         for x, y in windows:
+            # A short last batch: a rank without rows still takes part in the collectives, on x[:1] at weight 0.
+            parts = [
+                (p, q, 1.0) if p.shape[0] else (x[:1], y[:1], 0.0)
+                for p, q in zip(x.tensor_split(n), y.tensor_split(n), strict=True)
+            ]
+            part_x, part_y, weight = parts[rank]
+            part_x, part_y = part_x.to(self.device), part_y.to(self.device)
             with self.autocast():
-                out = self.model(
-                    x.to(self.device), labels=y.to(self.device), **self.inference_rows(), **self.eval_loss()
-                )
-            total += out.loss.item() * y.numel()
-            count += y.numel()
+                rows = self.tables.eval_rows(part_x, [p[0] for p in parts])
+                out = self.model(part_x, labels=part_y, rows=rows, **self.eval_loss())
+            totals += torch.tensor([out.loss.item() * part_y.numel(), part_y.numel()], dtype=torch.float64) * weight
         self.model.train()
-        return total / count
+        totals = self.world.all_reduce_(totals.to(self.device))
+        return (totals[0] / totals[1]).item()
 
     def eval_loss(self) -> dict[str, Any]:
         """The fused loss evaluates without [tokens, V] logits too (no gradient work under no_grad); the other
@@ -457,10 +495,49 @@ class Trainer:
         """Train from `self.step` to `cfg.steps`, evaluating and saving on schedule; returns the final metrics."""
         keep_freed_blocks()  # the step's large temporaries reused, not mapped anew each step (stemlm.train.allocator)
         cfg, wall = self.cfg, time.perf_counter()
-        if self.resumed:  # accepted once every rank has built its part (`_agree` waits for them all)
-            self._agree(False)
+        try:
+            heldout, checkpoint, last, stopped = self._train()
+        except BaseException:
+            self.tables.end_training(failed=True)
+            if self.saver is not None:
+                with contextlib.suppress(Exception):
+                    self.saver.wait()  # a save in flight still completes (or leaves only its temporary folder)
+            raise
+        self.tables.end_training(failed=False)
+        if self.saver is not None:
+            self.saver.wait()  # the last checkpoint is in place before fit returns
+        if self.world.is_main:
+            plot_losses(self.run_dir / METRICS_NAME, self.run_dir / PLOT_NAME, title=self.run_dir.name)
+        tokens = cfg.tokens_per_step * self.step
+        result = {
+            "run_dir": str(self.run_dir),
+            "checkpoint": str(checkpoint),
+            "steps": self.step,
+            "train_loss": last["loss"] if last else None,
+            "heldout_loss": heldout,
+            "skipped_steps": self.skipped_steps,
+            "loss_spikes": self.loss_spikes,
+            "tokens_seen": tokens,
+            "tokens_per_s": tokens / self.train_time if self.train_time else None,
+            "train_time_s": self.train_time,
+            "cpu_tokens_per_s": cfg.tokens_per_step * self.cpu_steps / self.cpu_time if self.cpu_time else None,
+            "wall_s": time.perf_counter() - wall,
+            "device": self.device.type,
+            "autocast_dtype": str(self.amp_dtype).removeprefix("torch."),
+            **self.tables.summary(self.optimizers),
+            "stopped_by": stopped,
+        }
+        if self.world.distributed:
+            result.update(world_size=self.world.size, parallel=cfg.parallel)
+        return result
+
+    def _train(self) -> tuple[float | None, Path | None, dict[str, Any] | None, str | None]:
+        """The loop of `fit`: (last held-out loss, last checkpoint, last step's record, the signal that stopped it)."""
+        cfg = self.cfg
+        if self.resumed:  # accepted once every rank has built its part (`agree` waits for them all)
+            self.world.agree(False)
             self._write_run_config()  # now with this resume's overrides
-        logger = self._make_logger()
+        logger = RunLogger(self.run_dir, self.step, cfg.steps, self.progress) if self.world.is_main else QuietLogger()
         if self.heldout_data is None:
             logger.message(f"note: no held-out split with a window of {cfg.seq_len} tokens; no held-out evaluation")
         heldout, checkpoint, last, stopped = None, None, None, None
@@ -468,13 +545,13 @@ class Trainer:
         try:
             profiler = StepProfiler(
                 self.run_dir,
-                self.rank,
+                self.world.rank,
                 self.device,
                 cfg.steps - self.step,
                 trace=cfg.profile,
                 memory=cfg.memory_snapshot,
             )
-            with StopSignals(abort_on_second=not self.distributed) as signals, profiler:
+            with StopSignals(abort_on_second=not self.world.distributed) as signals, profiler:
                 while self.step < cfg.steps:
                     last = self.train_step()
                     profiler.step()
@@ -487,9 +564,9 @@ class Trainer:
                             f"step {self.step}: loss spike {last['loss']:.4f} (> {cfg.spike_factor} x median)"
                         )
                     guard.update(last)
-                    # Every rank must take the same decision (a save is collective): `_agree` reduces them.
+                    # Every rank must take the same decision (a save is collective): `agree` reduces them.
                     due = cfg.save_minutes and time.monotonic() - saved_at >= 60 * cfg.save_minutes
-                    stop, due = self._agree(signals.requested is not None, bool(due))
+                    stop, due = self.world.agree(signals.requested is not None, bool(due))
                     # A stop on an evaluation step evaluates it first: the resumed run starts after it.
                     if self.step == cfg.steps or (cfg.eval_every and self.step % cfg.eval_every == 0):
                         heldout = self._evaluate_and_log(logger, last)
@@ -506,39 +583,8 @@ class Trainer:
                 )
         finally:
             logger.close()
-            if self.prefetcher is not None:
-                self.prefetcher.close()
-                self.prefetcher = None
-        if self.is_main:
-            plot_losses(self.run_dir / METRICS_NAME, self.run_dir / PLOT_NAME, title=self.run_dir.name)
-        tokens = cfg.tokens_per_step * self.step
-        return {
-            "run_dir": str(self.run_dir),
-            "checkpoint": str(checkpoint),
-            "steps": self.step,
-            "train_loss": last["loss"] if last else None,
-            "heldout_loss": heldout,
-            "skipped_steps": self.skipped_steps,
-            "loss_spikes": self.loss_spikes,
-            "tokens_seen": tokens,
-            "tokens_per_s": tokens / self.train_time if self.train_time else None,
-            "train_time_s": self.train_time,
-            "cpu_tokens_per_s": cfg.tokens_per_step * self.cpu_steps / self.cpu_time if self.cpu_time else None,
-            "wall_s": time.perf_counter() - wall,
-            "device": self.device.type,
-            "autocast_dtype": str(self.amp_dtype).removeprefix("torch."),
-            **(self.host_tables.summary(self.optimizers[-1]) if self.host_tables is not None else {}),
-            "stopped_by": stopped,
-        }
-
-    distributed = False  # a torchrun worker (stemlm.train.distributed): signals are torchrun's to escalate
-
-    def _agree(self, *flags: bool) -> tuple[bool, ...]:
-        """The decisions every process takes (one process: its own; DistributedTrainer: any rank's)."""
-        return flags
-
-    def _make_logger(self) -> RunLogger:
-        return RunLogger(self.run_dir, self.step, self.cfg.steps, self.progress)
+            self.batches.close()
+        return heldout, checkpoint, last, stopped
 
     def _evaluate_and_log(self, logger: RunLogger, last: dict[str, Any]) -> float | None:
         heldout = self.evaluate()
@@ -555,3 +601,12 @@ class Trainer:
             f"skipped {self.skipped_steps} | spikes {self.loss_spikes}"
         )
         return heldout
+
+    def finish(self, checkpoint: str | Path | None = None) -> None:
+        """Leave the world (a multi-process run's process group); on rank 0, replace `model` by the unsharded one
+        from `checkpoint` (e.g. the final one) so the caller can generate or evaluate with it."""
+        self.tables.close()
+        self.world.close()
+        if checkpoint is not None and self.world.is_main:
+            self.model = from_pretrained(checkpoint, device=self.device).eval()
+            self.tables = ResidentTables()  # the reloaded model holds its own tables

@@ -50,10 +50,10 @@ def _init_checks(trainer, rank: int, source) -> dict[str, bool]:
 
     if trainer.cfg.init_from:
         full = read_state(source)
-        out = {"meta": trainer._meta_source == ("folder", source)}
+        out = {"meta": trainer.model_source.meta == ("folder", source)}
     else:
         full = build_model(trainer.config, seed=trainer.cfg.seed).state_dict()
-        out = {"meta": trainer._meta_source == "init"}
+        out = {"meta": trainer.model_source.meta == "init"}
     for i in trainer.tables.layers:
         name = trainer.tables.model_names[i]
         out[name] = torch.equal(trainer.tables.shard(i).detach().cpu(), full[name][rank::2])
@@ -76,8 +76,8 @@ def _worker(rank: int, world: int, port: int, root, assets) -> None:
     import torch.distributed.checkpoint as dcp
 
     from stemlm.errors import StemlmError
-    from stemlm.train.distributed import DistributedTrainer
     from stemlm.train.parallel.launch import destroy_distributed
+    from stemlm.train.trainer import Trainer
 
     checks = {}
     source = root / "source"
@@ -85,7 +85,7 @@ def _worker(rank: int, world: int, port: int, root, assets) -> None:
         overrides = {k: str(source) if v == "SOURCE" else v for k, v in overrides.items()}
         cfg = train_config(assets, root / "init" / name, **overrides)
         model = model_config("stem") if "init_from" not in overrides else None
-        checks[f"init-{name}"] = _init_checks(DistributedTrainer(model, cfg, progress=False), rank, source)
+        checks[f"init-{name}"] = _init_checks(Trainer(model, cfg, progress=False), rank, source)
     from stemlm.train.parallel.sharded_tables import ShardedTables
 
     def no_gather(*args, **kwargs):
@@ -97,14 +97,14 @@ def _worker(rank: int, world: int, port: int, root, assets) -> None:
         dist.all_gather, ShardedTables.gather_rows = no_gather, no_gather
         try:
             cfg = train_config(assets, root / name, **overrides)
-            DistributedTrainer(model_config("stem"), cfg, progress=False).fit()
+            Trainer(model_config("stem"), cfg, progress=False).fit()
         finally:
             dist.all_gather, ShardedTables.gather_rows = saved_gathers
         if rank == 0:
             shutil.copytree(root / name, root / "resumed" / name)
         dist.barrier()
         ckpt = root / "resumed" / name / "checkpoints" / "step-000003"
-        DistributedTrainer.resume(ckpt, progress=False).fit()
+        Trainer.resume(ckpt, progress=False).fit()
     # The step-6 save fails while its files are written: the run reports it, step 4 stays the newest checkpoint.
     original = dcp.HuggingFaceStorageWriter.write_data
 
@@ -116,7 +116,7 @@ def _worker(rank: int, world: int, port: int, root, assets) -> None:
     dcp.HuggingFaceStorageWriter.write_data = failing
     cfg = train_config(assets, root / "failed", save_every=2, eval_every=0, keep_optimizer_state="newest")
     try:
-        DistributedTrainer(model_config("stem"), cfg, progress=False).fit()
+        Trainer(model_config("stem"), cfg, progress=False).fit()
         checks["failed"] = "no error"
     except StemlmError as exc:
         checks["failed"] = str(exc)

@@ -1,6 +1,6 @@
 """`--tables host` on 2 gloo processes: host-memory table shards train bitwise like device shards, and resume.
 
-One fork of 2 ranks runs three `DistributedTrainer` fits of the same 6-step STEM run (row-sparse table
+One fork of 2 ranks runs three `Trainer` fits of the same 6-step STEM run (row-sparse table
 optimizer, grad_accum 2): shards on the device, shards on the host, and a host run resumed from its step-3
 checkpoint. Run: `OMP_NUM_THREADS=1 python -m pytest tests/train/parallel/test_host_shards.py -q`.
 """
@@ -28,13 +28,13 @@ def _worker(rank: int, world: int, port: int, root, assets) -> None:
     )
     import torch.distributed as dist
 
-    from stemlm.train.distributed import DistributedTrainer
     from stemlm.train.parallel.host_shards import HostShardedTables
     from stemlm.train.parallel.launch import destroy_distributed
+    from stemlm.train.trainer import Trainer
 
     out = {}
     for tables in ("device", "host"):
-        trainer = DistributedTrainer(model_config("stem"), train_config(assets, root / tables, tables=tables, **RUN))
+        trainer = Trainer(model_config("stem"), train_config(assets, root / tables, tables=tables, **RUN))
         result = trainer.fit()
         out[tables] = {k: v.detach().clone() for k, v in trainer.tables.shards.items()}
         out[f"{tables}_host_class"] = isinstance(trainer.tables, HostShardedTables)
@@ -43,7 +43,7 @@ def _worker(rank: int, world: int, port: int, root, assets) -> None:
     if rank == 0:
         shutil.copytree(root / "host", root / "resumed")
     dist.barrier()
-    resumed = DistributedTrainer.resume(root / "resumed" / "checkpoints" / "step-000003", progress=False)
+    resumed = Trainer.resume(root / "resumed" / "checkpoints" / "step-000003", progress=False)
     resumed.fit()
     out["resumed"] = {k: v.detach().clone() for k, v in resumed.tables.shards.items()}
     torch.save(out, root / f"rank{rank}.pt")

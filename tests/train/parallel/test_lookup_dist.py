@@ -38,12 +38,11 @@ def _worker(rank: int, world: int, port: int, root, assets) -> None:
     os.environ.update(
         RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)
     )
-    from stemlm.train.distributed import DistributedTrainer
     from stemlm.train.parallel.launch import destroy_distributed
 
     for kind, overrides in FITS.items():
         cfg = train_config(assets, root / "two" / kind, parallel="ddp", **overrides)
-        DistributedTrainer(config(kind), cfg, progress=False).fit()
+        Trainer(config(kind), cfg, progress=False).fit()
     destroy_distributed()
 
 

@@ -88,7 +88,7 @@ def _order(trainer) -> list[str]:
     try:
         trainer.train_step()
         trainer.train_step()
-        trainer._drop_ahead()
+        trainer.tables._drop_ahead()
     finally:
         hook.remove()
         patch.undo()
@@ -100,8 +100,8 @@ def _worker(rank: int, world: int, port: int, root, assets) -> None:
     os.environ.update(
         RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)
     )
-    from stemlm.train.distributed import DistributedTrainer
     from stemlm.train.parallel.launch import destroy_distributed
+    from stemlm.train.trainer import Trainer
 
     out = {}
     for tables in ("device", "host"):
@@ -110,7 +110,7 @@ def _worker(rank: int, world: int, port: int, root, assets) -> None:
                 if mode == "sync":
                     _synchronous(patch, rank)
                 cfg = train_config(assets, root / f"{tables}-{mode}", tables=tables, dist_timeout=60, **RUN)
-                trainer = DistributedTrainer(model_config("stem"), cfg, progress=False)
+                trainer = Trainer(model_config("stem"), cfg, progress=False)
                 trainer.fit()
                 out[f"{tables}-{mode}"] = {k: v.detach().clone() for k, v in trainer.tables.shards.items()}
                 if mode == "ahead":
@@ -124,7 +124,7 @@ def _worker(rank: int, world: int, port: int, root, assets) -> None:
     poison = lambda step, loss: loss * float("nan") if step == 2 and rank == 1 else loss  # noqa: E731
     for tables in ("device", "host"):
         cfg = train_config(assets, root / f"{tables}-nan", tables=tables, dist_timeout=60, **{**RUN, "steps": 4})
-        trainer = DistributedTrainer(model_config("stem"), cfg, fault_injection=poison, progress=False)
+        trainer = Trainer(model_config("stem"), cfg, fault_injection=poison, progress=False)
         trainer.fit()
         out[f"{tables}-nan"] = {k: v.detach().clone() for k, v in trainer.tables.shards.items()}
         if tables == "host":

@@ -44,12 +44,11 @@ def _worker(rank: int, world: int, port: int, root, assets) -> None:
     os.environ.update(
         RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)
     )
-    from stemlm.train.distributed import DistributedTrainer
     from stemlm.train.parallel.launch import destroy_distributed
 
     for parallel in PARALLEL:
         cfg = train_config(assets, root / "two" / parallel, parallel=parallel, steps=3, save_every=0, eval_every=3)
-        DistributedTrainer(tied_config(), cfg, progress=False).fit()
+        Trainer(tied_config(), cfg, progress=False).fit()
     destroy_distributed()
 
 

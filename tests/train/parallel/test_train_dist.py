@@ -1,7 +1,7 @@
 """The trainer on 2 gloo processes: same model as 1 process, checkpoints that reshard, failures that end the job.
 
 The `runs` fixture trains every scenario once: 1-process references here, then one fork of 2 ranks running
-`DistributedTrainer` (fits, then resumes of copied checkpoints). Tests compare the 2-rank outputs with the
+`Trainer` (fits, then resumes of copied checkpoints). Tests compare the 2-rank outputs with the
 1-process ones (losses, held-out losses, final weights, optimizer state), check the logged table traffic
 against a count made here from the data, and run the real `stemlm train --nproc 2` command with a rank killed
 mid-run and resumed. Run: `OMP_NUM_THREADS=1 python -m pytest tests/train/parallel/test_train_dist.py -q`.
@@ -103,21 +103,20 @@ def _worker(rank: int, world: int, port: int, root, assets) -> None:
     )
     import torch.distributed as dist
 
-    from stemlm.train.distributed import DistributedTrainer
     from stemlm.train.parallel.launch import destroy_distributed
 
     for name, (ffn, _) in {**FITS, **BF16_FITS}.items():
-        DistributedTrainer(model_config(ffn), fit_config(assets, root, "two", name), progress=False).fit()
+        Trainer(model_config(ffn), fit_config(assets, root, "two", name), progress=False).fit()
     for name, (source, overrides) in RESUMES.items():
         if rank == 0:
             shutil.copytree(root / source, root / "resumed" / name)
         dist.barrier()
         ckpt = root / "resumed" / name / "checkpoints" / "step-000003"
-        DistributedTrainer.resume(ckpt, overrides=overrides, progress=False).fit()
+        Trainer.resume(ckpt, overrides=overrides, progress=False).fit()
     # A non-finite loss on rank 1 alone: both ranks must skip the update together (or the job would stall).
     poison = lambda step, loss: loss * float("nan") if step == 2 and rank == 1 else loss
     cfg = train_config(assets, root / "nan", steps=3, eval_every=0, save_every=0, parallel="fsdp")
-    skipped = DistributedTrainer(model_config("stem"), cfg, fault_injection=poison, progress=False).fit()
+    skipped = Trainer(model_config("stem"), cfg, fault_injection=poison, progress=False).fit()
     counts = {accum: _step_counts(assets, root, accum) for accum in (1, 3)}
     checks = {**_layout_check(rank), "skipped": skipped["skipped_steps"], "counts": counts}
     torch.save(checks, root / f"checks{rank}.pt")
@@ -131,10 +130,8 @@ def _step_counts(assets, root, accum: int) -> dict[str, int]:
     """Collectives called from Python and tensor value reads in one steady-state stem-ddp step (on this rank)."""
     import torch.distributed as dist
 
-    from stemlm.train.distributed import DistributedTrainer
-
     cfg = train_config(assets, root / f"count{accum}", steps=3, grad_accum=accum, eval_every=0, save_every=0)
-    trainer = DistributedTrainer(model_config("stem"), cfg, progress=False)
+    trainer = Trainer(model_config("stem"), cfg, progress=False)
     trainer.train_step()
     host_counters = {id(s["step"]) for opt in trainer.optimizers for s in opt.state.values() if "step" in s}
     counts = {"collectives": 0, "reads": 0}

@@ -1,7 +1,7 @@
 """`--train tables` on 2 gloo ranks: the frozen backbone stays bitwise unchanged on every rank, the row-sharded
 tables (and a retrofit adapter's gate logits) learn, and the run is the 1-process run.
 
-The `tables_runs` fixture trains each scenario once on 1 process, then forks 2 ranks that run `DistributedTrainer`
+The `tables_runs` fixture trains each scenario once on 1 process, then forks 2 ranks that run `Trainer`
 on the same configs; each rank compares its own copy of every frozen tensor (the FSDP2 shard gathered with
 `full_tensor`) with the freshly built model's and saves the verdicts. A 2-rank checkpoint is then resumed on one
 process (the optimizer list without a backbone optimizer must line up). Tolerances: `test_train_dist.TOL`.
@@ -62,13 +62,12 @@ def _worker(rank: int, world: int, port: int, root, assets) -> None:
     os.environ.update(
         RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)
     )
-    from stemlm.train.distributed import DistributedTrainer
     from stemlm.train.parallel.launch import destroy_distributed
 
     checks = {}
     for name, (ffn, _) in SCENARIOS.items():
         initial = build_model(model_config(ffn), seed=0).state_dict()
-        trainer = DistributedTrainer(model_config(ffn), scenario_config(assets, root, "two", name), progress=False)
+        trainer = Trainer(model_config(ffn), scenario_config(assets, root, "two", name), progress=False)
         trainer.fit()
         checks[name] = {
             "frozen": _frozen_unchanged(trainer, initial),

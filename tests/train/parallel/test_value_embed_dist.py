@@ -32,11 +32,10 @@ def _worker(rank: int, world: int, port: int, root, assets) -> None:
     os.environ.update(
         RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)
     )
-    from stemlm.train.distributed import DistributedTrainer
     from stemlm.train.parallel.launch import destroy_distributed
 
     for name, overrides in FITS.items():
-        trainer = DistributedTrainer(config(), train_config(assets, root / "two" / name, **overrides), progress=False)
+        trainer = Trainer(config(), train_config(assets, root / "two" / name, **overrides), progress=False)
         trainer.fit()
         shards = {i: list(trainer.tables.shard(i).shape) for i in trainer.tables.layers}
         (root / f"shards-{name}-{rank}.json").write_text(json.dumps(shards))

@@ -45,7 +45,7 @@ def test_host_tables_train_bitwise_like_resident(
     # The tables really live in the host buffers the optimizer steps, not in a device copy.
     assert isinstance(host.optimizers[-1], AsyncTableOptimizer)
     for i, table in host.model.stem_tables().items():
-        assert table.weight is host.host_tables.params[i]
+        assert table.weight is host.tables.params[i]
     # Device bytes saved: the table plus its optimizer state, counted here from the config.
     v, w = 320, 128
     state = 2 * v * w * 4 + v * 8 if table_optim == "lazy_adamw" else v * 4  # moments + per-row steps / row sums

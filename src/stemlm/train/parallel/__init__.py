@@ -1,7 +1,8 @@
-"""Distributed training pieces, applied to the single-device model from outside (`stemlm.train.distributed`):
-vocabulary-row-sharded tables and their row exchanges (`sharded_tables`, `row_plan`, `comm`), host-memory row
-shards (`host_shards`), torchrun set-up (`launch`), sharded DCP checkpoints (`checkpoint`) and meta-device
-initialisation of one rank's shards (`meta_init`). Names load lazily:
+"""Distributed training pieces, applied to the single-device model from outside (by `stemlm.train.trainer`):
+DDP / FSDP2 with checkpointing and compile in torchtitan's order (`parallelize`), vocabulary-row-sharded tables
+and their row exchanges (`sharded_tables`, `row_plan`, `comm`), host-memory row shards (`host_shards`), torchrun
+set-up (`launch`), sharded DCP checkpoints (`checkpoint`) and meta-device initialisation of one rank's shards
+(`meta_init`). Names load lazily:
 
     from stemlm.train.parallel import ShardedTables, init_distributed
 """

@@ -192,7 +192,7 @@ def _spread_replicas(pieces: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]
 
 # ----- save -----
 class ShardedSaver:
-    """Asynchronous sharded checkpoints of one `DistributedTrainer` (see the module docstring)."""
+    """Asynchronous sharded checkpoints of one rank's `Trainer` (see the module docstring)."""
 
     def __init__(self, timeout_s: float) -> None:
         from datetime import timedelta
@@ -208,8 +208,9 @@ class ShardedSaver:
         self.wait()
         main = dist.get_rank() == 0
         target = checkpoint_dir(trainer.run_dir, trainer.step)
-        pieces = model_pieces(trainer.model, trainer.tables, trainer.mesh)
-        optim, metas = optimizer_pieces(trainer.optimizers, trainer.tables, trainer.mesh)
+        shards, mesh = trainer.tables.row_shards, trainer.world.mesh
+        pieces = model_pieces(trainer.model, shards, mesh)
+        optim, metas = optimizer_pieces(trainer.optimizers, shards, mesh)
         info = {"world_size": dist.get_world_size(), "parallel": trainer.cfg.parallel, "format": SHARDED_FORMAT}
         payload = {**trainer.state(), "format": STATE_FORMAT, "step": trainer.step, "optimizers": metas}
         payload.update(rng=capture_rng(), **{DIST_KEY: info})

@@ -14,8 +14,9 @@ Look-ahead, as the 1-process host tables (stemlm.train.tables.host), on one work
    thread, in the same order on every rank) before computing window k;
 3. the row-sparse table optimizer steps on the worker (`AsyncTableOptimizer`, `wrap`), overlapped with the
    backbone optimizer; the next step's first gather is queued behind it, so it reads the updated rows.
-Evaluation lookups and checkpoints wait for the queue (`sync`). On a CPU every operation is the one
-`ShardedTables` performs, on the same values, so training is bitwise equal to it.
+Evaluation lookups and checkpoints wait for the queue (`sync`, `before_save`). On a CPU every operation is the one
+`ShardedTables` performs, on the same values, so training is bitwise equal to it. As a training placement
+(`host-sharded`) it is `row-sharded` with the table optimizer wrapped and a report of the host bytes (`summary`).
 Tests: `OMP_NUM_THREADS=1 python -m pytest tests/train/parallel/test_host_shards.py -q`.
 """
 
@@ -33,6 +34,8 @@ from stemlm.train.tables.lookahead import LookaheadWorker
 class HostShardedTables(LookaheadWorker, ShardedTables):
     """This rank's table shards in host memory, exchanged through `device`, gathered ahead on a worker."""
 
+    name = "host-sharded"
+
     def __init__(self, model: nn.Module, device: torch.device, group=None, reduce: str = "mean") -> None:
         super().__init__(model, group=group, reduce=reduce)
         self.device = self.compute_device = device
@@ -43,6 +46,7 @@ class HostShardedTables(LookaheadWorker, ShardedTables):
                 # A model built on the meta device (stemlm.train.parallel.meta_init) gets uninitialised host rows.
                 host = torch.empty_like(shard, device="cpu") if shard.is_meta else shard.to("cpu", copy=True)
                 self.shards[key] = nn.Parameter(host.pin_memory() if self.cuda else host)
+        self.meta_shards = False  # allocated on the host here, never by meta_init.materialise
         self._start_worker("stemlm-host-shards")
         self.stream = torch.cuda.Stream(device) if self.cuda else None
         self.pending: dict[int, Future] = {}
@@ -108,6 +112,24 @@ class HostShardedTables(LookaheadWorker, ShardedTables):
             rows.record_stream(current)
         plan.positions = plan.positions.to(self.device, non_blocking=True)
         return self._exchange(plan, rows, dtype)
+
+    # ----- the training placement: row-sharded, with the update on the worker -----
+    def wrap_optimizers(self, optimizers: list[torch.optim.Optimizer], cfg) -> list:
+        # The next step's rows are gathered behind the queued update (AsyncTableOptimizer), not by a hook.
+        return [*optimizers, self.wrap(self._table_optimizer(cfg))]
+
+    def before_save(self) -> None:
+        self.sync()  # the queued table update lands before the shards are read
+
+    def summary(self, optimizers: list[torch.optim.Optimizer]) -> dict[str, object]:
+        tables, state = self.host_bytes(optimizers[-1])  # this rank's
+        return {
+            "tables": "host",
+            "device_bytes_saved": tables + state,
+            "host_table_bytes": tables,
+            "host_optimizer_bytes": state,
+            "host_overlap": self.overlap(),
+        }
 
     # ----- the host-side optimizer (stemlm.train.tables.host.AsyncTableOptimizer drives these) -----
     def wrap(self, optimizer: torch.optim.Optimizer):

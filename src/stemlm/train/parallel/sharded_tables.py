@@ -10,11 +10,12 @@ local row `r // N` of its owner. One step, per micro-batch:
    the rows are the only collective and nothing is read back from the device; without `all_ids`, `plan`
    agrees on it with collectives (counts, then int32 local row indices, and a read of the counts). The
    returned callable is the model's `token` row provider, so the model math is untouched:
-   `model(input_ids, labels=..., rows={"token": tables.lookup(input_ids, all_ids)})`. The trainer splits this into
-   `start_window(k)` (plan and issue the exchange async) and `.rows()` (wait at use), so micro-batch k+1's rows
-   travel while k computes (`bind_windows`; the shards do not change within a step), and a step's first
-   micro-batch's from the previous step's table update on (the trainer's optimizer post-step hook). Traffic
-   is counted when an exchange is used, so one issued ahead counts in the step that uses it.
+   `model(input_ids, labels=..., rows={"token": tables.lookup(input_ids, all_ids)})`. As the trainer's `row-sharded`
+   placement (`stemlm.train.tables.placement`) it splits this into `start_window(k)` (plan and issue the exchange
+   async) and `.rows()` (wait at use), so micro-batch k+1's rows travel while k computes (the shards do not change
+   within a step), and a step's first micro-batch's from the previous step's table update on (a post-step hook
+   of the table optimizer it adds, `wrap_optimizers`). Traffic is counted when an exchange is used, so one issued
+   ahead counts in the step that uses it; `step_record` sums it over the ranks every `traffic_every` steps.
    Under autocast the rows travel and are returned in the autocast dtype (bf16: half the bytes, and the FFN
    product stays bf16), their gradients travel back in it too; the owners' shards and updates stay fp32.
 2. backward: the model's gradient for each unique row (already summed over its positions) goes back to
@@ -49,7 +50,10 @@ from stemlm.train.parallel.comm import (
     traffic_bytes,
 )
 from stemlm.train.parallel.row_plan import plan_arrays
-from stemlm.train.tables.optim import flatten_optimizer_state, unflatten_optimizer_state
+from stemlm.train.tables.optim import flatten_optimizer_state, make_table_optimizer, unflatten_optimizer_state
+from stemlm.train.tables.placement import Rows, TablePlacement
+
+TRAFFIC_KINDS = ("rows", "grads")  # the routing is planned on the host: no count or id messages
 
 
 @dataclass
@@ -63,8 +67,11 @@ class RowPlan:
     local_rows: torch.Tensor  # [sum(recv_counts)] shard rows this rank serves, grouped by requester
 
 
-class ShardedTables(nn.Module):
+class ShardedTables(nn.Module, TablePlacement):
     """The row shards of a model's token tables on this rank, with the lookup / gradient exchange."""
+
+    name = "row-sharded"
+    every_rank_ids = True
 
     def __init__(self, model: nn.Module, group=None, reduce: str = "mean", release_model_tables: bool = True) -> None:
         super().__init__()
@@ -85,6 +92,8 @@ class ShardedTables(nn.Module):
         )
         self.comm = CommCounter()
         self._hooks: dict[int, object] = {}
+        self.meta_shards = any(p.is_meta for p in self.shards.values())  # allocated later (meta_init.materialise)
+        self._ahead: tuple[int, PendingRows] | None = None  # the next step's first exchange, issued early
         if release_model_tables:
             for i in self.layers:
                 self._release(i, tables[i])
@@ -204,6 +213,106 @@ class ShardedTables(nn.Module):
         device = self._shard_device()
         return grads.to(device, dtype), plan.local_rows.to(device)
 
+    # ----- the training placement (stemlm.train.tables.placement) -----
+    @property
+    def row_shards(self) -> ShardedTables:
+        return self
+
+    def bind(self, batches, cfg, autocast) -> None:
+        self.bind_windows(batches.rank_ids, cfg.grad_accum, batches.world.device)
+        self.autocast, self.traffic_every = autocast, cfg.traffic_every
+        self.traffic, self.traffic_steps = dict.fromkeys(TRAFFIC_KINDS, 0), 0  # this rank's, since the last record
+        self._first, self._final, self._pending = 0, True, None
+        # FSDP2 runs built on the meta device have never coalesced per micro-batch (the hooks went to the meta
+        # shards that materialisation replaces): kept so that they stay bitwise reproducible.
+        if not (cfg.parallel == "fsdp" and self.meta_shards):
+            for shard in self.parameters():
+                shard.register_post_accumulate_grad_hook(_coalesce_grad)
+
+    def _table_optimizer(self, cfg) -> torch.optim.Optimizer:
+        table_opt = make_table_optimizer(
+            cfg.table_optim,
+            self.parameters(),
+            lr=cfg.table_peak_lr,
+            betas=(cfg.beta1, cfg.beta2),
+            eps=cfg.eps,
+            weight_decay=cfg.table_wd,
+        )
+        for group in table_opt.param_groups:
+            group.update(name="tables", peak_lr=cfg.table_peak_lr)
+        return table_opt
+
+    def wrap_optimizers(self, optimizers: list[torch.optim.Optimizer], cfg) -> list:
+        """The backbone's optimizers (the tables left the model's parameters) and the shards' own, whose update
+        issues the next step's first exchange (its rows then travel while the backbone steps)."""
+        table_opt = self._table_optimizer(cfg)
+        self._ahead_hook = table_opt.register_step_post_hook(self._exchange_next_step)
+        return [*optimizers, table_opt]
+
+    def begin_step(self, first_window: int, final: bool) -> None:
+        # The exchange is planned on the host (no collective, no device read) and issued one micro-batch ahead:
+        # window k+1's rows travel while k computes, and the first window's since the previous step's table
+        # update. Host shards also gather two windows ahead.
+        self.comm.pop_step()  # drop the held-out evaluation's lookups: count this step's traffic only
+        self._first, self._final = first_window, final
+        for window in range(first_window, first_window + min(2, self.windows_per_step)):
+            self.prefetch(window)
+        if self._ahead is not None and self._ahead[0] == first_window:
+            self._pending, self._ahead = self._ahead[1], None
+        else:
+            self._drop_ahead()
+            with self.autocast():
+                self._pending = self.start_window(first_window)
+
+    def rows(self, window: int, ids: torch.Tensor) -> Rows:
+        """The rows of `window` (exchanged while the previous micro-batch computed); issues the next exchange."""
+        k = window - self._first
+        rows = {"token": self._pending.rows()}
+        if k + 2 < self.windows_per_step:
+            self.prefetch(window + 2)
+        if k + 1 < self.windows_per_step:
+            self._pending = self.start_window(window + 1)
+        return rows
+
+    def eval_rows(self, ids: torch.Tensor, all_ids: list[torch.Tensor]) -> Rows:
+        return {"token": self.lookup(ids, all_ids=all_ids)}  # every rank's ids are here: planned on the host
+
+    def _exchange_next_step(self, *_) -> None:
+        """Issue the next step's first exchange as soon as the table update has run. Not after the last step,
+        nor after a skipped one (the hook runs on an update only)."""
+        if not self._final:
+            first = self._first + self.windows_per_step
+            with self.autocast():
+                self._ahead = (first, self.start_window(first))
+
+    def _drop_ahead(self) -> None:
+        """Wait out an exchange issued for a step that will not run here (the run stopped or ended)."""
+        ahead, self._ahead = self._ahead, None
+        if ahead is not None:
+            ahead[1].wait()
+
+    def step_record(self, step: int, final: bool) -> dict[str, int]:
+        sent = self.comm.pop_step()  # host-side byte counts: no device read, no collective
+        for kind in TRAFFIC_KINDS:
+            self.traffic[kind] += sent.get(f"table_bytes_sent/{kind}", 0)
+        self.traffic_steps += 1
+        if step % self.traffic_every and not final:  # the same on every rank
+            return {}
+        # Bytes sent between ranks since the last record, summed over the ranks (collective).
+        counts = torch.tensor([self.traffic[kind] for kind in TRAFFIC_KINDS], dtype=torch.int64)
+        counts = counts.to(self.compute_device)
+        torch.distributed.all_reduce(counts)
+        values = counts.tolist()
+        record = {"table_bytes_sent": sum(values), "table_traffic_steps": self.traffic_steps}
+        self.traffic, self.traffic_steps = dict.fromkeys(TRAFFIC_KINDS, 0), 0
+        return record | {f"table_bytes_sent/{kind}": v for kind, v in zip(TRAFFIC_KINDS, values, strict=True)}
+
+    def end_training(self, failed: bool) -> None:
+        if failed:
+            self._ahead = None  # not waited: a failed peer would never complete it
+        else:
+            self._drop_ahead()  # a stop ends the run after a step that already issued the next one's exchange
+
     # ----- gathering and loading (for checkpoints and evaluation) -----
     def gather_rows(self, local: torch.Tensor) -> torch.Tensor:
         """Reassemble a row-sharded tensor ([local rows, ...] on every rank) into [V, ...] on every rank."""
@@ -293,6 +402,14 @@ class ShardedTables(nn.Module):
     def _rows_per_state_index(self, optimizer: torch.optim.Optimizer) -> dict[int, int]:
         params = [p for group in optimizer.param_groups for p in group["params"]]
         return {i: p.shape[0] for i, p in enumerate(params)}
+
+
+def _coalesce_grad(param: torch.Tensor) -> None:
+    # Autograd adds sparse gradients by concatenation: over grad_accum micro-batches a shard's gradient would
+    # hold every micro-batch's rows (duplicates included) until the optimizer coalesces. Coalescing after each
+    # accumulation keeps it at most one entry per shard row.
+    if param.grad is not None and param.grad.is_sparse:
+        param.grad = param.grad.coalesce()
 
 
 def _is_row_state(key: str, value: torch.Tensor, rows: dict[int, int]) -> bool:

@@ -1,13 +1,13 @@
-"""Running `stemlm train` in several processes: who is a worker, its trainer and thread share, and the parent's
-relay of torchrun's output with a one-line failure.
+"""Running `stemlm train` in several processes: who is a worker, its thread share, and the parent's relay of
+torchrun's output with a one-line failure.
 
-`distributed_worker()` tells a rank that torchrun (or SLURM's srun) started from a plain process;
-`trainer_class()` is `stemlm.train.distributed.DistributedTrainer` there, else `Trainer`; `default_threads()`
-shares the CPU cores among the local ranks. The parent runs torchrun with `run_torchrun(cmd, log)`, which
-writes all of torchrun's output to the run's launch log and passes the workers' output through as it comes,
-except torchrun's own log lines and tracebacks and the ranks' error lines (`rank_error` tags them with the rank,
-`rank_errors` finds them again), and forwards one SIGINT / SIGTERM (the ranks then save the last step);
-`failure_message` turns the failure into one line: the error of the rank that failed first, or how it ended.
+`distributed_worker()` tells a rank that torchrun (or SLURM's srun) started from a plain process (the trainer's
+world, `stemlm.train.world.detect_world`, asks it); `default_threads()` shares the CPU cores among the local
+ranks. The parent runs torchrun with `run_torchrun(cmd, log)`, which writes all of torchrun's output to the run's
+launch log and passes the workers' output through as it comes, except torchrun's own log lines and tracebacks
+and the ranks' error lines (`rank_error` tags them with the rank, `rank_errors` finds them again), and forwards
+one SIGINT / SIGTERM (the ranks then save the last step); `failure_message` turns the failure into one line: the
+error of the rank that failed first, or how it ended.
 """
 
 from __future__ import annotations
@@ -33,16 +33,6 @@ def distributed_worker() -> bool:
 
     adopt_slurm_env()
     return "RANK" in os.environ and int(os.environ.get("WORLD_SIZE", "1")) > 1
-
-
-def trainer_class():
-    if distributed_worker():
-        from stemlm.train.distributed import DistributedTrainer
-
-        return DistributedTrainer
-    from stemlm.train.trainer import Trainer
-
-    return Trainer
 
 
 def default_threads() -> int:

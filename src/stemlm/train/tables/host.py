@@ -4,6 +4,9 @@ The tables and their row-sparse optimizer state live outside the compute device:
 the device is CUDA, in a separate CPU buffer otherwise (so the same code path runs, and is tested, on a CPU).
 The provider is generic over one fact: the ids a forward will look up are known before it runs
 (`ids_for(window)`; for STEM the input ids of a data window, for n-gram keys whatever ids the batch implies).
+`HostTables` is the `host` training placement of one process (`stemlm.train.tables.placement.TablePlacement`):
+the trainer hands it the run's micro-batches (`bind`), takes each micro-batch's rows from it (`rows`), lets it
+finish their gradients (`finish_grads`) and wraps the table optimizer with it (`wrap_optimizers`).
 
 Per optimizer step of `windows_per_step` micro-batches, on one worker thread (FIFO, so order = correctness):
 
@@ -34,7 +37,9 @@ import torch
 from torch import nn
 
 from stemlm.errors import StemlmError
+from stemlm.train.config import TrainConfig
 from stemlm.train.tables.lookahead import LookaheadWorker
+from stemlm.train.tables.placement import Rows, TablePlacement
 
 ROW_SPARSE = ("lazy_adamw", "rowwise_adagrad")
 
@@ -49,20 +54,18 @@ class Gathered:
     event: object = None  # CUDA event after the copies (None on CPU)
 
 
-class HostTables(LookaheadWorker):
+class HostTables(LookaheadWorker, TablePlacement):
     """A model's token tables in host memory with look-ahead gathers and a host-side optimizer step."""
 
-    def __init__(
-        self,
-        model: nn.Module,
-        device: torch.device,
-        ids_for: Callable[[int], torch.Tensor],
-        windows_per_step: int,
-    ) -> None:
+    name = "host"
+
+    def __init__(self, model: nn.Module, device: torch.device) -> None:
         tables = model.stem_tables()
         if not tables:
             raise StemlmError(f"--tables host needs a model with token tables (ffn={model.config.ffn} has none)")
-        self.device, self.ids_for, self.windows_per_step = device, ids_for, windows_per_step
+        self.device = device
+        self.ids_for: Callable[[int], torch.Tensor] | None = None  # a window's input ids on the host (`bind`)
+        self.windows_per_step = 1
         self.cuda = device.type == "cuda"
         self.layers = sorted(tables)
         self.params: dict[int, nn.Parameter] = {}
@@ -80,6 +83,19 @@ class HostTables(LookaheadWorker):
         self._staging = [{"rows": {}, "event": None} for _ in range(2)]
         self._turn = 0
         self.last_window = -1
+
+    # ----- the training placement (stemlm.train.tables.placement) -----
+    def bind(self, batches, cfg: TrainConfig, autocast) -> None:
+        self.ids_for, self.windows_per_step = batches.ids, cfg.grad_accum
+
+    def wrap_optimizers(self, optimizers: list[torch.optim.Optimizer], cfg: TrainConfig) -> list:
+        return [*optimizers[:-1], self.wrap(optimizers[-1], cfg.table_optim)]  # the recipe's table optimizer: last
+
+    def rows(self, window: int, ids: torch.Tensor) -> Rows:
+        return {"token": self.train_rows(window, ids)}
+
+    def lookup_rows(self) -> Rows:
+        return {"token": self.lookup}
 
     # ----- memory -----
     def table_bytes(self) -> int:
@@ -179,12 +195,12 @@ class HostTables(LookaheadWorker):
             )
         return AsyncTableOptimizer(self, optimizer)
 
-    def summary(self, optimizer: AsyncTableOptimizer) -> dict[str, object]:
+    def summary(self, optimizers: list) -> dict[str, object]:
         """Bytes kept off the device (tables + their optimizer state) and the overlap, for the run's report."""
         self.sync()
         state = sum(
             t.numel() * t.element_size()
-            for s in optimizer.inner.state.values()
+            for s in optimizers[-1].inner.state.values()
             for t in s.values()
             if torch.is_tensor(t)
         )
