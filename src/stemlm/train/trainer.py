@@ -7,37 +7,29 @@ dataset, evaluates, saves.
     stemlm train --nproc 2 --parallel fsdp ...       # N ranks: the CLI relaunches itself under torchrun
 
 One step: `grad_accum` micro-batches, each the deterministic window batch `sample_batch(seed, step * grad_accum +
-k)` (read `cfg.prefetch` micro-batches ahead on a worker thread: `stemlm.train.batches`), forward under autocast
-(fp32 master weights), loss = cross-entropy + aux_loss_coef x MoE aux loss, backward of loss / grad_accum; then
-one global gradient-norm clip over all parameters and a step of every optimizer (`stemlm.train.optim`); `cfg.recipe`
-picks those rules and the init (`stemlm.train.recipes`: `official` clips per optimizer). A
-non-finite loss or gradient norm skips the update (counted as `skipped_steps`; `max_skipped` in a row stop the run
-with an error); a non-finite loss, or one above `spike_factor` x the rolling median of the last `spike_window`
-losses, is counted as a spike. SIGINT / SIGTERM end the run after the current step with a checkpoint of it
-(`stemlm.train.guard`); checkpoints are also written every `save_every` steps and every `save_minutes` of wall
-time. The data position is the step number and every RNG state is checkpointed, so a resumed run reproduces the
-uninterrupted one. `fault_injection(step, loss) -> loss` (Python API only) lets tests poison a step's loss (NaN)
-or raise to simulate a crash. `fit()` first tells glibc to keep large freed blocks for reuse
-(`stemlm.train.allocator`: no fresh mapping of the loss's [tokens, V] tensors each step).
+k)` (read ahead on a worker thread: `stemlm.train.batches`), forward under autocast (fp32 master weights), loss =
+cross-entropy + aux_loss_coef x MoE aux loss, backward of loss / grad_accum; then one gradient-norm clip and a step
+of every optimizer; `cfg.recipe` picks those rules and the init (`stemlm.train.recipes`). A non-finite loss or
+gradient norm skips the update (`skipped_steps`; `max_skipped` in a row stop the run with an error); a non-finite
+loss, or one above `spike_factor` x the rolling median of the last `spike_window` losses, is a spike. SIGINT /
+SIGTERM end the run after the current step with a checkpoint of it (`stemlm.train.guard`); checkpoints are also
+written every `save_every` steps and `save_minutes` of wall time. The data position is the step number and every
+RNG state is checkpointed, so a resumed run reproduces the uninterrupted one. `fault_injection(step, loss) ->
+loss` (Python API only) lets tests poison a step's loss (NaN) or raise to simulate a crash.
 
 What differs between one process and N enters from outside, never by subclassing:
-- the `World` (`stemlm.train.world`): rank, size, device and the collectives (`agree` on stop / save, the loss
-  and held-out sums); rank 0 alone writes the run folder, metrics and progress;
-- the table placement (`stemlm.train.tables.placement`): resident, host, row-sharded or host-sharded tables
-  give each micro-batch its rows through `StemLM.forward(rows=...)`, finish their gradients and own their
-  optimizer; row-sharded tables also make every rank read the whole micro-batch (its ids plan the exchange);
+- the world (`stemlm.train.world`): rank, size, device and collectives (`agree` on a stop or save, the sums of the
+  losses); rank 0 alone writes the run folder, metrics and progress;
+- the table placement (`stemlm.train.tables.placement`: resident, host, row-sharded, host-sharded): each
+  micro-batch's rows through `StemLM.forward(rows=...)`, their gradients, the table optimizer, its report;
 - `parallelize` (`stemlm.train.parallel.parallelize`): activation checkpointing, compile, then DDP / FSDP2, in
-  torchtitan's order; several ranks build the model on the meta device and materialise their part
-  (`stemlm.train.model_source`);
-- checkpoints: one process writes `stemlm.train.state`'s folder, several ranks write their pieces
-  asynchronously (`stemlm.train.parallel.checkpoint`); either resumes on any number of processes.
-The global batch is the 1-process batch at any N (rank r takes rows [r * b, (r + 1) * b), b = batch_size / N),
-DDP / FSDP2 average the backbone gradients and the row shards divide theirs by N, so N processes train the same
-model as one (up to float rounding); the MoE balancing loss is the exception (its batch statistics are per rank).
-A failing rank ends the job: torchrun then stops the others, and a rank blocked in a collective gives up after
-`cfg.dist_timeout` seconds (`STEMLM_FAULT_EXIT`, stemlm.train.guard, makes a rank fail for tests).
-Tests: tests/train/test_trainer.py; several ranks: `OMP_NUM_THREADS=1 python -m pytest
-tests/train/parallel/test_train_dist.py -q`.
+  torchtitan's order, as each rank materialises its part of a meta-built model (`stemlm.train.model_source`);
+- checkpoints: one process writes `stemlm.train.state`'s folder, N ranks their pieces, asynchronously
+  (`stemlm.train.parallel.checkpoint`); either resumes on any number of processes.
+The global batch is the 1-process batch at any N, DDP / FSDP2 average the backbone gradients and the row shards
+divide theirs by N, so N processes train the same model as one up to float rounding (the MoE balancing loss is
+per rank). A failing rank ends the job: torchrun stops the others; a rank blocked in a collective gives up after
+`cfg.dist_timeout` seconds. Tests: tests/train/test_trainer.py, tests/train/parallel/test_train_dist.py.
 """
 
 from __future__ import annotations
@@ -69,6 +61,7 @@ from stemlm.paths import refuse_symlink
 from stemlm.runtime import resolve_dtype
 from stemlm.train.allocator import keep_freed_blocks
 from stemlm.train.batches import MicroBatches
+from stemlm.train.checkpointing import make_saver
 from stemlm.train.config import TrainConfig
 from stemlm.train.data import load_datasets, load_datasets_distributed, resolve_sampling, resolve_tokenizer
 from stemlm.train.guard import DivergenceGuard, StopSignals, check_no_checkpoints, check_run_dir, maybe_inject_exit
@@ -81,16 +74,8 @@ from stemlm.train.parallel.parallelize import gradient_sync
 from stemlm.train.profiling import StepProfiler, check_profiling
 from stemlm.train.recipes import get_recipe
 from stemlm.train.resume import RUN_CONFIG_NAME, check_finite_weights, check_resume_state, resume_setup
-from stemlm.train.state import (
-    check_same_data,
-    data_digest,
-    load_optimizer_state,
-    read_state_json,
-    read_trainer_state,
-    restore_rng,
-    save_checkpoint,
-)
-from stemlm.train.tables.placement import make_placement
+from stemlm.train.state import check_same_data, data_digest, read_state_json, restore_rng
+from stemlm.train.tables.registry import make_placement
 from stemlm.train.tables.resident import ResidentTables
 from stemlm.train.world import LocalWorld, detect_world
 
@@ -154,11 +139,7 @@ class Trainer:
             self.train_data, cfg, world, self.local_batch, every_rank=self.tables.every_rank_ids
         )
         self.train_data.sample_batch(cfg.batch_size, cfg.seq_len, seed=cfg.seed, step=0)  # fails early if too small
-        self.saver = None  # several ranks: asynchronous sharded checkpoints (stemlm.train.parallel.checkpoint)
-        if world.distributed:
-            from stemlm.train.parallel.checkpoint import ShardedSaver
-
-            self.saver = ShardedSaver(cfg.dist_timeout)
+        self.saver = make_saver(world, cfg)  # one process: written at once; several ranks: their pieces, async
         self.tables.bind(self.batches, cfg, self.autocast)
         self.optimizers = self._build_optimizers()
         self.step, self.skipped_steps, self.loss_spikes = 0, 0, 0
@@ -304,7 +285,7 @@ class Trainer:
         data = state.get("data")
         check_same_data(data.get("digest") if isinstance(data, dict) else None, data_digest(self.train_data), ckpt)
         check_resume_state(ckpt, state, self.cfg)
-        self._load_optimizer_state(ckpt, state)
+        self.saver.load_optimizers(self, ckpt, state)
         self.step = state["step"]
         self.skipped_steps, self.loss_spikes = state["skipped_steps"], state["loss_spikes"]
         self.window.extend(state["spike_window"][-self.cfg.spike_window :])
@@ -322,16 +303,6 @@ class Trainer:
         except OSError as exc:
             raise StemlmError(f"cannot write the run folder {self.run_dir}: {exc.strerror or exc}") from None
 
-    def _load_optimizer_state(self, ckpt: Path, state: dict[str, Any]) -> None:
-        # Several ranks, or a checkpoint several wrote (sharded, in torch.distributed.checkpoint form): resharded.
-        if self.world.distributed or "distributed" in state:
-            from stemlm.train.parallel.checkpoint import load_optimizers
-
-            load_optimizers(self.optimizers, ckpt, state, tables=self.tables.row_shards, mesh=self.world.mesh)
-        else:
-            _, tensors = read_trainer_state(ckpt)
-            load_optimizer_state(self.optimizers, tensors, state["optimizers"], ckpt)
-
     def state(self) -> dict[str, Any]:
         """Counters and data position saved with each checkpoint (RNG and optimizer state are added by save)."""
         return {
@@ -348,22 +319,10 @@ class Trainer:
         }
 
     def save(self) -> Path:
-        """Checkpoint this step: RUN/checkpoints/step-<step>/ (several ranks: started asynchronously, in place
-        once `self.saver.wait()` returns; `fit` waits for it)."""
+        """Checkpoint this step: RUN/checkpoints/step-<step>/ (several ranks: in place once `saver.wait()` returns,
+        which the next save and the end of `fit` do)."""
         self.tables.before_save()
-        if self.saver is not None:
-            return self.saver.save(self)
-        cfg = self.cfg
-        return save_checkpoint(
-            self.run_dir,
-            self.step,
-            self.model,
-            self.tokenizer,
-            self.optimizers,
-            self.state(),
-            cfg.keep_last,
-            cfg.keep_optimizer_state,
-        )
+        return self.saver.save(self)
 
     # ----- training -----
     def autocast(self):
@@ -371,7 +330,7 @@ class Trainer:
 
     def train_step(self) -> dict[str, Any]:
         """One optimizer step at `self.step`; returns its metrics record and advances the step."""
-        maybe_inject_exit(self.world.rank, self.step + 1, before=self.saver.wait if self.saver else None)
+        maybe_inject_exit(self.world.rank, self.step + 1, before=self.saver.wait)
         cfg, step = self.cfg, self.step
         mult = self.recipe.set_learning_rates(self.optimizers, step, cfg)
         start, cpu_start = time.perf_counter(), time.process_time()
@@ -499,13 +458,11 @@ class Trainer:
             heldout, checkpoint, last, stopped = self._train()
         except BaseException:
             self.tables.end_training(failed=True)
-            if self.saver is not None:
-                with contextlib.suppress(Exception):
-                    self.saver.wait()  # a save in flight still completes (or leaves only its temporary folder)
+            with contextlib.suppress(Exception):
+                self.saver.wait()  # a save in flight still completes (or leaves only its temporary folder)
             raise
         self.tables.end_training(failed=False)
-        if self.saver is not None:
-            self.saver.wait()  # the last checkpoint is in place before fit returns
+        self.saver.wait()  # the last checkpoint is in place before fit returns
         if self.world.is_main:
             plot_losses(self.run_dir / METRICS_NAME, self.run_dir / PLOT_NAME, title=self.run_dir.name)
         tokens = cfg.tokens_per_step * self.step

@@ -257,6 +257,10 @@ class ShardedSaver:
         except BaseException as exc:
             self.error = exc
 
+    def load_optimizers(self, trainer, ckpt: Path, state: dict[str, Any]) -> None:
+        """The checkpoint's optimizer state (written by any number of ranks) into this rank's part (collective)."""
+        load_optimizers(trainer.optimizers, ckpt, state, tables=trainer.tables.row_shards, mesh=trainer.world.mesh)
+
     def wait(self) -> None:
         """Block until the pending save (if any) is written and in place; raise its error."""
         future, finisher, self.future, self.finisher = self.future, self.finisher, None, None

@@ -1,5 +1,5 @@
 """Where a training run's token tables live and how a micro-batch's rows reach the model: `TablePlacement`, the
-protocol the one `Trainer` calls, and `make_placement`, which picks one from the config and the world.
+protocol the one `Trainer` calls (`stemlm.train.tables.registry.make_placement` picks one).
 
     tables = make_placement(cfg, model, world)        # before the backbone is wrapped (DDP / FSDP2)
     tables.bind(batches, cfg, trainer.autocast)       # once the run's micro-batches are known
@@ -25,7 +25,6 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
-from torch import nn
 
 from stemlm.train.config import TrainConfig
 
@@ -84,22 +83,3 @@ class TablePlacement:
 
     def close(self) -> None:
         """Stop any worker thread (the run is over)."""
-
-
-def make_placement(cfg: TrainConfig, model: nn.Module, world: Any) -> TablePlacement:
-    """The placement `cfg.tables` asks for in `world`, applied to `model` (a model on the meta device too)."""
-    if world.distributed and model.stem_tables():
-        if cfg.tables == "host":
-            from stemlm.train.parallel.host_shards import HostShardedTables
-
-            return HostShardedTables(model, world.device)
-        from stemlm.train.parallel.sharded_tables import ShardedTables
-
-        return ShardedTables(model)
-    if cfg.tables == "host" and not world.distributed:
-        from stemlm.train.tables.host import HostTables
-
-        return HostTables(model, world.device)
-    from stemlm.train.tables.resident import ResidentTables
-
-    return ResidentTables()
