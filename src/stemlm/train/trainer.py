@@ -70,7 +70,7 @@ from stemlm.train.memory import resolve_loss
 from stemlm.train.model_source import ModelSource
 from stemlm.train.optim import freeze_backbone
 from stemlm.train.parallel.launch import local_batch_size
-from stemlm.train.parallel.parallelize import gradient_sync
+from stemlm.train.parallel.parallelize import gradient_sync, parallelize
 from stemlm.train.profiling import StepProfiler, check_profiling
 from stemlm.train.recipes import get_recipe
 from stemlm.train.resume import RUN_CONFIG_NAME, check_finite_weights, check_resume_state, resume_setup
@@ -169,8 +169,6 @@ class Trainer:
         on several ranks), the backbone frozen (`--train tables`: DDP / FSDP2 must see it frozen), the tables
         placed (row shards leave the model before any wrapping), then checkpointing, compile and data
         parallelism applied from outside (stemlm.train.parallel.parallelize) as this rank's part is materialised."""
-        from stemlm.train.parallel.parallelize import parallelize
-
         self.model_source = source = ModelSource(self.cfg, model_config, resume_from, self.world, self.recipe)
         model = source.build()
         if self.cfg.trainable == "tables":
