@@ -50,7 +50,7 @@ def stored_transposed(out_features: int, in_features: int, device: torch.device)
 
 
 def _sources(weights: Sequence[torch.Tensor | None]) -> tuple:
-    return tuple(None if w is None else (w.data_ptr(), w._version, w.device, w.dtype) for w in weights)
+    return tuple([None if w is None else (w.data_ptr(), w._version, w.device, w.dtype) for w in weights])
 
 
 @dataclass
@@ -66,17 +66,21 @@ class FusedCopy:
         return torch.matmul(x, self.weight) if self.transposed else F.linear(x, self.weight)
 
 
-@dataclass
+@dataclass(slots=True)
 class _Product:
     """The latest input's product, split, until each member has taken its part (None once taken)."""
 
     input: torch.Tensor
     version: int | None  # the input's in-place version (None while compiling: not traceable)
     parts: list[torch.Tensor | None]
+    left: int  # parts not taken yet
 
 
 class FusedGroup:
-    """Weights of one input, named as (module, attribute) pairs, and their decoding copy (None: dropped)."""
+    """Weights of one input, named as (module, attribute) pairs, and their decoding copy (None: dropped).
+
+    Several threads may run forwards at once: a member takes a part only of the very input object it is called on,
+    so a product another thread replaced is recomputed, never mixed up."""
 
     def __init__(self, weights: Sequence[tuple[nn.Module, str]], dim: int = 0, transpose: bool = False) -> None:
         self.weights = list(weights)
@@ -104,29 +108,24 @@ class FusedGroup:
 
     def part(self, index: int, x: torch.Tensor) -> torch.Tensor | None:
         """Weight `index`'s product with x, from the one product of all of them; None: not to be fused now."""
-        if torch.is_grad_enabled():
-            return None
-        compiling = torch.compiler.is_compiling()
         pending = self.pending
-        if (
-            pending is not None
-            and pending.input is x
-            and pending.parts[index] is not None
-            and (compiling or pending.version == x._version)
-        ):
+        if pending is not None and pending.input is x and not torch.is_grad_enabled():
             part = pending.parts[index]
-            pending.parts[index] = None
-        else:
-            copy = self.usable()
-            if copy is None:
-                return None
-            if len(copy.sizes) == 1:
-                return copy.product(x)
-            parts: list[torch.Tensor | None] = list(copy.product(x).split(copy.sizes, dim=-1))
-            part, parts[index] = parts[index], None
-            pending = self.pending = _Product(x, None if compiling else x._version, parts)
-        if all(p is None for p in pending.parts) and self.pending is pending:
-            self.pending = None  # every part taken: keep nothing of this input
+            if part is not None and (pending.version is None or pending.version == x._version):
+                pending.parts[index] = None
+                pending.left -= 1
+                if pending.left == 0 and self.pending is pending:
+                    self.pending = None  # every part taken: keep nothing of this input
+                return part
+        copy = self.usable()
+        if copy is None:
+            return None
+        if len(copy.sizes) == 1:
+            return copy.product(x)
+        parts: list[torch.Tensor | None] = list(copy.product(x).split(copy.sizes, dim=-1))
+        part, parts[index] = parts[index], None
+        version = None if torch.compiler.is_compiling() else x._version
+        self.pending = _Product(x, version, parts, len(parts) - 1)
         return part
 
 
