@@ -128,6 +128,20 @@ def test_a_weight_edited_after_fusing_drops_its_copy_and_grad_takes_the_paramete
     torch.testing.assert_close(edited, logits(fresh), atol=0, rtol=0)
 
 
+def test_fusing_again_refreshes_a_dropped_copy_and_frees_the_old_one():
+    model, edited = make_tiny_model("moe"), make_tiny_model("moe")
+    fuse_for_decoding(model)
+    old = model.model.layers[1].mlp.experts.group
+    with torch.no_grad():
+        for m in (model, edited):
+            m.model.layers[1].mlp.experts.up_proj.mul_(2.0)
+            m.model.layers[0].mlp.up_proj.weight.mul_(2.0)
+    logits(model)  # drops the two stale copies
+    fuse_for_decoding(model)
+    assert all_fused(model) and old.copy is None
+    torch.testing.assert_close(logits(model), logits(edited), atol=1e-6, rtol=0)
+
+
 def test_a_weight_replaced_after_fusing_is_seen():
     model, other = make_tiny_model("dense"), make_tiny_model("dense", seed=1)
     fuse_for_decoding(model)

@@ -137,6 +137,7 @@ class FusedLinear(nn.Linear):
         super().__init__(linear.in_features, linear.out_features, bias=False, device="meta")
         self.weight = linear.weight
         self.group, self.index = group, index
+        group.weights[index] = (self, "weight")  # read from here on: a Parameter assigned to it later is seen
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.group.part(self.index, x)
@@ -163,6 +164,12 @@ class FusedExperts(Experts):
         return (x @ copy.weight[e].t()).split(copy.sizes, dim=-1)
 
 
+def _release(module: nn.Module) -> None:
+    """Free the copy of a fused module being replaced (it and its group refer to each other: no prompt refcount)."""
+    if isinstance(module, FusedLinear | FusedExperts):
+        module.group.copy = module.group.pending = None
+
+
 def _hooked(module: nn.Module) -> bool:
     return bool(module._forward_hooks or module._forward_pre_hooks)
 
@@ -179,9 +186,8 @@ def _fuse_linears(module: nn.Module, names: Sequence[str]) -> None:
         return
     group = FusedGroup([(linear, "weight") for linear in linears], transpose=transpose)
     for index, (name, linear) in enumerate(zip(names, linears, strict=True)):
-        fused = FusedLinear(linear, group, index)
-        group.weights[index] = (fused, "weight")
-        setattr(module, name, fused)
+        _release(linear)
+        setattr(module, name, FusedLinear(linear, group, index))
 
 
 def fuse_for_decoding(model: nn.Module) -> None:
@@ -191,6 +197,7 @@ def fuse_for_decoding(model: nn.Module) -> None:
     for module in list(model.modules()):
         for name, child in list(module.named_children()):
             if isinstance(child, Experts) and not _hooked(child):
+                _release(child)
                 setattr(module, name, FusedExperts(child))
         if not isinstance(module, Experts):
             for names in getattr(module, "fusable", ()):
@@ -211,7 +218,7 @@ def unfuse(model: nn.Module) -> None:
                     setattr(plain, param_name, param)
             else:
                 continue
-            child.group.copy = child.group.pending = None
+            _release(child)
             setattr(module, name, plain)
 
 
