@@ -2,7 +2,7 @@
 
 Three models with random weights (seed 0): our tiny STEM model and our tiny-dense model decode with
 `stemlm.inference.generate.generate`, prepared as `stemlm.inference.load` prepares a loaded checkpoint (q/k/v and
-gate/up fused, on a CPU the wide copies kept transposed: `StemLM.fuse_for_decoding`), and beside them the same
+gate/up fused, on a CPU the wide copies kept transposed: `fusion.fuse_for_decoding`), and beside them the same
 tiny-dense model without those copies ("unfused", for `fused_over_unfused`); the same tiny-dense weights loaded into
 `transformers.LlamaForCausalLM` (a dense stemlm folder is a Llama folder) decode with HF `generate()` (greedy, eos
 disabled, dynamic cache). Each repetition runs every model once, in a rotating order, so machine load hits all
@@ -48,7 +48,7 @@ from stemlm.inference.generate import generate
 from stemlm.inference.load import bind_forward, compile_decoding
 from stemlm.model import build_model
 from stemlm.model.accounting import decode_bytes_per_token
-from stemlm.model.fusion import stored_transposed
+from stemlm.model.fusion import fuse_for_decoding, stored_transposed
 from stemlm.model.presets import get_preset
 
 
@@ -99,10 +99,10 @@ def main(argv: list[str] | None = None) -> None:
     ours = {name: model.to(device) for name, model in ours.items()}
     ours["unfused"] = build_model(dense_cfg, seed=0).eval().to(device)
     for name in ("stem", "dense"):
-        ours[name].fuse_for_decoding()
+        fuse_for_decoding(ours[name])
     if args.compile:
         ours["compiled"] = build_model(dense_cfg, seed=0).eval().to(device)
-        ours["compiled"].fuse_for_decoding()
+        fuse_for_decoding(ours["compiled"])
         bind_forward(ours["compiled"])
         compile_decoding(ours["compiled"])
     prompt = torch.randint(0, dense_cfg.vocab_size, (1, args.prompt), generator=torch.Generator().manual_seed(0))

@@ -1,8 +1,8 @@
-"""The lean decoding step: q/k/v and gate/up fused at load (`StemLM.fuse_for_decoding`; on a CPU the copies with at
+"""The lean decoding step: q/k/v and gate/up fused at load (`fusion.fuse_for_decoding`; on a CPU the copies with at
 least as many outputs as inputs, STEM's gate, o_proj and the lm_head among them, stored transposed), RoPE rows from
 a table, the id check once per request. Greedy tokens equal a plain model's full recompute (no cache, no fusion, no
-table) for every kind in the registry, with resident tables and, for kinds that have tables, host tables; the fused copy
-never stands in for a weight that changed or a forward with grad. With the decoding steps compiled
+table) for every kind in the registry, with resident tables and, for kinds that have tables, host tables
+(tests/model/test_fusion.py checks the fusion itself). With the decoding steps compiled
 (`InferenceOptions(compile=True)`, slow) the tokens are the same, single-stream and batched, and a weight edited
 after the compile has its copy dropped before the next compiled step.
 
@@ -20,8 +20,8 @@ from stemlm.inference.generate import generate
 from stemlm.inference.load import InferenceOptions, load_inference
 from stemlm.model.attention import RotaryEmbedding
 from stemlm.model.config import FFN_KINDS
-from stemlm.model.fusion import FUSED, is_fused, stored_transposed
 from tests.conftest import make_tiny_model
+from tests.model.test_fusion import all_fused
 
 PROMPT, NEW = [5, 17, 3, 99, 42], 12
 
@@ -33,10 +33,6 @@ def recompute_greedy(model, ids: list[int], n: int) -> list[int]:
     for _ in range(n):
         seq.append(int(model(torch.tensor([seq])).logits[0, -1].argmax()))
     return seq[len(ids) :]
-
-
-def fusable(model) -> list:
-    return [m for m in model.modules() if hasattr(m, "fuse_projections")]
 
 
 @pytest.fixture(scope="module", params=FFN_KINDS)
@@ -52,69 +48,8 @@ def test_greedy_tokens_equal_the_plain_recompute(checkpoint):
     placements = ["device"] + (["host"] if plain.lookup_tables() else [])
     for tables in placements:
         with load_inference(checkpoint, InferenceOptions(tables=tables)) as lm:
-            assert all(is_fused(m) for m in fusable(lm.model))  # fused at load
+            assert all_fused(lm.model)  # fused at load
             assert generate(lm.model, PROMPT, NEW, greedy=True) == expected, tables
-
-
-def test_fused_logits_equal_the_plain_ones_and_weights_keep_their_names(checkpoint):
-    plain, lean = from_pretrained(checkpoint).eval(), from_pretrained(checkpoint).eval()
-    lean.fuse_for_decoding()
-    assert lean.state_dict().keys() == plain.state_dict().keys()
-    ids = torch.tensor([PROMPT])
-    with torch.no_grad():
-        torch.testing.assert_close(lean(ids).logits, plain(ids).logits, atol=1e-6, rtol=0)
-
-
-@pytest.mark.parametrize("kind", FFN_KINDS)
-def test_every_module_with_gate_and_up_of_one_input_fuses_them(kind):
-    model = make_tiny_model(kind)
-    both = [m for m in model.modules() if hasattr(m, "gate_proj") and hasattr(m, "up_proj")]
-    assert all(hasattr(m, "fuse_projections") for m in both)
-    model.fuse_for_decoding()
-    assert all(is_fused(m) for m in [*both, *(layer.self_attn for layer in model.model.layers)])
-
-
-def test_wide_copies_are_kept_transposed_on_a_cpu_and_narrow_weights_get_none():
-    model = make_tiny_model("stem")  # d = 64, d_ff = 128, V = 256; layer 1 is a STEM layer
-    model.fuse_for_decoding()
-    layer = model.model.layers[1]
-    assert model.__dict__[FUSED][0].shape == (64, 256)  # the lm_head's copy, [in, out]
-    assert layer.mlp.__dict__[FUSED][0].shape == (64, 128)  # STEM's gate alone
-    qkv = (model.config.num_attention_heads + 2 * model.config.kv_heads) * model.config.head_size
-    assert layer.self_attn.__dict__[FUSED][0].shape == (64, qkv)  # q/k/v
-    assert layer.self_attn.o_proj.__dict__[FUSED][0].shape == (64, 64)  # square: kept [in, out] too
-    assert layer.self_attn.o_proj.__dict__[FUSED][3]
-    assert FUSED not in layer.mlp.down_proj.__dict__
-    assert not stored_transposed(64, 128, torch.device("cpu"))  # the down projection's shape: kept [out, in]
-    assert not stored_transposed(8192, 256, torch.device("cuda"))  # the layout rule was measured on CPUs only
-    ids = torch.tensor([PROMPT])
-    with torch.no_grad():
-        torch.testing.assert_close(model(ids).logits, make_tiny_model("stem")(ids).logits, atol=1e-6, rtol=0)
-
-
-@pytest.mark.parametrize(
-    ("kind", "weight"),
-    [
-        ("dense", lambda layer: layer.self_attn.v_proj.weight),
-        ("dense", lambda layer: layer.mlp.up_proj.weight),
-        ("moe", lambda layer: layer.mlp.experts.gate_proj),
-    ],
-)
-def test_a_changed_weight_or_a_forward_with_grad_takes_the_plain_projections(kind, weight):
-    model = make_tiny_model(kind)
-    model.fuse_for_decoding()
-    layer = model.model.layers[1]  # a layer of the kind (the first is dense)
-    ids = torch.tensor([PROMPT])
-    model(ids).logits.sum().backward()  # with grad: the parameters' own projections, so they get gradients
-    assert all(p.grad is not None for p in layer.parameters())
-    with torch.no_grad():
-        weight(layer).mul_(2.0)  # an in-place edit after fusing
-        edited = model(ids).logits
-    assert [is_fused(m) for m in fusable(layer)].count(False) == 1  # the edited one's stale copy was dropped
-    fresh = make_tiny_model(kind)
-    with torch.no_grad():
-        weight(fresh.model.layers[1]).mul_(2.0)
-        torch.testing.assert_close(edited, fresh(ids).logits, atol=0, rtol=0)
 
 
 def test_rope_table_rows_equal_the_computed_ones():
@@ -141,7 +76,7 @@ def test_compiled_decoding_gives_the_plain_recompute_greedy_tokens(kind, tmp_pat
     folder = save_pretrained(make_tiny_model(kind, initializer_range=0.1, max_position_embeddings=40), tmp_path / kind)
     expected = recompute_greedy(from_pretrained(folder).eval(), PROMPT, NEW)
     with load_inference(folder, InferenceOptions(compile=True)) as lm:
-        assert all(is_fused(m) for m in fusable(lm.model))  # the compiled steps use the fused copies too
+        assert all_fused(lm.model)  # the compiled steps use the fused copies too
         assert generate(lm.model, PROMPT, NEW, greedy=True) == expected
 
 
@@ -158,7 +93,8 @@ def test_compiled_decoding_drops_the_copy_of_a_weight_edited_after_compiling(tmp
                 model.model.layers[1].mlp.up_proj.weight.mul_(3.0)
                 model.lm_head.weight.mul_(1.5)
         after = generate(lm.model, PROMPT, NEW, greedy=True)
-        assert not is_fused(layer.mlp) and not is_fused(lm.model) and is_fused(layer.self_attn)
+        copies = (layer.mlp.up_proj, lm.model.lm_head, layer.self_attn.q_proj)
+        assert [m.group.copy is not None for m in copies] == [False, False, True]
     assert after == recompute_greedy(plain, PROMPT, NEW) != before
 
 

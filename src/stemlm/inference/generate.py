@@ -17,7 +17,7 @@ Generation stops at `eos_id` (which is included in the output), after `max_new_t
 output reach the model's `max_position_embeddings`. The prompt's ids are checked once, by the prefill; each
 decoding step feeds back a sampled id (in range by construction) without the model's check, and reads its RoPE
 row from the table the model keeps (`RotaryEmbedding.table`); a model loaded for inference
-(`stemlm.inference.load`) also projects q/k/v, and gate/up, with one fused matrix each (`StemLM.fuse_for_decoding`).
+(`stemlm.inference.load`) also projects q/k/v, and gate/up, with one fused matrix each (`fuse_for_decoding`).
 """
 
 from __future__ import annotations

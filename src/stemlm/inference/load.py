@@ -16,7 +16,7 @@
 - `compile` (`stemlm generate` / `server --compile`): the decoding steps through `torch.compile`
   (`compile_decoding`), resident tables only.
 
-The loaded model's projections of one input are fused for decoding (`StemLM.fuse_for_decoding`: q/k/v, and gate/up
+The loaded model's projections of one input are fused for decoding (`fusion.fuse_for_decoding`: q/k/v, and gate/up
 where the kind has both; one matrix-vector product instead of two or three; on a CPU the copies with at least as
 many outputs as inputs, STEM's gate, o_proj and the lm_head among them, kept transposed, which streams them
 faster; the parameters and their names stay the checkpoint's, and a forward with grad or after a weight changed
@@ -37,7 +37,7 @@ from typing import Any
 import torch
 
 from stemlm.errors import StemlmError
-from stemlm.model.fusion import drop_stale_copies, fused_modules
+from stemlm.model.fusion import drop_stale_copies, fuse_for_decoding, fusion_groups
 
 COMPUTE_DTYPES = ("auto", "fp32", "bf16")
 
@@ -125,7 +125,7 @@ def compile_decoding(model) -> None:
     docs/results.md has the measured rate."""
     eager = model.forward
     compiled = torch.compile(eager)
-    fused = fused_modules(model)
+    fused = fusion_groups(model)
 
     def forward(self, input_ids, **kwargs):
         if input_ids.shape[1] == 1 and kwargs.get("past_key_values") is not None:
@@ -153,7 +153,7 @@ def load_inference(path: str | Path, options: InferenceOptions | None = None, *,
         model, tokenizer = load_checkpoint(path, device=device, need_tokenizer=need_tokenizer)
         if opts.table_dtype is not None:
             _round_resident(model, resolve_checkpoint(path), opts.table_dtype)
-        model.fuse_for_decoding()
+        fuse_for_decoding(model)
         bind_forward(model, None, amp)
         if opts.compile:
             compile_decoding(model)
@@ -175,7 +175,7 @@ def load_inference(path: str | Path, options: InferenceOptions | None = None, *,
             f"{path} has no tokenizer.json; {need_tokenizer} needs the tokenizer the model was trained with"
         )
     offloaded.model.eval()
-    offloaded.model.fuse_for_decoding()
+    fuse_for_decoding(offloaded.model)
     bind_forward(offloaded.model, offloaded.rows, amp)
     return Loaded(offloaded.model, tokenizer, offloaded, amp)
 

@@ -7,10 +7,10 @@ Numerics follow Hugging Face Llama (norm in fp32, `rotate_half` RoPE with fp32 f
 stemlm checkpoint gives the same logits as `transformers.LlamaForCausalLM` (tested to 1e-5 in fp32).
 
 For decoding (`stemlm.inference`), two things are prepared once instead of every step:
-`Attention.fuse_projections()` concatenates the q/k/v weights into one projection (`stemlm.model.fusion`: one
-matrix-vector product a token instead of three, used only without grad and while the weights are unchanged),
-and `RotaryEmbedding.table(start, length)` slices cos/sin from a table computed once for the positions asked so
-far (the same elementwise arithmetic as `forward`).
+`Attention.fusable` declares q/k/v one projection (`stemlm.model.fusion.fuse_for_decoding`: one matrix-vector
+product a token instead of three, used only without grad and while the weights are unchanged), and
+`RotaryEmbedding.table(start, length)` slices cos/sin from a table computed once for the positions asked so far
+(the same elementwise arithmetic as `forward`).
 """
 
 from __future__ import annotations
@@ -21,8 +21,6 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 from torch import nn
-
-from stemlm.model.fusion import fuse, fuse_single, project
 
 if TYPE_CHECKING:  # annotations only: the config imports the kinds, and a kind (engram) imports RMSNorm from here
     from stemlm.model.config import ModelConfig
@@ -156,6 +154,9 @@ SDPA_GQA = tuple(int(p) for p in torch.__version__.split(".")[:2]) >= (2, 5)
 class Attention(nn.Module):
     """Grouped-query self-attention with RoPE through `scaled_dot_product_attention`."""
 
+    # q/k/v as one product for decoding, o_proj alone a copy where stored transposed (stemlm.model.fusion)
+    fusable = (("q_proj", "k_proj", "v_proj"), ("o_proj",))
+
     def __init__(self, config: ModelConfig, layer_idx: int) -> None:
         super().__init__()
         self.layer_idx = layer_idx
@@ -166,15 +167,9 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(d, self.num_kv_heads * self.head_dim, bias=False)
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, d, bias=False)
 
-    def fuse_projections(self) -> None:
-        """q/k/v as one projection in forwards without grad (inference; `stemlm.model.fusion`), and o_proj's copy
-        kept transposed where `stored_transposed` says (a square one on a CPU)."""
-        fuse(self, (self.q_proj, self.k_proj, self.v_proj))
-        fuse_single(self.o_proj, self.o_proj)
-
     def _output(self, y: torch.Tensor) -> torch.Tensor:
         B, _, T, _ = y.shape
-        return project(self.o_proj, (self.o_proj,), y.transpose(1, 2).reshape(B, T, self.num_heads * self.head_dim))[0]
+        return self.o_proj(y.transpose(1, 2).reshape(B, T, self.num_heads * self.head_dim))
 
     def forward(
         self,
@@ -189,7 +184,7 @@ class Attention(nn.Module):
         and cached (a kind acting on attention's values, `Kind.acts_on_values`). `weights`, when given, receives
         this layer's attention weights [B, heads, T, past+T], computed by `math_attention` instead of SDPA."""
         B, T, _ = x.shape
-        q, k, v = project(self, (self.q_proj, self.k_proj, self.v_proj), x)
+        q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
         q = q.view(B, T, self.num_heads, self.head_dim).transpose(1, 2)
         k = k.view(B, T, self.num_kv_heads, self.head_dim).transpose(1, 2)
         v = v.view(B, T, self.num_kv_heads, self.head_dim).transpose(1, 2)

@@ -24,7 +24,6 @@ from stemlm.model.config import ModelConfig
 from stemlm.model.decoding_state import fill_lookup_context
 from stemlm.model.ffn import EMBED, EmbedRows, Rows, TokenContext, checked_rows, token_table
 from stemlm.model.fused_loss import fused_linear_cross_entropy
-from stemlm.model.fusion import fuse_single, project
 from stemlm.model.kinds.registry import FAMILIES, get_kind
 from stemlm.model.loss import chunked_cross_entropy, cross_entropy
 from stemlm.model.memory_check import check_fits
@@ -115,6 +114,8 @@ class DecoderStack(nn.Module):
 
 
 class StemLM(nn.Module):
+    fusable = (("lm_head",),)  # a decoding copy where stored transposed (stemlm.model.fusion.fuse_for_decoding)
+
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.config = config
@@ -191,7 +192,7 @@ class StemLM(nn.Module):
         elif labels is not None and loss_chunk > 0:
             logits, loss = None, chunked_cross_entropy(x, self.lm_head, labels, loss_chunk)
         else:
-            (logits,) = project(self, (self.lm_head,), x)
+            logits = self.lm_head(x)
             loss = cross_entropy(logits, labels) if labels is not None else None
         aux = torch.stack(ctx.aux_losses).sum() if ctx.aux_losses else None
         return ModelOutput(logits, loss, aux, cache, ctx.expert_counts, _tuple_or_none(hidden), _tuple_or_none(weights))
@@ -261,16 +262,6 @@ class StemLM(nn.Module):
                 param.fill_(1.0)
             else:
                 _normal_(param, std, generator)
-
-    def fuse_for_decoding(self) -> None:
-        """Fuse the projections of one input for inference (`stemlm.model.fusion`): each layer's q/k/v, and its
-        FFN's gate/up where the kind has both (`fuse_projections`); the lm_head gets a transposed copy on a CPU.
-        The weights on disk and the parameter names are unchanged; a forward with grad, or after any weight
-        changed, takes the plain path."""
-        for module in self.modules():
-            if module is not self and hasattr(module, "fuse_projections"):
-                module.fuse_projections()
-        fuse_single(self, self.lm_head)
 
     def tie_weights(self) -> None:
         if self.config.tie_word_embeddings:

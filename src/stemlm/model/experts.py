@@ -10,11 +10,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from stemlm.model.fusion import fuse_weights, fused_weight
-
 
 class Experts(nn.Module):
     """`num_experts` SwiGLU experts stored as stacked weights [E, out, in] (HF-style names per projection)."""
+
+    fusable = (("gate_proj", "up_proj"),)  # each expert's gate and up, one product for decoding (stemlm.model.fusion)
 
     def __init__(self, num_experts: int, hidden_size: int, expert_size: int) -> None:
         super().__init__()
@@ -22,10 +22,6 @@ class Experts(nn.Module):
         self.gate_proj = nn.Parameter(torch.empty(num_experts, expert_size, hidden_size))
         self.up_proj = nn.Parameter(torch.empty(num_experts, expert_size, hidden_size))
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, expert_size))
-
-    def fuse_projections(self) -> None:
-        """Each expert's gate and up as one [2 * expert_size, d] projection without grad (`stemlm.model.fusion`)."""
-        fuse_weights(self, (self.gate_proj, self.up_proj), dim=1)
 
     def forward(self, x: torch.Tensor, expert_idx: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """x: [N, d]; expert_idx, weights: [N, k]. Returns sum_k weights * expert_k(x): [N, d]."""
@@ -39,18 +35,18 @@ class Experts(nn.Module):
         # The k weighted expert outputs of a token are summed in fp32 whatever the model or autocast dtype, so a
         # bf16 model does not round between experts and index_add_ always sees one dtype.
         out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
-        fused = fused_weight(self, (self.gate_proj, self.up_proj), (self,))
         start = 0
         for e, n in enumerate(counts):
             if n == 0:
                 continue
             xe = xs[start : start + n]
-            if fused is None:
-                gate, up = xe @ self.gate_proj[e].t(), xe @ self.up_proj[e].t()
-            else:
-                gate, up = (xe @ fused[0][e].t()).split(fused[1], dim=-1)
+            gate, up = self.gate_up(e, xe)
             h = F.silu(gate) * up
             ye = (h @ self.down_proj[e].t()).float() * flat_weights[order[start : start + n], None].float()
             out.index_add_(0, token_of[start : start + n], ye)
             start += n
         return out.to(x.dtype)
+
+    def gate_up(self, e: int, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """Expert `e`'s gate and up projections of x [n, d]."""
+        return x @ self.gate_proj[e].t(), x @ self.up_proj[e].t()

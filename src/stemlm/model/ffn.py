@@ -18,7 +18,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from stemlm.errors import StemlmError
-from stemlm.model.fusion import fuse, project
 from stemlm.model.kinds.registry import FAMILIES
 
 TableRows = Callable[[int, torch.Tensor], torch.Tensor]
@@ -78,22 +77,10 @@ def token_table(num_tokens: int, width: int) -> nn.Embedding:
     return nn.Embedding(num_tokens, width, _weight=torch.empty(num_tokens, width))
 
 
-class GateUp:
-    """For the kinds with `gate_proj` and `up_proj` of the same input: `gate_up(x)` returns both, as one fused
-    projection after `fuse_projections()` (inference only; `stemlm.model.fusion`)."""
-
-    gate_proj: nn.Linear
-    up_proj: nn.Linear
-
-    def fuse_projections(self) -> None:
-        fuse(self, (self.gate_proj, self.up_proj))
-
-    def gate_up(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return project(self, (self.gate_proj, self.up_proj), x)
-
-
-class DenseFFN(GateUp, nn.Module):
+class DenseFFN(nn.Module):
     """SwiGLU: down_proj(silu(gate_proj(x)) * up_proj(x))."""
+
+    fusable = (("gate_proj", "up_proj"),)  # one product for decoding (stemlm.model.fusion)
 
     def __init__(self, hidden_size: int, intermediate_size: int) -> None:
         super().__init__()
@@ -102,5 +89,4 @@ class DenseFFN(GateUp, nn.Module):
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor, ctx: TokenContext | None = None) -> torch.Tensor:
-        gate, up = self.gate_up(x)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))

@@ -28,13 +28,15 @@ import torch.nn.functional as F
 from torch import nn
 
 from stemlm.model.attention import RMSNorm
-from stemlm.model.ffn import GateUp, TokenContext, token_table
+from stemlm.model.ffn import TokenContext, token_table
 from stemlm.model.kinds.registry import Config, Field, Kind, LayerCount, Table
 from stemlm.model.ngram import ngram_hasher, ngram_lookup
 from stemlm.model.ngram_layout import check_orders, ngram_layout
 
 
-class EngramFFN(GateUp, nn.Module):
+class EngramFFN(nn.Module):
+    fusable = (("gate_proj", "up_proj"),)  # one product for decoding (stemlm.model.fusion)
+
     def __init__(self, config: Config, layer_idx: int) -> None:
         super().__init__()
         self.layer_idx = layer_idx
@@ -58,7 +60,7 @@ class EngramFFN(GateUp, nn.Module):
         return {id(self.engram_embedding.weight): 1.0}
 
     def forward(self, x: torch.Tensor, ctx: TokenContext) -> torch.Tensor:
-        gate, up = self.gate_up(x)
+        gate, up = self.gate_proj(x), self.up_proj(x)
         dense = self.down_proj(F.silu(gate) * up)
         memory = ngram_lookup(self.engram_embedding, ctx, self.layer_idx).flatten(-2).to(x.dtype)  # e_t
         key = self.engram_key_norm(self.engram_key_proj(memory))

@@ -10,11 +10,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from stemlm.model.ffn import TokenContext, lookup, token_table
-from stemlm.model.fusion import fuse, project
 from stemlm.model.kinds.registry import Config, Field, Kind, LayerCount, Table
 
 
 class PLEFFN(nn.Module):
+    fusable = (("gate_proj", "up_proj", "ple_gate"),)  # the three projections of x: one product for decoding
+
     def __init__(self, config: Config, layer_idx: int) -> None:
         super().__init__()
         self.layer_idx = layer_idx
@@ -26,16 +27,9 @@ class PLEFFN(nn.Module):
         self.ple_proj = nn.Linear(w, d, bias=False)
         self.ple_embedding = token_table(config.vocab_size, w)
 
-    def _inputs(self) -> tuple[nn.Linear, ...]:
-        return self.gate_proj, self.up_proj, self.ple_gate  # the three projections of x
-
-    def fuse_projections(self) -> None:
-        """gate, up and ple_gate as one projection in forwards without grad (inference; `stemlm.model.fusion`)."""
-        fuse(self, self._inputs())
-
     def forward(self, x: torch.Tensor, ctx: TokenContext) -> torch.Tensor:
         rows = lookup(self.ple_embedding, ctx, self.layer_idx)  # P_l[t]
-        gate, up, ple_gate = project(self, self._inputs(), x)
+        gate, up, ple_gate = self.gate_proj(x), self.up_proj(x), self.ple_gate(x)
         dense = self.down_proj(F.silu(gate) * up)
         return dense + self.ple_proj(F.silu(ple_gate) * rows.to(x.dtype))
 

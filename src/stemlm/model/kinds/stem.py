@@ -13,12 +13,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from stemlm.model.ffn import TokenContext, lookup, token_table
-from stemlm.model.fusion import fuse_single, project
 from stemlm.model.kinds.dense import swiglu_activations
 from stemlm.model.kinds.registry import Config, Kind, LayerCount, Table
 
 
 class StemFFN(nn.Module):
+    fusable = (("gate_proj",),)  # alone: a decoding copy where it is stored transposed (stemlm.model.fusion)
+
     def __init__(self, config: Config, layer_idx: int) -> None:
         super().__init__()
         self.layer_idx = layer_idx
@@ -26,14 +27,9 @@ class StemFFN(nn.Module):
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
         self.stem_embedding = token_table(config.vocab_size, config.intermediate_size)
 
-    def fuse_projections(self) -> None:
-        """The gate's decoding copy, where it is stored transposed (inference; `stemlm.model.fusion`)."""
-        fuse_single(self, self.gate_proj)
-
     def forward(self, x: torch.Tensor, ctx: TokenContext) -> torch.Tensor:
         up = lookup(self.stem_embedding, ctx, self.layer_idx)  # U_l[t], t = the input id at each position
-        (gate,) = project(self, (self.gate_proj,), x)
-        return self.down_proj(F.silu(gate) * up.to(x.dtype))
+        return self.down_proj(F.silu(self.gate_proj(x)) * up.to(x.dtype))
 
 
 def count(config: Config, layer_idx: int) -> LayerCount:

@@ -16,13 +16,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from stemlm.model.ffn import GateUp, TokenContext, lookup, token_table
+from stemlm.model.ffn import TokenContext, lookup, token_table
 from stemlm.model.kinds.registry import Config, Kind, LayerCount, Table
 
 GATE_BIAS = -4.0  # sigmoid(-4) = 0.018: the blend starts 98% dense
 
 
-class StemAdapterFFN(GateUp, nn.Module):
+class StemAdapterFFN(nn.Module):
+    fusable = (("gate_proj", "up_proj"),)  # one product for decoding (stemlm.model.fusion)
+
     def __init__(self, config: Config, layer_idx: int) -> None:
         super().__init__()
         self.layer_idx = layer_idx
@@ -42,7 +44,7 @@ class StemAdapterFFN(GateUp, nn.Module):
     def forward(self, x: torch.Tensor, ctx: TokenContext) -> torch.Tensor:
         g = self.blend().to(x.dtype)
         table = lookup(self.stem_embedding, ctx, self.layer_idx).to(x.dtype)  # U_l[t]
-        gate, up = self.gate_up(x)
+        gate, up = self.gate_proj(x), self.up_proj(x)
         return self.down_proj(F.silu(gate) * ((1 - g) * up + g * table))
 
 

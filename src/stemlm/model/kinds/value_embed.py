@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from stemlm.model.ffn import GateUp, TokenContext, lookup, token_table
+from stemlm.model.ffn import TokenContext, lookup, token_table
 from stemlm.model.kinds.registry import Config, Field, Kind, LayerCount, Table
 
 
@@ -33,8 +33,10 @@ def table_owner(config: Config, layer_idx: int) -> int:
     return layers[layers.index(layer_idx) % (config.value_embed_tables or len(layers))]
 
 
-class ValueEmbedFFN(GateUp, nn.Module):
+class ValueEmbedFFN(nn.Module):
     """A dense SwiGLU at the FFN position, and `mix_values`, which the layer's attention calls on its values."""
+
+    fusable = (("gate_proj", "up_proj"),)  # one product for decoding (stemlm.model.fusion)
 
     def __init__(self, config: Config, layer_idx: int) -> None:
         super().__init__()
@@ -51,8 +53,7 @@ class ValueEmbedFFN(GateUp, nn.Module):
         return {id(self.value_lambda): None}  # None: ones
 
     def forward(self, x: torch.Tensor, ctx: TokenContext) -> torch.Tensor:
-        gate, up = self.gate_up(x)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
     def mix_values(self, v: torch.Tensor, ctx: TokenContext) -> torch.Tensor:
         """v: [B, kv_heads, T, head_dim] -> λ0 · v + λ1 · VE[t], same shape."""
