@@ -13,6 +13,7 @@ import json
 import sys
 from typing import Any
 
+from stemlm.choices import CACHE_POLICIES, COMPUTE_DTYPES, TABLE_DTYPES
 from stemlm.errors import StemlmError
 from stemlm.runtime import TABLE_PLACEMENTS, placement_choices
 
@@ -64,13 +65,13 @@ def add_table_flags(p) -> None:
     )
     p.add_argument(
         "--cache-policy",
-        choices=("lfu", "lru"),
+        choices=CACHE_POLICIES,
         default="lfu",
         help="cache replacement policy (default lfu, least-recent as tie-break)",
     )
     p.add_argument(
         "--table-dtype",
-        choices=("fp32", "bf16", "int8"),
+        choices=TABLE_DTYPES,
         help="the format the table rows are kept in: fp32, bf16, or int8 with one scale per row and layer "
         "(dequantised when gathered); default: as the checkpoint stores them. host: converted on load; mmap: must "
         "match the file (stemlm convert CKPT --table-dtype stores it so); resident: rows rounded, no memory saved",
@@ -82,7 +83,7 @@ def add_inference_flags(p) -> None:
     p.add_argument("--device", default="cpu", help="torch device to run on, e.g. cpu or cuda (default cpu)")
     p.add_argument(
         "--dtype",
-        choices=("auto", "fp32", "bf16"),
+        choices=COMPUTE_DTYPES,
         default="auto",
         help="compute dtype (autocast; weights stay as loaded); auto: bf16 on a CUDA device that supports it, "
         "else fp32 (default auto)",

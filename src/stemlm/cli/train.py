@@ -20,6 +20,7 @@ import dataclasses
 import os
 from typing import Any
 
+from stemlm.choices import COMPUTE_DTYPES, DEVICES, PARALLEL_MODES
 from stemlm.cli.common import add_json_flag, print_json
 from stemlm.errors import StemlmError
 from stemlm.model.config import FFN_KINDS
@@ -192,7 +193,7 @@ def register(subparsers) -> None:
     )
     g["dist"].add_argument(
         "--parallel",
-        choices=("ddp", "fsdp"),
+        choices=PARALLEL_MODES,
         help="with --nproc > 1: replicate the backbone (ddp) or shard it per layer (fsdp, FSDP2); "
         "STEM tables are always row-sharded (default ddp)",
     )
@@ -221,10 +222,10 @@ def register(subparsers) -> None:
     g["eval"].add_argument("--no-progress", action="store_true", help="no progress bar (eval lines still go to stderr)")
     add_json_flag(g["eval"])
     adv = g["advanced"]
-    adv.add_argument("--device", choices=("auto", "cpu", "cuda"), help="device (default auto)")
+    adv.add_argument("--device", choices=DEVICES, help="device (default auto)")
     adv.add_argument(
         "--dtype",
-        choices=("auto", "fp32", "bf16"),
+        choices=COMPUTE_DTYPES,
         help="autocast dtype; weights stay fp32 (default auto: bf16 on CUDA, fp32 on CPU where bf16 measured slower)",
     )
     for flag, text in SWITCHES:

@@ -38,6 +38,7 @@ from multiprocessing import get_context
 from pathlib import Path
 from typing import Any
 
+from stemlm.choices import DEVICES
 from stemlm.errors import StemlmError
 from stemlm.experiments.compare_report import summarize_kind, write_report
 from stemlm.experiments.contract import Experiment, ExperimentLog, flag, positive_lrs, results_file
@@ -106,7 +107,7 @@ class CompareConfig:
     seed: int = field(  # seed i of --seeds N is seed + i
         default=0, metadata=flag("first final seed (data, initialisation and evaluation sampling)")
     )
-    device: str = field(default="cpu", metadata=flag("training and evaluation device", choices=("cpu", "cuda", "auto")))
+    device: str = field(default="cpu", metadata=flag("training and evaluation device", choices=DEVICES))
     workers: int = field(
         default=2, metadata=flag("runs trained at once, one thread each; 1 trains in this process", metavar="N")
     )

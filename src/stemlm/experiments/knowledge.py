@@ -37,6 +37,7 @@ from pathlib import Path
 import torch
 from tokenizers import Tokenizer
 
+from stemlm.choices import DEVICES
 from stemlm.data import EOT_TOKEN, embedded_texts, train_bpe
 from stemlm.data.worlds.facts import fact_documents, fact_prompts
 from stemlm.errors import StemlmError
@@ -101,7 +102,7 @@ class KnowledgeConfig:
     )
     sweep_seed: int = 1000  # the seed of the sweep's runs (never a final seed)
     seed: int = 0  # the first final seed; seed i of --seeds N is seed + i
-    device: str = field(default="cpu", metadata=flag("training device", choices=("cpu", "cuda", "auto")))
+    device: str = field(default="cpu", metadata=flag("training device", choices=DEVICES))
     edit_records: int = field(default=100, metadata=flag("edit records per seed", name="--records", metavar="N"))
     fluency_records: int = 10
     parallel: bool = field(  # train two arms at once in two processes (one thread each)

@@ -38,6 +38,7 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from stemlm.choices import COMPUTE_DTYPES, DEVICES, KEEP_OPTIMIZER_STATE, PARALLEL_MODES, RECIPES, SAMPLING, TRAINABLE
 from stemlm.errors import StemlmError
 from stemlm.model.config import ModelConfig
 from stemlm.model.kinds.registry import all_kinds
@@ -47,7 +48,6 @@ from stemlm.runtime import SYNONYMS, TRAINING_PLACEMENTS
 if TYPE_CHECKING:  # torch and tokenizers load only when a run is resolved, so the CLI parser stays light
     from tokenizers import Tokenizer
 
-DTYPES = ("auto", "fp32", "bf16")
 # the default run's fact-world countries: well-known ones whose capitals the README's edit example moves
 FACT_COUNTRIES = (
     "Spain",
@@ -63,14 +63,6 @@ FACT_COUNTRIES = (
     "Ireland",
     "Netherlands",
 )
-DEVICES = ("auto", "cpu", "cuda")
-PARALLEL = ("ddp", "fsdp")
-KEEP_OPTIMIZER = ("newest", "all")
-SAMPLING = ("auto", "epoch", "uniform")
-
-TRAINABLE = ("all", "tables")
-RECIPES = ("stemlm", "official")  # the update's rules around the model: stemlm.train.recipes
-
 
 # Upper bounds of the sizes a run is built from, far above any real run's, so a hostile or mistyped config is
 # one line instead of an allocation that never ends (a model's own sizes: stemlm.model.config.SIZE_LIMITS).
@@ -240,7 +232,7 @@ class TrainConfig:
         for name in ("beta1", "beta2"):
             value = getattr(self, name)
             need(_finite(value) and 0 <= value < 1, f"{name} must lie in [0, 1), got {value!r}")
-        need(self.dtype in DTYPES, f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        need(self.dtype in COMPUTE_DTYPES, f"dtype must be one of {', '.join(COMPUTE_DTYPES)}, got {self.dtype!r}")
         need(self.device in DEVICES, f"device must be one of {', '.join(DEVICES)}, got {self.device!r}")
         need(self.trainable in TRAINABLE, f"trainable must be one of {', '.join(TRAINABLE)}, got {self.trainable!r}")
         need(
@@ -252,8 +244,8 @@ class TrainConfig:
             f"tables=host needs a row-sparse table optimizer (lazy_adamw or rowwise_adagrad), got {self.table_optim!r}",
         )
         need(
-            self.keep_optimizer_state in KEEP_OPTIMIZER,
-            f"keep_optimizer_state must be one of {', '.join(KEEP_OPTIMIZER)}, got {self.keep_optimizer_state!r}",
+            self.keep_optimizer_state in KEEP_OPTIMIZER_STATE,
+            f"keep_optimizer_state must be one of {', '.join(KEEP_OPTIMIZER_STATE)}, got {self.keep_optimizer_state!r}",
         )
         need(self.sampling in SAMPLING, f"sampling must be one of {', '.join(SAMPLING)}, got {self.sampling!r}")
         need(self.recipe in RECIPES, f"recipe must be one of {', '.join(RECIPES)}, got {self.recipe!r}")
@@ -261,7 +253,10 @@ class TrainConfig:
             self.recipe != "official" or self.table_optim == "adamw",
             f"recipe official trains the tables with dense AdamW (table_optim adamw), got {self.table_optim!r}",
         )
-        need(self.parallel in PARALLEL, f"parallel must be one of {', '.join(PARALLEL)}, got {self.parallel!r}")
+        need(
+            self.parallel in PARALLEL_MODES,
+            f"parallel must be one of {', '.join(PARALLEL_MODES)}, got {self.parallel!r}",
+        )
         from stemlm.train.tables.optim import TABLE_OPTIMIZERS
 
         need(
