@@ -1,5 +1,6 @@
-"""Command-line pieces shared by subcommands: JSON output, the table placement flags, command groups, and
-`arg_type`, which turns a library parser (one that raises StemlmError) into an argparse type.
+"""Command-line pieces shared by subcommands: JSON output, the flags of a dataclass's settings
+(`add_field_flags`, `given_fields`), the table placement flags, command groups, and `arg_type`, which turns a
+library parser (one that raises StemlmError) into an argparse type.
 
 CLI modules import only this module from `stemlm.cli` (the dispatcher `main` imports them all); anything
 else they share (loading checkpoints, decoding text) lives in the library, e.g. `stemlm.checkpoint.runs`.
@@ -8,13 +9,17 @@ else they share (loading checkpoints, decoding text) lives in the library, e.g. 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import functools
 import importlib
 import json
 import sys
+from collections.abc import Callable
 from typing import Any
 
 from stemlm.choices import CACHE_POLICIES, COMPUTE_DTYPES, TABLE_DTYPES
 from stemlm.errors import StemlmError
+from stemlm.flags import UNSET, Setting, help_text, settings
 from stemlm.runtime import TABLE_PLACEMENTS, placement_choices
 
 
@@ -35,6 +40,45 @@ def arg_type(parse):
             raise argparse.ArgumentTypeError(str(exc)) from None
 
     return convert
+
+
+def add_field_flags(
+    target,
+    cls: type,
+    *,
+    describe: Callable[[dataclasses.Field, Setting], str] | None = None,
+    metavars: dict[str, str] | None = None,
+) -> None:
+    """One flag per setting of the dataclass `cls` (stemlm.flags), in field order: `target` is a parser, or a dict
+    of argument groups by section. Each flag's dest is its field and its default None (not given: `given_fields`);
+    `describe(field, setting)` writes the help (default: `stemlm.flags.help_text`), and `metavars` names a
+    number's value where the setting does not (e.g. {"int": "N", "float": "X"})."""
+    for flag, f, spec in settings(cls):
+        help = describe(f, spec) if describe else help_text(cls, f, spec)
+        kw: dict[str, Any] = {"dest": f.name, "default": None, "help": help}
+        if spec.const is not UNSET:
+            kw.update(action="store_const", const=spec.const)
+        elif spec.append or spec.many:
+            kw.update(action="append" if spec.append else "store", nargs="+" if spec.many else None)
+        else:
+            kw.update(type=arg_type(functools.partial(parse_setting, f, spec)), choices=spec.one_of)
+        if spec.const is UNSET:
+            base = str(f.type).split("|")[0].strip()
+            kw["metavar"] = spec.metavar or (metavars or {}).get(base)
+        (target[spec.section] if isinstance(target, dict) else target).add_argument(flag, **kw)
+
+
+def parse_setting(f: dataclasses.Field, spec: Setting, text: str) -> Any:
+    """A flag's value from its text: the setting's own parser, else the field's annotation."""
+    from stemlm.model.overrides import parse_value
+
+    return spec.parse(text) if spec.parse else parse_value(text, str(f.type), f.name, "option")
+
+
+def given_fields(args: argparse.Namespace, cls: type) -> dict[str, Any]:
+    """The fields of the dataclass `cls` the command line gave: every namespace value named as a field, unless None
+    (not given)."""
+    return {f.name: getattr(args, f.name) for f in dataclasses.fields(cls) if getattr(args, f.name, None) is not None}
 
 
 def add_json_flag(parser) -> None:
