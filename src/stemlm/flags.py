@@ -1,6 +1,7 @@
-"""Settings that carry their flag: a dataclass field declared `field(default=..., metadata=setting("help", ...))`
-holds its help, its section, its choices and the shape of its command-line flag, so a command's parser is built
-from the fields (`stemlm.cli.common.add_field_flags`) instead of repeating their names, types and choices.
+"""Settings that carry their flag: a dataclass field declared `name: type = setting(default, "help", ...)` holds
+its help, its section, its choices and the shape of its command-line flag (in the field's metadata), so a
+command's parser is built from the fields (`stemlm.cli.common.add_field_flags`) instead of repeating their names,
+types and choices.
 
 - the flag is `--field-name`, or `name=`; its value is parsed by the field's annotation
   (`stemlm.model.overrides.parse_value`), or by `parse=`; `one_of=` offers a closed set (`stemlm.choices`);
@@ -37,6 +38,7 @@ class Setting:
 
 
 def setting(
+    default: Any,
     help: str,
     *,
     section: str | None = None,
@@ -47,9 +49,13 @@ def setting(
     append: bool = False,
     many: bool = False,
     parse: Callable[[str], Any] | None = None,
-) -> dict:
-    """Field metadata that makes the field a setting with a command-line flag (see the module docstring)."""
-    return {"setting": Setting(help, section, name, metavar, one_of, const, append, many, parse)}
+) -> Any:
+    """A dataclass field with this default whose metadata makes it a setting with a command-line flag (see the
+    module docstring); a list default is copied for each instance."""
+    metadata = {"setting": Setting(help, section, name, metavar, one_of, const, append, many, parse)}
+    if isinstance(default, list):
+        return dataclasses.field(default_factory=lambda: list(default), metadata=metadata)
+    return dataclasses.field(default=default, metadata=metadata)
 
 
 def settings(cls: type) -> list[tuple[str, dataclasses.Field, Setting]]:
@@ -63,8 +69,14 @@ def settings(cls: type) -> list[tuple[str, dataclasses.Field, Setting]]:
 
 
 def defaults(cls: type) -> dict[str, Any]:
-    """The dataclass's plain field defaults, read without building an instance (no validation, no imports)."""
-    return {f.name: f.default for f in dataclasses.fields(cls) if f.default is not dataclasses.MISSING}
+    """The dataclass's field defaults, read without building an instance (no validation, no imports)."""
+    values = {}
+    for f in dataclasses.fields(cls):
+        if f.default is not dataclasses.MISSING:
+            values[f.name] = f.default
+        elif f.default_factory is not dataclasses.MISSING:
+            values[f.name] = f.default_factory()
+    return values
 
 
 def help_text(cls: type, f: dataclasses.Field, spec: Setting) -> str:

@@ -3,7 +3,7 @@ over each other as defaults < --quick < --set < flags, and every registered expe
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import pytest
 
@@ -17,10 +17,10 @@ from stemlm.flags import setting, settings
 
 @dataclass
 class Options:
-    out: str = field(default="runs/x", metadata=setting("output folder"))
-    steps: int = field(default=10, metadata=setting("steps", name="--budget", metavar="N"))
-    serial: bool = field(default=False, metadata=setting("one at a time", const=True))
-    lrs: tuple[float, ...] = field(default=(0.1,), metadata=setting("lrs", parse=positive_lrs))
+    out: str = setting("runs/x", "output folder")
+    steps: int = setting(10, "steps", name="--budget", metavar="N")
+    serial: bool = setting(False, "one at a time", const=True)
+    lrs: tuple[float, ...] = setting((0.1,), "lrs", parse=positive_lrs)
     width: int = 8  # no flag: reached by --set only
 
 

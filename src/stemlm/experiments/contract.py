@@ -3,11 +3,11 @@
 Each experiment module exposes `EXPERIMENT = Experiment(...)`; `stemlm experiment <name>` is built from it
 (stemlm.cli.experiment), so adding an experiment is writing its module and naming it in the CLI's list:
 
-- `options`: a dataclass whose fields are the experiment's settings; a field declared with
-  `field(default=..., metadata=setting("help"))` becomes a command-line flag (`--field-name`, or `name=`), its
-  value parsed by the field's annotation (`stemlm.flags`, the same declaration `stemlm train`'s flags come from),
-  the help followed by the default and `--quick`'s value; `setting(..., const=V)` makes a switch that sets V,
-  `setting(..., append=True)` a repeatable flag;
+- `options`: a dataclass whose fields are the experiment's settings; a field declared `setting(default, "help")`
+  becomes a command-line flag (`--field-name`, or `name=`), its value parsed by the field's annotation
+  (`stemlm.flags`, the declaration `stemlm train`'s flags come from too), the help followed by the default and
+  `--quick`'s value; `setting(..., const=V)` makes a switch that sets V, `setting(..., append=True)` a repeatable
+  flag;
 - `quick`: the values of `--quick`, a reduced budget for CI and first tries;
 - `fixed`: with `settable`, `--set KEY=VALUE` reaches every field but these;
 - `run(options, log)`: trains, evaluates, writes the results folder and returns the results; `log` is an
