@@ -122,7 +122,7 @@ def one_line_error(code, out, err, fragment, after_progress=False):
         (["--resume", "no/such/run"], "does not exist"),
         (["--init-from", "no/such/ckpt"], "does not exist"),
         (["--tables", "host", "--table-optim", "adamw"], "tables=host needs a row-sparse table optimizer"),
-        (["--sampling", "shuffled"], "sampling must be one of auto, epoch, uniform"),
+        (["--set", "train.sampling=shuffled"], "sampling must be one of auto, epoch, uniform"),
         (["--prefetch", "-1"], "prefetch must be a non-negative integer"),
     ],
 )
