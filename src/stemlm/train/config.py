@@ -1,9 +1,10 @@
 """`TrainConfig`: every knob of a training run (data, schedule, optimizer groups, logging, checkpoints).
 
 One flat dataclass with grouped, commented fields and defaults that train the `tiny` preset on two CPU cores
-in a few minutes. The command line maps its flags onto these fields and `--set train.<field>=<value>`
-reaches every one of them (`with_overrides`, parsed by `stemlm.model.overrides`; `table_lr_fields` reads
-`--table-lr`). The resolved config is written into each run folder.
+in a few minutes. A field declared `setting(default, help, section=...)` carries its `stemlm train` flag (help,
+choices, metavar; stemlm.flags), shown in the help group `SECTIONS[section]`; `--set train.<field>=<value>`
+reaches every field (`with_overrides`, parsed by `stemlm.model.overrides`; `table_lr_fields` reads `--table-lr`).
+The resolved config is written into each run folder.
 
 Choices documented here rather than in code comments elsewhere:
 - weight decay applies to every matrix (projections, token embedding, LM head, router, experts), as in
