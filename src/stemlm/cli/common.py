@@ -58,13 +58,13 @@ def add_field_flags(
         kw: dict[str, Any] = {"dest": f.name, "default": None, "help": help}
         if spec.const is not UNSET:
             kw.update(action="store_const", const=spec.const)
-        elif spec.append or spec.many:
-            kw.update(action="append" if spec.append else "store", nargs="+" if spec.many else None)
         else:
-            kw.update(type=arg_type(functools.partial(parse_setting, f, spec)), choices=spec.one_of)
-        if spec.const is UNSET:
-            base = str(f.type).split("|")[0].strip()
+            base = str(f.type).split("|")[0].strip()  # "int" of "int | None"
             kw["metavar"] = spec.metavar or (metavars or {}).get(base)
+            if spec.append or spec.many:  # the values keep their text
+                kw.update(action="append" if spec.append else "store", nargs="+" if spec.many else None)
+            else:
+                kw.update(type=arg_type(functools.partial(parse_setting, f, spec)), choices=spec.one_of)
         (target[spec.section] if isinstance(target, dict) else target).add_argument(flag, **kw)
 
 
