@@ -125,7 +125,7 @@ CASES = [
     # --- train (all refused before any data is read or anything written) ---
     (["train", "--steps", "0"], "steps must be a positive integer"),
     (["train", "--steps", "-3"], "steps must be a positive integer"),
-    (["train", "--steps", "x"], "invalid int value"),
+    (["train", "--steps", "x"], "option 'steps' expects an integer, got 'x'"),
     (["train", "--batch-size", "0"], "batch_size"),
     (["train", "--seq-len", "0"], "seq_len must be a positive integer"),
     (["train", "--grad-accum", "0"], "grad_accum"),
@@ -162,7 +162,8 @@ CASES = [
     (["train", "--data", "{nope}"], "does-not-exist"),
     (["train", "--data", "/dev/zero"], "not a regular file"),
     (["train", "--tokenizer", "{nope}"], "does-not-exist"),
-    (["train", "--recipe", "lingua"], "recipe must be one of stemlm, official"),
+    (["train", "--recipe", "lingua"], "argument --recipe: invalid choice: 'lingua'"),
+    (["train", "--sampling", "shuffled"], "argument --sampling: invalid choice: 'shuffled'"),
     (["train", "--recipe", "official", "--table-optim", "rowwise_adagrad"], "dense AdamW"),
     (["train", "--recipe", "official", "--ffn", "moe"], "no init or optimizer rule for moe's"),
     # --- tokenizer ---

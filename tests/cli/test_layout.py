@@ -16,8 +16,9 @@ import stemlm
 
 PACKAGE = Path(stemlm.__file__).parent
 LAYERS = [
-    ("errors",),  # StemlmError, the one-line error every command prints
-    ("_lazy", "runtime", "paths", "progress"),  # lazy exports; --device / --dtype; input-file and symlink guards; bars
+    ("errors", "choices"),  # StemlmError, the one-line error every command prints; every closed set of values
+    ("_lazy", "runtime", "paths", "progress", "flags"),  # lazy exports; --device / --dtype; file guards; bars;
+    # settings that carry their flags
     ("model",),  # ModelConfig, presets, the kinds, the decoder, accounting (one device, no I/O)
     ("checkpoint",),  # the folder format, sharded pieces, compact tables, atomic writes, loading a CKPT
     ("data",),  # corpus, tokenizers, shards, streaming, the synthetic worlds

@@ -3,22 +3,24 @@ over each other as defaults < --quick < --set < flags, and every registered expe
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import pytest
 
+from stemlm.cli.common import given_fields
 from stemlm.cli.experiment import EXPERIMENTS
 from stemlm.cli.main import build_parser
 from stemlm.errors import StemlmError
-from stemlm.experiments.contract import Experiment, flag, flag_help, flags, positive_lrs, resolve_options
+from stemlm.experiments.contract import Experiment, flag_help, positive_lrs, resolve_options
+from stemlm.flags import setting, settings
 
 
 @dataclass
 class Options:
-    out: str = field(default="runs/x", metadata=flag("output folder"))
-    steps: int = field(default=10, metadata=flag("steps", name="--budget", metavar="N"))
-    serial: bool = field(default=False, metadata=flag("one at a time", const=True))
-    lrs: tuple[float, ...] = field(default=(0.1,), metadata=flag("lrs", parse=positive_lrs))
+    out: str = setting("runs/x", "output folder")
+    steps: int = setting(10, "steps", name="--budget", metavar="N")
+    serial: bool = setting(False, "one at a time", const=True)
+    lrs: tuple[float, ...] = setting((0.1,), "lrs", parse=positive_lrs)
     width: int = 8  # no flag: reached by --set only
 
 
@@ -26,8 +28,8 @@ EXAMPLE = Experiment("x", "h", "d", Options, run=lambda o, log: {}, text=lambda 
 
 
 def test_flags_and_their_help():
-    assert [name for name, _, _ in flags(EXAMPLE)] == ["--out", "--budget", "--serial", "--lrs"]
-    specs = {name: (f, spec) for name, f, spec in flags(EXAMPLE)}
+    assert [name for name, _, _ in settings(Options)] == ["--out", "--budget", "--serial", "--lrs"]
+    specs = {name: (f, spec) for name, f, spec in settings(Options)}
     assert flag_help(EXAMPLE, *specs["--budget"]) == "steps (default: 10; --quick: 2)"
     assert flag_help(EXAMPLE, *specs["--serial"]) == "one at a time"
 
@@ -54,6 +56,5 @@ def test_every_experiment_builds_its_subcommand(module):
     experiment = importlib.import_module(module).EXPERIMENT
     args = build_parser().parse_args(["experiment", experiment.name, *(["--quick"] if experiment.quick else [])])
     assert args.func.args == (experiment,)
-    given = {f.name: getattr(args, f.name) for _, f, _ in flags(experiment)}
-    assert all(v is None for v in given.values())  # nothing given: the options' defaults (and --quick) decide
-    assert resolve_options(experiment, given) == experiment.options()
+    assert all(getattr(args, f.name) is None for _, f, _ in settings(experiment.options))
+    assert given_fields(args, experiment.options) == {}  # nothing given: the options' defaults (and --quick) decide

@@ -17,9 +17,13 @@ import torch
 
 from stemlm.checkpoint.runs import load_checkpoint
 from stemlm.cli.main import build_parser, main
+from stemlm.cli.train import run_request
+from stemlm.flags import settings
 from stemlm.model import build_model
 from stemlm.model.config import ModelConfig
 from stemlm.train import state as state_mod
+from stemlm.train.config import SECTIONS, TrainConfig
+from stemlm.train.setup import RunRequest
 
 MODEL = [
     "model.hidden_size=64",
@@ -122,7 +126,7 @@ def one_line_error(code, out, err, fragment, after_progress=False):
         (["--resume", "no/such/run"], "does not exist"),
         (["--init-from", "no/such/ckpt"], "does not exist"),
         (["--tables", "host", "--table-optim", "adamw"], "tables=host needs a row-sparse table optimizer"),
-        (["--sampling", "shuffled"], "sampling must be one of auto, epoch, uniform"),
+        (["--set", "train.sampling=shuffled"], "sampling must be one of auto, epoch, uniform"),
         (["--prefetch", "-1"], "prefetch must be a non-negative integer"),
     ],
 )
@@ -208,10 +212,45 @@ def test_rerun_over_a_finished_run_with_its_reports_points_to_resume(tmp_path, s
 
 
 def test_every_flag_has_help():
-    parser = build_parser()
-    sub = next(a for a in parser._actions if a.dest == "command").choices["train"]
-    missing = [a.dest for a in sub._actions if not a.help]
+    missing = [a.dest for a in train_parser()._actions if not a.help]
     assert not missing
+
+
+def train_parser():
+    return next(a for a in build_parser()._actions if a.dest == "command").choices["train"]
+
+
+@pytest.mark.parametrize("cls", [TrainConfig, RunRequest])
+def test_every_setting_is_a_flag_in_its_section(cls):
+    groups = {g.title: {a.dest: a for a in g._group_actions} for g in train_parser()._action_groups}
+    for flag, f, spec in settings(cls):
+        action = groups[SECTIONS[spec.section]][f.name]
+        assert action.option_strings == [flag] and action.default is None, f.name
+
+
+def test_flags_become_the_run_request():
+    argv = [
+        *("train", "--preset", "tiny-dense", "--ffn", "stem", "--stem-layers", "1,3", "--fit-vocab", "--tokenizer"),
+        *("gpt2", "--init-from", "ck", "--steps", "5", "--lr", "0.01", "--table-lr", "x3", "--compile", "--train"),
+        *("tables", "--data", "a", "b", "--set", "model.hidden_size=32", "train.eval_every=2", "train.steps=9"),
+        "--no-progress",
+    ]
+    request = run_request(build_parser().parse_args(argv))
+    same = {"preset": "tiny-dense", "tokenizer": "gpt2", "init_from": "ck"}  # flags of both TrainConfig and the request
+    assert request.changes == {
+        **same,
+        **{"eval_every": 2, "steps": 5, "lr": 0.01, "compile": True, "trainable": "tables", "data": ["a", "b"]},
+        **{"table_lr": None, "table_lr_scale": 3.0},
+    }
+    assert request == RunRequest(
+        request.changes,
+        ffn="stem",
+        stem_layers="1,3",
+        model_sets=["model.hidden_size=32"],
+        fit_vocab=True,
+        **same,
+        progress=False,
+    )
 
 
 def test_module_entry_point_reports_one_line_error(tmp_path):

@@ -26,9 +26,9 @@ from pathlib import Path
 
 import torch
 
+from stemlm.choices import COMPACT_TABLE_DTYPES, TABLE_DTYPES
 from stemlm.errors import StemlmError
 
-TABLE_DTYPES = ("fp32", "bf16", "int8")
 STORAGE_KEY = "stemlm_table_storage"
 SCALE_SUFFIX = "_scale"
 TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "int8": torch.int8}
@@ -99,7 +99,7 @@ def read_storage(directory: str | Path) -> dict | None:
         return None
     ok = (
         isinstance(record, dict)
-        and record.get("dtype") in ("bf16", "int8")
+        and record.get("dtype") in COMPACT_TABLE_DTYPES
         and isinstance(record.get("tensors"), list)
         and all(isinstance(n, str) for n in record["tensors"])
         and record.get("scale_suffix", SCALE_SUFFIX) == SCALE_SUFFIX

@@ -1,5 +1,6 @@
-"""Command-line pieces shared by subcommands: JSON output, the table placement flags, command groups, and
-`arg_type`, which turns a library parser (one that raises StemlmError) into an argparse type.
+"""Command-line pieces shared by subcommands: JSON output, the flags of a dataclass's settings
+(`add_field_flags`, `given_fields`), the table placement flags, command groups, and `arg_type`, which turns a
+library parser (one that raises StemlmError) into an argparse type.
 
 CLI modules import only this module from `stemlm.cli` (the dispatcher `main` imports them all); anything
 else they share (loading checkpoints, decoding text) lives in the library, e.g. `stemlm.checkpoint.runs`.
@@ -8,12 +9,17 @@ else they share (loading checkpoints, decoding text) lives in the library, e.g. 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import functools
 import importlib
 import json
 import sys
+from collections.abc import Callable
 from typing import Any
 
+from stemlm.choices import CACHE_POLICIES, COMPUTE_DTYPES, TABLE_DTYPES
 from stemlm.errors import StemlmError
+from stemlm.flags import UNSET, Setting, help_text, settings
 from stemlm.runtime import TABLE_PLACEMENTS, placement_choices
 
 
@@ -34,6 +40,45 @@ def arg_type(parse):
             raise argparse.ArgumentTypeError(str(exc)) from None
 
     return convert
+
+
+def add_field_flags(
+    target,
+    cls: type,
+    *,
+    describe: Callable[[dataclasses.Field, Setting], str] | None = None,
+    metavars: dict[str, str] | None = None,
+) -> None:
+    """One flag per setting of the dataclass `cls` (stemlm.flags), in field order: `target` is a parser, or a dict
+    of argument groups by section. Each flag's dest is its field and its default None (not given: `given_fields`);
+    `describe(field, setting)` writes the help (default: `stemlm.flags.help_text`), and `metavars` names a
+    number's value where the setting does not (e.g. {"int": "N", "float": "X"})."""
+    for flag, f, spec in settings(cls):
+        help = describe(f, spec) if describe else help_text(cls, f, spec)
+        kw: dict[str, Any] = {"dest": f.name, "default": None, "help": help}
+        if spec.const is not UNSET:
+            kw.update(action="store_const", const=spec.const)
+        else:
+            base = str(f.type).split("|")[0].strip()  # "int" of "int | None"
+            kw["metavar"] = spec.metavar or (metavars or {}).get(base)
+            if spec.append or spec.many:  # the values keep their text
+                kw.update(action="append" if spec.append else "store", nargs="+" if spec.many else None)
+            else:
+                kw.update(type=arg_type(functools.partial(parse_setting, f, spec)), choices=spec.one_of)
+        (target[spec.section] if isinstance(target, dict) else target).add_argument(flag, **kw)
+
+
+def parse_setting(f: dataclasses.Field, spec: Setting, text: str) -> Any:
+    """A flag's value from its text: the setting's own parser, else the field's annotation."""
+    from stemlm.model.overrides import parse_value
+
+    return spec.parse(text) if spec.parse else parse_value(text, str(f.type), f.name, "option")
+
+
+def given_fields(args: argparse.Namespace, cls: type) -> dict[str, Any]:
+    """The fields of the dataclass `cls` the command line gave: every namespace value named as a field, unless None
+    (not given)."""
+    return {f.name: getattr(args, f.name) for f in dataclasses.fields(cls) if getattr(args, f.name, None) is not None}
 
 
 def add_json_flag(parser) -> None:
@@ -64,13 +109,13 @@ def add_table_flags(p) -> None:
     )
     p.add_argument(
         "--cache-policy",
-        choices=("lfu", "lru"),
+        choices=CACHE_POLICIES,
         default="lfu",
         help="cache replacement policy (default lfu, least-recent as tie-break)",
     )
     p.add_argument(
         "--table-dtype",
-        choices=("fp32", "bf16", "int8"),
+        choices=TABLE_DTYPES,
         help="the format the table rows are kept in: fp32, bf16, or int8 with one scale per row and layer "
         "(dequantised when gathered); default: as the checkpoint stores them. host: converted on load; mmap: must "
         "match the file (stemlm convert CKPT --table-dtype stores it so); resident: rows rounded, no memory saved",
@@ -82,7 +127,7 @@ def add_inference_flags(p) -> None:
     p.add_argument("--device", default="cpu", help="torch device to run on, e.g. cpu or cuda (default cpu)")
     p.add_argument(
         "--dtype",
-        choices=("auto", "fp32", "bf16"),
+        choices=COMPUTE_DTYPES,
         default="auto",
         help="compute dtype (autocast; weights stay as loaded); auto: bf16 on a CUDA device that supports it, "
         "else fp32 (default auto)",

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import sys
 
+from stemlm.choices import COMPACT_TABLE_DTYPES, RETROFIT_INITS
 from stemlm.cli.common import add_json_flag, print_json
 from stemlm.errors import StemlmError
 
@@ -148,7 +149,7 @@ def register(subparsers) -> None:
     )
     p.add_argument(
         "--init",
-        choices=("embed", "normed", "calib"),
+        choices=RETROFIT_INITS,
         default="embed",
         help="(--from-dense) table start: embed = E·W_upᵀ (default), normed = W_up·RMSNorm_l(E[t]), calib = mean "
         "W_up·h_l over each token's occurrences in calibration text (normed for unseen tokens); "
@@ -169,7 +170,7 @@ def register(subparsers) -> None:
     )
     p.add_argument(
         "--table-dtype",
-        choices=("bf16", "int8"),
+        choices=COMPACT_TABLE_DTYPES,
         help="(CKPT) store every lookup table as bf16, or int8 codes with one fp32 scale per row (row-wise "
         "quantisation); every command loads the result, --tables host/mmap keep the rows compact",
     )

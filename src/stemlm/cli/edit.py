@@ -19,6 +19,7 @@ from __future__ import annotations
 import functools
 import sys
 
+from stemlm.choices import EDIT_MODES, EDIT_ROWS
 from stemlm.cli.common import add_json_flag, print_json
 from stemlm.errors import StemlmError
 
@@ -90,7 +91,7 @@ def add_edit_flags(p, with_rows: bool = True) -> None:
     if with_rows:
         p.add_argument(
             "--rows",
-            choices=("stem", "embed", "both"),
+            choices=EDIT_ROWS,
             help="rows to swap: STEM table rows, token-embedding rows, or both (default stem; both for "
             "--inject, since a new token's embedding row is untrained)",
         )
@@ -167,7 +168,7 @@ def register_eval(subparsers) -> None:
     p.add_argument(
         "--mode",
         default="positional",
-        choices=("positional", "global"),
+        choices=EDIT_MODES,
         help="positional: edit the prompt's span; global: edit the source tokens everywhere",
     )
     p.add_argument(

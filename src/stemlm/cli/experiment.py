@@ -5,9 +5,9 @@
     stemlm experiment compare --kinds dense,stem --budget 2e12 --match flops --json
     stemlm experiment bio --set people=400 --set dense_steps=1200 --out runs/bio-big
 
-Each module exposes `EXPERIMENT` (stemlm.experiments.contract): its options dataclass gives the flags (help in
-the field metadata), `--quick`, `--set KEY=VALUE`, `--no-progress` and `--json` come with the contract. To add an
-experiment, write its module and append its name here.
+Each module exposes `EXPERIMENT` (stemlm.experiments.contract): its options dataclass gives the flags (each
+field's `stemlm.flags.setting`), `--quick`, `--set KEY=VALUE`, `--no-progress` and `--json` come with the contract.
+To add an experiment, write its module and append its name here.
 """
 
 from __future__ import annotations
@@ -16,26 +16,18 @@ import functools
 import importlib
 import sys
 
-from stemlm.cli.common import add_json_flag, arg_type, print_json, register_group
+from stemlm.cli.common import add_field_flags, add_json_flag, given_fields, print_json, register_group
 
 EXPERIMENTS = ["stemlm.experiments.knowledge", "stemlm.experiments.compare", "stemlm.experiments.bio"]
 
 
 def add_experiment(subparsers, module: str) -> None:
     """Add `stemlm experiment <name>` for the module's `EXPERIMENT`."""
-    from stemlm.experiments.contract import UNSET, flag_help, flags, parse_flag
+    from stemlm.experiments.contract import flag_help
 
     experiment = importlib.import_module(module).EXPERIMENT
     p = subparsers.add_parser(experiment.name, help=experiment.help, description=experiment.description)
-    for name, f, spec in flags(experiment):
-        kw = {"dest": f.name, "default": None, "help": flag_help(experiment, f, spec)}
-        if spec.const is not UNSET:
-            kw.update(action="store_const", const=spec.const)
-        else:
-            kw.update(metavar=spec.metavar, action="append" if spec.append else "store")
-        if kw["action"] == "store":
-            kw.update(type=arg_type(functools.partial(parse_flag, f, spec)), choices=spec.choices)
-        p.add_argument(name, **kw)
+    add_field_flags(p, experiment.options, describe=functools.partial(flag_help, experiment))
     if experiment.quick:
         values = ", ".join(f"{k}={v}" for k, v in experiment.quick.items())
         text = f"reduced budget for CI and first tries: {values} (given flags and --set still apply on top)"
@@ -49,9 +41,9 @@ def add_experiment(subparsers, module: str) -> None:
 
 
 def run(experiment, args) -> int:
-    from stemlm.experiments.contract import ExperimentLog, flags, resolve_options
+    from stemlm.experiments.contract import ExperimentLog, resolve_options
 
-    given = {f.name: getattr(args, f.name) for _, f, _ in flags(experiment)}
+    given = given_fields(args, experiment.options)
     sets = getattr(args, "set_fields", [])
     options = resolve_options(experiment, given, getattr(args, "quick", False), sets)
     results = experiment.run(options, ExperimentLog(progress=not args.no_progress))

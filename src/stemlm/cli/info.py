@@ -11,6 +11,7 @@ conventions). `--verify` also builds the model on the meta device (no memory) an
 
 from __future__ import annotations
 
+from stemlm.choices import PARALLEL_MODES
 from stemlm.cli.common import add_json_flag, print_json
 from stemlm.errors import StemlmError
 from stemlm.model.accounting import ATTENTION_MODES, DTYPE_BYTES, summarize
@@ -72,7 +73,7 @@ def add_memory_flags(parser) -> None:
     group = parser.add_argument_group("training memory plan (--memory; stemlm.train.memory_plan)")
     group.add_argument("--memory", action="store_true", help="add the per-rank training memory plan")
     group.add_argument("--nproc", type=int, default=1, help="ranks of the planned run (default 1)")
-    group.add_argument("--parallel", choices=("ddp", "fsdp"), default="ddp", help="backbone layout (default ddp)")
+    group.add_argument("--parallel", choices=PARALLEL_MODES, default="ddp", help="backbone layout (default ddp)")
     group.add_argument("--table-optim", default="adamw", help="table optimizer of the planned run (default adamw)")
     group.add_argument("--micro-batch", type=int, default=1, help="sequences per rank per micro-batch (default 1)")
     group.add_argument(

@@ -27,6 +27,7 @@ from collections.abc import Sequence
 
 import torch
 
+from stemlm.choices import RETROFIT_INITS
 from stemlm.errors import StemlmError
 from stemlm.model.config import resolve_layer_spec
 from stemlm.model.decoder import StemLM
@@ -84,7 +85,6 @@ def retrofit_from_dense(dense_model: StemLM, stem_layers_spec: str | list[int]) 
     return model.train(dense_model.training)
 
 
-INITS = ("embed", "normed", "calib")
 # Calibration forwards run on windows of this many tokens (bounded memory; positions past it never needed).
 CALIB_WINDOW = 1024
 
@@ -165,8 +165,8 @@ def retrofit(
     dense: StemLM, stem_layers_spec: str | list[int], init: str = "embed", calibration_ids: torch.Tensor | None = None
 ) -> StemLM:
     """A retrofitted STEM model with its tables initialised by `init` (see the module docstring)."""
-    if init not in INITS:
-        raise StemlmError(f"unknown retrofit init {init!r}; choose one of {', '.join(INITS)}")
+    if init not in RETROFIT_INITS:
+        raise StemlmError(f"unknown retrofit init {init!r}; choose one of {', '.join(RETROFIT_INITS)}")
     if init == "calib" and (calibration_ids is None or calibration_ids.numel() < 2):
         raise StemlmError("init 'calib' needs calibration text (at least 2 tokens)")
     stem = retrofit_from_dense(dense, stem_layers_spec)

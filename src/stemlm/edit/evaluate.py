@@ -42,6 +42,7 @@ from dataclasses import dataclass
 import torch
 from tokenizers import Tokenizer
 
+from stemlm.choices import EDIT_MODES, EDIT_ROWS
 from stemlm.data.worlds.facts import EditRecord
 from stemlm.edit.positional import Hooks, PositionalEdit, batch_hooks, edit_hooks, greedy_generate, make_edit
 from stemlm.edit.spans import DEFAULT_PAD, GLOBAL_DEFAULT_PAD, align, entity_ids, locate, tokenizer_eot
@@ -49,7 +50,6 @@ from stemlm.edit.table_edits import global_edit_hooks
 from stemlm.errors import StemlmError
 from stemlm.model.decoder import StemLM
 
-MODES = ("positional", "global")
 FLUENCY_TOKENS = 24
 BATCH_ROWS = 128
 EDIT_SETS = ("train", "heldout", "portability")  # probes that should follow the edit
@@ -351,8 +351,8 @@ def evaluate_edits(
     Fluency (greedy generations, the slow part) is measured on the first `fluency_records` records (all: None).
     `cache`, a dict the caller keeps for one model, reuses the unedited scores and generations across calls
     (they do not depend on the edit settings). Positional scoring runs `batch_rows` rows per forward."""
-    if mode not in MODES:
-        raise StemlmError(f"unknown edit mode {mode!r}; choose one of {', '.join(MODES)}")
+    if mode not in EDIT_MODES:
+        raise StemlmError(f"unknown edit mode {mode!r}; choose one of {', '.join(EDIT_MODES)}")
     if not records:
         raise StemlmError("no edit records to evaluate")
     pad = pad or (DEFAULT_PAD if mode == "positional" else GLOBAL_DEFAULT_PAD)
@@ -385,10 +385,10 @@ def evaluate_edits(
 def edit_variants(spec: str, model: StemLM) -> list[str]:
     """The row kinds `stemlm eval edits --variants` names (auto: all three for a STEM model, embed for dense)."""
     if spec == "auto":
-        return ["stem", "embed", "both"] if model.stem_tables() else ["embed"]
+        return list(EDIT_ROWS) if model.stem_tables() else ["embed"]
     variants = [v.strip() for v in spec.split(",") if v.strip()]
     for v in variants:
-        if v not in ("stem", "embed", "both"):
+        if v not in EDIT_ROWS:
             raise StemlmError(f"unknown variant {v!r} in --variants; use a comma list of stem, embed, both")
     return variants
 

@@ -30,13 +30,13 @@ from dataclasses import dataclass
 import torch
 from tokenizers import Tokenizer
 
+from stemlm.choices import EDIT_ROWS
 from stemlm.edit.spans import DEFAULT_PAD, RowPlan, align, entity_ids, locate, tokenizer_eot
 from stemlm.errors import StemlmError
 from stemlm.model.decoder import ModelOutput, StemLM
 from stemlm.model.ffn import EMBED, EmbedRows, Rows, TableRows
 from stemlm.model.kinds.registry import get_kind
 
-ROW_KINDS = ("stem", "embed", "both")
 Hooks = Rows | None  # the forward's rows= mapping of an edit ("token" and / or "embed"); None: no edit
 
 
@@ -72,8 +72,8 @@ def table_layers(model: StemLM, layers: Sequence[int] | None) -> tuple[int, ...]
 
 def rows_to_parts(rows: str) -> tuple[bool, bool]:
     """(swap STEM rows, swap embedding rows) for a row kind."""
-    if rows not in ROW_KINDS:
-        raise StemlmError(f"unknown row kind {rows!r}; choose one of {', '.join(ROW_KINDS)}")
+    if rows not in EDIT_ROWS:
+        raise StemlmError(f"unknown row kind {rows!r}; choose one of {', '.join(EDIT_ROWS)}")
     return rows in ("stem", "both"), rows in ("embed", "both")
 
 

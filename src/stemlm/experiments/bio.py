@@ -32,7 +32,7 @@ import json
 import math
 import random
 import time
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
 from tokenizers import Tokenizer
@@ -41,19 +41,19 @@ from stemlm.data import EOT_TOKEN, embedded_texts, train_bpe
 from stemlm.data.worlds import bio
 from stemlm.edit.evaluate import score_items
 from stemlm.errors import StemlmError
-from stemlm.experiments.contract import Experiment, ExperimentLog, flag, results_file
+from stemlm.experiments.contract import Experiment, ExperimentLog, results_file
 from stemlm.experiments.folders import claim_out, start_unit
 from stemlm.experiments.knowledge import train_all
 from stemlm.experiments.stats import summarize_seeds
+from stemlm.flags import setting
 from stemlm.model.accounting import active_parameters, total_parameters, training_flops_per_token
 from stemlm.model.config import ModelConfig
 
 
 @dataclass
 class BioConfig:
-    out: str = field(
-        default="runs/bio",
-        metadata=flag("output folder; seeds already there with the same settings are reused", metavar="OUT"),
+    out: str = setting(
+        "runs/bio", "output folder; seeds already there with the same settings are reused", metavar="OUT"
     )
     people: int = 100
     bios_per_person: int = 6  # distinct biographies per person (the paper's multi-bio augmentation)
@@ -69,8 +69,8 @@ class BioConfig:
     batch_size: int = 16
     dense_steps: int = 400  # the STEM run gets the steps that match this run's training FLOPs
     lr: float = 3e-3
-    parallel: bool = field(  # train the two models in two processes (one thread each)
-        default=True, metadata=flag("train the two models one after the other", name="--serial", const=False)
+    parallel: bool = setting(  # train the two models in two processes (one thread each)
+        True, "train the two models one after the other", name="--serial", const=False
     )
 
 
@@ -83,7 +83,7 @@ class BioOptions(BioConfig):
     """The command's options: the config and the number of seeds (kept out of the config, which a seed's saved
     settings are compared against)."""
 
-    seeds: int = field(default=2, metadata=flag("seeds 0..N-1", metavar="N"))
+    seeds: int = setting(2, "seeds 0..N-1", metavar="N")
 
 
 # ----------------------------------------------------------------------------------------------------------

@@ -33,15 +33,17 @@ import math
 import random
 import time
 from concurrent.futures import ProcessPoolExecutor, as_completed
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from multiprocessing import get_context
 from pathlib import Path
 from typing import Any
 
+from stemlm.choices import DEVICES
 from stemlm.errors import StemlmError
 from stemlm.experiments.compare_report import summarize_kind, write_report
-from stemlm.experiments.contract import Experiment, ExperimentLog, flag, positive_lrs, results_file
+from stemlm.experiments.contract import Experiment, ExperimentLog, positive_lrs, results_file
 from stemlm.experiments.folders import claim_out, start_unit
+from stemlm.flags import setting
 from stemlm.model.config import FFN_KINDS, ModelConfig
 
 # Controls trained like a kind: name -> (FFN kind, TrainConfig overrides). Add a control here.
@@ -50,82 +52,67 @@ VARIANTS: dict[str, tuple[str, dict]] = {"dense_embed": ("dense", {"embed_like_t
 
 @dataclass
 class CompareConfig:
-    out: str = field(default="runs/compare", metadata=flag("report folder", metavar="DIR"))
-    kinds: tuple[str, ...] = field(
-        default=("dense", "stem", "moe", "hash_moe", "ple"),
-        metadata=flag(f"kinds to compare, from {', '.join((*FFN_KINDS, *VARIANTS))}", metavar="K1,K2"),
+    out: str = setting("runs/compare", "report folder", metavar="DIR")
+    kinds: tuple[str, ...] = setting(
+        ("dense", "stem", "moe", "hash_moe", "ple"),
+        f"kinds to compare, from {', '.join((*FFN_KINDS, *VARIANTS))}",
+        metavar="K1,K2",
     )
-    budget: str = field(  # steps of the reference kind, or training FLOPs (see parse_budget)
-        default="200",
-        metadata=flag(
-            "steps of the reference kind (dense, else the first), or training FLOPs if >= 1e9", metavar="STEPS|FLOPS"
-        ),
+    budget: str = setting(  # steps of the reference kind, or training FLOPs (see parse_budget)
+        "200", "steps of the reference kind (dense, else the first), or training FLOPs if >= 1e9", metavar="STEPS|FLOPS"
     )
-    match: str = field(
-        default="both",
-        metadata=flag(
-            "flops: each kind gets the steps that spend the budget; tokens (or active): the same steps for all; "
-            "both: report both",
-            choices=("flops", "tokens", "active", "both"),
-        ),
+    match: str = setting(
+        "both",
+        "flops: each kind gets the steps that spend the budget; tokens (or active): the same steps for all; "
+        "both: report both",
+        one_of=("flops", "tokens", "active", "both"),
     )
-    seeds: int = field(
-        default=3, metadata=flag("final seeds (seed, seed+1, ...); mean and 95%% t interval over them", metavar="N")
-    )
+    seeds: int = setting(3, "final seeds (seed, seed+1, ...); mean and 95%% t interval over them", metavar="N")
     # --- the shared backbone (every kind: this config with ffn=<kind>) ---
-    preset: str | None = field(  # a model preset's shape (stemlm.model.presets) instead of the size fields below
-        default=None, metadata=flag("take the backbone shape from this preset (stemlm info --presets), e.g. for GPU")
+    preset: str | None = setting(  # a model preset's shape (stemlm.model.presets) instead of the size fields below
+        None, "take the backbone shape from this preset (stemlm info --presets), e.g. for GPU"
     )
-    hidden_size: int = field(default=128, metadata=flag("backbone width", metavar="D"))
-    intermediate_size: int = field(default=384, metadata=flag("FFN width d_ff", metavar="F"))
-    num_hidden_layers: int = field(default=4, metadata=flag("decoder layers", name="--layers", metavar="N"))
+    hidden_size: int = setting(128, "backbone width", metavar="D")
+    intermediate_size: int = setting(384, "FFN width d_ff", metavar="F")
+    num_hidden_layers: int = setting(4, "decoder layers", name="--layers", metavar="N")
     num_attention_heads: int = 4
     max_position_embeddings: int = 512
-    stem_layers: str = field(
-        default="odd", metadata=flag("layers given the kind's FFN, the others stay dense", metavar="SPEC")
-    )
+    stem_layers: str = setting("odd", "layers given the kind's FFN, the others stay dense", metavar="SPEC")
     num_experts: int = 4
     ple_dim: int = 64
-    model_overrides: list[str] = field(  # "key=value" applied to every kind
-        default_factory=list,
-        metadata=flag(
-            "override a model config field for every kind (repeatable)", name="--set", metavar="KEY=VALUE", append=True
-        ),
+    model_overrides: list[str] = setting(  # "key=value" applied to every kind
+        [], "override a model config field for every kind (repeatable)", name="--set", metavar="KEY=VALUE", append=True
     )
     # --- training ---
-    seq_len: int = field(default=256, metadata=flag("training sequence length", metavar="L"))
-    batch_size: int = field(default=8, metadata=flag("sequences per step", metavar="B"))
-    lr: float = field(default=3e-3, metadata=flag("peak learning rate when there is no sweep"))
-    lr_sweep: tuple[float, ...] = field(  # per kind; () skips the sweep
-        default=(1e-3, 3e-3, 1e-2),
-        metadata=flag(
-            "lrs each kind is tuned over on the sweep seed; 'none': no sweep", metavar="LR1,LR2", parse=positive_lrs
-        ),
+    seq_len: int = setting(256, "training sequence length", metavar="L")
+    batch_size: int = setting(8, "sequences per step", metavar="B")
+    lr: float = setting(3e-3, "peak learning rate when there is no sweep")
+    lr_sweep: tuple[float, ...] = setting(  # per kind; () skips the sweep
+        (1e-3, 3e-3, 1e-2),
+        "lrs each kind is tuned over on the sweep seed; 'none': no sweep",
+        metavar="LR1,LR2",
+        parse=positive_lrs,
     )
     sweep_seed: int = 1000
-    seed: int = field(  # seed i of --seeds N is seed + i
-        default=0, metadata=flag("first final seed (data, initialisation and evaluation sampling)")
+    seed: int = setting(  # seed i of --seeds N is seed + i
+        0, "first final seed (data, initialisation and evaluation sampling)"
     )
-    device: str = field(default="cpu", metadata=flag("training and evaluation device", choices=("cpu", "cuda", "auto")))
-    workers: int = field(
-        default=2, metadata=flag("runs trained at once, one thread each; 1 trains in this process", metavar="N")
-    )
+    device: str = setting("cpu", "training and evaluation device", one_of=DEVICES)
+    workers: int = setting(2, "runs trained at once, one thread each; 1 trains in this process", metavar="N")
     # --- data mixture ---
-    corpus_chars: int = field(
-        default=2_000_000, metadata=flag("characters of the embedded corpus in the mixture", metavar="N")
-    )
-    fact_repeats: int = field(default=4, metadata=flag("repeats of each fact statement in the mixture", metavar="N"))
-    passkey_docs: int = field(default=1500, metadata=flag("passkey-retrieval documents in the mixture", metavar="N"))
+    corpus_chars: int = setting(2_000_000, "characters of the embedded corpus in the mixture", metavar="N")
+    fact_repeats: int = setting(4, "repeats of each fact statement in the mixture", metavar="N")
+    passkey_docs: int = setting(1500, "passkey-retrieval documents in the mixture", metavar="N")
     passkey_lengths: tuple[int, ...] = (128, 160, 192)  # well under seq_len: most windows hold whole documents
     passkey_needles: tuple[int, ...] = (1, 2)
     # --- evaluation ---
-    eval_limit: int | None = field(default=100, metadata=flag("examples per lm-eval task (none: all)", metavar="N"))
-    ppl_tokens: int = field(default=30_000, metadata=flag("held-out tokens scored for the loss", metavar="N"))
-    niah_lengths: tuple[int, ...] = field(  # 512 is past the training length
-        default=(128, 256, 512), metadata=flag("needle-in-a-haystack context lengths", metavar="L1,L2")
+    eval_limit: int | None = setting(100, "examples per lm-eval task (none: all)", metavar="N")
+    ppl_tokens: int = setting(30_000, "held-out tokens scored for the loss", metavar="N")
+    niah_lengths: tuple[int, ...] = setting(  # 512 is past the training length
+        (128, 256, 512), "needle-in-a-haystack context lengths", metavar="L1,L2"
     )
     niah_depths: tuple[float, ...] = (0.0, 0.5, 1.0)
-    niah_samples: int = field(default=4, metadata=flag("needle-in-a-haystack samples per cell", metavar="N"))
+    niah_samples: int = setting(4, "needle-in-a-haystack samples per cell", metavar="N")
     niah_digits: int = 4
 
     def digest(self) -> str:

@@ -1,12 +1,13 @@
-"""How an experiment registers: one typed options dataclass with the help in its field metadata, and `run`.
+"""How an experiment registers: one typed options dataclass whose fields carry their flags, and `run`.
 
 Each experiment module exposes `EXPERIMENT = Experiment(...)`; `stemlm experiment <name>` is built from it
 (stemlm.cli.experiment), so adding an experiment is writing its module and naming it in the CLI's list:
 
-- `options`: a dataclass whose fields are the experiment's settings; a field declared with
-  `field(default=..., metadata=flag("help"))` becomes a command-line flag (`--field-name`, or `name=`), its
-  value parsed by the field's annotation (`stemlm.model.overrides`), the help followed by the default and `--quick`'s
-  value; `flag(..., const=V)` makes a switch that sets V, `flag(..., append=True)` a repeatable flag;
+- `options`: a dataclass whose fields are the experiment's settings; a field declared `setting(default, "help")`
+  becomes a command-line flag (`--field-name`, or `name=`), its value parsed by the field's annotation
+  (`stemlm.flags`, the declaration `stemlm train`'s flags come from too), the help followed by the default and
+  `--quick`'s value; `setting(..., const=V)` makes a switch that sets V, `setting(..., append=True)` a repeatable
+  flag;
 - `quick`: the values of `--quick`, a reduced budget for CI and first tries;
 - `fixed`: with `settable`, `--set KEY=VALUE` reaches every field but these;
 - `run(options, log)`: trains, evaluates, writes the results folder and returns the results; `log` is an
@@ -28,34 +29,8 @@ from pathlib import Path
 from typing import Any
 
 from stemlm.errors import StemlmError
-from stemlm.model.overrides import parse_value, typed_overrides
-
-UNSET = object()
-
-
-def flag(
-    help: str,
-    *,
-    name: str | None = None,
-    metavar: str | None = None,
-    choices: tuple | None = None,
-    const: Any = UNSET,
-    append: bool = False,
-    parse: Callable[[str], Any] | None = None,
-) -> dict:
-    """Field metadata that makes the field a command-line flag (see the module docstring)."""
-    return {"flag": Flag(help, name, metavar, choices, const, append, parse)}
-
-
-@dataclass(frozen=True)
-class Flag:
-    help: str
-    name: str | None = None  # default: --<field name with dashes>
-    metavar: str | None = None
-    choices: tuple | None = None
-    const: Any = UNSET  # a switch that sets this value
-    append: bool = False  # repeatable; the values form a list
-    parse: Callable[[str], Any] | None = None  # default: by the field's annotation
+from stemlm.flags import UNSET, Setting
+from stemlm.model.overrides import typed_overrides
 
 
 @dataclass(frozen=True)
@@ -98,21 +73,6 @@ class ExperimentLog:
                 self.depth -= 1
 
 
-def flags(experiment: Experiment) -> list[tuple[str, dataclasses.Field, Flag]]:
-    """(flag name, field, Flag) of every field that is a flag, in field order."""
-    found = []
-    for f in dataclasses.fields(experiment.options):
-        spec = f.metadata.get("flag")
-        if spec is not None:
-            found.append((spec.name or "--" + f.name.replace("_", "-"), f, spec))
-    return found
-
-
-def parse_flag(f: dataclasses.Field, spec: Flag, text: str) -> Any:
-    """A flag's value from its text: the flag's own parser, else the field's annotation."""
-    return spec.parse(text) if spec.parse else parse_value(text, str(f.type), f.name, "option")
-
-
 def shown(value: Any) -> str:
     """A default as typed on the command line: a comma list, or "none" for an empty one."""
     if isinstance(value, (tuple, list)):
@@ -120,7 +80,7 @@ def shown(value: Any) -> str:
     return str(value)
 
 
-def flag_help(experiment: Experiment, f: dataclasses.Field, spec: Flag) -> str:
+def flag_help(experiment: Experiment, f: dataclasses.Field, spec: Setting) -> str:
     """The flag's help followed by the default and --quick's value (a switch shows neither)."""
     if spec.const is not UNSET:
         return spec.help

@@ -37,13 +37,15 @@ from pathlib import Path
 import torch
 from tokenizers import Tokenizer
 
+from stemlm.choices import DEVICES
 from stemlm.data import EOT_TOKEN, embedded_texts, train_bpe
 from stemlm.data.worlds.facts import fact_documents, fact_prompts
 from stemlm.errors import StemlmError
 from stemlm.evaluation.recall import fact_recall
-from stemlm.experiments.contract import Experiment, ExperimentLog, flag, positive_lrs, results_file
+from stemlm.experiments.contract import Experiment, ExperimentLog, positive_lrs, results_file
 from stemlm.experiments.folders import claim_out, start_unit
 from stemlm.experiments.stats import summarize_seeds
+from stemlm.flags import setting
 from stemlm.model.accounting import active_parameters, total_parameters, training_flops_per_token
 from stemlm.model.config import ModelConfig
 
@@ -64,8 +66,8 @@ CONTRASTS = (
 
 @dataclass
 class KnowledgeConfig:
-    out: str = field(default="runs/knowledge", metadata=flag("output folder for runs, results.json, results.md"))
-    seeds: int = field(default=3, metadata=flag("final seeds, seed..seed+N-1", metavar="N"))
+    out: str = setting("runs/knowledge", "output folder for runs, results.json, results.md")
+    seeds: int = setting(3, "final seeds, seed..seed+N-1", metavar="N")
     arms: tuple[str, ...] = tuple(ARMS)
     relations: tuple[str, ...] = ("capital",)  # facts trained (and recall measured); edits use `edit_relation`
     edit_relation: str = "capital"
@@ -73,7 +75,7 @@ class KnowledgeConfig:
     corpus_chars: int = 300_000  # characters of the embedded corpus mixed in (about 30% of the tokens)
     vocab_size: int = 3072
     # a model preset's shape (stemlm.model.presets) instead of the four fields below
-    preset: str | None = field(default=None, metadata=flag("take the model shape from this preset, for scale-up runs"))
+    preset: str | None = setting(None, "take the model shape from this preset, for scale-up runs")
     hidden_size: int = 128
     intermediate_size: int = 384
     num_hidden_layers: int = 4
@@ -81,35 +83,29 @@ class KnowledgeConfig:
     stem_layers: str = "odd"
     seq_len: int = 64
     # more, smaller steps: 16 x 320 recalled 75% (dense) where 32 x 160 recalled 1%
-    batch_size: int = field(default=16, metadata=flag("sequences per step", metavar="B"))
-    dense_steps: int = field(  # the reference budget; the other arms match its FLOPs or its tokens
-        default=320,
-        metadata=flag(
-            "dense training steps (the reference budget); STEM gets the FLOP-matched count and a token-matched run",
-            name="--steps",
-            metavar="N",
-        ),
+    batch_size: int = setting(16, "sequences per step", metavar="B")
+    dense_steps: int = setting(  # the reference budget; the other arms match its FLOPs or its tokens
+        320,
+        "dense training steps (the reference budget); STEM gets the FLOP-matched count and a token-matched run",
+        name="--steps",
+        metavar="N",
     )
     lr: float = 3e-3  # every arm's lr when there is no sweep
-    lr_sweep: tuple[float, ...] = field(  # per lr family; () skips the sweep
-        default=(1e-3, 3e-3, 1e-2),
-        metadata=flag(
-            "lrs each lr family is tuned over on the sweep seed; 'none' skips the sweep",
-            metavar="LR1,LR2,..",
-            parse=positive_lrs,
-        ),
+    lr_sweep: tuple[float, ...] = setting(  # per lr family; () skips the sweep
+        (1e-3, 3e-3, 1e-2),
+        "lrs each lr family is tuned over on the sweep seed; 'none' skips the sweep",
+        metavar="LR1,LR2,..",
+        parse=positive_lrs,
     )
     sweep_seed: int = 1000  # the seed of the sweep's runs (never a final seed)
     seed: int = 0  # the first final seed; seed i of --seeds N is seed + i
-    device: str = field(default="cpu", metadata=flag("training device", choices=("cpu", "cuda", "auto")))
-    edit_records: int = field(default=100, metadata=flag("edit records per seed", name="--records", metavar="N"))
+    device: str = setting("cpu", "training device", one_of=DEVICES)
+    edit_records: int = setting(100, "edit records per seed", name="--records", metavar="N")
     fluency_records: int = 10
-    parallel: bool = field(  # train two arms at once in two processes (one thread each)
-        default=True, metadata=flag("train the arms one after the other", name="--serial", const=False)
+    parallel: bool = setting(  # train two arms at once in two processes (one thread each)
+        True, "train the arms one after the other", name="--serial", const=False
     )
-    diagnostics: bool = field(
-        default=True, metadata=flag("skip the per-layer / strategy diagnostics", name="--no-diagnostics", const=False)
-    )
+    diagnostics: bool = setting(True, "skip the per-layer / strategy diagnostics", name="--no-diagnostics", const=False)
     extra: dict = field(default_factory=dict)
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 from tokenizers import Tokenizer
 
+from stemlm.choices import EDIT_ROWS
 from stemlm.data.worlds.facts import edit_records
 from stemlm.edit.evaluate import evaluate_edits, summarize
 from stemlm.edit.spans import entity_ids
@@ -32,7 +33,7 @@ def edit_results(cfg, models: dict, tokenizer: Tokenizer, log) -> dict:
     caches: dict[str, dict] = {"stem": {}, "dense": {}}  # unedited scores, shared by every variant of a model
     common = dict(fluency_records=cfg.fluency_records)
     variants = {}
-    for rows in ("stem", "embed", "both"):
+    for rows in EDIT_ROWS:
         log(f"edits: STEM model, {rows} rows")
         variants[f"stem-{rows}"] = evaluate_edits(
             stem, tokenizer, records, rows=rows, cache=caches["stem"], details=True, **common

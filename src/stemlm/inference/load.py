@@ -36,10 +36,9 @@ from typing import Any
 
 import torch
 
+from stemlm.choices import COMPUTE_DTYPES
 from stemlm.errors import StemlmError
 from stemlm.model.fusion import drop_stale_copies, fuse_for_decoding, fusion_groups
-
-COMPUTE_DTYPES = ("auto", "fp32", "bf16")
 
 
 @dataclass

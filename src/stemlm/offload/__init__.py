@@ -12,7 +12,6 @@ Names load lazily:
 from stemlm._lazy import lazy_exports
 
 _EXPORTS = {
-    "POLICIES": "stemlm.offload.cache",
     "CachePolicy": "stemlm.offload.cache",
     "CacheStats": "stemlm.offload.cache",
     "RowCache": "stemlm.offload.cache",

@@ -35,9 +35,8 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
+from stemlm.choices import CACHE_POLICIES
 from stemlm.errors import StemlmError
-
-POLICIES = ("lfu", "lru")
 
 
 def resolve_capacity(vocab_size: int, rows: int | None = None, fraction: float | None = None) -> int:
@@ -109,8 +108,8 @@ class CachePolicy:
     """Slot assignment and LFU / LRU replacement over token ids, without any row data."""
 
     def __init__(self, vocab_size: int, capacity: int, policy: str = "lfu", warm_counts=None) -> None:
-        if policy not in POLICIES:
-            raise StemlmError(f"unknown cache policy {policy!r}; choose one of {', '.join(POLICIES)}")
+        if policy not in CACHE_POLICIES:
+            raise StemlmError(f"unknown cache policy {policy!r}; choose one of {', '.join(CACHE_POLICIES)}")
         if not 0 <= capacity <= vocab_size:
             raise StemlmError(f"cache capacity {capacity} must be in 0..{vocab_size} (see resolve_capacity)")
         self.vocab_size, self.capacity, self.policy = vocab_size, capacity, policy

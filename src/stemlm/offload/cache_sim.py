@@ -17,6 +17,7 @@ from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
 
+from stemlm.choices import CACHE_POLICIES
 from stemlm.errors import StemlmError
 
 JSON_NAME, PNG_NAME = "cache_sim.json", "cache_sim.png"
@@ -55,13 +56,12 @@ def parse_fractions(text: str) -> list[float]:
 
 
 def parse_policies(text: str) -> list[str]:
-    """Replacement policies typed as a comma list ("lfu,lru"), each one of `stemlm.offload.cache.POLICIES`."""
-    from stemlm.offload.cache import POLICIES
+    """Replacement policies typed as a comma list ("lfu,lru"), each one of `stemlm.choices.CACHE_POLICIES`."""
 
     names = [x.strip().lower() for x in text.split(",") if x.strip()]
-    bad = [n for n in names if n not in POLICIES]
+    bad = [n for n in names if n not in CACHE_POLICIES]
     if not names or bad:
-        raise StemlmError(f"--policy {text!r}: choose from {', '.join(POLICIES)} (comma-separated)")
+        raise StemlmError(f"--policy {text!r}: choose from {', '.join(CACHE_POLICIES)} (comma-separated)")
     return names
 
 

@@ -37,8 +37,8 @@ from pathlib import Path
 from flask import Flask, Response, jsonify, request, send_from_directory
 from werkzeug.exceptions import HTTPException, RequestEntityTooLarge
 
+from stemlm.choices import EDIT_ROWS
 from stemlm.edit import PAD_ROWS, STRATEGIES
-from stemlm.edit.positional import ROW_KINDS
 from stemlm.edit.shared_tokens import SharedSubwords
 from stemlm.errors import StemlmError
 from stemlm.inference.generate import IncrementalDecoder  # text pieces that never split a multi-byte character
@@ -83,7 +83,7 @@ def edit_spec(body: Body) -> EditSpec:
         strategy=body.choice("strategy", "auto", STRATEGIES),
         pad=body.choice("pad", "", ("", *PAD_ROWS)) or None,  # "" or absent: the editing module's default
         layers=body.int_list("layers"),
-        rows=body.choice("rows", "stem", ROW_KINDS),
+        rows=body.choice("rows", "stem", EDIT_ROWS),
     )
 
 

@@ -1,9 +1,10 @@
 """`TrainConfig`: every knob of a training run (data, schedule, optimizer groups, logging, checkpoints).
 
 One flat dataclass with grouped, commented fields and defaults that train the `tiny` preset on two CPU cores
-in a few minutes. The command line maps its flags onto these fields and `--set train.<field>=<value>`
-reaches every one of them (`with_overrides`, parsed by `stemlm.model.overrides`; `table_lr_fields` reads
-`--table-lr`). The resolved config is written into each run folder.
+in a few minutes. A field declared `setting(default, help, section=...)` carries its `stemlm train` flag (help,
+choices, metavar; stemlm.flags), shown in the help group `SECTIONS[section]`; `--set train.<field>=<value>`
+reaches every field (`with_overrides`, parsed by `stemlm.model.overrides`; `table_lr_fields` reads `--table-lr`).
+The resolved config is written into each run folder.
 
 Choices documented here rather than in code comments elsewhere:
 - weight decay applies to every matrix (projections, token embedding, LM head, router, experts), as in
@@ -35,19 +36,20 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from stemlm.choices import COMPUTE_DTYPES, DEVICES, KEEP_OPTIMIZER_STATE, PARALLEL_MODES, RECIPES, SAMPLING, TRAINABLE
 from stemlm.errors import StemlmError
+from stemlm.flags import setting
 from stemlm.model.config import ModelConfig
 from stemlm.model.kinds.registry import all_kinds
 from stemlm.model.overrides import apply_overrides
-from stemlm.runtime import SYNONYMS, TRAINING_PLACEMENTS
+from stemlm.runtime import SYNONYMS, TRAINING_PLACEMENTS, placement_choices
 
 if TYPE_CHECKING:  # torch and tokenizers load only when a run is resolved, so the CLI parser stays light
     from tokenizers import Tokenizer
 
-DTYPES = ("auto", "fp32", "bf16")
 # the default run's fact-world countries: well-known ones whose capitals the README's edit example moves
 FACT_COUNTRIES = (
     "Spain",
@@ -63,14 +65,18 @@ FACT_COUNTRIES = (
     "Ireland",
     "Netherlands",
 )
-DEVICES = ("auto", "cpu", "cuda")
-PARALLEL = ("ddp", "fsdp")
-KEEP_OPTIMIZER = ("newest", "all")
-SAMPLING = ("auto", "epoch", "uniform")
 
-TRAINABLE = ("all", "tables")
-RECIPES = ("stemlm", "official")  # the update's rules around the model: stemlm.train.recipes
-
+# The sections of a run's settings, in the order `stemlm train --help` shows their flags (the common ones first);
+# each field's `setting(section=...)` names one.
+SECTIONS = {
+    "model": "model",
+    "data": "data",
+    "optimizer": "optimisation",
+    "checkpointing": "evaluation, checkpoints and output",
+    "tables": "lookup tables",
+    "parallelism": "several processes (torch.distributed)",
+    "advanced": "profiling and advanced",
+}
 
 # Upper bounds of the sizes a run is built from, far above any real run's, so a hostile or mistyped config is
 # one line instead of an allocation that never ends (a model's own sizes: stemlm.model.config.SIZE_LIMITS).
@@ -81,76 +87,198 @@ MAX_BATCH_TOKENS = 2**27
 @dataclass
 class TrainConfig:
     # --- run ---
-    preset: str = "tiny"  # the model preset the run started from (names the default run folder)
-    out: str | None = None  # run folder; None: runs/<preset>-<ffn>-<timestamp>
-    seed: int = 0  # model init and data windows
-    device: str = "auto"  # auto: cuda when available, else cpu
-    dtype: str = "auto"  # autocast dtype; master weights stay fp32. auto: bf16 on cuda, fp32 on cpu (measured)
-    threads: int | None = None  # CPU threads for the CLI; None: os.cpu_count()
+    preset: str = setting(
+        "tiny", "model preset (default {default}); see `stemlm info --list-presets`", section="model", metavar="NAME"
+    )
+    out: str | None = setting(
+        None, "run folder (default runs/<preset>-<ffn>-<timestamp>)", section="checkpointing", metavar="DIR"
+    )
+    seed: int = setting(0, "seed of the model init and the data windows (default {default})", section="optimizer")
+    device: str = setting("auto", "device (default {default})", section="advanced", one_of=DEVICES)
+    dtype: str = setting(
+        "auto",
+        "autocast dtype; weights stay fp32 (default auto: bf16 on CUDA, fp32 on CPU where bf16 measured slower)",
+        section="advanced",
+        one_of=COMPUTE_DTYPES,
+    )
+    threads: int | None = setting(  # CPU threads for the CLI; None: os.cpu_count()
+        None, "CPU threads (default: all cores)", section="advanced"
+    )
     # --- data ---
-    data: list[str] | None = None  # text/jsonl files or folders; None: the embedded corpus
-    tokenizer: str | None = None  # default | gpt2 | path; None: the --init-from checkpoint's, else default
-    separator: str = "<|endoftext|>"  # special token placed after every document (Llama-3: <|end_of_text|>)
-    init_from: str | None = None  # start from the weights of this model checkpoint folder
+    data: list[str] | None = setting(
+        None,
+        "text/markdown/jsonl files or folders (default: the embedded Shakespeare + Austen corpus)",
+        section="data",
+        metavar="PATH",
+        many=True,
+    )
+    tokenizer: str | None = setting(  # None: the --init-from checkpoint's, else default
+        None, "default | gpt2 | path to a tokenizer.json (default: the default one)", section="data", metavar="NAME"
+    )
+    separator: str = setting(
+        "<|endoftext|>",
+        "special token placed after every document (default {default})",
+        section="data",
+        metavar="TOKEN",
+    )
+    init_from: str | None = setting(
+        None, "start from the weights (and tokenizer) of this model checkpoint folder", section="model", metavar="CKPT"
+    )
     # the fact world mixed into the embedded corpus (not into --data): statements of fact_relations about the
     # countries of fact_region make up fact_fraction of the training tokens (stemlm.data.fact_mix); 0: none
     fact_fraction: float = 0.3
     fact_region: str = "Europe"
     # a few countries instead of the whole region, so each statement is seen often enough at the default budget
     # to be learnt (53 European countries got ~23 exposures each in 200 steps and were not); []: all of fact_region
-    fact_countries: list[str] = dataclasses.field(default_factory=lambda: list(FACT_COUNTRIES))
-    fact_relations: list[str] = dataclasses.field(default_factory=lambda: ["capital"])
+    fact_countries: list[str] = field(default_factory=lambda: list(FACT_COUNTRIES))
+    fact_relations: list[str] = field(default_factory=lambda: ["capital"])
     # window sampling: epoch = every aligned window once per epoch in a seeded order (stemlm.data.stream.permute);
     # uniform = any start, with replacement; auto = epoch for prepared shards, uniform for text and the embedded
     # corpus (what every published figure of those, the default run's included, was measured with)
-    sampling: str = "auto"
-    prefetch: int = 2  # micro-batches read ahead on a worker thread (stemlm.train.prefetch); 0: read in the step
-    seq_len: int = 256
-    batch_size: int = 8  # sequences per micro-batch
-    grad_accum: int = 1  # micro-batches per optimizer step
+    sampling: str = setting(
+        "auto",
+        "epoch, uniform, or auto: epoch for prepared shards, else uniform (default {default})",
+        section="data",
+        metavar="MODE",
+        one_of=SAMPLING,
+    )
+    prefetch: int = setting(
+        2, "micro-batches read ahead on a worker thread; 0: off (default {default})", section="data"
+    )
+    seq_len: int = setting(256, "tokens per sequence (default {default})", section="data")
+    batch_size: int = setting(8, "sequences per micro-batch (default {default})", section="data")
+    grad_accum: int = setting(1, "micro-batches per optimizer step (default {default})", section="optimizer")
     # --- schedule: linear warm-up, then cosine to min_lr_ratio * peak ---
-    steps: int = 300
-    lr: float = 2e-3
-    warmup: int | None = None  # None: 10% of steps
+    steps: int = setting(300, "optimizer steps (default {default})", section="optimizer")
+    lr: float = setting(2e-3, "peak learning rate of the backbone (default {default})", section="optimizer")
+    warmup: int | None = setting(
+        None, "linear warm-up steps before the cosine decay (default 10%% of --steps)", section="optimizer"
+    )
     min_lr_ratio: float = 0.1
     # --- optimizer ---
-    recipe: str = "stemlm"  # stemlm, or official: the official STEM code's init, groups, clipping and warm-up
-    weight_decay: float = 0.1
+    recipe: str = setting(
+        "stemlm",
+        "training rules: stemlm, or official (the official STEM code's; docs/recipe.md) (default {default})",
+        section="optimizer",
+        metavar="NAME",
+        one_of=RECIPES,
+    )
+    weight_decay: float = setting(
+        0.1,
+        "AdamW weight decay of matrices; norms get none (--recipe official: they do) (default {default})",
+        section="optimizer",
+    )
     beta1: float = 0.9
     beta2: float = 0.95
     eps: float = 1e-8
-    grad_clip: float = 1.0  # one global L2 norm over all parameters; 0 disables clipping
-    aux_loss_coef: float = 0.01  # MoE balancing loss weight
-    table_optim: str = "rowwise_adagrad"  # STEM table optimizer: row-sparse by measurement (see the docstring)
-    table_lr: float | None = None  # peak lr of the tables; None: lr * table_lr_scale
+    grad_clip: float = setting(  # one global L2 norm over all parameters; 0 disables clipping
+        1.0,
+        "clip the global gradient norm (--recipe official: each optimizer's) to this value; 0 disables "
+        "(default {default})",
+        section="optimizer",
+    )
+    aux_loss_coef: float = setting(0.01, "weight of the MoE auxiliary loss (default {default})", section="optimizer")
+    # STEM table optimizer: row-sparse by measurement (see the docstring)
+    table_optim: str = setting(
+        "rowwise_adagrad",
+        "optimizer of the STEM tables: rowwise_adagrad (default) or lazy_adamw (row-sparse: touched rows only), "
+        "or adamw (dense over whole tables, as the official code; the one --recipe official takes); see "
+        "stemlm.train.tables.optim",
+        section="tables",
+        metavar="NAME",
+    )
+    # peak lr of the tables; None: lr * table_lr_scale. The flag takes either (`table_lr_fields`).
+    table_lr: float | None = setting(
+        None,
+        "peak lr of the STEM tables: a number, or xN for N x --lr (default x{table_lr_scale:g}; --recipe official: x1)",
+        section="tables",
+        metavar="LR|xN",
+        parse=str,
+    )
     table_lr_scale: float = 10.0
-    table_wd: float = 0.0
+    table_wd: float = setting(
+        0.0, "weight decay of the STEM tables (default {default}; --recipe official: --weight-decay)", section="tables"
+    )
     embed_like_tables: bool = False  # token embedding at the tables' peak lr and wd (the fair dense control)
-    tables: str = "device"  # where the tables and their optimizer live: device, or host (stemlm.train.tables.host)
-    trainable: str = "all"  # all, or tables: only the token tables learn (backbone frozen, e.g. after a retrofit)
+    tables: str = setting(
+        "device",
+        "where the STEM tables and their optimizer state live while training: device (default) or host (rows "
+        "gathered to the device ahead of each step, row-sparse update on the host; see stemlm.train.tables.host)",
+        section="tables",
+        metavar="{device,host}",
+        one_of=placement_choices(TRAINING_PLACEMENTS),
+    )
+    trainable: str = setting(
+        "all",
+        "parameters that learn: all, or tables (the backbone frozen) (default {default})",
+        section="optimizer",
+        name="--train",
+        metavar="WHAT",
+        one_of=TRAINABLE,
+    )
     # --- memory levers (stemlm.train.memory; the math is unchanged) ---
-    loss_chunk: int = 0  # > 0: lm_head + cross-entropy this many tokens at a time, no full [tokens, V] logits kept
+    loss_chunk: int = setting(
+        0, "lm_head + loss this many tokens at a time (no full logits kept); 0: off", section="advanced"
+    )
     # The fused lm_head + cross-entropy (stemlm.model.fused_loss; true needs loss_chunk), evaluation too; None: by the
     # vocabulary, fused from 65536 tokens up (stemlm.train.memory.resolve_loss).
     fused_loss: bool | None = None
-    activation_checkpointing: bool = False  # recompute each decoder block's activations in backward
-    compile: bool = False  # torch.compile each decoder block (stemlm.train.compile)
-    profile: bool = False  # torch.profiler traces of a few steps in RUN/profile (stemlm.train.profiling)
-    memory_snapshot: bool = False  # CUDA allocator history of the run, dumped to RUN/profile
+    activation_checkpointing: bool = setting(
+        False,
+        "recompute each decoder block's activations in backward (less memory, ~1 extra forward)",
+        section="advanced",
+        const=True,
+    )
+    # stemlm.train.compile, stemlm.train.profiling
+    compile: bool = setting(False, "torch.compile each decoder block (inductor)", section="advanced", const=True)
+    profile: bool = setting(
+        False,
+        "torch.profiler over steps 3-5: traces for TensorBoard / Perfetto and an operator table in RUN/profile",
+        section="advanced",
+        const=True,
+    )
+    memory_snapshot: bool = setting(
+        False,
+        "record the CUDA allocator's history; RUN/profile/memory-rank<r>.pickle for pytorch.org/memory_viz",
+        section="advanced",
+        const=True,
+    )
     # --- evaluation, logging, checkpoints ---
-    eval_every: int = 50  # steps between held-out evaluations (and always at the end); 0: only at the end
-    eval_batches: int = 8  # held-out batches (of batch_size windows) per evaluation
-    save_every: int = 0  # steps between checkpoints (always one at the end); 0: only at the end
-    save_minutes: float = 10.0  # also save when this much wall time passed since the last save; 0: never
-    max_skipped: int = 10  # stop (an error) after this many consecutive skipped, non-finite steps; 0: never
-    keep_last: int = 2  # checkpoints kept
+    eval_every: int = setting(
+        50, "steps between held-out evaluations; 0: only at the end (default {default})", section="checkpointing"
+    )
+    eval_batches: int = setting(
+        8, "held-out batches (of --batch-size windows) per evaluation (default {default})", section="checkpointing"
+    )
+    save_every: int = setting(
+        0, "steps between checkpoints; 0: only at the end (default {default})", section="checkpointing"
+    )
+    save_minutes: float = setting(
+        10.0, "also save every this many minutes; 0: off (default {default})", section="checkpointing"
+    )
+    max_skipped: int = setting(
+        10, "stop after this many non-finite steps in a row; 0: never (default {default})", section="advanced"
+    )
+    keep_last: int = setting(2, "checkpoints to keep (default {default})", section="checkpointing")
     keep_optimizer_state: str = "newest"  # newest: only the newest checkpoint keeps optimizer state (resume); all
-    spike_factor: float = 1.5  # a loss above spike_factor x the rolling median counts as a spike
-    spike_window: int = 50  # steps in the rolling median (spikes count only once it is full)
+    spike_factor: float = setting(
+        1.5, "count a loss above this x the rolling median as a spike (default {default})", section="advanced"
+    )
+    spike_window: int = setting(
+        50, "steps in the rolling median of the spike check (default {default})", section="advanced"
+    )
     traffic_every: int = 10  # --nproc: steps summed per table-traffic record (one all_reduce each; and the last)
     # --- several processes (stemlm train --nproc N; batch_size stays the global micro-batch, split over N) ---
-    parallel: str = "ddp"  # backbone: ddp (replicated) or fsdp (FSDP2, sharded per layer); tables are row-sharded
-    dist_timeout: float = 300.0  # seconds a rank waits in a collective for a stalled peer before failing
+    parallel: str = setting(
+        "ddp",
+        "with --nproc > 1: replicate the backbone (ddp) or shard it per layer (fsdp, FSDP2); STEM tables are "
+        "always row-sharded (default {default})",
+        section="parallelism",
+        one_of=PARALLEL_MODES,
+    )
+    dist_timeout: float = setting(
+        300.0, "with --nproc: seconds a rank waits for a stalled peer (default {default})", section="parallelism"
+    )
 
     def __post_init__(self) -> None:
         self.tables = SYNONYMS.get(self.tables, self.tables)  # "resident" is "device" (stemlm.runtime)
@@ -240,7 +368,7 @@ class TrainConfig:
         for name in ("beta1", "beta2"):
             value = getattr(self, name)
             need(_finite(value) and 0 <= value < 1, f"{name} must lie in [0, 1), got {value!r}")
-        need(self.dtype in DTYPES, f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        need(self.dtype in COMPUTE_DTYPES, f"dtype must be one of {', '.join(COMPUTE_DTYPES)}, got {self.dtype!r}")
         need(self.device in DEVICES, f"device must be one of {', '.join(DEVICES)}, got {self.device!r}")
         need(self.trainable in TRAINABLE, f"trainable must be one of {', '.join(TRAINABLE)}, got {self.trainable!r}")
         need(
@@ -252,8 +380,8 @@ class TrainConfig:
             f"tables=host needs a row-sparse table optimizer (lazy_adamw or rowwise_adagrad), got {self.table_optim!r}",
         )
         need(
-            self.keep_optimizer_state in KEEP_OPTIMIZER,
-            f"keep_optimizer_state must be one of {', '.join(KEEP_OPTIMIZER)}, got {self.keep_optimizer_state!r}",
+            self.keep_optimizer_state in KEEP_OPTIMIZER_STATE,
+            f"keep_optimizer_state must be one of {', '.join(KEEP_OPTIMIZER_STATE)}, got {self.keep_optimizer_state!r}",
         )
         need(self.sampling in SAMPLING, f"sampling must be one of {', '.join(SAMPLING)}, got {self.sampling!r}")
         need(self.recipe in RECIPES, f"recipe must be one of {', '.join(RECIPES)}, got {self.recipe!r}")
@@ -261,7 +389,10 @@ class TrainConfig:
             self.recipe != "official" or self.table_optim == "adamw",
             f"recipe official trains the tables with dense AdamW (table_optim adamw), got {self.table_optim!r}",
         )
-        need(self.parallel in PARALLEL, f"parallel must be one of {', '.join(PARALLEL)}, got {self.parallel!r}")
+        need(
+            self.parallel in PARALLEL_MODES,
+            f"parallel must be one of {', '.join(PARALLEL_MODES)}, got {self.parallel!r}",
+        )
         from stemlm.train.tables.optim import TABLE_OPTIMIZERS
 
         need(

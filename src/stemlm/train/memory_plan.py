@@ -32,6 +32,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from stemlm.choices import PARALLEL_MODES
 from stemlm.errors import StemlmError
 from stemlm.model.attention import SDPA_GQA
 from stemlm.model.config import ModelConfig
@@ -99,7 +100,7 @@ def memory_plan(
 
     if nproc < 1 or micro_batch < 1 or seq_len < 1 or loss_chunk < 0:
         raise StemlmError("nproc, micro_batch and seq_len must be positive and loss_chunk non-negative")
-    if parallel not in ("ddp", "fsdp"):
+    if parallel not in PARALLEL_MODES:
         raise StemlmError(f"parallel must be ddp or fsdp, got {parallel!r}")
     if table_optim not in TABLE_OPTIMIZERS:
         raise StemlmError(f"table_optim must be one of {', '.join(TABLE_OPTIMIZERS)}, got {table_optim!r}")

@@ -17,23 +17,47 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from stemlm.errors import StemlmError
-from stemlm.model.config import ModelConfig
+from stemlm.flags import setting
+from stemlm.model.config import FFN_KINDS, ModelConfig
 from stemlm.model.presets import get_preset
 
 
 @dataclass
 class RunRequest:
+    """What `stemlm train` asks for beyond the `TrainConfig` fields: the flags of the model choices and of resuming
+    are declared here (`stemlm.flags`), those of `preset`, `tokenizer` and `init_from` on `TrainConfig`."""
+
     changes: dict[str, Any] = field(default_factory=dict)  # TrainConfig fields given, typed
     preset: str | None = None  # a named model preset (also names the run folder)
-    ffn: str | None = None  # the FFN kind of the selected layers
-    stem_layers: str | None = None  # the layers of that kind (a layer spec)
+    ffn: str | None = setting(
+        None, "FFN kind of the selected layers (default: the preset's)", section="model", one_of=FFN_KINDS
+    )
+    stem_layers: str | None = setting(  # a layer spec
+        None, "layers with the --ffn kind: all, all-but-first, odd, every:K, 1,3,...", section="model", metavar="SPEC"
+    )
     model_sets: list[str] = field(default_factory=list)  # "model.<field>=V" overrides
-    fit_vocab: bool = False  # resize vocab_size to the tokenizer
+    fit_vocab: bool = setting(
+        False,
+        "resize the model's vocab_size to the tokenizer (rounded up to 64); without it a --preset or "
+        "model.vocab_size that does not fit the tokenizer is an error (without --preset the tiny default fits)",
+        section="model",
+        const=True,
+    )
     tokenizer: str | None = None  # default | gpt2 | a path; None: the run's, the checkpoint's or the default
-    resume: str | None = None  # continue this run (or this checkpoint of a run)
+    resume: str | None = setting(  # this run (or this checkpoint of a run)
+        None,
+        "continue this run from its newest checkpoint (or from the given checkpoint folder of a run)",
+        section="checkpointing",
+        metavar="RUN_DIR",
+    )
     init_from: str | None = None  # start from this model checkpoint's weights
     progress: bool = True  # the progress bar
-    allow_nonfinite: bool = False  # resume even when the checkpoint's weights hold NaN or Inf
+    allow_nonfinite: bool = setting(
+        False,
+        "with --resume: continue even when the checkpoint's weights hold NaN or Inf (refused by default)",
+        section="checkpointing",
+        const=True,
+    )
 
 
 def requested_model(r: RunRequest, base: ModelConfig | None) -> tuple[ModelConfig | None, bool]:
