@@ -22,9 +22,9 @@ import time
 
 import torch
 
+from stemlm.choices import ROW_SPARSE_OPTIMIZERS as ROW_SPARSE
 from stemlm.model.presets import get_preset
 from stemlm.train.config import TrainConfig
-from stemlm.train.tables.host import ROW_SPARSE
 from stemlm.train.trainer import Trainer
 
 

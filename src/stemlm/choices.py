@@ -3,8 +3,8 @@ function that checks it and the command-line flag that offers it all read the tu
 
 It sits at the package's lowest layer and imports nothing, so a CLI parser can show the choices without loading
 torch, and any package may read them. A set that belongs to a registry stays with its registry (the FFN kinds:
-`stemlm.model.kinds.registry`; the table placements and their synonyms: `stemlm.runtime`; the table optimizers:
-`stemlm.train.tables.optim`); `tests/test_choices.py` checks that no tuple here is written out again in `src/`.
+`stemlm.model.kinds.registry`; the table placements and their synonyms: `stemlm.runtime`).
+`tests/test_choices.py` checks that no tuple here is written out again in `src/`.
 """
 
 from __future__ import annotations
@@ -24,3 +24,7 @@ CACHE_POLICIES = ("lfu", "lru")  # replacement policies of the hot-row table cac
 EDIT_ROWS = ("stem", "embed", "both")  # the rows a row-swap edit replaces: STEM table rows, embedding rows, both
 EDIT_MODES = ("positional", "global")  # an edit of the prompt's span, or of the source tokens everywhere
 RETROFIT_INITS = ("embed", "normed", "calib")  # a retrofitted table's start (stemlm.convert.retrofit)
+# The token tables' optimizers (stemlm.train.tables.optim); the row-sparse ones update only the rows a step touched,
+# which every placement off the device needs (its rows come and go per micro-batch).
+ROW_SPARSE_OPTIMIZERS = ("lazy_adamw", "rowwise_adagrad")
+TABLE_OPTIMIZERS = ("adamw", *ROW_SPARSE_OPTIMIZERS)

@@ -39,7 +39,17 @@ import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from stemlm.choices import COMPUTE_DTYPES, DEVICES, KEEP_OPTIMIZER_STATE, PARALLEL_MODES, RECIPES, SAMPLING, TRAINABLE
+from stemlm.choices import (
+    COMPUTE_DTYPES,
+    DEVICES,
+    KEEP_OPTIMIZER_STATE,
+    PARALLEL_MODES,
+    RECIPES,
+    ROW_SPARSE_OPTIMIZERS,
+    SAMPLING,
+    TABLE_OPTIMIZERS,
+    TRAINABLE,
+)
 from stemlm.errors import StemlmError
 from stemlm.flags import setting
 from stemlm.model.config import ModelConfig
@@ -376,8 +386,9 @@ class TrainConfig:
             f"tables must be one of {', '.join(TRAINING_PLACEMENTS)}, got {self.tables!r}",
         )
         need(
-            self.tables == "device" or self.table_optim in ("lazy_adamw", "rowwise_adagrad"),
-            f"tables=host needs a row-sparse table optimizer (lazy_adamw or rowwise_adagrad), got {self.table_optim!r}",
+            self.tables == "device" or self.table_optim in ROW_SPARSE_OPTIMIZERS,
+            f"tables={self.tables} needs a row-sparse table optimizer ({' or '.join(ROW_SPARSE_OPTIMIZERS)}), "
+            f"got {self.table_optim!r}",
         )
         need(
             self.keep_optimizer_state in KEEP_OPTIMIZER_STATE,
@@ -393,8 +404,6 @@ class TrainConfig:
             self.parallel in PARALLEL_MODES,
             f"parallel must be one of {', '.join(PARALLEL_MODES)}, got {self.parallel!r}",
         )
-        from stemlm.train.tables.optim import TABLE_OPTIMIZERS
-
         need(
             self.table_optim in TABLE_OPTIMIZERS,
             f"table_optim must be one of {', '.join(TABLE_OPTIMIZERS)}, got {self.table_optim!r}",

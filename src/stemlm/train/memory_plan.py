@@ -32,7 +32,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from stemlm.choices import PARALLEL_MODES
+from stemlm.choices import PARALLEL_MODES, TABLE_OPTIMIZERS
 from stemlm.errors import StemlmError
 from stemlm.model.attention import SDPA_GQA
 from stemlm.model.config import ModelConfig
@@ -96,7 +96,6 @@ def memory_plan(
 ) -> dict[str, Any]:
     """Bytes per rank (the most loaded one) of weights, gradients, optimizer state and activations."""
     from stemlm.model import build_model
-    from stemlm.train.tables.optim import TABLE_OPTIMIZERS
 
     if nproc < 1 or micro_batch < 1 or seq_len < 1 or loss_chunk < 0:
         raise StemlmError("nproc, micro_batch and seq_len must be positive and loss_chunk non-negative")

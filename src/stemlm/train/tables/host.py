@@ -36,12 +36,11 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from stemlm.choices import ROW_SPARSE_OPTIMIZERS
 from stemlm.errors import StemlmError
 from stemlm.train.config import TrainConfig
 from stemlm.train.tables.lookahead import LookaheadWorker
 from stemlm.train.tables.placement import Rows, TablePlacement
-
-ROW_SPARSE = ("lazy_adamw", "rowwise_adagrad")
 
 
 @dataclass
@@ -189,9 +188,9 @@ class HostTables(LookaheadWorker, TablePlacement):
 
     # ----- the host-side optimizer -----
     def wrap(self, optimizer: torch.optim.Optimizer, name: str) -> AsyncTableOptimizer:
-        if name not in ROW_SPARSE:
+        if name not in ROW_SPARSE_OPTIMIZERS:
             raise StemlmError(
-                f"--tables host needs a row-sparse table optimizer ({', '.join(ROW_SPARSE)}), got {name!r}"
+                f"--tables host needs a row-sparse table optimizer ({', '.join(ROW_SPARSE_OPTIMIZERS)}), got {name!r}"
             )
         return AsyncTableOptimizer(self, optimizer)
 

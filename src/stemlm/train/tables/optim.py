@@ -47,9 +47,8 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
+from stemlm.choices import TABLE_OPTIMIZERS
 from stemlm.errors import StemlmError
-
-TABLE_OPTIMIZERS = ("adamw", "lazy_adamw", "rowwise_adagrad")
 
 
 # ----- flat optimizer state (safetensors tensors + JSON meta) -----
