@@ -4,3 +4,5 @@ CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
 INDEX_NAME = "model.safetensors.index.json"
 TOKENIZER_NAME = "tokenizer.json"
+TOKENIZER_CONFIG_NAME = "tokenizer_config.json"  # what transformers' AutoTokenizer reads beside tokenizer.json
+SPECIAL_TOKENS_MAP_NAME = "special_tokens_map.json"  # the same special tokens, for readers of the older layout
