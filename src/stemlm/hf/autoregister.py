@@ -41,8 +41,9 @@ WATCHED = (
     "stemlm.hf.modeling",
     "stemlm.hf.heads",
 )
-_state = {"config_registered": False, "model_registered": False, "config_created": False, "warned": False}
-_syncing: list[bool] = []  # non-empty while sync() runs: the imports it makes do not start another one
+# "syncing" is set while sync() runs: the imports it makes end in watched modules, which do not start another.
+_state = {"config_registered": False, "model_registered": False, "config_created": False, "warned": False,
+          "syncing": False}  # fmt: skip
 
 
 def register_config(configuration_auto) -> None:
@@ -91,9 +92,9 @@ def _half_imported(name: str) -> bool:
 def sync(finished: str | None = None) -> None:
     """Register what can be registered now; `finished` names a watched module whose body has just run (importlib
     still marks it as loading). Does nothing while a watched module is half-imported: its end calls this again."""
-    if _syncing or any(_half_imported(name) for name in WATCHED if name != finished):
+    if _state["syncing"] or any(_half_imported(name) for name in WATCHED if name != finished):
         return
-    _syncing.append(True)
+    _state["syncing"] = True
     try:
         if not _state["config_registered"] and CONFIG_AUTO in sys.modules:
             register_config(sys.modules[CONFIG_AUTO])
@@ -110,7 +111,7 @@ def sync(finished: str | None = None) -> None:
                 stacklevel=2,
             )
     finally:
-        _syncing.pop()
+        _state["syncing"] = False
 
 
 def config_created() -> None:
