@@ -31,6 +31,7 @@ from safetensors.torch import save_file
 from stemlm.checkpoint.llama import is_llama_config, llama_config_to_model_config
 from stemlm.checkpoint.names import (  # noqa: F401
     CONFIG_NAME,
+    EOS_TOKEN,
     INDEX_NAME,
     SPECIAL_TOKENS_MAP_NAME,
     TOKENIZER_CONFIG_NAME,
@@ -111,9 +112,7 @@ def special_tokens(tokenizer) -> dict[str, str]:
     """The tokenizer's special tokens as transformers names them: `<|endoftext|>` is the end of sequence, the id
     `stemlm generate` stops on and the `eos_token_id` of the folder's Hugging Face config (`stemlm.hf`). stemlm
     prepends no beginning-of-sequence token and pads with none, so neither is named (as config.json names none)."""
-    from stemlm.data.tokenizer import EOT_TOKEN
-
-    return {"eos_token": EOT_TOKEN} if tokenizer.token_to_id(EOT_TOKEN) is not None else {}
+    return {"eos_token": EOS_TOKEN} if tokenizer.token_to_id(EOS_TOKEN) is not None else {}
 
 
 def write_tokenizer_files(tokenizer, folder: Path, max_length: int) -> None:
