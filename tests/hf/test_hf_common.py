@@ -134,20 +134,6 @@ class _CommonTests(ModelTesterMixin):
     def test_generation_tester_mixin_inheritance(self):
         self.skipTest("the sdist ships no tests/generation, so no GenerationTesterMixin to inherit")
 
-    # These look for transformers' GradientCheckpointingLayer: stemlm's layers are plain torch modules (the model
-    # package does not import transformers), checkpointed by StemLM.forward; tests/hf/test_hf_outputs.py tests that.
-    def test_gradient_checkpointing_enable_disable(self):
-        self.skipTest("needs GradientCheckpointingLayer modules")
-
-    def test_training_gradient_checkpointing(self):
-        self.skipTest("needs GradientCheckpointingLayer modules")
-
-    def test_training_gradient_checkpointing_use_reentrant_false(self):
-        self.skipTest("needs GradientCheckpointingLayer modules")
-
-    def test_training_gradient_checkpointing_use_reentrant_true(self):
-        self.skipTest("needs GradientCheckpointingLayer modules")
-
 
 class _ReadsIdsTests(_CommonTests):
     # inputs_embeds without input_ids: the kind's tables or routing are indexed by token id (Kind.reads_input_ids),

@@ -11,6 +11,7 @@ import json
 import pytest
 import torch
 from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, DynamicCache, LlamaForCausalLM
+from transformers.modeling_layers import GradientCheckpointingLayer
 
 from stemlm.errors import StemlmError
 from stemlm.hf import StemlmConfig, StemlmModel
@@ -158,13 +159,15 @@ def test_inputs_embeds_needs_input_ids_for_kinds_that_read_them(tmp_path, kind):
 # ----------------------------------------------------------------------------------------------------------
 # gradient checkpointing
 # ----------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("name", ["activation_checkpointing", "gradient_checkpointing"])  # 5.x name, deprecated one
 @pytest.mark.parametrize("kind", ["stem", "moe"])
-def test_gradient_checkpointing_gives_the_same_gradients(tmp_path, kind):
+def test_gradient_checkpointing_gives_the_same_gradients(tmp_path, kind, name):
     _, _, hf = loaded(tmp_path, kind)
     hf.train()
     ids = random_ids(2, 8, seed=18)
     calls = []
-    hf.model.layers[1].register_forward_pre_hook(lambda module, args: calls.append(1))
+    # A module inside the layer: the checkpointed layer runs its forward (and so this) again in the backward pass.
+    hf.model.layers[1].self_attn.register_forward_pre_hook(lambda module, args: calls.append(1))
 
     def gradients():
         hf.zero_grad()
@@ -172,18 +175,22 @@ def test_gradient_checkpointing_gives_the_same_gradients(tmp_path, kind):
         return {name: p.grad.clone() for name, p in hf.named_parameters() if p.grad is not None}
 
     plain = gradients()
-    assert len(calls) == 1
-    hf.gradient_checkpointing_enable()
-    assert hf.is_gradient_checkpointing
+    assert len(calls) == 1 and not hf.is_activation_checkpointing
+    assert all(isinstance(layer, GradientCheckpointingLayer) for layer in hf.model.layers)
+    getattr(hf, f"{name}_enable")()
+    assert hf.is_activation_checkpointing and all(layer.gradient_checkpointing for layer in hf.model.layers)
     calls.clear()
     checkpointed = gradients()
     assert len(calls) == 2  # the layer ran again in the backward pass
     assert plain.keys() == checkpointed.keys()
-    for name in plain:
-        torch.testing.assert_close(checkpointed[name], plain[name], atol=1e-6, rtol=0, msg=name)
+    for key in plain:
+        torch.testing.assert_close(checkpointed[key], plain[key], atol=1e-6, rtol=0, msg=key)
     assert hf(ids, labels=ids).cache is None  # no cache while checkpointing a training forward
-    hf.gradient_checkpointing_disable()
-    assert not hf.is_gradient_checkpointing
+    getattr(hf, f"{name}_disable")()
+    assert not hf.is_activation_checkpointing and not any(layer.gradient_checkpointing for layer in hf.model.layers)
+    calls.clear()
+    gradients()
+    assert len(calls) == 1
 
 
 # ----------------------------------------------------------------------------------------------------------

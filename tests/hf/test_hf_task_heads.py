@@ -155,7 +155,7 @@ def test_resize_and_gradient_checkpointing_reach_the_decoder(kind):
     for checkpointing in (False, True):
         if checkpointing:
             model.gradient_checkpointing_enable()
-            assert model.model.gradient_checkpointing
+            assert model.is_activation_checkpointing
         model.zero_grad()
         model(x, labels=torch.tensor([0, 1, 2])).loss.backward()
         grads.append({n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})

@@ -4,7 +4,9 @@
     model.safetensors                all tensors, HF Llama names; STEM tables at
                                      model.layers.{i}.mlp.stem_embedding.weight
     model-0000k-of-0000n.safetensors + model.safetensors.index.json when larger than `max_shard_bytes`
-    tokenizer.json                   optional: the HF tokenizer the model was trained with
+    tokenizer.json                   optional: the HF tokenizer the model was trained with, and beside it
+    tokenizer_config.json            its special tokens and the model's input names, for transformers'
+    special_tokens_map.json          AutoTokenizer and what reads through it (pipelines, lm-eval, vLLM)
 
     stemlm-manifest.json             SHA-256 of every file, written at save (`stemlm verify CKPT` checks them)
 
@@ -27,7 +29,15 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from stemlm.checkpoint.llama import is_llama_config, llama_config_to_model_config
-from stemlm.checkpoint.names import CONFIG_NAME, INDEX_NAME, TOKENIZER_NAME, WEIGHTS_NAME  # noqa: F401
+from stemlm.checkpoint.names import (  # noqa: F401
+    CONFIG_NAME,
+    EOS_TOKEN,
+    INDEX_NAME,
+    SPECIAL_TOKENS_MAP_NAME,
+    TOKENIZER_CONFIG_NAME,
+    TOKENIZER_NAME,
+    WEIGHTS_NAME,
+)
 from stemlm.checkpoint.safe_write import AtomicFolder, fsync_tree  # noqa: F401  (re-exported: the writers' import path)
 from stemlm.checkpoint.sharded import is_sharded, read_sharded_state
 from stemlm.checkpoint.table_storage import expand_state, read_storage
@@ -95,7 +105,30 @@ def write_model_config(config: ModelConfig, folder: Path, tokenizer=None) -> Non
         )
     write_json(folder / CONFIG_NAME, config.to_hf_dict())
     if tokenizer is not None:
-        tokenizer.save(str(folder / TOKENIZER_NAME))
+        write_tokenizer_files(tokenizer, folder, config.max_position_embeddings)
+
+
+def special_tokens(tokenizer) -> dict[str, str]:
+    """The tokenizer's special tokens as transformers names them: `<|endoftext|>` is the end of sequence, the id
+    `stemlm generate` stops on and the `eos_token_id` of the folder's Hugging Face config (`stemlm.hf`). stemlm
+    prepends no beginning-of-sequence token and pads with none, so neither is named (as config.json names none)."""
+    return {"eos_token": EOS_TOKEN} if tokenizer.token_to_id(EOS_TOKEN) is not None else {}
+
+
+def write_tokenizer_files(tokenizer, folder: Path, max_length: int) -> None:
+    """tokenizer.json and the two files transformers reads beside it: tokenizer_config.json (the tokenizer class,
+    special tokens, the inputs the model takes, the longest input) and special_tokens_map.json. Without them
+    `AutoTokenizer` gives a tokenizer with no eos, which generation pipelines and lm-eval's HF backend need."""
+    tokenizer.save(str(folder / TOKENIZER_NAME))
+    special = special_tokens(tokenizer)
+    settings = {
+        "tokenizer_class": "PreTrainedTokenizerFast",  # tokenizer.json alone (transformers 5: TokenizersBackend)
+        "model_input_names": ["input_ids", "attention_mask"],  # no token_type_ids: the model takes none
+        "model_max_length": max_length,
+        "clean_up_tokenization_spaces": False,  # decode as stemlm does: byte-level BPE round-trips the text exactly
+    }
+    write_json(folder / TOKENIZER_CONFIG_NAME, {**settings, **special})
+    write_json(folder / SPECIAL_TOKENS_MAP_NAME, special)
 
 
 def save_pretrained(

@@ -11,7 +11,13 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from stemlm.checkpoint.folder import CONFIG_NAME, TOKENIZER_NAME, WEIGHTS_NAME, model_state_for_saving, write_json
+from stemlm.checkpoint.folder import (
+    CONFIG_NAME,
+    WEIGHTS_NAME,
+    model_state_for_saving,
+    write_json,
+    write_tokenizer_files,
+)
 from stemlm.checkpoint.safe_write import AtomicFolder
 from stemlm.errors import StemlmError
 from stemlm.model.config import ModelConfig
@@ -55,13 +61,23 @@ def save_as_llama(model: StemLM, directory: str | Path, tokenizer=None, *, force
     a warning and with the same logits."""
     from safetensors.torch import save_file
 
-    config = model_config_to_llama_config(model.config)
+    config = with_token_ids(model_config_to_llama_config(model.config), tokenizer)
     with AtomicFolder(directory, producer=LLAMA_PRODUCER, force=force, sources=sources) as tmp:
         write_json(tmp / CONFIG_NAME, config)
         save_file(model_state_for_saving(model), str(tmp / WEIGHTS_NAME), metadata={"format": "pt"})
         if tokenizer is not None:
-            tokenizer.save(str(tmp / TOKENIZER_NAME))
+            write_tokenizer_files(tokenizer, tmp, model.config.max_position_embeddings)
     return Path(directory)
+
+
+def with_token_ids(config: dict[str, Any], tokenizer) -> dict[str, Any]:
+    """A Llama config.json naming the special token ids the folder's tokenizer files name (end-of-text as eos, no
+    bos): `LlamaConfig`'s own defaults (bos 1, eos 2) would stand otherwise. Unchanged without a tokenizer."""
+    if tokenizer is None:
+        return config
+    from stemlm.data.tokenizer import EOT_TOKEN
+
+    return {**config, "bos_token_id": None, "eos_token_id": tokenizer.token_to_id(EOT_TOKEN)}
 
 
 def standalone_files(folder: Path, model: StemLM, tokenizer=None) -> None:
@@ -75,8 +91,7 @@ def standalone_files(folder: Path, model: StemLM, tokenizer=None) -> None:
     if model.config.special_layers:
         add_remote_code(folder, eos_token_id=eos)
         return
-    config = model_config_to_llama_config(model.config)
-    write_json(folder / CONFIG_NAME, config if eos is None else {**config, "eos_token_id": eos})
+    write_json(folder / CONFIG_NAME, with_token_ids(model_config_to_llama_config(model.config), tokenizer))
 
 
 def export_llama(ckpt: str | Path, out: str | Path, *, force: bool = False) -> Path:

@@ -20,6 +20,8 @@ import torch
 
 from stemlm.checkpoint.folder import (
     CONFIG_NAME,
+    SPECIAL_TOKENS_MAP_NAME,
+    TOKENIZER_CONFIG_NAME,
     TOKENIZER_NAME,
     read_json_object,
     read_state,
@@ -31,7 +33,7 @@ from stemlm.checkpoint.table_storage import STORAGE_KEY, compact_state
 from stemlm.errors import StemlmError
 
 PRODUCER = "stemlm convert"  # the same producer as the retrofit: --force may replace either's output
-COPIED = (TOKENIZER_NAME, "tokenizer_config.json", "generation_config.json")
+COPIED = (TOKENIZER_NAME, TOKENIZER_CONFIG_NAME, SPECIAL_TOKENS_MAP_NAME, "generation_config.json")
 
 
 def lookup_table_names(config) -> list[str]:

@@ -24,7 +24,11 @@ transformers 5 points handled here:
   weights from a math attention (`stemlm.model.attention.math_attention`) run for that call, as
   `attn_implementation="eager"` does for every call; otherwise attention is SDPA and the forward is stemlm's
   default one. Unset flags (`use_cache`, `return_dict`, ...) are read from the config; `return_dict=False` gives
-  the tuple. Gradient checkpointing (`gradient_checkpointing_enable()`) checkpoints each decoder layer.
+  the tuple.
+- activation checkpointing: the decoder layers are transformers' `GradientCheckpointingLayer`s (`StemlmDecoderLayer`,
+  stemlm's `DecoderLayer` with that base: the model package does not import transformers), so
+  `activation_checkpointing_enable()` (or its deprecated name `gradient_checkpointing_enable()`) flags each layer,
+  the layer checkpoints its own forward, and `is_activation_checkpointing` reads the flags, as for Llama.
 - `resize_token_embeddings`: transformers resizes `embed_tokens` / `lm_head`, `stemlm.model.resize` the kinds'
   tables, maps and hashes; tied embeddings stay tied.
 - EOS: a folder whose config.json names no `eos_token_id` takes its tokenizer.json's `<|endoftext|>` id
@@ -48,6 +52,7 @@ from torch import nn
 from transformers import initialization as init
 from transformers.cache_utils import DynamicCache
 from transformers.generation import GenerationMixin
+from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
 from transformers.modeling_utils import PreTrainedModel
 from transformers.utils.deprecation import deprecate_kwarg
@@ -55,7 +60,7 @@ from transformers.utils.deprecation import deprecate_kwarg
 from stemlm.errors import StemlmError
 from stemlm.hf.configuration import StemlmConfig
 from stemlm.model.attention import KVCache
-from stemlm.model.decoder import ForwardOptions, StemLM
+from stemlm.model.decoder import DecoderLayer, ForwardOptions, StemLM
 from stemlm.model.decoding_state import reorder_decoding_state
 from stemlm.model.ffn import EMBED
 from stemlm.model.kinds.registry import get_kind
@@ -88,15 +93,23 @@ class _HFCacheView:
         return self.cache.update(k, v, layer_idx)
 
 
+class StemlmDecoderLayer(DecoderLayer, GradientCheckpointingLayer):
+    """stemlm's decoder layer as a transformers `GradientCheckpointingLayer`: the same module, parameters and forward,
+    which recomputes itself in the backward pass once `activation_checkpointing_enable()` has set its flag. The
+    wrapper gives each layer of the `StemLM` it wraps this class (`_build_stem`), so the names stay the checkpoint's.
+    `StemLM.forward` passes the cache positionally, where transformers does not clear it: `_run` turns caching off
+    while the layers are checkpointed instead."""
+
+
 class StemlmPreTrainedModel(PreTrainedModel):
     """What the base model and the causal LM share: the config class, the weight init and the forward's inputs."""
 
     config_class = StemlmConfig
     base_model_prefix = "model"
     main_input_name = "input_ids"
-    _no_split_modules = ["DecoderLayer"]
+    _no_split_modules = ["StemlmDecoderLayer"]
     _supports_sdpa = True  # our attention always runs scaled_dot_product_attention
-    supports_gradient_checkpointing = True  # StemLM.forward checkpoints each layer (see DecoderStack)
+    supports_gradient_checkpointing = True  # each StemlmDecoderLayer checkpoints itself
 
     def _build_stem(self, config: StemlmConfig, stem: StemLM | None) -> StemLM:
         if getattr(config, "stemlm_table_storage", None):  # transformers would load int8 codes as float weights
@@ -105,6 +118,9 @@ class StemlmPreTrainedModel(PreTrainedModel):
                 "read that layout: load it with stemlm, or write a plain copy with stemlm export CKPT --out DIR"
             )
         stem = stem if stem is not None else StemLM(config.to_model_config())
+        for layer in stem.model.layers:
+            if type(layer) is DecoderLayer:
+                layer.__class__ = StemlmDecoderLayer  # a subclass adding only transformers' checkpointing
         # Kept outside the module tree (plain attribute) so its parameters are registered once, under the
         # wrapper's `model.` / `lm_head.` names, which are the checkpoint names.
         object.__setattr__(self, "_stem", stem)
@@ -145,8 +161,11 @@ class StemlmPreTrainedModel(PreTrainedModel):
         """`StemLM.forward` on HF's arguments; `flags` are the (use_cache, output_attentions, output_hidden_states)
         already resolved against the config. Returns stemlm's output and the HF cache to hand back."""
         use_cache, output_attentions, output_hidden_states = flags
-        if self._stem.model.gradient_checkpointing and self.training:
-            use_cache = False  # recomputing a layer would append its keys and values to the cache again
+        layers = self._stem.model.layers
+        if self.training and torch.is_grad_enabled() and any(getattr(m, "gradient_checkpointing", 0) for m in layers):
+            # Recomputing a layer would append its keys and values to the cache again (transformers' layers drop
+            # a cache passed by keyword the same way).
+            use_cache, cache = False, None
         input_ids, embed_rows = self._inputs(input_ids, inputs_embeds)
         if cache is not None and not isinstance(cache, KVCache):
             cache = _HFCacheView(cache)
@@ -213,23 +232,6 @@ class StemlmModel(StemlmPreTrainedModel):
         self.norm = stem.model.norm
         self.rotary_emb = stem.model.rotary_emb
         self.post_init()
-
-    # HF's gradient_checkpointing_enable() sets these on every module that has them; StemLM.forward reads the stack's.
-    @property
-    def gradient_checkpointing(self) -> bool:
-        return self._stem.model.gradient_checkpointing
-
-    @gradient_checkpointing.setter
-    def gradient_checkpointing(self, value: bool) -> None:
-        self._stem.model.gradient_checkpointing = value
-
-    @property
-    def _gradient_checkpointing_func(self):
-        return self._stem.model._gradient_checkpointing_func
-
-    @_gradient_checkpointing_func.setter
-    def _gradient_checkpointing_func(self, value) -> None:
-        self._stem.model._gradient_checkpointing_func = value
 
     def get_input_embeddings(self) -> nn.Embedding:
         return self.embed_tokens
