@@ -47,11 +47,9 @@ from stemlm.errors import StemlmError
 from stemlm.inference.requests import Request
 from stemlm.model.attention import KVCache
 from stemlm.model.decoder import StemLM
-from stemlm.model.decoding_state import STATE_ATTR
+from stemlm.model.decoding_state import DecodingState
 from stemlm.offload.lookup_rows import LookupRows
 from stemlm.offload.prefetch import RowPipeline
-
-CONV_PREFIX = "engram_conv."  # decoding-state keys of Engram conv inputs ([B, L, d]); "ids" is [B, L]
 
 
 class BatchEngine:
@@ -78,7 +76,7 @@ class BatchEngine:
         self.device = next(p.device for p in model.parameters() if not p.is_meta)
         self.keys: list[torch.Tensor] = []  # the pool, allocated at the first join (its dtype is the cache's)
         self.values: list[torch.Tensor] = []
-        self.state: dict[str, torch.Tensor] = {}  # decoding state of the active rows, [n, L, ...]
+        self.state = DecodingState()  # the lookup kinds' state of the active rows, [n, L, ...]
         self.active: list[Request] = []  # row b of the pool is active[b]
         self.counts: list[int] = []  # cached positions per active row
         self.length = 0  # L, the shared time axis
@@ -182,7 +180,6 @@ class BatchEngine:
 
     def _join(self, request: Request, cache: KVCache) -> None:
         P = len(request.prompt_ids)
-        state = getattr(cache, STATE_ATTR, {})
         if not self.keys:
             shape = lambda t: (self.slots, t.shape[1], self.capacity, t.shape[3])
             self.keys = [torch.zeros(shape(k), dtype=k.dtype, device=k.device) for k in cache.keys]
@@ -191,10 +188,8 @@ class BatchEngine:
         b, L = len(self.active), self.length
         for pool, new in zip(self.keys + self.values, cache.keys + cache.values, strict=True):
             pool[b, :, L - P : L] = new[0, :, :P]
-        for name, value in state.items():
-            pad = value.new_full((1, L - P, *value.shape[2:]), -1 if name == "ids" else 0)
-            row = torch.cat([pad, value[:, :P]], dim=1)
-            self.state[name] = row if name not in self.state else torch.cat([self.state[name], row])
+        row = cache.state.map(lambda value, pad: torch.cat([_pad(value, 1, L - P, pad), value[:, :P]], dim=1))
+        self.state = self.state.stack(row)
         self.active.append(request)
         self.counts.append(P)
 
@@ -203,12 +198,11 @@ class BatchEngine:
         if b != last:  # the last active row takes the freed one, so the active rows stay a prefix of the pool
             for pool in self.keys + self.values:
                 pool[b, :, : self.length] = pool[last, :, : self.length]
-            for value in self.state.values():
-                value[b] = value[last]
             self.active[b], self.counts[b] = self.active[last], self.counts[last]
         self.active.pop()
         self.counts.pop()
-        self.state = {name: value[:last] for name, value in self.state.items()}
+        kept = [last if row == b else row for row in range(last)]  # the last row moved into the freed one
+        self.state = self.state.map(lambda value, pad: value[kept])
         if not self.active:
             self.length = 0
 
@@ -222,12 +216,10 @@ class BatchEngine:
                 pool[:n, :, shift : shift + L] = pool[:n, :, :L].clone()
             else:
                 pool[:n, :, :length] = pool[:n, :, -shift:L].clone()
-        for name, value in self.state.items():
-            if shift > 0:
-                pad = value.new_full((n, shift, *value.shape[2:]), -1 if name == "ids" else 0)
-                self.state[name] = torch.cat([pad, value], dim=1)
-            else:
-                self.state[name] = value[:, -shift:]
+        if shift > 0:
+            self.state = self.state.map(lambda value, pad: torch.cat([_pad(value, n, shift, pad), value], dim=1))
+        else:
+            self.state = self.state.map(lambda value, pad: value[:, -shift:])
         self.length = length
 
     # ----- the batched forward -----
@@ -246,10 +238,9 @@ class BatchEngine:
             mask = torch.arange(L + 1, device=self.device)[None, :] >= (L - counts)[:, None]
         if self.rows is not None:
             self._request_rows(ids, [r.prompt_ids + r.output_ids for r in self.active], host=ids_cpu)
-        cache = KVCache(len(self.keys), capacity=self.capacity)
+        cache = KVCache(len(self.keys), capacity=self.capacity, state=self.state)  # the model extends the state
         cache.keys, cache.values = [k[:n] for k in self.keys], [v[:n] for v in self.values]
         cache.lengths = [L] * len(self.keys)
-        setattr(cache, STATE_ATTR, self.state)  # the model reads and extends it in place of a fresh dict
         out = self.model(ids, attention_mask=mask, position_ids=counts[:, None], past_key_values=cache, use_cache=True)
         self.length += 1
         self.counts = [c + 1 for c in self.counts]
@@ -275,6 +266,11 @@ class BatchEngine:
                         prev[b, hasher.context - len(before) :] = torch.tensor(before)
             keys = hasher.ids(host, prev)
             ngram.request(keys.to(ids.device), keys)
+
+
+def _pad(value: torch.Tensor, rows: int, length: int, pad: int) -> torch.Tensor:
+    """`length` left-padding positions for `rows` rows of a decoding-state entry like `value`."""
+    return value.new_full((rows, length, *value.shape[2:]), pad)
 
 
 class QueueFull(StemlmError):
