@@ -41,7 +41,7 @@ from stemlm.edit import PAD_ROWS, STRATEGIES
 from stemlm.edit.positional import ROW_KINDS
 from stemlm.edit.shared_tokens import SharedSubwords
 from stemlm.errors import StemlmError
-from stemlm.inference.generate import IncrementalDecoder  # text pieces that never split a multi-byte character
+from stemlm.inference.requests import IncrementalDecoder  # text pieces that never split a multi-byte character
 from stemlm.serve.editing import EditSpec
 from stemlm.serve.hosts import host_allowed, trusted_hosts
 from stemlm.serve.params import Body, parse_json, sampling
