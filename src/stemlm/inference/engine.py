@@ -66,7 +66,12 @@ class Engine:
     # ----- the pieces -----
     def start(self, request: Request, context: int | None = None) -> None:
         """Check the request against `context` positions (default: the model's) and seed its generator."""
-        request.start(self.device, self.tokenizer, self.context if context is None else context)
+        if context is None or context == self.context:
+            request.start(
+                self.device, self.tokenizer, self.context, f"the model's max_position_embeddings={self.context}"
+            )
+        else:
+            request.start(self.device, self.tokenizer, context)
 
     @torch.no_grad()
     def prefill(self, request: Request, capacity: int | None = None) -> tuple[torch.Tensor, KVCache]:

@@ -12,8 +12,8 @@ request ends with a finish reason:
 
 A request's `edit_rows` (a positional edit's `rows=` mapping, `stemlm.edit.positional.edit_hooks`) apply to its
 prefill only: the edited keys and values then sit in its KV cache and no other request sees them.
-`IncrementalDecoder` turns ids into printable text pieces; `StopText` turns text pieces into output text that never contains a stop string: a piece that might be the
-start of one is held back until it is known not to be.
+`IncrementalDecoder` turns ids into printable text pieces; `StopText` turns text pieces into output text that
+never contains a stop string: a piece that might be the start of one is held back until it is known not to be.
 """
 
 from __future__ import annotations
@@ -153,12 +153,13 @@ class Request:
         self._decoder: IncrementalDecoder | None = None
         self._stop: StopText | None = None
 
-    def start(self, device: torch.device, tokenizer, context: int) -> None:
-        """Called by the engine before the prefill: the budget within `context` positions, the seeded generator."""
+    def start(self, device: torch.device, tokenizer, context: int, what: str = "") -> None:
+        """Called by the engine before the prefill: the budget within `context` positions (`what`: their name in
+        an error), the seeded generator."""
         if len(self.prompt_ids) >= context:
             raise StemlmError(
-                f"the prompt has {len(self.prompt_ids)} tokens, which leaves no room to generate within the "
-                f"context of {context} positions (the model's max_position_embeddings at most); shorten it"
+                f"the prompt has {len(self.prompt_ids)} tokens, which leaves no room to generate within "
+                f"{what or f'the context of {context}'}; shorten it"
             )
         self.budget = min(self.params.max_tokens, context - len(self.prompt_ids))
         self.generator = torch.Generator(device=device)
