@@ -27,7 +27,8 @@ import torch
 from stemlm.checkpoint.folder import save_pretrained
 from stemlm.data.corpus import embedded_texts
 from stemlm.data.tokenizer import default_tokenizer
-from stemlm.inference.offloaded import OffloadedLM, decode_step, prefill
+from stemlm.inference.offloaded import OffloadedLM
+from stemlm.inference.requests import Request
 from stemlm.model import build_model
 from stemlm.model.presets import get_preset
 
@@ -53,17 +54,17 @@ def main() -> None:
                 "resident": OffloadedLM.load(folder, "resident"),
                 "host": OffloadedLM.load(folder, "host", cache_fraction=args.fraction),
             }
-            rates = {name: [] for name in lms}
+            rates, engines = {name: [] for name in lms}, {name: lm.engine() for name, lm in lms.items()}
             for rep in range(args.reps):
                 ids = stream[rep * per_rep : (rep + 1) * per_rep]
-                prompt = torch.tensor([ids[: args.prompt]])
-                state = {name: prefill(lm.model, prompt, lm.rows) for name, lm in lms.items()}
+                state = {name: engine.prefill(Request(ids[: args.prompt])) for name, engine in engines.items()}
                 seconds = dict.fromkeys(lms, 0.0)
-                for step, token in enumerate(ids[args.prompt :]):
-                    order = list(lms) if step % 2 == 0 else list(reversed(lms))
+                for k in range(args.prompt, len(ids)):
+                    order = list(lms) if k % 2 == args.prompt % 2 else list(reversed(lms))
                     for name in order:
+                        engine, cache = engines[name], state[name][1]
                         start = time.perf_counter()
-                        state[name] = decode_step(lms[name].model, token, state[name][1], lms[name].rows)
+                        state[name] = (engine.step(engine.feed([ids[k]], [ids[:k]]), cache)[0], cache)
                         seconds[name] += time.perf_counter() - start
                     torch.testing.assert_close(state["host"][0], state["resident"][0], atol=1e-5, rtol=0)
                 for name in lms:

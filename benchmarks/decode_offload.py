@@ -47,7 +47,8 @@ from stemlm.data.corpus import embedded_texts
 from stemlm.data.tokenizer import default_tokenizer
 from stemlm.evaluation.perplexity import evaluate_perplexity, load_eval
 from stemlm.inference.load import InferenceOptions
-from stemlm.inference.offloaded import OffloadedLM, decode_step, forced_decode, prefill
+from stemlm.inference.offloaded import OffloadedLM, forced_decode
+from stemlm.inference.requests import Request
 from stemlm.model import build_model
 from stemlm.model.accounting import decode_bytes_per_token
 from stemlm.model.presets import get_preset
@@ -122,15 +123,16 @@ def time_decode(runs: dict[str, OffloadedLM], prompt: list[int], decode: list[in
     The configurations advance in lockstep, one step each in a rotating order, so a burst of load from other
     processes lands on all of them alike; each timed step ends with the argmax a sampler would read (the
     device->host sync of real decoding). Every configuration's logits must equal the first one's."""
-    state = {name: prefill(lm.model, torch.tensor([prompt]), lm.rows) for name, lm in runs.items()}
+    engines = {name: lm.engine() for name, lm in runs.items()}
+    state = {name: engine.prefill(Request(prompt)) for name, engine in engines.items()}
     seconds = dict.fromkeys(runs, 0.0)
     names = list(runs)
     for step, token in enumerate(decode):
-        reference = None
+        reference, before = None, [prompt + decode[:step]]
         for name in names[step % len(names) :] + names[: step % len(names)]:
-            lm, (_, kv) = runs[name], state[name]
+            engine, (_, kv) = engines[name], state[name]
             start = time.perf_counter()
-            logits, kv = decode_step(lm.model, token, kv, lm.rows)
+            logits = engine.step(engine.feed([token], before), kv)[0]
             int(torch.argmax(logits))
             seconds[name] += time.perf_counter() - start
             state[name] = (logits, kv)
@@ -160,13 +162,13 @@ def table_dtypes(folder, args, device, dtype, counts, warm, timed, segment, conf
             folder, "host", cache_fraction=0.2, policy=args.policy, device=device, warm_counts=counts, table_dtype=name
         ) as lm:
             forced_decode(lm.model, warm[:1], warm[1:segment], rows=lm.rows)  # warm the cache like the speed runs
-            provider, misses, decoded = lm.provider, 0, 0
+            provider, misses, decoded, engine = lm.provider, 0, 0, lm.engine()
             for start in range(0, len(timed), segment):
                 piece = timed[start : start + segment]
-                _, kv = prefill(lm.model, torch.tensor([piece[: args.prompt]]), lm.rows)
+                _, kv = engine.prefill(Request(piece[: args.prompt]))
                 before = lm.stats().misses
-                for token in piece[args.prompt :]:
-                    _, kv = decode_step(lm.model, token, kv, lm.rows)
+                for k in range(args.prompt, len(piece)):
+                    engine.step(engine.feed([piece[k]], [piece[:k]]), kv)
                 misses += lm.stats().misses - before
                 decoded += len(piece) - args.prompt
             row = provider.stored_row_bytes if hasattr(provider, "stored_row_bytes") else provider.row_bytes

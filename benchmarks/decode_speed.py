@@ -29,8 +29,8 @@ Last line: `RESULT ours_over_hf=… fused_over_unfused=… share_of_bound=… sh
 stem_share_of_bound=… hf_share_of_bound=… ours_tok_s=… hf_tok_s=… stem_tok_s=… bound_tok_s=…` (ours = our dense
 model; ratio > 1 = ours faster; a share is tokens/s over the bound's), and with `--compile` `compiled_over_fused=…
 compiled_over_hf=… compiled_share_of_bound=…`: tiny-dense with its decoding steps through torch.compile
-(`stemlm.inference.load.compile_decoding`, as `generate --compile` runs them; compiled before the timing) over the
-fused eager model and over `transformers`, and its share of the bound.
+(`stemlm.inference.inference_model.InferenceModel`, as `generate --compile` runs them; compiled before the timing)
+over the fused eager model and over `transformers`, and its share of the bound.
 """
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ import torch.nn.functional as F
 
 from stemlm.checkpoint.folder import save_pretrained
 from stemlm.inference.generate import generate
-from stemlm.inference.load import bind_forward, compile_decoding
+from stemlm.inference.inference_model import InferenceModel
 from stemlm.model import build_model
 from stemlm.model.accounting import decode_bytes_per_token
 from stemlm.model.fusion import fuse_for_decoding, stored_transposed
@@ -101,10 +101,9 @@ def main(argv: list[str] | None = None) -> None:
     for name in ("stem", "dense"):
         fuse_for_decoding(ours[name])
     if args.compile:
-        ours["compiled"] = build_model(dense_cfg, seed=0).eval().to(device)
-        fuse_for_decoding(ours["compiled"])
-        bind_forward(ours["compiled"])
-        compile_decoding(ours["compiled"])
+        compiled = build_model(dense_cfg, seed=0).eval().to(device)
+        fuse_for_decoding(compiled)
+        ours["compiled"] = InferenceModel(compiled, compile=True)
     prompt = torch.randint(0, dense_cfg.vocab_size, (1, args.prompt), generator=torch.Generator().manual_seed(0))
     prompt = prompt.to(device)
 

@@ -18,7 +18,7 @@
 #      under `--profile --memory-snapshot` (CUDA profiler activity and the allocator history must be written).
 #   7. exchange (2+ GPUs only): `table_comm.py --exchange --device cuda`, the host-planned, ahead-issued exchange
 #      vs the collective plan on NCCL.
-#   8. serve_throughput: the continuous-batching engine (stemlm server's decode loop) at concurrency 1, 4, 16
+#   8. serve_throughput: the continuous-batching engine (stemlm serve's decode loop) at concurrency 1, 4, 16
 #      with resident and host tables at the paper-350m shape; batched outputs must equal single-stream greedy.
 #   Close to the machine (issue 23), in their own block at the end:
 #   9. fused_loss: the fused lm_head + cross-entropy against the plain loss in bf16 at V = 8192 and 131072

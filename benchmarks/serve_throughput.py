@@ -82,9 +82,10 @@ def single_stream(model, requests: list[list[int]], new: int) -> tuple[int, list
     return len(requests) * new, outputs
 
 
-def engine_for(model, slots: int, rows=None) -> BatchEngine:
-    """An engine whose KV pool is already allocated (at its first join), as a running server's is."""
-    engine = BatchEngine(model, slots=slots, rows=rows)
+def engine_for(model, slots: int) -> BatchEngine:
+    """An engine whose KV pool is already allocated (at its first join), as a running server's is; `model` an
+    `InferenceModel` (a loaded model, with its row source)."""
+    engine = BatchEngine(model, slots=slots)
     engine.submit(Request([1, 2], SamplingParams(max_tokens=2, temperature=0)))
     engine.run_until_idle()
     return engine
@@ -141,7 +142,7 @@ def main(argv: list[str] | None = None) -> None:
         for c in levels:
             engine = engine_for(resident.model, c)
             runs[f"batch{c}"] = lambda c=c, engine=engine: batched(engine, work[:c], args.new)
-        host_engine = engine_for(host.model, top, rows=host.offloaded.rows)
+        host_engine = engine_for(host.model, top)
         runs[f"host{top}"] = lambda: batched(host_engine, work, args.new)
         from transformers import AutoModelForCausalLM
 

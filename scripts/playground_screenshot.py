@@ -46,7 +46,7 @@ def start_server(run: Path) -> tuple[subprocess.Popen, str]:
         seen.append(line)
         found = re.search(r" at (http://127\.0\.0\.1:\d+)/ ", line)
         if found:
-            # werkzeug logs every request there: keep reading so a full pipe never blocks the server.
+            # The server may log there: keep reading so a full pipe never blocks it.
             threading.Thread(target=server.stderr.read, daemon=True).start()
             return server, found.group(1)
     server.wait()

@@ -275,7 +275,7 @@ CASES = [
     (["serve", "{ck}", "--device", "bogus"], "unknown device 'bogus'"),
     (["serve", "{ck}", "--tables", "host", "--device", "cuda"], "no CUDA device"),
     (["server", "{nope}"], "does not exist"),
-    (["server", "{ck}", "--port", "70000"], "--port 70000"),
+    (["server", "{ck}", "--port", "70000"], "--port 70000"),  # the alias of serve
     (["server", "{ck}", "--slots", "0"], "--slots must be >= 1"),
     (["server", "{ck}", "--request-timeout", "0"], "--request-timeout"),
     (["server", "{ck}", "--cache-rows", "5"], "host"),

@@ -10,7 +10,8 @@ import pytest
 from stemlm.checkpoint.folder import save_pretrained
 from stemlm.cli.main import main
 from stemlm.data.tokenizer import default_tokenizer
-from stemlm.inference.generate import IncrementalDecoder, generate
+from stemlm.inference.generate import generate
+from stemlm.inference.requests import IncrementalDecoder
 from stemlm.model import build_model
 from stemlm.model.config import ModelConfig
 

@@ -168,7 +168,7 @@ def test_a_failing_prefill_fails_only_its_request():
     engine = BatchEngine(model, slots=2)
     good = engine.submit(Request(PROMPTS[0], SamplingParams(max_tokens=4, temperature=0)))
     engine.step()
-    bad = engine.submit(Request(PROMPTS[1], SamplingParams(max_tokens=4), prefill_hooks={"rows": {"token": broken}}))
+    bad = engine.submit(Request(PROMPTS[1], SamplingParams(max_tokens=4), edit_rows={"token": broken}))
     engine.run_until_idle()
     assert bad.finish_reason == "error" and "rows unavailable" in bad.error
     assert good.output_ids == generate(model, PROMPTS[0], 4, greedy=True)

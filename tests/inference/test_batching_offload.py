@@ -28,7 +28,7 @@ def test_offloaded_batch_equals_resident_single_stream(checkpoint, tables):
         expected, _ = greedy_cases(resident.model)
     with load_inference(checkpoint, InferenceOptions(tables=tables, cache_rows=8)) as lm:
         _, requests = greedy_cases(lm.model)
-        engine = BatchEngine(lm.model, slots=4, rows=lm.offloaded.rows)
+        engine = BatchEngine(lm.model, slots=4)
         run_staggered(engine, requests, JOIN_AT)
         stats = lm.offloaded.family_caches()
     assert [r.output_ids for r in requests] == expected
@@ -38,7 +38,7 @@ def test_offloaded_batch_equals_resident_single_stream(checkpoint, tables):
 def test_one_gather_per_step_for_the_whole_batch(tmp_path):
     save_pretrained(make_tiny_model("stem", initializer_range=0.1, max_position_embeddings=40), tmp_path / "c")
     with load_inference(tmp_path / "c", InferenceOptions(tables="host", cache_rows=16)) as lm:
-        engine = BatchEngine(lm.model, slots=4, rows=lm.offloaded.rows)
+        engine = BatchEngine(lm.model, slots=4)
         same = [engine.submit(Request([7, 8, 9], SamplingParams(max_tokens=5, temperature=0))) for _ in range(4)]
         engine.run_until_idle()
         stats = lm.offloaded.cache.stats

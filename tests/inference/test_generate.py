@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from stemlm.errors import StemlmError
-from stemlm.inference.generate import generate, sample_token, stream_tokens, top_k_filter, top_p_filter
+from stemlm.inference.generate import generate, stream_tokens
+from stemlm.inference.sampling import sample_token, top_k_filter, top_p_filter
 from stemlm.model import build_model
 from stemlm.model.config import ModelConfig
 

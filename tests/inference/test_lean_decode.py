@@ -87,13 +87,13 @@ def test_compiled_decoding_drops_the_copy_of_a_weight_edited_after_compiling(tmp
     plain = from_pretrained(folder).eval()
     with load_inference(folder, InferenceOptions(compile=True)) as lm:
         before = generate(lm.model, PROMPT, NEW, greedy=True)  # compiled with every copy in place
-        layer = lm.model.model.layers[1]
+        layer = lm.model.module.model.layers[1]
         with torch.no_grad():
-            for model in (lm.model, plain):
+            for model in (lm.model.module, plain):
                 model.model.layers[1].mlp.up_proj.weight.mul_(3.0)
                 model.lm_head.weight.mul_(1.5)
         after = generate(lm.model, PROMPT, NEW, greedy=True)
-        copies = (layer.mlp.up_proj, lm.model.lm_head, layer.self_attn.q_proj)
+        copies = (layer.mlp.up_proj, lm.model.module.lm_head, layer.self_attn.q_proj)
         assert [m.group.copy is not None for m in copies] == [False, False, True]
     assert after == recompute_greedy(plain, PROMPT, NEW) != before
 

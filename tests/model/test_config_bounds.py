@@ -102,10 +102,10 @@ def test_every_loader_refuses_a_config_json_with_a_billion_layers(hostile_ckpt, 
 
 
 def test_the_playground_and_the_api_refuse_it_too(hostile_ckpt):
-    from stemlm.serve.openai_service import ApiService
     from stemlm.serve.playground import Playground
+    from stemlm.serve.served_model import ServedModel
 
-    for load in (Playground.load, ApiService.load):
+    for load in (Playground.load, ServedModel.load):
         with pytest.raises(StemlmError, match=MESSAGE):
             load(hostile_ckpt)
 

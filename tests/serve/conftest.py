@@ -4,25 +4,28 @@
 enough (initializer_range 0.3, table rows N(0, 1)) that the next-token distribution is peaked and an entity
 swap visibly moves it: with seed 0, editing " France" -> " Germany" (3 tokens) in PROMPT with the `average`
 strategy changes the greedy first token.
-`dense_ckpt` is its dense twin (no tables: editing must refuse). `live_server(ckpt, **load)` starts the
-real threaded WSGI server on a free loopback port and yields its base URL. `chat_ckpt` (with a chat template)
+`dense_ckpt` is its dense twin (no tables: editing must refuse). `client_for(ckpt, **load)` starts the server
+(`stemlm serve`'s app under uvicorn) on a free loopback port and returns a small HTTP client of it;
+`live_server(ckpt, **load)` yields its base URL. `chat_ckpt` (with a chat template)
 and `reference` (its single-stream greedy text) serve the OpenAI-compatible server's tests
 (`tests/serve/openai_helpers.py`).
 """
 
 from __future__ import annotations
 
-import threading
-from contextlib import contextmanager
+import http.client
+from contextlib import ExitStack, contextmanager
+from json import dumps, loads
+from urllib.parse import urlsplit
 
 import pytest
-from werkzeug.serving import make_server
 
 from stemlm.checkpoint.folder import save_pretrained
 from stemlm.data.tokenizer import default_tokenizer
 from stemlm.model import build_model
 from stemlm.model.config import ModelConfig
-from stemlm.serve import Playground, create_app
+from stemlm.serve import Playground
+from stemlm.serve.server import Server
 
 PROMPT = "The capital of France is"
 SOURCE, TARGET = "France", "Germany"
@@ -60,32 +63,72 @@ def dense_ckpt(tmp_path_factory):
     return write_checkpoint(tmp_path_factory.mktemp("serve") / "dense", ffn="dense")
 
 
-@pytest.fixture
-def client_for():
-    """Factory: `client_for(ckpt, **Playground.load kwargs) -> (flask test client, playground)`."""
-    made = []
+class Reply:
+    """A finished HTTP response, read whole."""
 
-    def make(ckpt, **kwargs):
-        pg = Playground.load(ckpt, **kwargs)
-        made.append(pg)
-        return create_app(pg).test_client(), pg
+    def __init__(self, status: int, headers, data: bytes) -> None:
+        self.status_code, self.headers, self.data = status, headers, data
 
-    yield make
-    for pg in made:
-        pg.close()
+    @property
+    def mimetype(self) -> str:
+        return self.headers.get("Content-Type", "").split(";")[0].strip()
+
+    def get_json(self):
+        return loads(self.data)
+
+    def get_data(self, as_text: bool = False):
+        return self.data.decode() if as_text else self.data
+
+
+class Client:
+    """A web client for the tests, on a live server: `get(path)`, `post(path, json=...)` or
+    `post(path, data=..., content_type=...)`, each returning a `Reply`."""
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+
+    def get(self, path: str, headers: dict | None = None) -> Reply:
+        return self._request("GET", path, None, headers or {})
+
+    def post(self, path, json=None, data=None, content_type=None, headers=None) -> Reply:
+        headers = dict(headers or {})
+        if json is not None:
+            data, content_type = dumps(json), "application/json"
+        if content_type is not None:
+            headers["Content-Type"] = content_type
+        return self._request("POST", path, data, headers)
+
+    def _request(self, method: str, path: str, body, headers: dict) -> Reply:
+        conn = http.client.HTTPConnection(urlsplit(self.url).netloc, timeout=120)
+        try:
+            try:
+                conn.request(method, path, body=body.encode() if isinstance(body, str) else body, headers=headers)
+            except (BrokenPipeError, ConnectionResetError):  # answered (413) and closed before the upload ended
+                pass
+            response = conn.getresponse()
+            return Reply(response.status, response.headers, response.read())
+        finally:
+            conn.close()
 
 
 @contextmanager
-def running_server(pg: Playground):
-    server = make_server("127.0.0.1", 0, create_app(pg), threaded=True)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
-        yield f"http://127.0.0.1:{server.server_port}"
-    finally:
-        server.shutdown()
-        server.server_close()
-        thread.join()
+def running_server(pg: Playground, hosts=()):
+    """The server's app on a free loopback port for the block (`hosts`: --allow-host names); its base URL."""
+    with Server(pg, port=0, allow_hosts=hosts, graceful_timeout=5.0).running() as server:
+        yield server.url
+
+
+@pytest.fixture
+def client_for():
+    """Factory: `client_for(ckpt, hosts=(), **Playground.load kwargs) -> (client of a live server, playground)`."""
+    with ExitStack() as stack:
+
+        def make(ckpt, hosts=(), **kwargs):
+            pg = Playground.load(ckpt, **kwargs)
+            stack.callback(pg.close)
+            return Client(stack.enter_context(running_server(pg, hosts))), pg
+
+        yield make
 
 
 @pytest.fixture

@@ -11,7 +11,8 @@ from urllib.parse import urlsplit
 from stemlm.checkpoint.runs import load_checkpoint
 from stemlm.inference.generate import generate
 from stemlm.serve.editing import EditSpec
-from stemlm.serve.openai_service import EOT_TOKEN, ApiService, edit_prefill_hooks
+from stemlm.serve.playground import Playground
+from stemlm.serve.served_model import EOT_TOKEN, edit_rows
 from tests.serve.conftest import write_checkpoint
 
 TEMPLATE = (
@@ -36,9 +37,8 @@ def single_stream(folder):
 
     def greedy(prompt, max_tokens: int, edit: EditSpec | None = None) -> str:
         ids = prompt if isinstance(prompt, list) else tok.encode(prompt, add_special_tokens=False).ids
-        hooks = {} if edit is None else edit_prefill_hooks(model, tok, ids, edit)
-        rows = dict(prefill_rows=hooks.get("rows"))
-        return tok.decode(generate(model, ids, max_tokens, greedy=True, eos_id=eot, **rows))
+        rows = None if edit is None else edit_rows(model, tok, ids, edit)
+        return tok.decode(generate(model, ids, max_tokens, greedy=True, eos_id=eot, prefill_rows=rows))
 
     return greedy
 
@@ -59,11 +59,11 @@ def open_request(url: str, method: str, path: str, body=None, headers=None, *, w
 
 @contextmanager
 def serving(folder, options=None, graceful_timeout: float = 5.0, **settings):
-    """`with serving(ckpt, **ApiService settings) as (server, client):` a live server and an openai client."""
+    """`with serving(ckpt, **ServedModel settings) as (server, client):` a live server and an openai client."""
     import openai
 
-    from stemlm.serve.openai_run import ApiServer
+    from stemlm.serve.server import Server
 
-    service = ApiService.load(folder, options, name=MODEL, **{"slots": 4, **settings})
-    with ApiServer(service, port=0, graceful_timeout=graceful_timeout).running() as server:
+    pg = Playground.load(folder, options, name=MODEL, **{"slots": 4, **settings})
+    with Server(pg, port=0, graceful_timeout=graceful_timeout).running() as server:
         yield server, openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=60)

@@ -1,4 +1,4 @@
-"""The playground's JSON API through Flask's test client: generation, the heat map, nearest tokens, edits, errors.
+"""The playground's JSON API on a live server: generation, the heat map, nearest tokens, edits, errors.
 
 Numbers are checked against independent computations: greedy decoding by full recomputation without a KV
 cache, an edit written into a deep copy of the tables (the prompt holds the source once, so a global write

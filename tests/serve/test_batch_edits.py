@@ -11,7 +11,7 @@ from stemlm.inference.generate import generate
 from stemlm.inference.requests import Request, SamplingParams
 from stemlm.model import build_model
 from stemlm.serve.editing import EditSpec
-from stemlm.serve.openai_service import edit_prefill_hooks
+from stemlm.serve.served_model import edit_rows
 from tests.serve.conftest import PROMPT, SOURCE, TARGET, serve_config
 
 OTHER = "Spain"
@@ -24,11 +24,11 @@ def test_edited_and_plain_requests_share_a_batch(ffn):
     tok = default_tokenizer()
     ids = tok.encode(PROMPT, add_special_tokens=False).ids
     specs = [EditSpec(target=TARGET, source=SOURCE, strategy="average"), None, EditSpec(target=OTHER, source=SOURCE)]
-    hooks = [{} if spec is None else edit_prefill_hooks(model, tok, ids, spec) for spec in specs]
-    expected = [generate(model, ids, NEW, greedy=True, prefill_rows=h.get("rows")) for h in hooks]
+    rows = [None if spec is None else edit_rows(model, tok, ids, spec) for spec in specs]
+    expected = [generate(model, ids, NEW, greedy=True, prefill_rows=r) for r in rows]
     assert len({tuple(e) for e in expected}) > 1  # the edits change the output, or the test shows nothing
     engine = BatchEngine(model, slots=3)
-    requests = [Request(ids, SamplingParams(max_tokens=NEW, temperature=0), prefill_hooks=h) for h in hooks]
+    requests = [Request(ids, SamplingParams(max_tokens=NEW, temperature=0), edit_rows=r) for r in rows]
     engine.submit(requests[0])
     engine.step()
     engine.submit(requests[1])

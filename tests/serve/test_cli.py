@@ -1,4 +1,5 @@
-"""`stemlm serve`: flags, one-line errors, and a real server process that answers and stops on Ctrl-C."""
+"""`stemlm serve`: flags, one-line errors, and a real server process that answers (the page and /v1) and stops on
+Ctrl-C."""
 
 from __future__ import annotations
 
@@ -65,6 +66,8 @@ def test_server_process_answers_and_stops_on_interrupt(stem_ckpt):
         with urllib.request.urlopen(url, timeout=60) as response:
             page = response.read().decode()
         assert "stemlm playground" in page and "http" not in page.replace("http-equiv", "")  # nothing from a CDN
+        with urllib.request.urlopen(url + "v1/models", timeout=60) as response:  # the API, from the same process
+            assert [m["id"] for m in json.loads(response.read())["data"]] == [stem_ckpt.name]
         proc.send_signal(signal.SIGINT)
         assert proc.wait(timeout=60) == 0
         assert "stopped" in proc.stderr.read()

@@ -10,8 +10,7 @@ import torch
 
 from stemlm.analysis.attribution import attribute
 from stemlm.cli.main import main
-from stemlm.serve import create_app
-from stemlm.serve.app import trusted_hosts
+from stemlm.serve.hosts import trusted_hosts
 
 from .conftest import PROMPT
 
@@ -27,8 +26,7 @@ def test_only_loopback_host_headers_by_default(client_for, stem_ckpt, host, stat
 
 
 def test_allow_host_adds_names(client_for, stem_ckpt):
-    _, pg = client_for(stem_ckpt)
-    client = create_app(pg, trusted_hosts("0.0.0.0", ["lab.example"])).test_client()
+    client, _ = client_for(stem_ckpt, hosts=["lab.example"])
     assert client.get("/api/info", headers={"Host": "lab.example:7860"}).status_code == 200
     assert client.get("/api/info", headers={"Host": "0.0.0.0:7860"}).status_code == 400
     assert trusted_hosts("192.168.1.5") == ["localhost", "127.0.0.1", "[::1]", "192.168.1.5"]

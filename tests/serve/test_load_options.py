@@ -21,7 +21,7 @@ def test_dtype_bf16_runs_every_forward_under_autocast_on_any_thread(client_for, 
     assert client.get("/api/info").get_json()["autocast_dtype"] == "bfloat16"
     ids = torch.tensor([pg.encode(PROMPT)])
     out = {}
-    worker = threading.Thread(target=lambda: out.update(logits=pg.model(ids).logits))  # autocast is per thread
+    worker = threading.Thread(target=lambda: out.update(logits=pg.served.model(ids).logits))  # autocast: per thread
     worker.start()
     worker.join()
     reference = from_pretrained(stem_ckpt).eval()
@@ -29,7 +29,7 @@ def test_dtype_bf16_runs_every_forward_under_autocast_on_any_thread(client_for, 
         expected = reference(ids).logits
     assert out["logits"].dtype == torch.bfloat16 and torch.equal(out["logits"].detach(), expected)
     _, fp32 = client_for(stem_ckpt)
-    assert fp32.autocast_dtype == torch.float32 and fp32.model(ids).logits.dtype == torch.float32
+    assert fp32.autocast_dtype == torch.float32 and fp32.served.model(ids).logits.dtype == torch.float32
 
 
 def test_mmap_int8_tables_serve_what_resident_int8_rows_give(client_for, stem_ckpt, tmp_path):

@@ -1,5 +1,5 @@
-"""`stemlm server` as a process: it serves on the port it prints, and SIGTERM shuts it down gracefully (the
-stream in flight finishes, the process exits 0)."""
+"""`stemlm server` (the alias of `stemlm serve`) as a process: it serves on the port it prints, and SIGTERM shuts
+it down gracefully (the stream in flight finishes, the process exits 0)."""
 
 from __future__ import annotations
 

@@ -18,7 +18,7 @@ that record only the calling thread's forward (a served model may be decoding fo
 from __future__ import annotations
 
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import torch
@@ -27,8 +27,11 @@ from stemlm.errors import StemlmError
 from stemlm.model.decoder import StemLM
 
 
-def attribute(model: StemLM, prompt_ids: Sequence[int], token_id: int | None = None) -> dict:
-    """Per STEM layer and position: FFN output norm and gradient x input for log p(token | prompt)."""
+def attribute(
+    model: StemLM, prompt_ids: Sequence[int], token_id: int | None = None, *, forward: Callable | None = None
+) -> dict:
+    """Per STEM layer and position: FFN output norm and gradient x input for log p(token | prompt). `forward` runs
+    the model's forward (default: the model itself; a served model's `InferenceModel`, for its autocast)."""
     tables = model.stem_tables()
     if not tables:
         raise StemlmError("attribution needs a STEM model (this checkpoint has no STEM tables)")
@@ -55,7 +58,7 @@ def attribute(model: StemLM, prompt_ids: Sequence[int], token_id: int | None = N
     ]
     try:
         with torch.enable_grad():
-            logp = model(ids, rows={"token": rows}).logits[0, -1].float().log_softmax(-1)
+            logp = (forward or model)(ids, rows={"token": rows}).logits[0, -1].float().log_softmax(-1)
             token = int(logp.argmax()) if token_id is None else int(token_id)
             if not 0 <= token < logp.numel():
                 raise StemlmError(f"token id {token} is outside the vocabulary of {logp.numel()}")

@@ -12,7 +12,6 @@ speed line to stderr; `--json` prints one object instead: prompt, completion, id
 
 from __future__ import annotations
 
-import functools
 import sys
 
 from stemlm.cli.common import add_inference_flags, add_json_flag, print_json
@@ -26,12 +25,13 @@ DEFAULT_TEMPERATURE, DEFAULT_TOP_K, DEFAULT_TOP_P = 0.8, 50, 0.95
 
 
 def run(args) -> int:
-    from stemlm.inference.generate import IncrementalDecoder, TimedTokens, encode_prompt, stream_tokens
+    from stemlm.inference.generate import TimedTokens, encode_prompt, generation_request
     from stemlm.inference.load import InferenceOptions, load_inference
+    from stemlm.inference.requests import IncrementalDecoder
 
     if args.prompt == "-":
         args.prompt = sys.stdin.read().removesuffix("\n")  # `echo text |` adds a line break that is not prompt
-    # Every forward of the loaded model runs under the --dtype autocast (stemlm.inference.load.bind_forward).
+    # Every forward of the loaded model runs under the --dtype autocast (stemlm.inference.inference_model).
     loaded = load_inference(args.ckpt, InferenceOptions.from_args(args))
     model, tokenizer, offloaded, amp = loaded.model, loaded.tokenizer, loaded.offloaded, loaded.autocast_dtype
     eos_token = EOT_TOKEN
@@ -45,7 +45,7 @@ def run(args) -> int:
         args.prompt, eos_token = chat.render(args.prompt), chat.eos_token or EOT_TOKEN
     prompt_ids = encode_prompt(tokenizer, model.config.vocab_size, args.prompt, args.ids)
     eos_id = None if args.ignore_eos or tokenizer is None else tokenizer.token_to_id(eos_token)
-    tokens = (offloaded.stream if offloaded else functools.partial(stream_tokens, model))(
+    request = generation_request(
         prompt_ids,
         args.max_new_tokens,
         greedy=args.greedy,
@@ -55,6 +55,7 @@ def run(args) -> int:
         seed=args.seed,
         eos_id=eos_id,
     )
+    tokens = loaded.engine().stream(request)
     decoder = IncrementalDecoder(tokenizer) if tokenizer is not None else None
     out = sys.stdout
     if args.echo and not args.json:

@@ -28,11 +28,14 @@ SUBCOMMANDS = {
     "eval": "evaluate a checkpoint (edits, ...)",
     "analyze": "interpretability: angular spread, attribution, nearest tokens, ...",
     "experiment": "run a reproducible experiment (knowledge, ...)",
-    "serve": "local web playground: generate, see STEM contributions, edit entities",
-    "server": "OpenAI-compatible API with continuous batching (completions, chat, streaming, edits per request)",
+    "serve": "web playground and OpenAI-compatible API in one server (generate, STEM contributions, edits)",
     "verify": "check a checkpoint's files against the SHA-256 sums recorded at save",
     "export": "write a (sharded) training checkpoint as a plain model folder",
 }
+
+
+# Another name -> the subcommand it runs (its module registers the parser with these aliases).
+ALIASES = {"server": "serve"}
 
 
 class OneLineParser(argparse.ArgumentParser):
@@ -112,11 +115,13 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     parser.add_argument("--debug", action="store_true", help="show full tracebacks instead of one-line errors")
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
     wanted = None if argv is None else command_of(argv)
+    wanted = ALIASES.get(wanted, wanted)
     for name, summary in SUBCOMMANDS.items():
         if argv is None or name == wanted:
             importlib.import_module(f"stemlm.cli.{name.replace('-', '_')}").register(subparsers)
         else:
-            subparsers.add_parser(name, help=summary)
+            aliases = [alias for alias, target in ALIASES.items() if target == name]
+            subparsers.add_parser(name, help=summary, aliases=aliases)
     return parser
 
 

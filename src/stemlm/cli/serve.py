@@ -1,20 +1,25 @@
-"""`stemlm serve CKPT`: a local web playground to generate, see STEM contributions and edit entities.
+"""`stemlm serve CKPT` (alias `stemlm server`): one server for the web playground and the OpenAI-compatible API.
 
-    stemlm serve runs/tiny                                   # http://127.0.0.1:7860/
-    stemlm serve runs/tiny --tables host --cache-fraction 0.2 --save-dir edited/
+    stemlm serve runs/tiny                                   # page at http://127.0.0.1:7860/, API at .../v1
+    stemlm serve runs/tiny --tables host --cache-fraction 0.2 --save-dir edited/ --slots 16 --max-queue 64
     stemlm serve ckpt/tiny-int8 --tables mmap --device cuda --dtype bf16   # int8 rows mapped, bf16 autocast
+    curl -s 127.0.0.1:7860/v1/completions -H 'Content-Type: application/json' \\
+        -d '{"model": "tiny", "prompt": "The capital of Spain is", "max_tokens": 8, "temperature": 0,
+             "stem_edit": {"source": "Spain", "target": "Germany"}}'
 
-The page works offline (no CDN). It listens on loopback unless --host says otherwise; it has no login, so
-only expose it on a network you trust. Edited checkpoints are saved only under --save-dir, each in a new
-folder, never over the served checkpoint. Needs Flask: pip install 'flask>=3.0'.
+One process loads the checkpoint once and decodes every generation, the page's and the API clients', in one
+continuous batch (`stemlm.serve.served_model`); the page (generate, see STEM contributions, edit entities) works
+offline (no CDN), and the API serves /v1/models, /v1/completions and /v1/chat/completions (streamed or not) and
+/metrics. It listens on loopback unless --host says otherwise and has no login, so only expose it on a network you
+trust. Edited checkpoints are saved only under --save-dir, each in a new folder, never over the served checkpoint.
+Ctrl-C (or SIGTERM) stops it gracefully: in-flight requests finish for up to --graceful-timeout seconds. See
+docs/serving.md.
 """
 
 from __future__ import annotations
 
 import argparse
 import ipaddress
-import os
-import socket
 import sys
 
 from stemlm.cli.common import add_inference_flags
@@ -35,65 +40,54 @@ def port_number(text: str) -> int:
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r} is not a port number") from None
     if not 0 <= port <= 65535:
-        raise argparse.ArgumentTypeError(f"{port} is outside 0..65535")
+        raise argparse.ArgumentTypeError(f"--port {port} is outside 0..65535")
     return port
 
 
-def listen(host: str, port: int) -> socket.socket:
-    """A listening socket, bound here so a taken port is a one-line error (werkzeug would exit the process)."""
-    from werkzeug.serving import get_sockaddr, select_address_family
-
-    family = select_address_family(host, port)
-    try:
-        return socket.create_server(get_sockaddr(host, port, family), family=family)
-    except OSError as exc:
-        raise StemlmError(f"cannot listen on {host}:{port}: {exc.strerror or exc}; try another --port") from None
-
-
 def run(args) -> int:
-    try:
-        from werkzeug.serving import make_server
-
-        from stemlm.serve import Playground, create_app
-        from stemlm.serve.app import trusted_hosts
-    except ImportError as exc:
-        raise StemlmError(f"stemlm serve needs Flask ({exc.name} is missing): pip install 'flask>=3.0'") from None
-
     from stemlm.inference.load import InferenceOptions
+    from stemlm.serve import Playground
+    from stemlm.serve.server import Server
 
-    pg = Playground.load(args.ckpt, InferenceOptions.from_args(args), save_dir=args.save_dir, chat=args.chat)
+    for flag, value, low in (("--slots", args.slots, 1), ("--max-queue", args.max_queue, 0)):
+        if value < low:
+            raise StemlmError(f"{flag} must be >= {low}, got {value}")
+    if not args.request_timeout > 0 or not args.graceful_timeout >= 0:
+        raise StemlmError("--request-timeout must be > 0 and --graceful-timeout >= 0 seconds")
+    pg = Playground.load(
+        args.ckpt,
+        InferenceOptions.from_args(args),
+        save_dir=args.save_dir,
+        chat=args.chat,
+        name=args.served_model_name,
+        slots=args.slots,
+        max_queue=args.max_queue,
+        request_timeout=args.request_timeout,
+    )
     try:
-        with listen(args.host, args.port) as sock:  # the server keeps its own duplicate of the descriptor
-            app = create_app(pg, trusted_hosts(args.host, args.allow_host))
-            server = make_server(args.host, args.port, app, threaded=True, fd=sock.fileno())
-        if not _is_loopback(args.host):
-            warning = f"listening on {args.host}: reachable from other machines, and the page has no login"
-            print(f"stemlm serve: warning: {warning}", file=sys.stderr)
-        shown = f"[{args.host}]" if ":" in args.host else args.host  # an IPv6 address in a URL needs brackets
-        print(f"stemlm serve: {pg.checkpoint} at http://{shown}:{server.port}/ (Ctrl-C stops)", file=sys.stderr)
-        try:
-            server.serve_forever()  # returns on Ctrl-C (werkzeug's server catches the KeyboardInterrupt)
-        except KeyboardInterrupt:
-            pass
-        finally:
-            server.server_close()
-        print("stemlm serve: stopped", file=sys.stderr)
-    finally:
+        server = Server(pg, args.host, args.port, args.allow_host, args.graceful_timeout)
+    except StemlmError:
         pg.close()
-    # werkzeug's request threads are daemons; tearing the interpreter down under one that still holds torch's
-    # thread pool intermittently aborts ("terminate called without an active exception", exit -6), so a server
-    # that was stopped leaves at once, its own resources already released above.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+        raise
+    if not _is_loopback(args.host):
+        warning = f"listening on {args.host}: reachable from other machines, and the server has no login"
+        print(f"stemlm serve: warning: {warning}", file=sys.stderr)
+    print(f"stemlm serve: {pg.served.name} at {server.url}/v1 (the OpenAI-compatible API)", file=sys.stderr)
+    print(f"stemlm serve: the playground at {server.url}/ (Ctrl-C stops)", file=sys.stderr)
+    server.serve_forever()
+    print("stemlm serve: stopped", file=sys.stderr)
+    return 0
 
 
 def register(subparsers) -> None:
     p = subparsers.add_parser(
         "serve",
-        help="local web playground: generate, see STEM contributions, edit entities",
+        aliases=["server"],
+        help="web playground and OpenAI-compatible API in one server (generate, STEM contributions, edits)",
         description="Serve a web page to generate from a checkpoint, see each position's STEM contribution per "
-        "layer and nearest tokens, and try entity edits before/after; runs offline on loopback by default.",
+        "layer and nearest tokens, and try entity edits before/after, and the OpenAI-compatible /v1/models, "
+        "/v1/completions and /v1/chat/completions (streamed or not) and /metrics, all from one batched decode "
+        "loop; on loopback by default. `stemlm server` is the same command.",
     )
     p.add_argument("ckpt", metavar="CKPT", help="checkpoint folder, or run folder (uses its newest checkpoint)")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1, this machine only)")
@@ -110,6 +104,12 @@ def register(subparsers) -> None:
     )
     add_inference_flags(p)
     p.add_argument(
+        "--compile",
+        action="store_true",
+        help="run the batched decoding steps through torch.compile (resident tables only; the first steps wait "
+        "for the compile, again for each new batch shape until it compiles a dynamic one)",
+    )
+    p.add_argument(
         "--save-dir",
         metavar="DIR",
         help="folder where the page may save globally edited checkpoints, one new subfolder each (off if unset)",
@@ -117,6 +117,19 @@ def register(subparsers) -> None:
     p.add_argument(
         "--chat",
         action="store_true",
-        help="wrap every prompt as a user turn with the checkpoint's chat template (e.g. an imported instruct GGUF)",
+        help="wrap every page prompt as a user turn with the checkpoint's chat template (e.g. an imported instruct "
+        "GGUF); the API's /v1/chat/completions uses the template whether or not this is set",
+    )
+    p.add_argument("--served-model-name", help="the model id API clients send (default: the checkpoint folder's name)")
+    p.add_argument("--slots", type=int, default=16, help="requests decoded at once, the KV-pool rows (default 16)")
+    p.add_argument("--max-queue", type=int, default=64, help="requests waiting for a slot before 429 (default 64)")
+    p.add_argument(
+        "--request-timeout", type=float, default=600.0, help="seconds before an API request is cancelled (default 600)"
+    )
+    p.add_argument(
+        "--graceful-timeout",
+        type=float,
+        default=30.0,
+        help="seconds in-flight requests may finish after Ctrl-C / SIGTERM before they are cancelled (default 30)",
     )
     p.set_defaults(func=run)

@@ -209,7 +209,6 @@ def edited_forward(model: StemLM, input_ids: torch.Tensor, edit: PositionalEdit 
     return model(input_ids, rows=edit_hooks(model, edit), **kwargs)
 
 
-@torch.no_grad()
 def greedy_generate(
     model: StemLM,
     prompt_ids: Sequence[int],
@@ -219,21 +218,12 @@ def greedy_generate(
     decode: Hooks = None,
     eos_id: int | None = None,
 ) -> list[int]:
-    """Greedy continuation with a KV cache: `prefill` hooks on the prompt forward, `decode` hooks on each step
-    (a positional edit uses prefill only; a global edit, which applies to every occurrence, uses both)."""
-    device = next(model.parameters()).device
-    ids = torch.tensor([list(prompt_ids)], dtype=torch.long, device=device)
-    budget = max(0, min(max_new_tokens, model.config.max_position_embeddings - ids.shape[1]))
-    out = model(ids, use_cache=True, rows=prefill)
-    tokens: list[int] = []
-    while len(tokens) < budget:
-        token = int(out.logits[0, -1].argmax())
-        tokens.append(token)
-        if token == eos_id or len(tokens) == budget:
-            break
-        step = torch.tensor([[token]], device=device)
-        out = model(step, past_key_values=out.past_key_values, use_cache=True, rows=decode)
-    return tokens
+    """Greedy continuation with a KV cache (the decoding engine): `decode` hooks on every forward, `prefill` hooks
+    over them on the prompt's (a positional edit uses prefill only; a global edit, which applies to every
+    occurrence, uses both)."""
+    from stemlm.inference.generate import generate
+
+    return generate(model, prompt_ids, max_new_tokens, greedy=True, eos_id=eos_id, rows=decode, prefill_rows=prefill)
 
 
 def edit_hooks(model: StemLM, edit: PositionalEdit | None) -> Hooks:

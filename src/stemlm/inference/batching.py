@@ -1,8 +1,8 @@
-"""Continuous batching: one decode loop runs every active request of a model in one forward per step.
+"""Continuous batching: every active request of a model decoded in one forward per step of the engine.
 
     from stemlm.inference.batching import BatchEngine
     from stemlm.inference.requests import Request, SamplingParams
-    engine = BatchEngine(model, slots=16, tokenizer=tok)
+    engine = BatchEngine(model, slots=16, tokenizer=tok)          # a StemLM, an InferenceModel or an Engine
     a = engine.submit(Request(ids_a, SamplingParams(max_tokens=20, temperature=0)))
     engine.step(); engine.step()                  # a decodes alone
     b = engine.submit(Request(ids_b, SamplingParams(max_tokens=20, seed=3)))
@@ -17,17 +17,23 @@ step passes the model `attention_mask` (a row's valid positions; omitted when no
 request alone) and `position_ids` (n_b), which is how left padding works in the model already, so no model
 code knows about batching.
 
-Joining. A new request is prefilled alone with the model's own forward (the same call as single-stream
-generation, so its prompt keys, values and first token are the single-stream ones), then its cache is written
+The batch engine schedules; the decoding engine (`stemlm.inference.engine.Engine`) decodes: a request is
+prefilled by `Engine.prefill`, every step's forward is `Engine.step` over the active rows (their ids from
+`Engine.feed`), and each request samples, counts its budget and checks its stops itself (`Request.sample`), as
+in single-stream generation.
+
+Joining. A new request is prefilled alone (the same call as single-stream generation, so its prompt keys,
+values and first token are the single-stream ones), then its cache is written
 into a free row right-aligned to L; a prompt longer than L first grows the axis on the left (every row moves
 right), and an axis longer than its longest row is trimmed back. The n-gram and Engram kinds keep decoding
-state per position beside the cache (`stemlm.model.decoding_state`): a joining row's padding gets ids -1 and
-conv inputs 0, what a sequence start gives, so their keys and conv see exactly the single-stream context.
+state per position beside the cache (`KVCache.state`, `stemlm.model.decoding_state`): a joining row's padding
+gets each entry's declared padding (ids -1, conv inputs 0), what a sequence start gives, so their keys and conv
+see exactly the single-stream context.
 
-Rows from outside. With offloaded tables (`rows`: the `RowPipeline` or `LookupRows` of an `OffloadedLM`)
-one row cache serves the whole batch: each step requests the rows of every active request's next token at
+Rows from outside. With offloaded tables (the model's row source, `stemlm.offload.lookup_rows.LookupRows`)
+one row cache serves the whole batch: each step announces the rows of every active request's next token at
 once (the cache de-duplicates them into one gather) and n-gram rows from each row's own previous ids, before
-the forward, as single-stream decode prefetches. A request's `prefill_hooks` (a positional edit) apply to its
+the forward, as single-stream decode prefetches. A request's `edit_rows` (a positional edit) apply to its
 prefill only; the edited keys and values then sit in its row and no other request sees them.
 
 Greedy outputs equal single-stream ones (tests/inference/test_batching.py checks every kind): the masked
@@ -44,14 +50,12 @@ from collections import deque
 import torch
 
 from stemlm.errors import StemlmError
+from stemlm.inference.engine import Engine
+from stemlm.inference.inference_model import InferenceModel
 from stemlm.inference.requests import Request
 from stemlm.model.attention import KVCache
 from stemlm.model.decoder import StemLM
-from stemlm.model.decoding_state import STATE_ATTR
-from stemlm.offload.lookup_rows import LookupRows
-from stemlm.offload.prefetch import RowPipeline
-
-CONV_PREFIX = "engram_conv."  # decoding-state keys of Engram conv inputs ([B, L, d]); "ids" is [B, L]
+from stemlm.model.decoding_state import DecodingState
 
 
 class BatchEngine:
@@ -59,26 +63,25 @@ class BatchEngine:
 
     def __init__(
         self,
-        model: StemLM,
+        engine: Engine | StemLM | InferenceModel,
         *,
         slots: int = 16,
         capacity: int | None = None,
         tokenizer=None,
-        rows: RowPipeline | LookupRows | None = None,
         max_waiting: int | None = None,
     ) -> None:
+        """`engine`: the decoding engine, or a model to make one of (with `tokenizer`)."""
         if slots < 1:
             raise StemlmError(f"slots must be >= 1, got {slots}")
-        limit = model.config.max_position_embeddings
+        self.engine = engine if isinstance(engine, Engine) else Engine(engine, tokenizer=tokenizer)
+        limit = self.engine.context
         self.capacity = limit if capacity is None else capacity
         if not 2 <= self.capacity <= limit:
             raise StemlmError(f"capacity must be in 2..{limit} (max_position_embeddings), got {self.capacity}")
-        self.model, self.slots, self.tokenizer, self.rows = model, slots, tokenizer, rows
-        self.max_waiting = max_waiting
-        self.device = next(p.device for p in model.parameters() if not p.is_meta)
+        self.slots, self.max_waiting = slots, max_waiting
         self.keys: list[torch.Tensor] = []  # the pool, allocated at the first join (its dtype is the cache's)
         self.values: list[torch.Tensor] = []
-        self.state: dict[str, torch.Tensor] = {}  # decoding state of the active rows, [n, L, ...]
+        self.state = DecodingState()  # the lookup kinds' state of the active rows, [n, L, ...]
         self.active: list[Request] = []  # row b of the pool is active[b]
         self.counts: list[int] = []  # cached positions per active row
         self.length = 0  # L, the shared time axis
@@ -156,8 +159,7 @@ class BatchEngine:
 
     def fail_all(self, message: str) -> None:
         """End every active request with "error" and `message` (the loop keeps serving new ones)."""
-        if self.rows is not None:
-            self.rows.drain()  # a prefetched step the failed forward never consumed must not meet the next one
+        self.engine.row_source.drain()  # a prefetched step the failed forward never consumed must not meet the next
         for b in reversed(range(len(self.active))):
             self.active[b].finish("error", message)
             self._leave(b)
@@ -165,24 +167,22 @@ class BatchEngine:
     # ----- joining and leaving -----
     def _admit(self, request: Request) -> None:
         try:
-            request.start(self.device, self.tokenizer, self.capacity)
-            prompt = torch.tensor([request.prompt_ids], device=self.device)
-            if self.rows is not None and not request.prefill_hooks:
-                self._request_rows(prompt, [request.prompt_ids], fresh=True)
-            out = self.model(prompt, use_cache=True, **request.prefill_hooks)
+            self.engine.start(request, self.capacity)
+            if request.budget == 0:
+                request.finish("length")
+                return
+            logits, cache = self.engine.prefill(request)
         except Exception as exc:
-            if self.rows is not None:
-                self.rows.drain()
+            self.engine.row_source.drain()
             request.finish("error", str(exc) if isinstance(exc, StemlmError) else f"{type(exc).__name__}: {exc}")
             return
         self.tokens += 1
-        if request.sample(out.logits[0, -1]):
+        if request.sample(logits):
             return  # finished on its first token: it never joins the batch
-        self._join(request, out.past_key_values)
+        self._join(request, cache)
 
     def _join(self, request: Request, cache: KVCache) -> None:
         P = len(request.prompt_ids)
-        state = getattr(cache, STATE_ATTR, {})
         if not self.keys:
             shape = lambda t: (self.slots, t.shape[1], self.capacity, t.shape[3])
             self.keys = [torch.zeros(shape(k), dtype=k.dtype, device=k.device) for k in cache.keys]
@@ -191,10 +191,8 @@ class BatchEngine:
         b, L = len(self.active), self.length
         for pool, new in zip(self.keys + self.values, cache.keys + cache.values, strict=True):
             pool[b, :, L - P : L] = new[0, :, :P]
-        for name, value in state.items():
-            pad = value.new_full((1, L - P, *value.shape[2:]), -1 if name == "ids" else 0)
-            row = torch.cat([pad, value[:, :P]], dim=1)
-            self.state[name] = row if name not in self.state else torch.cat([self.state[name], row])
+        row = cache.state.map(lambda value, pad: torch.cat([_pad(value, 1, L - P, pad), value[:, :P]], dim=1))
+        self.state = self.state.stack(row)
         self.active.append(request)
         self.counts.append(P)
 
@@ -203,12 +201,11 @@ class BatchEngine:
         if b != last:  # the last active row takes the freed one, so the active rows stay a prefix of the pool
             for pool in self.keys + self.values:
                 pool[b, :, : self.length] = pool[last, :, : self.length]
-            for value in self.state.values():
-                value[b] = value[last]
             self.active[b], self.counts[b] = self.active[last], self.counts[last]
         self.active.pop()
         self.counts.pop()
-        self.state = {name: value[:last] for name, value in self.state.items()}
+        kept = [last if row == b else row for row in range(last)]  # the last row moved into the freed one
+        self.state = self.state.map(lambda value, pad: value[kept])
         if not self.active:
             self.length = 0
 
@@ -222,12 +219,10 @@ class BatchEngine:
                 pool[:n, :, shift : shift + L] = pool[:n, :, :L].clone()
             else:
                 pool[:n, :, :length] = pool[:n, :, -shift:L].clone()
-        for name, value in self.state.items():
-            if shift > 0:
-                pad = value.new_full((n, shift, *value.shape[2:]), -1 if name == "ids" else 0)
-                self.state[name] = torch.cat([pad, value], dim=1)
-            else:
-                self.state[name] = value[:, -shift:]
+        if shift > 0:
+            self.state = self.state.map(lambda value, pad: torch.cat([_pad(value, n, shift, pad), value], dim=1))
+        else:
+            self.state = self.state.map(lambda value, pad: value[:, -shift:])
         self.length = length
 
     # ----- the batched forward -----
@@ -236,45 +231,25 @@ class BatchEngine:
         n = len(self.active)
         if self.length + 1 > self.capacity:
             self._realign(max(self.counts))  # room for one more position: the trimmed axis always has it
-        L = self.length
-        tokens = [[r.output_ids[-1]] for r in self.active]
-        ids_cpu = torch.tensor(tokens)
-        ids = ids_cpu.to(self.device)
-        counts = torch.tensor(self.counts, device=self.device)
+        L, device = self.length, self.engine.device
+        counts = torch.tensor(self.counts, device=device)
         mask = None  # no row padded (one request, or equal lengths): the single-stream attention, no mask
         if any(c != L for c in self.counts):
-            mask = torch.arange(L + 1, device=self.device)[None, :] >= (L - counts)[:, None]
-        if self.rows is not None:
-            self._request_rows(ids, [r.prompt_ids + r.output_ids for r in self.active], host=ids_cpu)
-        cache = KVCache(len(self.keys), capacity=self.capacity)
+            mask = torch.arange(L + 1, device=device)[None, :] >= (L - counts)[:, None]
+        ids = self.engine.feed([r.output_ids[-1] for r in self.active], [r.history() for r in self.active])
+        cache = KVCache(len(self.keys), capacity=self.capacity, state=self.state)  # the model extends the state
         cache.keys, cache.values = [k[:n] for k in self.keys], [v[:n] for v in self.values]
         cache.lengths = [L] * len(self.keys)
-        setattr(cache, STATE_ATTR, self.state)  # the model reads and extends it in place of a fresh dict
-        out = self.model(ids, attention_mask=mask, position_ids=counts[:, None], past_key_values=cache, use_cache=True)
+        logits = self.engine.step(ids, cache, attention_mask=mask, position_ids=counts[:, None])
         self.length += 1
         self.counts = [c + 1 for c in self.counts]
         self.steps += 1
-        return out.logits[:, -1]
+        return logits
 
-    def _request_rows(self, ids: torch.Tensor, histories: list[list[int]], host=None, fresh=False) -> None:
-        """Announce the next forward's rows: token rows for all of `ids` in one request (de-duplicated by the
-        cache), n-gram rows keyed by each row's own previous ids (`histories`: the ids up to and including
-        the new ones; `fresh`: a prefill, whose first position has no earlier ids)."""
-        host = ids.cpu() if host is None else host
-        token = self.rows.token if isinstance(self.rows, LookupRows) else self.rows
-        if token is not None:
-            token.request(ids, host)
-        ngram = self.rows.ngram if isinstance(self.rows, LookupRows) else None
-        if ngram is not None:
-            hasher = self.rows.hasher
-            prev = host.new_full((host.shape[0], hasher.context), -1)
-            if not fresh:
-                for b, history in enumerate(histories):
-                    before = history[: len(history) - host.shape[1]][-hasher.context :]
-                    if before:
-                        prev[b, hasher.context - len(before) :] = torch.tensor(before)
-            keys = hasher.ids(host, prev)
-            ngram.request(keys.to(ids.device), keys)
+
+def _pad(value: torch.Tensor, rows: int, length: int, pad: int) -> torch.Tensor:
+    """`length` left-padding positions for `rows` rows of a decoding-state entry like `value`."""
+    return value.new_full((rows, length, *value.shape[2:]), pad)
 
 
 class QueueFull(StemlmError):

@@ -3,7 +3,8 @@
     from stemlm.inference.load import InferenceOptions, load_inference
     with load_inference("runs/tiny", InferenceOptions(tables="mmap", table_dtype="int8", dtype="bf16")) as lm:
         logits = lm.model(ids).logits       # any forward: rows from the offloaded tables, under autocast
-        new = generate(lm.model, ids, 20)   # plain generation works on it too
+        new = generate(lm.model, ids, 20)   # generation through the decoding engine
+        engine = lm.engine()                # the engine itself (prefill chunks with offloaded tables)
 
 `stemlm generate`, `serve` and `eval ppl|lm|niah` all load through `load_inference` and take the same flags
 (`stemlm.cli.common.add_inference_flags`):
@@ -13,23 +14,22 @@
 - `table_dtype`: fp32, bf16 or int8 rows (`stemlm.offload.compact`; None = as the checkpoint stores them);
 - `dtype`: the compute dtype, as autocast (auto: bf16 on a CUDA device that supports it, else fp32); the
   weights stay as loaded;
-- `compile` (`stemlm generate` / `server --compile`): the decoding steps through `torch.compile`
-  (`compile_decoding`), resident tables only.
+- `compile` (`stemlm generate` / `serve --compile`): the decoding steps through `torch.compile`, resident tables
+  only.
 
 The loaded model's projections of one input are fused for decoding (`fusion.fuse_for_decoding`: q/k/v, and gate/up
 where the kind has both; one matrix-vector product instead of two or three; on a CPU the copies with at least as
 many outputs as inputs, STEM's gate, o_proj and the lm_head among them, kept transposed, which streams them
 faster; the parameters and their names stay the checkpoint's, and a forward with grad or after a weight changed
 takes the plain path).
-Its `forward` is bound once (`bind_forward`) so that every call, from any thread and from code that knows nothing
-of offloading (the perplexity scorer, lm-eval, the needle test), runs under the chosen autocast and, with host /
-mmap tables, gets the offloaded rows: a forward whose rows were not prefetched fetches them on first use. Callers
-that pass their own row providers (the offload engine) keep them.
+`Loaded.model` is the `InferenceModel` wrapper (`stemlm.inference.inference_model`) around it, so that every call,
+from any thread and from code that knows nothing of offloading (the perplexity scorer, lm-eval, the needle test),
+runs under the chosen autocast and, with host / mmap tables, gets the offloaded rows (a forward whose rows were
+not announced fetches them on first use); `Loaded.model.module` is the `StemLM`, whose forward is its own.
 """
 
 from __future__ import annotations
 
-import types
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -38,7 +38,9 @@ import torch
 
 from stemlm.choices import COMPUTE_DTYPES
 from stemlm.errors import StemlmError
-from stemlm.model.fusion import drop_stale_copies, fuse_for_decoding, fusion_groups
+from stemlm.inference.engine import Engine
+from stemlm.inference.inference_model import InferenceModel
+from stemlm.model.fusion import fuse_for_decoding
 
 
 @dataclass
@@ -50,7 +52,7 @@ class InferenceOptions:
     cache_policy: str = "lfu"
     device: str = "cpu"
     dtype: str = "auto"
-    compile: bool = False  # decoding steps through torch.compile (`compile_decoding`); generate / server --compile
+    compile: bool = False  # decoding steps through torch.compile (`InferenceModel`); generate / serve --compile
 
     @classmethod
     def from_args(cls, args) -> InferenceOptions:
@@ -69,10 +71,17 @@ class InferenceOptions:
 
 @dataclass
 class Loaded:
-    model: Any  # a StemLM whose forward is bound (see the module docstring)
+    model: InferenceModel  # the StemLM (`.module`) with its autocast, rows and compiled steps
     tokenizer: Any
     offloaded: Any  # the OffloadedLM with host / mmap tables, else None
     autocast_dtype: torch.dtype
+
+    def engine(self, **settings) -> Engine:
+        """The decoding engine of this model (`settings`: `Engine`'s keywords, e.g. tokenizer); with offloaded
+        tables it prefills in the `OffloadedLM`'s chunks, as `stemlm generate` always has."""
+        if self.offloaded is not None:
+            return self.offloaded.engine(self.model, **settings)
+        return Engine(self.model, **settings)
 
     def close(self) -> None:
         if self.offloaded is not None:
@@ -93,48 +102,6 @@ def autocast_dtype(name: str, device: torch.device) -> torch.dtype:
     return resolve_dtype(name, device)
 
 
-def bind_forward(model, rows=None, amp: torch.dtype = torch.float32) -> None:
-    """Make every `model(...)` call run under autocast `amp` and, when `rows` (the offload engine's
-    `RowPipeline` or `LookupRows`) is given, receive its row providers for every family the caller does not
-    provide itself."""
-    from stemlm.offload.lookup_rows import LookupRows
-
-    device_type = next(p for p in model.parameters() if not p.is_meta).device.type
-    providers = {} if rows is None else rows.rows() if isinstance(rows, LookupRows) else {"token": rows}
-
-    def forward(self, *args, **kwargs):
-        if providers:
-            given = {f: p for f, p in (kwargs.get("rows") or {}).items() if p is not None}
-            kwargs["rows"] = {**providers, **given}
-        with torch.autocast(device_type, dtype=torch.bfloat16, enabled=amp == torch.bfloat16):
-            return type(self).forward(self, *args, **kwargs)
-
-    # An instance attribute, which nn.Module.__call__ finds before the class method; a bound method (not a
-    # closure over `model`), so a copy.deepcopy of the model rebinds it to the copy.
-    model.forward = types.MethodType(forward, model)
-
-
-def compile_decoding(model) -> None:
-    """Run the model's decoding steps (one new token a row, with a KV cache) through `torch.compile`; every other
-    call (the prefill, scoring) stays eager. Call it on a model whose forward is bound (`bind_forward`), after
-    `fuse_for_decoding`: the compiled steps use the fused copies too, whose staleness check (storage pointers, which
-    the compiler cannot trace) runs before each step, outside the graph (`drop_stale_copies`); a copy dropped there
-    makes the compiled step recompile for the plain projections. The first steps wait for the compile (tens of
-    seconds on a CPU), and the cache's growing length makes it compile once more, for a dynamic length;
-    docs/results.md has the measured rate."""
-    eager = model.forward
-    compiled = torch.compile(eager)
-    fused = fusion_groups(model)
-
-    def forward(self, input_ids, **kwargs):
-        if input_ids.shape[1] == 1 and kwargs.get("past_key_values") is not None:
-            drop_stale_copies(fused)
-            return compiled(input_ids, **kwargs)
-        return eager(input_ids, **kwargs)
-
-    model.forward = types.MethodType(forward, model)
-
-
 def load_inference(path: str | Path, options: InferenceOptions | None = None, *, need_tokenizer: str | None = None):
     """A CKPT argument loaded for inference with `options` (see the module docstring) as a `Loaded`."""
     from stemlm.checkpoint.runs import load_checkpoint, resolve_checkpoint
@@ -153,10 +120,7 @@ def load_inference(path: str | Path, options: InferenceOptions | None = None, *,
         if opts.table_dtype is not None:
             _round_resident(model, resolve_checkpoint(path), opts.table_dtype)
         fuse_for_decoding(model)
-        bind_forward(model, None, amp)
-        if opts.compile:
-            compile_decoding(model)
-        return Loaded(model, tokenizer, None, amp)
+        return Loaded(InferenceModel(model, amp=amp, compile=opts.compile), tokenizer, None, amp)
     from stemlm.inference.offloaded import open_checkpoint
 
     offloaded, tokenizer = open_checkpoint(
@@ -175,8 +139,7 @@ def load_inference(path: str | Path, options: InferenceOptions | None = None, *,
         )
     offloaded.model.eval()
     fuse_for_decoding(offloaded.model)
-    bind_forward(offloaded.model, offloaded.rows, amp)
-    return Loaded(offloaded.model, tokenizer, offloaded, amp)
+    return Loaded(offloaded.inference_model(amp), tokenizer, offloaded, amp)
 
 
 def _round_resident(model, folder: Path, table_dtype: str) -> None:

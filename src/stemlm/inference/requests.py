@@ -1,22 +1,26 @@
-"""One request of the batched decode engine: its sampling settings, its output so far, and its text with stops.
+"""One request of the decoding engine: its prompt, sampling settings, output so far, and its text with stops.
 
-`SamplingParams` holds what an OpenAI request may set per request (max_tokens, temperature, top_p, top_k, seed,
-stop strings, logprobs); `Request` is one prompt in the engine (`stemlm.inference.batching`) with its own seeded
-generator, so a request samples exactly what `stemlm.inference.generate` samples for the same prompt and seed.
-Every new token is handed to the request's `on_event` callback as a `TokenEvent` (id, printable text piece,
-log-probabilities when asked), and the request ends with a finish reason:
+`Request` is one prompt in the engine (`stemlm.inference.engine`, single-stream or batched), the one place where
+a prompt is checked (one flat list of integer ids, not empty, shorter than the context), the budget is set (its
+`max_tokens` within the context left), its own generator is seeded (so a request samples the same tokens alone or
+in a batch) and each sampled token is checked against the stop conditions. Every new token is handed to the
+request's `on_event` callback as a `TokenEvent` (id, printable text piece, log-probabilities when asked), and the
+request ends with a finish reason:
 
-    "length"     max_tokens (or the context) reached        "stop"       eos id or a stop string
+    "length"     max_tokens (or the context) reached        "stop"       a stop id (eos) or a stop string
     "cancelled"  `BatchEngine.cancel` (client gone, timeout) "error"      the forward raised (message in `error`)
 
-`StopText` turns text pieces into output text that never contains a stop string: a piece that might be the
-start of one is held back until it is known not to be.
+A request's `edit_rows` (a positional edit's `rows=` mapping, `stemlm.edit.positional.edit_hooks`) apply to its
+prefill only: the edited keys and values then sit in its KV cache and no other request sees them.
+`IncrementalDecoder` turns ids into printable text pieces; `StopText` turns text pieces into output text that
+never contains a stop string: a piece that might be the start of one is held back until it is known not to be.
 """
 
 from __future__ import annotations
 
 import itertools
 import math
+import numbers
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -24,32 +28,42 @@ from dataclasses import dataclass, field
 import torch
 
 from stemlm.errors import StemlmError
-from stemlm.inference.generate import IncrementalDecoder, check_sampling, sample_token
+from stemlm.inference.sampling import SamplingParams
+from stemlm.model.ffn import Rows
 
-MAX_LOGPROBS = 20  # OpenAI's limit for top logprobs per token
 FINISH_REASONS = ("length", "stop", "cancelled", "error")
 _ids = itertools.count()
 
 
-@dataclass(frozen=True)
-class SamplingParams:
-    max_tokens: int = 16
-    temperature: float = 1.0  # 0 = greedy
-    top_p: float = 1.0
-    top_k: int = 0  # 0 = off
-    seed: int = 0
-    stop: tuple[str, ...] = ()  # stop strings (need the engine's tokenizer)
-    stop_ids: tuple[int, ...] = ()  # token ids that end the request and are kept in its output (eos)
-    logprobs: int | None = None  # None: no log-probabilities; k >= 0: the chosen token's and the top k
-
-    def check(self) -> None:
-        check_sampling(self.temperature, self.top_k, self.top_p)
-        if self.max_tokens < 1:
-            raise StemlmError(f"max_tokens must be >= 1, got {self.max_tokens}")
-        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
-            raise StemlmError(f"logprobs must be between 0 and {MAX_LOGPROBS}, got {self.logprobs}")
-        if any(not s for s in self.stop):
-            raise StemlmError("a stop string is empty")
+def prompt_list(input_ids) -> list[int]:
+    """One prompt as a list of ids, from a list / tuple (or one nested in a list), a [T] or [1, T] tensor or numpy
+    array. Refuses what `torch.as_tensor(..., dtype=long)` would silently truncate (1.7 -> 1, True -> 1) or turn
+    into a raw error (a ragged nested list), and an empty prompt."""
+    if isinstance(input_ids, torch.Tensor) or (hasattr(input_ids, "dtype") and hasattr(input_ids, "shape")):
+        if isinstance(input_ids, torch.Tensor):
+            if input_ids.dtype == torch.bool or input_ids.dtype.is_floating_point or input_ids.dtype.is_complex:
+                raise StemlmError(f"generate takes integer token ids, got a {input_ids.dtype} tensor")
+        elif input_ids.dtype.kind not in "iu":  # a numpy array
+            raise StemlmError(f"generate takes integer token ids, got a {input_ids.dtype} array")
+        shape = list(input_ids.shape)
+        if len(shape) == 2 and shape[0] == 1:
+            input_ids = input_ids[0]
+        elif len(shape) != 1:
+            raise StemlmError(f"generate takes one prompt (a list of ids, [T] or [1, T]), got shape {shape}")
+        ids = [int(i) for i in input_ids.tolist()]
+    else:
+        if isinstance(input_ids, (str, bytes)) or not isinstance(input_ids, Sequence):
+            raise StemlmError(f"generate takes a list of token ids, got {type(input_ids).__name__}")
+        row = input_ids[0] if len(input_ids) == 1 and isinstance(input_ids[0], (list, tuple)) else input_ids
+        for i in row:
+            if not isinstance(i, numbers.Integral) or isinstance(i, bool) or type(i).__name__ == "bool_":
+                raise StemlmError(
+                    f"generate takes one prompt as a flat list of integer token ids; got an element {i!r:.40}"
+                )
+        ids = [int(i) for i in row]
+    if not ids:
+        raise StemlmError("the prompt is empty: generation needs at least one token to start from")
+    return ids
 
 
 @dataclass
@@ -58,6 +72,35 @@ class TokenEvent:
     text: str  # the printable text this token adds (may be "" while a character or a stop string is pending)
     logprob: float | None = None
     top_logprobs: list[tuple[int, float]] | None = None  # (token id, log-probability), most likely first
+
+
+class IncrementalDecoder:
+    """Turns a growing list of ids into printable text pieces that concatenate to the full decode.
+
+    The whole list is decoded each time and only the new suffix is returned; a suffix ending in U+FFFD (a
+    multi-byte character whose remaining bytes are still to come) is held back until it is complete.
+    """
+
+    def __init__(self, tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self.ids: list[int] = []
+        self.printed = ""
+
+    def push(self, token_id: int) -> str:
+        self.ids.append(token_id)
+        text = self.tokenizer.decode(self.ids)
+        if text.endswith("\ufffd") or not text.startswith(self.printed):
+            return ""
+        return self._advance(text)
+
+    def flush(self) -> str:
+        """Everything not yet returned (held-back bytes print as U+FFFD if they never completed)."""
+        text = self.tokenizer.decode(self.ids)
+        return self._advance(text) if text.startswith(self.printed) else ""
+
+    def _advance(self, text: str) -> str:
+        piece, self.printed = text[len(self.printed) :], text
+        return piece
 
 
 class StopText:
@@ -88,13 +131,12 @@ class StopText:
 
 @dataclass
 class Request:
-    """A prompt in the engine. `prefill_hooks`: row hooks for its prefill forward only (a positional edit),
-    the keyword arguments of `StemLM.forward`; decode steps read the edited prompt from the KV cache."""
+    """A prompt in the engine; see the module docstring. `prompt_ids` may be any form `prompt_list` takes."""
 
     prompt_ids: list[int]
     params: SamplingParams = field(default_factory=SamplingParams)
     on_event: Callable[[Request, TokenEvent | None], None] | None = None  # None event: the request finished
-    prefill_hooks: dict = field(default_factory=dict)
+    edit_rows: Rows | None = None  # rows for its prefill only (a positional edit)
     id: int = field(default_factory=lambda: next(_ids))
     output_ids: list[int] = field(default_factory=list)
     text: str = ""
@@ -103,8 +145,7 @@ class Request:
 
     def __post_init__(self) -> None:
         self.params.check()
-        if not self.prompt_ids:
-            raise StemlmError("the prompt is empty: generation needs at least one token to start from")
+        self.prompt_ids = prompt_list(self.prompt_ids)
         self.done = threading.Event()
         self.cancelled = False
         self.budget = self.params.max_tokens
@@ -112,12 +153,13 @@ class Request:
         self._decoder: IncrementalDecoder | None = None
         self._stop: StopText | None = None
 
-    def start(self, device: torch.device, tokenizer, context: int) -> None:
-        """Called by the engine at admission: the seeded generator, the budget within `context` positions."""
+    def start(self, device: torch.device, tokenizer, context: int, what: str = "") -> None:
+        """Called by the engine before the prefill: the budget within `context` positions (`what`: their name in
+        an error), the seeded generator."""
         if len(self.prompt_ids) >= context:
             raise StemlmError(
-                f"the prompt has {len(self.prompt_ids)} tokens, which leaves no room to generate within the "
-                f"context of {context}; shorten it"
+                f"the prompt has {len(self.prompt_ids)} tokens, which leaves no room to generate within "
+                f"{what or f'the context of {context}'}; shorten it"
             )
         self.budget = min(self.params.max_tokens, context - len(self.prompt_ids))
         self.generator = torch.Generator(device=device)
@@ -128,12 +170,14 @@ class Request:
         elif self.params.stop:
             raise StemlmError("stop strings need a tokenizer; this engine has none")
 
+    def history(self) -> list[int]:
+        """The ids before the last sampled one: what the forward that feeds it back continues."""
+        return self.prompt_ids + self.output_ids[:-1]
+
     def sample(self, logits: torch.Tensor) -> bool:
         """Sample the next token from a [V] row of logits and emit it; True when the request is finished."""
         p = self.params
-        token = sample_token(
-            logits, temperature=p.temperature, top_k=p.top_k or None, top_p=p.top_p, generator=self.generator
-        )
+        token = p.sample(logits, self.generator)
         event = TokenEvent(token, "")
         if p.logprobs is not None:
             logp = logits.float().log_softmax(-1)

@@ -22,6 +22,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from stemlm.model.decoding_state import DecodingState
+
 if TYPE_CHECKING:  # annotations only: the config imports the kinds, and a kind (engram) imports RMSNorm from here
     from stemlm.model.config import ModelConfig
 
@@ -107,14 +109,16 @@ class KVCache:
     (a decode step copies only its new position; `torch.cat` per step had copied the whole cache, 11% of tiny
     decode self-time); `update` returns views of the filled prefix. `capacity` is a hint (generation knows
     prompt + new tokens); past it a buffer doubles, so any use stays amortised O(1) per token.
-    `crop(length)` forgets everything after `length` positions (the buffers are reused).
+    `crop(length)` forgets everything after `length` positions (the buffers are reused). `state` holds what the
+    lookup kinds carry per cached position beside the keys and values (`stemlm.model.decoding_state`).
     """
 
-    def __init__(self, num_layers: int, capacity: int = 0) -> None:
+    def __init__(self, num_layers: int, capacity: int = 0, state: DecodingState | None = None) -> None:
         self.capacity = capacity
         self.keys: list[torch.Tensor | None] = [None] * num_layers
         self.values: list[torch.Tensor | None] = [None] * num_layers
         self.lengths = [0] * num_layers
+        self.state = DecodingState() if state is None else state
 
     @property
     def length(self) -> int:

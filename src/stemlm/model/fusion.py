@@ -24,9 +24,9 @@ The copy costs the fused weights' memory once more. It stands in only in forward
 needs the parameters' own graph) and while every weight is the one it was made from: same storage, same in-place
 version, same device and dtype. A load, an edit or `.to()` changes one of these, and the stale copy is then dropped
 for good (fuse again to refresh). Storage pointers can't be traced by torch.compile, so a compiled forward skips
-that check and `drop_stale_copies` makes it before each compiled decoding step
-(`stemlm.inference.load.compile_decoding`); the compiled graph is guarded on each copy being there, and recompiles
-for the plain projections when one is dropped. A linear that has hooks when fusing is left as it is (its hooks
+that check and `drop_stale_copies` makes it before each compiled decoding step (`InferenceModel(compile=True)`,
+stemlm.inference.inference_model); the compiled graph is guarded on each copy being there, and recompiles for the
+plain projections when one is dropped. A linear that has hooks when fusing is left as it is (its hooks
 stay where they were registered). Outputs equal the separate products to rounding (the GEMM blocks the columns
 another way), not bitwise; tests/model/test_fusion.py and tests/inference/test_lean_decode.py check logits and
 greedy tokens for every kind.
@@ -230,7 +230,7 @@ def fusion_groups(model: nn.Module) -> list[FusedGroup]:
 
 def drop_stale_copies(groups: Sequence[FusedGroup]) -> None:
     """Drop the copy of each of `groups` whose weights changed since it was made: the check an eager forward
-    makes, made outside a compiled one (`stemlm.inference.load.compile_decoding`)."""
+    makes, made outside a compiled one (`stemlm.inference.inference_model.InferenceModel(compile=True)`)."""
     for group in groups:
         if group.stale():
             group.copy = group.pending = None

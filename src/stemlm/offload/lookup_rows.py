@@ -1,22 +1,25 @@
-"""The row hooks of a model whose lookup tables are offloaded: token rows, n-gram rows and memory rows.
+"""The row source of a model whose lookup tables are offloaded: token rows, n-gram rows and memory rows.
 
-`LookupRows` is what the offloaded engine hands the model (`rows()` -> the forward's `rows={family: provider}`
-mapping) and what it announces each step to (`request(ids)`), in forward order:
+`LookupRows` is the `stemlm.inference.rows.RowSource` of host and memory-mapped tables: `providers()` is the
+forward's `rows={family: provider}` mapping, and the engine announces each forward's ids to it
+(`announce(ids, host, before)`), in forward order:
 
-- token rows: a `RowPipeline` over the token-table cache, requested with the step's ids (unchanged);
-- n-gram rows: a second `RowPipeline` over the n-gram cache. `request` hashes the step's ids with the ids
-  seen before them in this sequence (kept here on the host, reset by `begin_sequence`) into exactly the
-  n-gram ids the model will compute, so their rows are prefetched like token rows;
+- token rows: a `RowPipeline` over the token-table cache, requested with the forward's ids;
+- n-gram rows: a second `RowPipeline` over the n-gram cache. `announce` hashes each row's ids with the ids
+  before them (`before`, from the engine, which knows every sequence) into exactly the n-gram ids the model
+  will compute, so their rows are prefetched like token rows;
 - memory rows: `MemoryFetcher`, which fetches a memory layer's value rows when the layer has computed its
   top-k ids. That read sits on the critical path: it costs a device->host copy of the ids (a sync on CUDA),
   the cache planning and the host gather of the misses before the layer can continue, once per memory layer
   and step; `wait_seconds` records that time (for token and n-gram rows it is only the part of the fetch
   that prefetch could not hide).
+A forward whose rows were never announced (a scoring call) fetches them on first use.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 
 import torch
 
@@ -47,7 +50,7 @@ class MemoryFetcher:
 
 
 class LookupRows:
-    """Every offloaded family's hook for one model; `request` each forward's ids, in forward order."""
+    """Every offloaded family's provider for one model; `announce` each forward's ids, in forward order."""
 
     def __init__(
         self,
@@ -58,35 +61,30 @@ class LookupRows:
     ) -> None:
         self.hasher = model.ngram_hasher
         self.token, self.ngram, self.memory = token, ngram, memory
-        self.seen: torch.Tensor | None = None  # host ids of this sequence so far (n-gram context)
 
     @property
     def stats(self):
         """The token-row cache statistics (the n-gram and memory caches report through `family_stats`)."""
         return None if self.token is None else self.token.stats
 
-    def begin_sequence(self) -> None:
-        self.seen = None
-
-    def request(self, ids: torch.Tensor, ids_cpu: torch.Tensor | None = None) -> None:
-        host = ids_cpu if ids_cpu is not None else ids.detach().to("cpu")
+    def announce(self, ids: torch.Tensor, host: torch.Tensor, before: Sequence[Sequence[int]]) -> None:
+        """Start fetching the rows of the forward that will run on exactly `ids` ([B, T]; `host` its CPU copy);
+        `before[b]`: the ids of row b before these (the n-gram keys' context)."""
         if self.token is not None:
             self.token.request(ids, host)
         if self.ngram is not None:
-            prev = host.new_full((host.shape[0], self.hasher.context), -1)
-            if self.seen is not None:
-                take = min(self.hasher.context, self.seen.shape[1])
-                prev[:, self.hasher.context - take :] = self.seen[:, self.seen.shape[1] - take :]
+            context = self.hasher.context
+            prev = host.new_full((host.shape[0], context), -1)
+            for b, earlier in enumerate(before):
+                tail = list(earlier[-context:])
+                if tail:
+                    prev[b, context - len(tail) :] = torch.tensor(tail)
             keys = self.hasher.ids(host, prev)
             self.ngram.request(keys.to(ids.device), keys)  # the forward's own ids match these by value
-        self.seen = host if self.seen is None else torch.cat([self.seen, host], dim=1)
 
-    def __call__(self, layer_idx: int, ids: torch.Tensor) -> torch.Tensor:
-        return self.token(layer_idx, ids)
-
-    def rows(self) -> dict:
+    def providers(self) -> dict:
         """The forward's `rows=` mapping: a provider per offloaded family."""
-        found = {"token": self if self.token is not None else None, "ngram": self.ngram, "memory": self.memory}
+        found = {"token": self.token, "ngram": self.ngram, "memory": self.memory}
         return {family: provider for family, provider in found.items() if provider is not None}
 
     def drain(self) -> None:

@@ -1,10 +1,12 @@
-"""Serving a checkpoint: the local web playground and the OpenAI-compatible API.
+"""Serving a checkpoint: one server for the local web playground and the OpenAI-compatible API.
 
-`stemlm serve CKPT` runs the playground (see `stemlm.cli.serve`); `Playground` holds the model and answers
-requests, `create_app` is the Flask app around it (routes listed in `stemlm.serve.app`), and the page itself
-is plain HTML/JS/CSS shipped in `stemlm/assets/web/`, so it works offline. `stemlm server CKPT` runs the
-OpenAI-compatible API over the continuous-batching engine (`stemlm.serve.openai_app`, docs/serving.md).
-Names load lazily, so the API never imports Flask and the playground never imports FastAPI.
+`stemlm serve CKPT` (alias `stemlm server`; see `stemlm.cli.serve`) loads the checkpoint once as a `ServedModel`
+(its batch engine decodes every request), `Playground` answers the page's requests over it, and `create_app` is
+the one FastAPI app: the page (plain HTML/JS/CSS shipped in `stemlm/assets/web/`, so it works offline) and its
+/api routes (`stemlm.serve.app`) beside /v1 (`stemlm.serve.openai_app`, docs/serving.md); `stemlm.serve.server`
+runs it under uvicorn. Names load lazily:
+
+    from stemlm.serve import Playground, create_app
 """
 
 from stemlm._lazy import lazy_exports
@@ -12,6 +14,8 @@ from stemlm._lazy import lazy_exports
 _EXPORTS = {
     "EditSpec": "stemlm.serve.editing",
     "Playground": "stemlm.serve.playground",
+    "ServedModel": "stemlm.serve.served_model",
+    "Server": "stemlm.serve.server",
     "create_app": "stemlm.serve.app",
 }
 

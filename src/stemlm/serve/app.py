@@ -1,11 +1,14 @@
-"""The playground's web app (Flask): the page, its JSON API and the streamed generation.
+"""The one web app of `stemlm serve` (FastAPI): the playground page and its JSON API, and the OpenAI-compatible API.
 
     from stemlm.serve import Playground, create_app
-    app = create_app(Playground.load("runs/tiny"))      # a WSGI app; `stemlm serve` runs it threaded
+    app = create_app(Playground.load("runs/tiny"))      # an ASGI app; `stemlm serve` runs it under uvicorn
 
-Routes (every /api answer is JSON; a bad request gets 4xx with `{"error": message}`, never a traceback; a body
-over 1 MiB gets 413, announced or chunked; a Host header outside `trusted_hosts` gets 400, compared by
-`hosts.host_allowed`, which reads IPv6 literals as addresses):
+Both halves answer from the one `ServedModel` (`stemlm.serve.served_model`): one loaded checkpoint whose batch
+engine decodes the page's generations and the API's requests together. The `/v1` routes, `/metrics` and
+`/health` are `stemlm.serve.openai_app`'s; the page's are below. Every page /api answer is JSON; a bad request
+gets 4xx with `{"error": message}`, never a traceback; a body over 1 MiB gets 413, announced or chunked; a Host
+header outside `hosts` gets 400 on every route, compared by `hosts.host_allowed`, which reads IPv6 literals as
+addresses:
 
     GET  /                  the page (vanilla HTML/JS/CSS from stemlm/assets/web, nothing from a CDN)
     GET  /api/info          the checkpoint: layers, STEM layers, table placement, edit strategies, saving
@@ -30,25 +33,30 @@ import json
 import logging
 import time
 import traceback
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from http import HTTPStatus
 from importlib import resources
 from pathlib import Path
 
-from flask import Flask, Response, jsonify, request, send_from_directory
-from werkzeug.exceptions import HTTPException, RequestEntityTooLarge
+from fastapi import FastAPI, Request
+from fastapi.responses import FileResponse, JSONResponse, StreamingResponse
+from fastapi.staticfiles import StaticFiles
+from starlette.concurrency import run_in_threadpool
+from starlette.exceptions import HTTPException
 
 from stemlm.choices import EDIT_ROWS
 from stemlm.edit import PAD_ROWS, STRATEGIES
 from stemlm.edit.shared_tokens import SharedSubwords
 from stemlm.errors import StemlmError
-from stemlm.inference.generate import IncrementalDecoder  # text pieces that never split a multi-byte character
+from stemlm.inference.batching import QueueFull, ShuttingDown
+from stemlm.inference.requests import IncrementalDecoder  # text pieces that never split a multi-byte character
 from stemlm.serve.editing import EditSpec
 from stemlm.serve.hosts import host_allowed, trusted_hosts
-from stemlm.serve.params import Body, parse_json, sampling
+from stemlm.serve.openai_app import add_api_routes, error_body
+from stemlm.serve.params import Body, BodyTooLarge, parse_json, read_body, sampling
 from stemlm.serve.playground import Conflict, Playground
 
 log = logging.getLogger("stemlm.serve")
-MAX_BODY = 1 << 20
 
 
 def web_dir() -> Path:
@@ -59,17 +67,31 @@ def sse(event: str, data: dict) -> str:
     return f"event: {event}\ndata: {json.dumps(data)}\n\n"
 
 
-def read_body(stream) -> bytes:
-    """The request body, or 413 once past MAX_BODY. werkzeug refuses a longer Content-Length itself, but cuts a
-    chunked body silently at the limit (it raises only on the read after), which would parse as truncated JSON."""
-    raw = bytearray()
-    while chunk := stream.read(MAX_BODY + 1 - len(raw)):
-        raw += chunk
-        if len(raw) > MAX_BODY:
-            break
-    if len(raw) > MAX_BODY or (len(raw) == MAX_BODY and stream.read(1)):
-        raise RequestEntityTooLarge(f"the request body is over {MAX_BODY} bytes; the playground takes at most that")
-    return bytes(raw)
+def is_api_path(path: str) -> bool:
+    """Whether a path is the OpenAI-compatible API's (its errors take OpenAI's shape, the page's `{"error"}`)."""
+    return path == "/v1" or path.startswith("/v1/")
+
+
+def page_error(message: str, status: int, **extra) -> JSONResponse:
+    return JSONResponse({"error": message, **extra}, status_code=status)
+
+
+class HostCheck:
+    """400 for a Host header outside `allowed`. Plain ASGI: a `BaseHTTPMiddleware` would wrap `receive` so that
+    `Request.is_disconnected` never sees the client leave."""
+
+    def __init__(self, app, allowed: Sequence[str]) -> None:
+        self.app, self.allowed = app, list(allowed)
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "http":
+            host = dict(scope["headers"]).get(b"host", b"").decode("latin-1")
+            if not host_allowed(host, self.allowed):
+                message = "this server does not answer that Host header"
+                body = error_body(message) if is_api_path(scope["path"]) else {"error": message}
+                await JSONResponse(body, status_code=400)(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
 
 
 def edit_spec(body: Body) -> EditSpec:
@@ -113,87 +135,120 @@ def _token_events(pg: Playground, tokens, start: float):
     except Exception as exc:
         log.error("generation failed:\n%s", traceback.format_exc())
         yield sse("error", {"error": f"internal error ({type(exc).__name__}); see the server log"})
+    finally:
+        if hasattr(tokens, "close"):
+            tokens.close()  # a client that went away: the request is cancelled, its slot freed
 
 
-def create_app(pg: Playground, hosts: Sequence[str] | None = None) -> Flask:
-    """The WSGI app; `hosts`: the accepted Host header names (default `trusted_hosts()`: loopback only)."""
-    app = Flask(__name__, static_folder=str(web_dir()), static_url_path="/static")
-    app.config["MAX_CONTENT_LENGTH"] = MAX_BODY
-    allowed = list(hosts) if hosts is not None else trusted_hosts()
-    app.json.sort_keys = False
+def _status_of(exc: StemlmError) -> int:
+    if isinstance(exc, BodyTooLarge):
+        return 413
+    if isinstance(exc, QueueFull):
+        return 429
+    if isinstance(exc, ShuttingDown):
+        return 503
+    return 409 if isinstance(exc, Conflict) else 400
 
-    @app.before_request
-    def check_host():  # not Flask's TRUSTED_HOSTS: werkzeug cuts "[::ffff:203.0.113.9]" at its first colon
-        if not host_allowed(request.headers.get("Host", ""), allowed):
-            return jsonify(error="this server does not answer that Host header"), 400
-        return None
 
-    @app.errorhandler(StemlmError)
-    def user_error(exc: StemlmError):
-        if isinstance(exc, SharedSubwords):  # a question for the user: the page lists the words and asks
-            return jsonify(error=str(exc), changed_tokens=exc.changed_tokens), 409
-        return jsonify(error=str(exc)), 409 if isinstance(exc, Conflict) else 400
+def _page_route(handler: Callable) -> Callable:
+    """A page route whose errors become `{"error": message}` answers (a shared-subwords refusal names the tokens)."""
 
-    @app.errorhandler(HTTPException)
-    def http_error(exc: HTTPException):
-        return jsonify(error=f"{exc.name}: {exc.description}"), exc.code
+    async def route(request: Request):
+        try:
+            return await handler(request)
+        except SharedSubwords as exc:  # a question for the user: the page lists the words and asks
+            return page_error(str(exc), 409, changed_tokens=exc.changed_tokens)
+        except StemlmError as exc:
+            return page_error(str(exc), _status_of(exc))
+        except Exception as exc:
+            log.error("request %s failed:\n%s", request.url.path, traceback.format_exc())
+            return page_error(f"internal error ({type(exc).__name__}); see the server log", 500)
 
-    @app.errorhandler(Exception)
-    def internal_error(exc: Exception):
-        log.error("request %s failed:\n%s", request.path, traceback.format_exc())
-        return jsonify(error=f"internal error ({type(exc).__name__}); see the server log"), 500
+    return route
 
-    def body() -> Body:
-        if not request.is_json:
-            raise StemlmError("the request body must be a JSON object (Content-Type: application/json)")
-        return Body(parse_json(read_body(request.stream)))
 
-    @app.get("/")
-    def index():
-        return send_from_directory(web_dir(), "index.html")
+async def _body(request: Request) -> Body:
+    kind = request.headers.get("content-type", "").split(";")[0].strip().lower()
+    if kind != "application/json" and not kind.endswith("+json"):
+        raise StemlmError("the request body must be a JSON object (Content-Type: application/json)")
+    return Body(parse_json(await read_body(request)))
 
-    @app.get("/api/info")
-    def info():
-        return jsonify(pg.info())
 
-    @app.post("/api/tokenize")
-    def tokenize():
-        return jsonify(tokens=pg.tokens(pg.encode(body().text("prompt"))))
+def add_page_routes(app: FastAPI, pg: Playground) -> None:
+    """The playground's page and /api routes (see the module docstring)."""
+    app.mount("/static", StaticFiles(directory=web_dir()), name="static")
 
-    @app.post("/api/generate")
-    def generate():
-        b = body()
+    def page(method: str, path: str):
+        def register(handler: Callable) -> Callable:
+            app.add_api_route(path, _page_route(handler), methods=[method], include_in_schema=False)
+            return handler
+
+        return register
+
+    @page("GET", "/")
+    async def index(request: Request):
+        return FileResponse(web_dir() / "index.html")
+
+    @page("GET", "/api/info")
+    async def info(request: Request):
+        return JSONResponse(await run_in_threadpool(pg.info))
+
+    @page("POST", "/api/tokenize")
+    async def tokenize(request: Request):
+        b = await _body(request)
+        return JSONResponse({"tokens": pg.tokens(pg.encode(b.text("prompt")))})
+
+    @page("POST", "/api/generate")
+    async def generate(request: Request):
+        b = await _body(request)
         ids = pg.encode(b.text("prompt"))
         tokens = pg.stream(ids, sampling(b))
         headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
-        return Response(_token_events(pg, tokens, time.perf_counter()), mimetype="text/event-stream", headers=headers)
+        events = _token_events(pg, tokens, time.perf_counter())  # iterated on a worker thread by Starlette
+        return StreamingResponse(events, media_type="text/event-stream", headers=headers)
 
-    @app.get("/api/stats")
-    def stats():
-        return jsonify(cache=pg.cache_report())
+    @page("GET", "/api/stats")
+    async def stats(request: Request):
+        return JSONResponse({"cache": await run_in_threadpool(pg.cache_report)})
 
-    @app.post("/api/contribution")
-    def contribution():
-        return jsonify(pg.contribution(pg.encode(body().text("prompt"))))
+    @page("POST", "/api/contribution")
+    async def contribution(request: Request):
+        b = await _body(request)
+        return JSONResponse(await run_in_threadpool(pg.contribution, pg.encode(b.text("prompt"))))
 
-    @app.post("/api/nearest")
-    def nearest():
-        b = body()
+    @page("POST", "/api/nearest")
+    async def nearest(request: Request):
+        b = await _body(request)
         vocab = pg.model.config.vocab_size
-        return jsonify(pg.nearest(b.integer("token_id", 0, 0, vocab - 1), b.integer("k", 8, 1, 50)))
+        token_id, k = b.integer("token_id", 0, 0, vocab - 1), b.integer("k", 8, 1, 50)
+        return JSONResponse(await run_in_threadpool(pg.nearest, token_id, k))
 
-    @app.post("/api/edit")
-    def edit():
-        b = body()
+    @page("POST", "/api/edit")
+    async def edit(request: Request):
+        b = await _body(request)
         ids = pg.encode(b.text("prompt"))
-        spec = edit_spec(b)
-        return jsonify(pg.edit(ids, spec, top_k=b.integer("show_top", 8, 1, 50), sampling=sampling(b)))
+        spec, top_k, settings = edit_spec(b), b.integer("show_top", 8, 1, 50), sampling(b)
+        return JSONResponse(await run_in_threadpool(lambda: pg.edit(ids, spec, top_k=top_k, sampling=settings)))
 
-    @app.post("/api/save")
-    def save():
-        b = body()
+    @page("POST", "/api/save")
+    async def save(request: Request):
+        b = await _body(request)
         ids = pg.encode(b.text("prompt"))
-        allow = b.boolean("allow_shared_subwords", False)
-        return jsonify(pg.save(ids, edit_spec(b), b.text("name").strip(), allow_shared=allow))
+        spec, name, allow = edit_spec(b), b.text("name").strip(), b.boolean("allow_shared_subwords", False)
+        return JSONResponse(await run_in_threadpool(lambda: pg.save(ids, spec, name, allow_shared=allow)))
 
+
+def create_app(pg: Playground, hosts: Sequence[str] | None = None) -> FastAPI:
+    """The ASGI app; `hosts`: the accepted Host header names (default `trusted_hosts()`: loopback only)."""
+    app = FastAPI(title="stemlm", docs_url=None, redoc_url=None, openapi_url=None)
+    app.add_middleware(HostCheck, allowed=list(hosts) if hosts is not None else trusted_hosts())
+
+    @app.exception_handler(HTTPException)
+    async def http_error(request: Request, exc: HTTPException):  # an unknown route, a wrong method
+        message = f"{HTTPStatus(exc.status_code).phrase}: {exc.detail}"
+        body = error_body(message) if is_api_path(request.url.path) else {"error": message}
+        return JSONResponse(body, status_code=exc.status_code, headers=getattr(exc, "headers", None))
+
+    add_api_routes(app, pg.served)
+    add_page_routes(app, pg)
     return app

@@ -27,8 +27,12 @@ from stemlm.edit.positional import edit_hooks, rows_to_parts, table_layers
 from stemlm.edit.shared_tokens import check_shared_subwords
 from stemlm.edit.spans import GLOBAL_DEFAULT_PAD, tokenizer_eot
 from stemlm.errors import StemlmError
-from stemlm.inference.generate import stream_tokens
+from stemlm.inference.engine import Engine
+from stemlm.inference.inference_model import InferenceModel
+from stemlm.inference.requests import Request
+from stemlm.inference.sampling import SamplingParams
 from stemlm.model.decoder import StemLM
+from stemlm.model.ffn import Rows
 from stemlm.serve.views import editable_copy
 
 
@@ -88,30 +92,26 @@ def _top(probs: torch.Tensor, other: torch.Tensor, k: int, tokenizer: Tokenizer)
     ]
 
 
-def _continuation(model: StemLM, ids, edit: PositionalEdit | None, tokenizer, eos_id, sampling: dict) -> dict:
-    rows = edit_hooks(model, edit)
-    options = {k: v for k, v in sampling.items() if k != "max_new_tokens"}
+def _continuation(model: InferenceModel, ids, rows: Rows | None, tokenizer: Tokenizer, params: SamplingParams) -> dict:
     # The edit is applied at prefill only: decode steps read the edited prompt from the KV cache.
-    new = list(
-        stream_tokens(
-            model,
-            ids,
-            sampling["max_new_tokens"],
-            prefill_rows=rows,
-            eos_id=eos_id,
-            **options,
-        )
-    )
+    new = Engine(model).generate(Request(ids, params, edit_rows=rows))
     return {"ids": new, "text": tokenizer.decode(new)}
 
 
 @torch.no_grad()
 def compare(
-    model: StemLM, tokenizer: Tokenizer, ids: Sequence[int], edit: PositionalEdit, *, top_k: int, sampling: dict, eos_id
+    model: InferenceModel,
+    tokenizer: Tokenizer,
+    ids: Sequence[int],
+    edit: PositionalEdit,
+    *,
+    top_k: int,
+    params: SamplingParams,
 ) -> dict:
-    """Unedited and edited: top-k next-token probabilities and a continuation, side by side."""
-    batch = torch.tensor([list(ids)], device=next(model.parameters()).device)
-    rows = edit_hooks(model, edit)
+    """Unedited and edited: top-k next-token probabilities and a continuation (sampled with `params`, the same
+    seed), side by side. `model`: the view of the served model whose tables the edit reads, as served."""
+    batch = torch.tensor([list(ids)], device=model.device)
+    rows = edit_hooks(model.module, edit)
     before = model(batch).logits[0, -1].float().softmax(-1)
     after = model(batch, rows=rows).logits[0, -1].float().softmax(-1)
     return {
@@ -120,11 +120,11 @@ def compare(
         "embed": edit.embed,
         "before": {
             "top": _top(before, after, top_k, tokenizer),
-            **_continuation(model, ids, None, tokenizer, eos_id, sampling),
+            **_continuation(model, ids, None, tokenizer, params),
         },
         "after": {
             "top": _top(after, before, top_k, tokenizer),
-            **_continuation(model, ids, edit, tokenizer, eos_id, sampling),
+            **_continuation(model, ids, rows or None, tokenizer, params),
         },
         "max_abs_prob_change": float((after - before).abs().max()),
     }

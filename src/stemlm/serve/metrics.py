@@ -1,4 +1,4 @@
-"""`/metrics` of the API server in the Prometheus text format (prometheus_client, one registry per app).
+"""`/metrics` of the server in the Prometheus text format (prometheus_client, one registry per app).
 
 Counted by the app as requests finish: `stemlm_requests_total{endpoint, finish_reason}` (finish reasons as
 in `stemlm.inference.requests`, plus `rejected` for 400 / 429), prompt and generated tokens, and latency
@@ -16,7 +16,7 @@ LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0
 
 
 class EngineCollector:
-    """Gauges and counters read from a live `ApiService` when Prometheus scrapes."""
+    """Gauges and counters read from a live `ServedModel` when Prometheus scrapes."""
 
     def __init__(self, service) -> None:
         self.service = service

@@ -1,7 +1,6 @@
-"""The OpenAI-compatible HTTP API (FastAPI) over an `ApiService`; `stemlm server` runs it under uvicorn.
+"""The OpenAI-compatible HTTP API of `stemlm serve`: the `/v1` routes on the server's one app (`stemlm.serve.app`).
 
-    from stemlm.serve.openai_app import create_api
-    app = create_api(ApiService.load("runs/tiny"))        # an ASGI app
+    add_api_routes(app, served)        # served: the `ServedModel` the page's routes use too
 
 Routes: `GET /v1/models`, `POST /v1/completions`, `POST /v1/chat/completions` (streamed as server-sent events
 with `"stream": true`, ending in `data: [DONE]`), `GET /metrics` (Prometheus text), `GET /health`.
@@ -9,8 +8,8 @@ Errors come in OpenAI's shape `{"error": {"message", "type", "param", "code"}}` 
 400 for a bad body (`stemlm.serve.openai_params`), 404 for another model name, 413 for a body over 1 MiB
 (read no further than that, announced or chunked),
 429 when the engine's queue is full, 503 while shutting down, 504 when a request runs past the server's
-timeout (it is cancelled). A Host header outside `hosts` gets 400 (DNS rebinding, as in the playground). A
-client that disconnects cancels its request: its slot is freed at the next decode step.
+timeout (it is cancelled). A Host header outside the app's trusted hosts gets 400 (DNS rebinding). A client
+that disconnects cancels its request: its slot is freed at the next decode step.
 """
 
 from __future__ import annotations
@@ -26,13 +25,11 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 from stemlm.errors import StemlmError
 from stemlm.inference.batching import QueueFull, ShuttingDown
-from stemlm.serve.hosts import host_allowed, trusted_hosts
 from stemlm.serve.metrics import Metrics
 from stemlm.serve.openai_params import parse_chat, parse_completion
-from stemlm.serve.openai_service import ApiService
-from stemlm.serve.params import parse_json
+from stemlm.serve.params import BodyTooLarge, parse_json, read_body
+from stemlm.serve.served_model import ServedModel
 
-MAX_BODY = 1 << 20
 POLL_SECONDS = 0.25  # how often a waiting non-streamed request checks for a disconnected client
 
 
@@ -50,31 +47,10 @@ def error_body(message: str, kind: str = "invalid_request_error") -> dict:
     return {"error": {"message": message, "type": kind, "param": None, "code": None}}
 
 
-class HostCheck:
-    """400 for a Host header outside `allowed`. Plain ASGI: a `BaseHTTPMiddleware` would wrap `receive` so
-    that `Request.is_disconnected` never sees the client leave."""
-
-    def __init__(self, app, allowed: set[str]) -> None:
-        self.app, self.allowed = app, allowed
-
-    async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] == "http":
-            host = dict(scope["headers"]).get(b"host", b"").decode("latin-1")
-            if not host_allowed(host, self.allowed):
-                body = error_body("this server does not answer that Host header")
-                await JSONResponse(body, status_code=400)(scope, receive, send)
-                return
-        await self.app(scope, receive, send)
-
-
-def create_api(service: ApiService, hosts=None) -> FastAPI:
-    """The ASGI app; `hosts`: the accepted Host header names (default `trusted_hosts()`: loopback only)."""
-    allowed = set(hosts if hosts is not None else trusted_hosts())
-    metrics = Metrics(service)
-    app = FastAPI(title="stemlm", docs_url=None, redoc_url=None, openapi_url=None)
-    app.state.service, app.state.metrics = service, metrics
-
-    app.add_middleware(HostCheck, allowed=allowed)
+def add_api_routes(app: FastAPI, served: ServedModel) -> None:
+    """`/health`, `/v1/models`, `/v1/completions`, `/v1/chat/completions` and `/metrics` on `app`."""
+    metrics = Metrics(served)
+    app.state.served, app.state.metrics = served, metrics
 
     @app.exception_handler(ApiError)
     async def api_error(request: Request, exc: ApiError):
@@ -86,7 +62,7 @@ def create_api(service: ApiService, hosts=None) -> FastAPI:
 
     @app.get("/v1/models")
     async def models():
-        card = {"id": service.name, "object": "model", "created": service.created, "owned_by": "stemlm"}
+        card = {"id": served.name, "object": "model", "created": served.created, "owned_by": "stemlm"}
         return {"object": "list", "data": [card]}
 
     @app.get("/metrics")
@@ -95,31 +71,23 @@ def create_api(service: ApiService, hosts=None) -> FastAPI:
 
     @app.post("/v1/completions")
     async def completions(request: Request):
-        return await _generate(service, metrics, request, chat=False)
+        return await _generate(served, metrics, request, chat=False)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
-        return await _generate(service, metrics, request, chat=True)
-
-    return app
+        return await _generate(served, metrics, request, chat=True)
 
 
 async def _body(request: Request):
-    declared = request.headers.get("content-length", "")
-    if declared.isdigit() and int(declared) > MAX_BODY:
-        raise ApiError(413, f"the request body is {int(declared)} bytes; this server takes at most {MAX_BODY}")
-    raw = bytearray()
-    async for chunk in request.stream():  # a chunked body has no length: stop reading once past the limit
-        raw += chunk
-        if len(raw) > MAX_BODY:
-            raise ApiError(413, f"the request body is over {MAX_BODY} bytes; this server takes at most that")
     try:
-        return parse_json(bytes(raw))
+        return parse_json(await read_body(request))
+    except BodyTooLarge as exc:
+        raise ApiError(413, str(exc)) from None
     except StemlmError as exc:
         raise ApiError(400, str(exc)) from None
 
 
-async def _generate(service: ApiService, metrics: Metrics, http: Request, chat: bool):
+async def _generate(service: ServedModel, metrics: Metrics, http: Request, chat: bool):
     endpoint = "chat" if chat else "completions"
     loop = asyncio.get_running_loop()
     events: asyncio.Queue = asyncio.Queue()

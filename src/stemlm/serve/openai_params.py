@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from stemlm.errors import StemlmError
-from stemlm.inference.requests import MAX_LOGPROBS, SamplingParams
+from stemlm.inference.sampling import MAX_LOGPROBS, SamplingParams
 from stemlm.serve.editing import EditSpec
 from stemlm.serve.params import shown, valid_text
 

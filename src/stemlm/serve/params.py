@@ -1,14 +1,15 @@
-"""Reading the JSON body of a playground request: typed fields with bounds, and errors a page can show.
+"""Reading the JSON body of a request: its bytes up to a limit, typed fields with bounds, and errors a page can show.
 
-Every field error is a `StemlmError` naming the field and what it accepts; the app turns it into a 400 JSON
-response `{"error": message}` that the page shows as is. `sampling(body)` reads the generation controls
-shared by the generate and edit routes. `parse_json(raw)` decodes a request body for both servers (the
-playground and the OpenAI-compatible API): invalid UTF-8 or JSON, nesting too deep for the parser and integers
-too long to convert are one-line errors, not 500s. Numbers are strict: NaN, Infinity and 1e400 (which Python's
-parser reads as inf) are refused by the field that holds them, a whole-number field takes only an integral
-finite number, and `true` or `"5"` is never a number; a text holding a lone surrogate is refused as well.
+`read_body` reads a request's body up to MAX_BODY (`BodyTooLarge`, a 413, past it). Every field error is a
+`StemlmError` naming the field and what it accepts; the app turns it into a 400 JSON response `{"error": message}`
+that the page shows as is. `sampling(body)` reads the generation controls shared by the generate and edit
+routes. `parse_json(raw)` decodes a request body for every route (the playground's and the OpenAI-compatible
+API's): invalid UTF-8 or JSON, nesting too deep for the parser and integers too long to convert are one-line
+errors, not 500s. Numbers are strict: NaN, Infinity and 1e400 (which Python's parser reads as inf) are refused by
+the field that holds them, a whole-number field takes only an integral finite number, and `true` or `"5"` is never
+a number; a text holding a lone surrogate is refused as well.
 
-    body = Body(parse_json(request.get_data()))
+    body = Body(parse_json(await read_body(request)))
     prompt = body.text("prompt")
     k = body.integer("top_k", default=10, low=1, high=50)
 """
@@ -22,6 +23,7 @@ from typing import Any
 
 from stemlm.errors import StemlmError
 
+MAX_BODY = 1 << 20  # bytes of a request body, for every route of the server
 MAX_TEXT = 20_000  # characters of a prompt or entity; longer texts would not fit the context anyway
 MAX_NEW_TOKENS = 256
 SHOWN = 40  # characters of a refused value quoted in an error: a 4000-digit number stays one short line
@@ -40,6 +42,24 @@ def parse_json(raw: bytes) -> Any:
         raise StemlmError("the request body is nested too deeply") from None
     except ValueError:  # Python refuses to convert integers of more than 4300 digits
         raise StemlmError("the request body holds an integer too long to read") from None
+
+
+class BodyTooLarge(StemlmError):
+    """A request body over MAX_BODY bytes (HTTP 413)."""
+
+
+async def read_body(request) -> bytes:
+    """A Starlette request's body, or `BodyTooLarge` once past MAX_BODY: an announced length is refused unread, a
+    chunked body (no length) as soon as it grows past the limit."""
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > MAX_BODY:
+        raise BodyTooLarge(f"the request body is {int(declared)} bytes; this server takes at most {MAX_BODY}")
+    raw = bytearray()
+    async for chunk in request.stream():
+        raw += chunk
+        if len(raw) > MAX_BODY:
+            raise BodyTooLarge(f"the request body is over {MAX_BODY} bytes; this server takes at most that")
+    return bytes(raw)
 
 
 def shown(value: Any) -> str:

@@ -1,14 +1,14 @@
-"""The model behind `stemlm serve`: loading, generation, the heat map and nearest tokens, edits and saves.
+"""The playground page's operations: generation, the heat map and nearest tokens, edits and saves.
 
-`Playground` owns one loaded checkpoint and answers the page's requests with plain Python values; the web
-layer (`stemlm.serve.app`) only parses requests and streams. Thread safety, since the server runs each
-request on its own thread:
+`Playground` answers the page's requests with plain Python values over the one `ServedModel` of the server
+(`stemlm.serve.served_model`); the web layer (`stemlm.serve.app`) only parses requests and streams. Thread safety,
+since the server answers each request on its own thread:
 
+- generation is a request of the served model's batch engine, which runs every forward on its one thread (with
+  `--tables host|mmap` that thread alone touches the row cache and its prefetch pipeline, whatever the requests);
 - the served model is only read: positional edits travel as per-call row hooks, and a saved global edit is
   written into a copy whose edited tables are clones (copy-on-save), so no request ever sees another's edit;
-- with `--tables host|mmap` generation goes through the offload engine's row cache and prefetch pipeline, which
-  keep state between steps, so one generation runs at a time there (`_generation_lock`); editing and the
-  heat map read the host tables through `views.resident_view` and do not touch the cache;
+  editing and the heat map read the tables through `ServedModel.view` and never touch the row cache;
 - saves are serialised (`_save_lock`) so two saves cannot pick the same new folder.
 
     pg = Playground.load("runs/tiny", save_dir="edited/")
@@ -18,14 +18,15 @@ request on its own thread:
 
 from __future__ import annotations
 
+import queue
 import re
 import threading
 import time
 from collections.abc import Iterator
+from dataclasses import fields
 from pathlib import Path
 
 import torch
-from tokenizers import Tokenizer
 
 from stemlm.analysis.attribution import attribute
 from stemlm.analysis.nearest import neighbours
@@ -33,13 +34,11 @@ from stemlm.data.worlds.facts import load_countries
 from stemlm.edit import PAD_ROWS, STRATEGIES
 from stemlm.edit.spans import DEFAULT_PAD, GLOBAL_DEFAULT_PAD
 from stemlm.errors import StemlmError
-from stemlm.inference.generate import check_sampling, stream_tokens
-from stemlm.inference.offloaded import OffloadedLM
-from stemlm.model.decoder import StemLM
+from stemlm.inference.requests import Request
+from stemlm.inference.sampling import SamplingParams
 from stemlm.serve.editing import EditSpec, build_edit, compare, save_global_edit, source_text
-from stemlm.serve.views import resident_view
+from stemlm.serve.served_model import EOT_TOKEN, ServedModel
 
-EOT_TOKEN = "<|endoftext|>"
 SAVE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$")
 
 
@@ -47,21 +46,26 @@ class Conflict(StemlmError):
     """A request that names something that already exists (HTTP 409)."""
 
 
+def sampling_params(sampling: dict, stop_ids: tuple[int, ...] = ()) -> SamplingParams:
+    """The engine's settings of the page's generation controls (`stemlm.serve.params.sampling`), checked."""
+    params = SamplingParams(
+        max_tokens=sampling["max_new_tokens"],
+        temperature=sampling["temperature"],
+        top_p=sampling["top_p"],
+        top_k=sampling["top_k"],
+        seed=sampling["seed"],
+        greedy=sampling["greedy"],
+        stop_ids=stop_ids,
+    )
+    params.check()
+    return params
+
+
 class Playground:
-    def __init__(
-        self,
-        model: StemLM,
-        tokenizer: Tokenizer | None,
-        *,
-        checkpoint: str | Path,
-        offloaded: OffloadedLM | None = None,
-        save_dir: str | Path | None = None,
-        chat: bool = False,
-    ) -> None:
-        if tokenizer is None:
-            raise StemlmError(f"checkpoint {checkpoint} has no tokenizer.json; the playground needs one to read text")
-        self.model, self.tokenizer, self.offloaded = model, tokenizer, offloaded
-        self.checkpoint = Path(checkpoint).resolve()
+    def __init__(self, served: ServedModel, *, save_dir: str | Path | None = None, chat: bool = False) -> None:
+        self.served, self.tokenizer, self.checkpoint = served, served.tokenizer, served.checkpoint
+        self.model = served.model.module  # the served StemLM (its tables: meta placeholders when offloaded)
+        self.offloaded, self.autocast_dtype = served.loaded.offloaded, served.loaded.autocast_dtype
         self.save_dir = Path(save_dir).resolve() if save_dir is not None else None
         if self.save_dir is not None and self.save_dir == self.checkpoint:
             raise StemlmError("--save-dir is the served checkpoint itself; pick a folder for the edited checkpoints")
@@ -71,52 +75,29 @@ class Playground:
 
             self.chat = require_chat(self.checkpoint)
         eos = self.chat.eos_token if self.chat and self.chat.eos_token else EOT_TOKEN
-        self.eos_id = tokenizer.token_to_id(eos)
-        self.autocast_dtype = torch.float32  # set by `load` (the compute dtype every forward runs under)
-        self._generation_lock = threading.Lock()
+        self.eos_id = self.tokenizer.token_to_id(eos)
         self._save_lock = threading.Lock()
-        self._view: StemLM | None = None if offloaded is not None else model
-        self._view_error: str | None = None
-        if offloaded is not None:
-            try:
-                self._view = resident_view(offloaded)
-            except StemlmError as exc:
-                self._view_error = str(exc)
 
     @classmethod
     def load(
-        cls, ckpt: str | Path, options=None, *, save_dir: str | Path | None = None, chat: bool = False, **fields
+        cls, ckpt: str | Path, options=None, *, save_dir: str | Path | None = None, chat: bool = False, **settings
     ) -> Playground:
         """Load a checkpoint (or a run's newest) with `options` (`stemlm.inference.load.InferenceOptions`: tables
         resident / host / mmap, table dtype, compute dtype; or its fields as keywords, e.g. tables="host",
-        cache_rows=16); every forward runs under its autocast."""
-        from stemlm.checkpoint.runs import resolve_checkpoint
-        from stemlm.inference.load import InferenceOptions, load_inference
+        cache_rows=16); the other keywords are `ServedModel`'s (name, slots, max_queue, request_timeout)."""
+        from stemlm.inference.load import InferenceOptions
 
-        folder = resolve_checkpoint(ckpt)
-        if options is None:
-            options = InferenceOptions(**fields)
-        elif fields:
+        names = {f.name for f in fields(InferenceOptions)}
+        load_fields = {k: v for k, v in settings.items() if k in names}
+        if options is not None and load_fields:
             raise StemlmError("pass the load options as InferenceOptions or as keywords, not both")
-        loaded = load_inference(folder, options)
+        options = options or InferenceOptions(**load_fields)
+        served = ServedModel.load(ckpt, options, **{k: v for k, v in settings.items() if k not in names})
         try:
-            pg = cls(
-                loaded.model,
-                loaded.tokenizer,
-                checkpoint=folder,
-                offloaded=loaded.offloaded,
-                save_dir=save_dir,
-                chat=chat,
-            )
+            return cls(served, save_dir=save_dir, chat=chat)
         except StemlmError:
-            loaded.close()
+            served.close()
             raise
-        pg.autocast_dtype = loaded.autocast_dtype
-        if pg._view is not None and pg._view is not pg.model:  # the editing view of host tables: same autocast
-            from stemlm.inference.load import bind_forward
-
-            bind_forward(pg._view, None, loaded.autocast_dtype)
-        return pg
 
     # ----- what the page shows about the model -----
     def info(self) -> dict:
@@ -131,7 +112,7 @@ class Playground:
             "max_position_embeddings": config.max_position_embeddings,
             "tables": self.offloaded.memory()["placement"] if self.offloaded is not None else "resident",
             "autocast_dtype": str(self.autocast_dtype).removeprefix("torch."),
-            "editing": self._view_error
+            "editing": self.served._view_error
             or (None if tables else f"this checkpoint has no STEM tables (ffn={config.ffn})"),
             "strategies": list(STRATEGIES),
             "pads": list(PAD_ROWS),
@@ -156,38 +137,38 @@ class Playground:
     def tokens(self, ids: list[int]) -> list[dict]:
         return [{"id": i, "text": self.tokenizer.decode([i])} for i in ids]
 
-    def view(self) -> StemLM:
+    def view(self):
         """The model with readable tables, for editing and analysis (the served model unless tables are on host)."""
-        if self._view is None:
-            raise StemlmError(self._view_error or "no model view for editing")
-        return self._view
+        return self.served.view()
 
     # ----- generation -----
     def stream(self, ids: list[int], sampling: dict) -> Iterator[int]:
-        """New token ids, lazily; arguments are checked now, so a bad request fails before streaming starts."""
-        options = {k: v for k, v in sampling.items() if k != "max_new_tokens"}
-        check_sampling(options["temperature"], options["top_k"], options["top_p"])
-        return self._stream(ids, sampling["max_new_tokens"], options)
+        """New token ids, as the served model's engine samples them; the request is checked and queued now, so a
+        bad one fails before streaming starts. Leaving the iterator early cancels the request."""
+        events: queue.SimpleQueue = queue.SimpleQueue()
+        request = Request(ids, sampling_params(sampling, (self.eos_id,)), on_event=lambda _r, e: events.put(e))
+        self.served.loop.submit(request)
+        return self._tokens(request, events)
 
-    def _stream(self, ids: list[int], max_new_tokens: int, options: dict) -> Iterator[int]:
-        if self.offloaded is None:
-            yield from stream_tokens(self.model, ids, max_new_tokens, eos_id=self.eos_id, **options)
-            return
-        with self._generation_lock:  # taken on first iteration, so an unstarted stream never holds it
-            try:
-                yield from self.offloaded.stream(ids, max_new_tokens, eos_id=self.eos_id, **options)
-            finally:
-                # A client that went away mid-stream leaves a prefetched step behind; drop it for the next one.
-                self.offloaded.rows.drain()
+    def _tokens(self, request: Request, events: queue.SimpleQueue) -> Iterator[int]:
+        try:
+            while (event := events.get()) is not None:
+                if event.token_id >= 0:
+                    yield event.token_id
+            if request.finish_reason == "error":
+                raise StemlmError(request.error)
+        finally:
+            if not request.done.is_set():
+                self.served.loop.cancel(request)  # a client that went away frees its slot at the next step
 
     def cache_report(self) -> dict | None:
         """Memory figures and row-cache statistics with host tables (None with resident tables)."""
-        return None if self.offloaded is None else self.offloaded.report()
+        return self.served.cache_report()
 
     # ----- the heat map and nearest tokens -----
     def contribution(self, ids: list[int]) -> dict:
         """Per STEM layer and prompt position: FFN output norm and gradient x input for the top next token."""
-        result = attribute(self.view(), ids)
+        result = attribute(self.view(), ids, forward=self.served.view_model)
         layers = sorted(result["layers"], key=int)
         return {
             "tokens": self.tokens(ids),
@@ -221,11 +202,10 @@ class Playground:
 
     # ----- editing -----
     def edit(self, ids: list[int], spec: EditSpec, *, top_k: int, sampling: dict) -> dict:
-        model = self.view()
-        check_sampling(sampling["temperature"], sampling["top_k"], sampling["top_p"])
-        edit = build_edit(model, self.tokenizer, ids, spec)
+        params = sampling_params(sampling, (self.eos_id,))
+        edit = build_edit(self.view(), self.tokenizer, ids, spec)
         start = time.perf_counter()
-        result = compare(model, self.tokenizer, ids, edit, top_k=top_k, sampling=sampling, eos_id=self.eos_id)
+        result = compare(self.served.view_model, self.tokenizer, ids, edit, top_k=top_k, params=params)
         return {"tokens": self.tokens(ids), **result, "seconds": time.perf_counter() - start}
 
     def save(self, ids: list[int], spec: EditSpec, name: str, *, allow_shared: bool = False) -> dict:
@@ -247,5 +227,4 @@ class Playground:
         return {"path": str(target), "edit": description}
 
     def close(self) -> None:
-        if self.offloaded is not None:
-            self.offloaded.close()
+        self.served.close()

@@ -1,14 +1,20 @@
-"""The model behind `stemlm server`: one loaded checkpoint, its batch engine on a thread, prompts and edits.
+"""The model behind `stemlm serve`: one loaded checkpoint, its decoding engine on a thread, prompts and edits.
 
-`ApiService` turns a parsed OpenAI request (`stemlm.serve.openai_params`) into an engine `Request`: the prompt
-text (or a chat rendered with the checkpoint's template) encoded, end-of-text (and the template's end of
-turn) as stop ids, and a `stem_edit` turned into that request's prefill row hooks (`edit_prefill_hooks`, the
-one place this server touches the model's row hooks). With `--tables host` the edit reads its rows from the
-host tables through `views.resident_view`, as the playground does; the batch keeps the shared row cache.
+`ServedModel` loads a checkpoint once for everything the server answers, the playground page
+(`stemlm.serve.playground`) and the OpenAI-compatible API (`stemlm.serve.openai_app`): every generation is a
+`Request` of one continuous-batching engine (`stemlm.inference.batching`) running the decoding engine on one
+thread, so requests from the page and from API clients decode in the same batch and share one row cache.
 
-    service = ApiService.load("runs/tiny", InferenceOptions(tables="host"), slots=16, max_queue=64)
-    request = service.submit(parse_completion(body, service.context), on_event=print)
-    request.done.wait(); service.close()
+- prompts: an API request's prompt text (or a chat rendered with the checkpoint's template) encoded, end-of-text
+  (and the template's end of turn) as stop ids (`request`);
+- edits: a positional edit is that request's prefill rows (`edit_rows`), built on `view()`, a model whose tables
+  can be read: the served model, or with `--tables host` the resident view of the host tables
+  (`views.resident_view`); the batch keeps the shared row cache;
+- analysis and the page's before/after comparison run on `view_model`, the view under the served autocast.
+
+    served = ServedModel.load("runs/tiny", InferenceOptions(tables="host"), slots=16, max_queue=64)
+    request = served.submit(parse_completion(body, served.context), on_event=print)
+    request.done.wait(); served.close()
 """
 
 from __future__ import annotations
@@ -19,7 +25,10 @@ from pathlib import Path
 
 from stemlm.errors import StemlmError
 from stemlm.inference.batching import BatchEngine, EngineLoop
+from stemlm.inference.inference_model import InferenceModel
 from stemlm.inference.requests import Request
+from stemlm.model.decoder import StemLM
+from stemlm.model.ffn import Rows
 from stemlm.serve.editing import EditSpec, build_edit
 from stemlm.serve.openai_params import ParsedRequest
 from stemlm.serve.views import resident_view
@@ -27,17 +36,15 @@ from stemlm.serve.views import resident_view
 EOT_TOKEN = "<|endoftext|>"
 
 
-def edit_prefill_hooks(view, tokenizer, ids: list[int], spec: EditSpec) -> dict:
-    """The forward keyword arguments that apply `spec` as a positional edit to a prefill of `ids`; `view` is
-    a model whose tables can be read (the served model, or the resident view of host tables)."""
+def edit_rows(view: StemLM, tokenizer, ids: list[int], spec: EditSpec) -> Rows | None:
+    """The `rows=` mapping that applies `spec` as a positional edit to a prefill of `ids`; `view` is a model whose
+    tables can be read (the served model, or the resident view of host tables)."""
     from stemlm.edit.positional import edit_hooks
 
-    edit = build_edit(view, tokenizer, ids, spec)
-    rows = edit_hooks(view, edit)
-    return {"rows": rows} if rows else {}
+    return edit_hooks(view, build_edit(view, tokenizer, ids, spec)) or None
 
 
-class ApiService:
+class ServedModel:
     def __init__(
         self,
         loaded,
@@ -51,7 +58,7 @@ class ApiService:
         from stemlm.inference.chat import load_chat
 
         if loaded.tokenizer is None:
-            raise StemlmError(f"checkpoint {checkpoint} has no tokenizer.json; the API server needs one to read text")
+            raise StemlmError(f"checkpoint {checkpoint} has no tokenizer.json; the server needs one to read text")
         self.loaded, self.model, self.tokenizer = loaded, loaded.model, loaded.tokenizer
         self.checkpoint = Path(checkpoint).resolve()
         self.name = name or self.checkpoint.name
@@ -63,19 +70,19 @@ class ApiService:
         self.stop_ids = () if eot is None else (eot,)
         turn = self.tokenizer.token_to_id(self.chat.eos_token) if self.chat and self.chat.eos_token else None
         self.chat_stop_ids = tuple(dict.fromkeys(self.stop_ids + (() if turn is None else (turn,))))
-        offloaded = loaded.offloaded
-        self._view, self._view_error = self.model, None
-        if offloaded is not None:
+        self._view, self._view_error, self.view_model = self.model.module, None, self.model
+        if loaded.offloaded is not None:
             try:
-                self._view = resident_view(offloaded)
+                self._view = resident_view(loaded.offloaded)
+                self.view_model = InferenceModel(self._view, amp=loaded.autocast_dtype)
             except StemlmError as exc:
-                self._view, self._view_error = None, str(exc)
-        rows = offloaded.rows if offloaded is not None else None
-        self.engine = BatchEngine(self.model, slots=slots, tokenizer=self.tokenizer, rows=rows, max_waiting=max_queue)
+                self._view, self._view_error, self.view_model = None, str(exc), None
+        engine = loaded.engine(tokenizer=self.tokenizer)
+        self.engine = BatchEngine(engine, slots=slots, max_waiting=max_queue)
         self.loop = EngineLoop(self.engine)
 
     @classmethod
-    def load(cls, ckpt: str | Path, options=None, **settings) -> ApiService:
+    def load(cls, ckpt: str | Path, options=None, **settings) -> ServedModel:
         """Load a checkpoint (or a run's newest) with `InferenceOptions`; `settings`: the constructor's keywords."""
         from stemlm.checkpoint.runs import resolve_checkpoint
         from stemlm.inference.load import load_inference
@@ -87,6 +94,15 @@ class ApiService:
         except StemlmError:
             loaded.close()
             raise
+
+    def view(self) -> StemLM:
+        """The model with readable tables, for editing and analysis (the served model unless tables are offloaded)."""
+        if self._view is None:
+            raise StemlmError(self._view_error or "no model view for editing")
+        return self._view
+
+    def edit_rows(self, ids: list[int], spec: EditSpec) -> Rows | None:
+        return edit_rows(self.view(), self.tokenizer, ids, spec)
 
     def prompt_ids(self, parsed: ParsedRequest) -> list[int]:
         """The prompt's token ids: given ids as they are, text encoded, a chat rendered with the template first."""
@@ -113,14 +129,10 @@ class ApiService:
         return ids
 
     def request(self, parsed: ParsedRequest, on_event: Callable | None = None) -> Request:
-        """The engine request of a parsed body (not yet submitted); raises `StemlmError` for a bad one."""
+        """The engine request of a parsed API body (not yet submitted); raises `StemlmError` for a bad one."""
         ids = self.prompt_ids(parsed)
-        hooks = {}
-        if parsed.edit is not None:
-            if self._view is None:
-                raise StemlmError(self._view_error)
-            hooks = edit_prefill_hooks(self._view, self.tokenizer, ids, parsed.edit)
-        return Request(ids, parsed.params, on_event=on_event, prefill_hooks=hooks)
+        rows = None if parsed.edit is None else self.edit_rows(ids, parsed.edit)
+        return Request(ids, parsed.params, on_event=on_event, edit_rows=rows)
 
     def submit(self, parsed: ParsedRequest, on_event: Callable | None = None) -> Request:
         return self.loop.submit(self.request(parsed, on_event))
@@ -131,6 +143,7 @@ class ApiService:
         return None if offloaded is None else offloaded.report()
 
     def close(self, cancel: bool = True) -> None:
-        """Stop the engine (cancelling what is still in flight unless `cancel` is False), then the loader."""
-        self.loop.stop(cancel=cancel)
-        self.loaded.close()
+        """Stop the engine (cancelling what is still in flight unless `cancel` is False), then the loader; once."""
+        if self.loop.thread.is_alive():
+            self.loop.stop(cancel=cancel)
+            self.loaded.close()

@@ -1,11 +1,11 @@
-"""Running the OpenAI-compatible API under uvicorn: in the foreground (`stemlm server`) or on a thread (tests).
+"""Running the server's app under uvicorn: in the foreground (`stemlm serve`) or on a thread (tests).
 
-    with ApiServer(service, port=0).running() as server:     # a free loopback port
-        client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused")
+    with Server(Playground.load("runs/tiny"), port=0).running() as server:     # a free loopback port
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused")  # and the page at server.url
 
 The socket is bound here, so a taken port is a one-line error. Shutdown is graceful: uvicorn stops accepting
 connections, lets the requests in flight finish for up to `graceful_timeout` seconds, then cancels the rest
-(each cancelled request frees its slot); `ApiServer.close` then stops the engine loop and the loader.
+(each cancelled request frees its slot); `Server.close` then stops the engine loop and the loader.
 """
 
 from __future__ import annotations
@@ -18,9 +18,9 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 
 from stemlm.errors import StemlmError
+from stemlm.serve.app import create_app
 from stemlm.serve.hosts import trusted_hosts
-from stemlm.serve.openai_app import create_api
-from stemlm.serve.openai_service import ApiService
+from stemlm.serve.playground import Playground
 
 
 def listen(host: str, port: int) -> socket.socket:
@@ -33,10 +33,10 @@ def listen(host: str, port: int) -> socket.socket:
         raise StemlmError(f"cannot listen on {host}:{port}: {exc.strerror or exc}; try another --port") from None
 
 
-class ApiServer:
+class Server:
     def __init__(
         self,
-        service: ApiService,
+        pg: Playground,
         host: str = "127.0.0.1",
         port: int = 8000,
         allow_hosts: Sequence[str] = (),
@@ -44,10 +44,10 @@ class ApiServer:
     ) -> None:
         import uvicorn
 
-        self.service, self.host = service, host
+        self.pg, self.service, self.host = pg, pg.served, host
         self.sock = listen(host, port)
         self.port = self.sock.getsockname()[1]
-        app = create_api(service, trusted_hosts(host, allow_hosts))
+        app = create_app(pg, trusted_hosts(host, allow_hosts))
         config = uvicorn.Config(
             app, log_level="warning", lifespan="off", timeout_graceful_shutdown=graceful_timeout, access_log=False
         )
@@ -73,9 +73,9 @@ class ApiServer:
             self.close()
 
     @contextmanager
-    def running(self, start_timeout: float = 30.0) -> Iterator[ApiServer]:
+    def running(self, start_timeout: float = 30.0) -> Iterator[Server]:
         """Serve on a background thread for the duration of the block (uvicorn installs no signal handlers
-        off the main thread); leaving the block shuts the server down gracefully and closes the service."""
+        off the main thread); leaving the block shuts the server down gracefully and closes the served model."""
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
         self.thread.start()
         deadline = time.monotonic() + start_timeout
@@ -83,7 +83,7 @@ class ApiServer:
             time.sleep(0.01)
         try:
             if not self.server.started:
-                raise StemlmError(f"the API server did not start within {start_timeout:g} s")
+                raise StemlmError(f"the server did not start within {start_timeout:g} s")
             yield self
         finally:
             self.server.should_exit = True
@@ -92,4 +92,4 @@ class ApiServer:
 
     def close(self) -> None:
         self.sock.close()
-        self.service.close(cancel=True)
+        self.pg.close()
