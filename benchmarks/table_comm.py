@@ -64,7 +64,7 @@ def worker(rank: int, tmp: str, batch: int, seq: int, steps: int) -> None:
         ids = ids[rank * local : (rank + 1) * local]
         start = time.perf_counter()
         inputs = ids[:, :-1]
-        model(inputs, labels=ids[:, 1:], table_rows=tables.lookup(inputs)).loss.backward()
+        model(inputs, labels=ids[:, 1:], rows={"token": tables.lookup(inputs)}).loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
         model.zero_grad(set_to_none=True)
