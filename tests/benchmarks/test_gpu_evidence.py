@@ -4,22 +4,17 @@ the stated throughput) and the one-line refusals."""
 
 from __future__ import annotations
 
-import importlib.util
 import re
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
 from stemlm.train.recipes import OfficialRecipe
+from tests.benchmarks.harness import load_benchmark
 from tests.small_corpus import write_small_corpus
 
-PATH = Path(__file__).resolve().parents[2] / "benchmarks" / "gpu_evidence.py"
-spec = importlib.util.spec_from_file_location("gpu_evidence", PATH)
-bench = importlib.util.module_from_spec(spec)
-sys.modules[spec.name] = bench  # its dataclass looks its module up by name
-spec.loader.exec_module(bench)
+bench = load_benchmark("gpu_evidence.py")
 PLAN = re.compile(r"plan: (\w+) +(\d+) steps, ([\d,]+) tokens, ([\d.e+]+) FLOPs")
 
 

@@ -2,18 +2,15 @@
 
 from __future__ import annotations
 
-import importlib.util
 import math
-from pathlib import Path
 
 import numpy as np
 import pytest
 from scipy import stats
 
-PATH = Path(__file__).resolve().parents[2] / "benchmarks" / "table_optim_seeds.py"
-spec = importlib.util.spec_from_file_location("table_optim_seeds", PATH)
-bench = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(bench)
+from tests.benchmarks.harness import load_benchmark
+
+bench = load_benchmark("table_optim_seeds.py")
 
 
 def record(optim: str, seed: int, loss: float, recall: float) -> dict:
