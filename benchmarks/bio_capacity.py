@@ -9,7 +9,7 @@ saturation value after ~1000 exposures per fact; this benchmark's default budget
 its figures are lower bounds at an unsaturated budget, not capacities.
 
 Run: `python benchmarks/bio_capacity.py --out runs/bio-capacity [--people 100 --steps 300 --seed 0]`
-(two models at a time, one thread each; ~15-30 min on two shared CPU cores)
+(two models at a time, one thread each; ~15-30 min on two shared CPU cores; `--sizes small` for one size)
 Last line: `RESULT dense_small_bits_per_param=... stem_small_bits_per_param=... dense_base_... stem_base_...`
 """
 
@@ -27,21 +27,28 @@ from stemlm.model.accounting import active_parameters, total_parameters
 SIZES = {"small": dict(hidden_size=64, intermediate_size=192), "base": dict(hidden_size=128, intermediate_size=384)}
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default="runs/bio-capacity", help="output folder (must not exist)")
     parser.add_argument("--people", type=int, default=100, help="synthetic people (default 100)")
     parser.add_argument("--bios", type=int, default=4, help="biographies per person (default 4)")
     parser.add_argument("--steps", type=int, default=300, help="dense training steps per size (default 300)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the people and the models (default 0)")
-    args = parser.parse_args()
+    parser.add_argument(
+        "--sizes", default=",".join(SIZES), help=f"comma-separated sizes from {', '.join(SIZES)} (default all)"
+    )
+    args = parser.parse_args(argv)
+    sizes = args.sizes.split(",")
+    if not sizes or set(sizes) - set(SIZES):
+        parser.error(f"--sizes must name sizes from {', '.join(SIZES)}, got {args.sizes!r}")
     from stemlm.checkpoint.runs import load_checkpoint
 
     out = Path(args.out)
     if out.exists():
         raise SystemExit(f"{out} exists; choose another --out")
     rows = {}
-    for size, dims in SIZES.items():
+    for size in sizes:
+        dims = SIZES[size]
         cfg = replace(
             BioConfig(out=str(out)),
             people=args.people,

@@ -35,13 +35,13 @@ from stemlm.model.presets import get_preset
 KINDS = ("stem_ngram", "engram", "memory")
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--decode", type=int, default=48, help="timed decode steps per repetition")
     parser.add_argument("--prompt", type=int, default=32, help="prompt tokens prefilled before decoding")
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--fraction", type=float, default=0.2, help="cache size, fraction of each family's rows")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     torch.manual_seed(0)
     tok = default_tokenizer()
     stream = tok.encode("\n".join(embedded_texts("heldout")[:3])).ids

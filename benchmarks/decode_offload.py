@@ -152,7 +152,14 @@ def table_dtypes(folder, args, device, dtype, counts, warm, timed, segment, conf
     fp32_step = decode_bytes_per_token(config, dtype_bytes=4)["weights"]
     out = {}
     for name in args.table_dtypes.split(","):
-        options = InferenceOptions("host", name, None, 0.2, args.policy, str(device), compute)
+        options = InferenceOptions(
+            tables="host",
+            table_dtype=name,
+            cache_fraction=0.2,
+            cache_policy=args.policy,
+            device=str(device),
+            dtype=compute,
+        )
         with load_eval(folder, options) as lm:
             ppl = evaluate_perplexity(
                 lm.model, lm.tokenizer, texts, window=args.ppl_window, max_tokens=args.ppl_tokens

@@ -7,7 +7,7 @@ place. `blocking` is the time `save` held the training thread (block exchange + 
 the folder was renamed into place with its manifest (the files hashed, fsynced). Per rank, median of
 `--saves` saves; then the size of the checkpoint on disk.
 
-Run: `OMP_NUM_THREADS=1 python benchmarks/dist_checkpoint.py [--saves 3]` (~1 min)
+Run: `OMP_NUM_THREADS=1 python benchmarks/dist_checkpoint.py [--saves 3] [--vocab 32768]` (~1 min)
 Last line: `RESULT blocking_over_total=... blocking_s=... total_s=... checkpoint_mb=...`
 """
 
@@ -30,9 +30,9 @@ from stemlm.train.config import TrainConfig
 WORLD = 2
 
 
-def config() -> ModelConfig:
+def config(vocab: int) -> ModelConfig:
     return ModelConfig(
-        vocab_size=32768,
+        vocab_size=vocab,
         hidden_size=128,
         intermediate_size=1024,
         num_hidden_layers=2,
@@ -44,7 +44,7 @@ def config() -> ModelConfig:
     )
 
 
-def _worker(rank: int, port: int, root: Path, saves: int) -> None:
+def _worker(rank: int, port: int, root: Path, saves: int, vocab: int) -> None:
     torch.set_num_threads(1)
     os.environ.update(
         RANK=str(rank), WORLD_SIZE=str(WORLD), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)
@@ -64,7 +64,7 @@ def _worker(rank: int, port: int, root: Path, saves: int) -> None:
         out=str(root / "run"),
         device="cpu",
     )
-    trainer = Trainer(config(), cfg, progress=False)
+    trainer = Trainer(config(vocab), cfg, progress=False)
     blocking, total = [], []
     for _ in range(saves):
         trainer.train_step()
@@ -77,16 +77,22 @@ def _worker(rank: int, port: int, root: Path, saves: int) -> None:
     destroy_distributed()
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--saves", type=int, default=3)
-    args = parser.parse_args()
+    parser.add_argument("--saves", type=int, default=3, help="saves timed, one training step before each (default 3)")
+    parser.add_argument(
+        "--vocab",
+        type=int,
+        default=32768,
+        help="vocabulary: the tables' rows, at least the tokenizer's 8192 (default 32768)",
+    )
+    args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory() as tmp, socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
         sock.close()
         root = Path(tmp)
-        mp.start_processes(_worker, args=(port, root, args.saves), nprocs=WORLD, start_method="fork")
+        mp.start_processes(_worker, args=(port, root, args.saves, args.vocab), nprocs=WORLD, start_method="fork")
         results = [torch.load(root / f"r{rank}.pt") for rank in range(WORLD)]
         ckpt = max((root / "run" / "checkpoints").glob("step-*"))
         size = sum(p.stat().st_size for p in ckpt.rglob("*") if p.is_file()) / 1e6

@@ -3,6 +3,8 @@
 #
 #   bash benchmarks/gpu_check.sh                # on a machine with a CUDA GPU, from the repository root
 #   PYTHON=.venv/bin/python bash benchmarks/gpu_check.sh
+#   bash benchmarks/gpu_check.sh --dry-run      # every line on the CPU at a tiny size (gloo, 2 processes for
+#                                               # --nproc), so that no line reaches its first GPU broken
 #
 # Checks, each bounded by `timeout` so one hang cannot eat the budget:
 #   1. train_step: trainer's real step under bf16 autocast, dense vs STEM (row-sparse tables) vs HF Llama.
@@ -26,6 +28,8 @@
 #  10. decode_speed: the tiny decode step (ours dense and STEM, HF generate) against the HBM read bound measured
 #      in the same (wall) clock: share_of_bound and ours/HF.
 # Exit status: the number of failed checks. Prepared on a CPU-only machine; see docs/results.md ("GPU check").
+# --dry-run runs the same commands with --device cpu and, from `small`, flags appended that shrink them (argparse
+# keeps the last value of a repeated flag); the measured figures then mean nothing, only "ok" does.
 #
 #   bash benchmarks/gpu_check.sh evidence [SHARD_DIR]   # instead of the checks: the GPU evidence run alone
 # runs benchmarks/gpu_evidence.sh (dense, dense_embed and STEM under --recipe official at matched FLOPs, 2 seeds;
@@ -35,6 +39,37 @@ set -u
 PY=${PYTHON:-python}
 export PYTHONPATH=${PYTHONPATH:-$PWD/src}
 failed=0
+dry=0
+if [ "${1:-}" = --dry-run ]; then
+  dry=1
+  shift
+fi
+DEV=cuda
+SEQ=256
+SNAPSHOT=--memory-snapshot
+if [ "$dry" = 1 ]; then
+  DEV=cpu
+  SEQ=32
+  SNAPSHOT=  # torch keeps no allocation history on the CPU (stemlm.train.profiling refuses the flag there)
+  export OMP_NUM_THREADS=1
+fi
+# small NAME: the flags that shrink NAME's line to a tiny CPU run under --dry-run, nothing otherwise; the lines
+# leave $(small NAME) unquoted so that its flags split into words.
+small() {
+  [ "$dry" = 1 ] || return 0
+  case $1 in
+    train_step) echo --hidden 32 --layers 2 --heads 2 --ffn-dim 64 --stem-layers 1 --batch 2 --seq 16 \
+      --fused-chunk 8 --warmup 1 --reps 1 ;;
+    host_train) echo --batch 2 --seq 16 --warmup 1 --reps 1 ;;
+    exchange) echo --batch 4 --seq 16 --grad-accum 2 --warmup 1 --reps 1 ;;
+    decode_offload) echo --preset tiny --decode 4 --prompt 4 --warmup 8 --reps 1 --warm-chars 2000 \
+      --ppl-tokens 64 --ppl-window 32 --fractions 0,0.2 --table-dtypes fp32,int8 ;;
+    serve_throughput) echo --preset tiny --set hidden_size=32 --set intermediate_size=64 --set num_hidden_layers=2 \
+      --prompt 6 --new 3 --reps 1 --concurrency 1,3 ;;
+    fused_loss) echo --vocabs 64,256 --tokens 96 --hidden 16 --chunk 40 --reps 1 ;;
+    decode_speed) echo --prompt 4 --new 3 --reps 1 --stream-mib 8 ;;
+  esac
+}
 run() {  # run NAME SECONDS CMD...: show the RESULT lines (or the tail on failure)
   local name=$1 limit=$2
   shift 2
@@ -52,7 +87,11 @@ run() {  # run NAME SECONDS CMD...: show the RESULT lines (or the tail on failur
   rm -f "$log"
 }
 
-"$PY" -c "import torch, sys; ok = torch.cuda.is_available(); print('device:', torch.cuda.get_device_name(0) if ok else 'no CUDA'); sys.exit(0 if ok else 1)" || exit 1
+if [ "$dry" = 1 ]; then
+  echo "device: cpu (dry run)"
+else
+  "$PY" -c "import torch, sys; ok = torch.cuda.is_available(); print('device:', torch.cuda.get_device_name(0) if ok else 'no CUDA'); sys.exit(0 if ok else 1)" || exit 1
+fi
 
 if [ "${1:-}" = evidence ]; then
   shift
@@ -61,53 +100,61 @@ if [ "${1:-}" = evidence ]; then
   exit "$failed"
 fi
 
-run train_step 120 "$PY" benchmarks/train_step.py --device cuda --dtype bf16 --reps 30 --warmup 5
-run host_train 120 "$PY" benchmarks/host_train.py --device cuda --dtype bf16 --reps 30 --warmup 5
-run host_equal 120 "$PY" - <<'PYEOF'
+run train_step 120 "$PY" benchmarks/train_step.py --device $DEV --dtype bf16 --reps 30 --warmup 5 $(small train_step)
+run host_train 120 "$PY" benchmarks/host_train.py --device $DEV --dtype bf16 --reps 30 --warmup 5 $(small host_train)
+DEV=$DEV DRY=$dry run host_equal 120 "$PY" - <<'PYEOF'
+import os
 import tempfile
 from stemlm.train import Trainer, TrainConfig
 from stemlm.model.presets import get_preset
 losses = {}
+steps, small = (2, dict(batch_size=2, seq_len=32)) if os.environ["DRY"] == "1" else (20, {})
 with tempfile.TemporaryDirectory() as tmp:
     for tables in ("device", "host"):
-        cfg = TrainConfig(steps=20, device="cuda", dtype="bf16", table_optim="rowwise_adagrad", tables=tables,
-                          eval_every=0, out=f"{tmp}/{tables}")
+        cfg = TrainConfig(steps=steps, device=os.environ["DEV"], dtype="bf16", table_optim="rowwise_adagrad",
+                          tables=tables, eval_every=0, out=f"{tmp}/{tables}", **small)
         trainer = Trainer(get_preset("tiny"), cfg, progress=False)
         records = [trainer.train_step()["loss"] for _ in range(cfg.steps)]
         losses[tables] = records
         if tables == "host":
             summary = trainer.tables.summary(trainer.optimizers)
 diff = max(abs(a - b) for a, b in zip(losses["device"], losses["host"]))
-print(f"step-20 loss device {losses['device'][-1]:.4f} host {losses['host'][-1]:.4f}; max |diff| {diff:.2e}; "
+print(f"step-{steps} loss device {losses['device'][-1]:.4f} host {losses['host'][-1]:.4f}; max |diff| {diff:.2e}; "
       f"kept off the GPU {summary['device_bytes_saved'] / 2**20:.1f} MiB")
 print(f"RESULT host_equal_max_loss_diff={diff:.2e} overlap={summary['host_overlap']:.3f}")
 assert diff < 2e-2, diff
 PYEOF
 smoke_dir=$(mktemp -d)
 "$PY" -c "from stemlm.data import load_embedded_corpus as c; open('$smoke_dir/corpus.txt','w').write(c()[0].text)"
-gpus=$("$PY" -c "import torch; print(min(2, torch.cuda.device_count()))")
+if [ "$dry" = 1 ]; then
+  gpus=2  # gloo processes on the CPU
+else
+  gpus=$("$PY" -c "import torch; print(min(2, torch.cuda.device_count()))")
+fi
 run nproc_smoke 360 bash -c "'$PY' -m stemlm.cli.main data prepare '$smoke_dir/corpus.txt' --out '$smoke_dir/shards' \
   --workers 2 --no-progress && '$PY' -m stemlm.cli.main train --data '$smoke_dir/shards' --nproc $gpus \
-  --device cuda --dtype bf16 --parallel fsdp --steps 2 --batch-size 2 --seq-len 256 --loss-chunk 256 \
+  --device $DEV --dtype bf16 --parallel fsdp --steps 2 --batch-size 2 --seq-len $SEQ --loss-chunk $SEQ \
   --activation-checkpointing --sample-tokens 0 --no-progress --out '$smoke_dir/run' --json \
   && '$PY' -m stemlm.cli.main train --resume '$smoke_dir/run' --steps 3 --nproc $gpus --sample-tokens 0 \
   --no-progress --json && '$PY' -m stemlm.cli.main export '$smoke_dir/run' --out '$smoke_dir/exported' \
   && echo RESULT nproc_smoke_ok=1 ranks=$gpus"
 run host_shards_smoke 180 bash -c "'$PY' -m stemlm.cli.main train --data '$smoke_dir/shards' --nproc $gpus \
-  --device cuda --dtype bf16 --tables host --table-optim rowwise_adagrad --steps 3 --grad-accum 2 --batch-size 2 \
-  --seq-len 256 --sample-tokens 0 --no-progress --out '$smoke_dir/host_run' --json --profile --memory-snapshot \
-  && test -s '$smoke_dir/host_run/profile/memory-rank0.pickle' && test -s '$smoke_dir/host_run/profile/summary-rank0.txt' \
+  --device $DEV --dtype bf16 --tables host --table-optim rowwise_adagrad --steps 3 --grad-accum 2 --batch-size 2 \
+  --seq-len $SEQ --sample-tokens 0 --no-progress --out '$smoke_dir/host_run' --json --profile $SNAPSHOT \
+  && { [ -z '$SNAPSHOT' ] || test -s '$smoke_dir/host_run/profile/memory-rank0.pickle'; } \
+  && test -s '$smoke_dir/host_run/profile/summary-rank0.txt' \
   && echo RESULT host_shards_smoke_ok=1 ranks=$gpus"
 rm -rf "$smoke_dir"
 if [ "$gpus" -ge 2 ]; then
-  run exchange 300 "$PY" benchmarks/table_comm.py --exchange --device cuda --grad-accum 4 --reps 10
+  run exchange 300 "$PY" benchmarks/table_comm.py --exchange --device $DEV --grad-accum 4 --reps 10 $(small exchange)
 fi
-run decode_offload 180 "$PY" benchmarks/decode_offload.py --device cuda --preset paper-350m --set vocab_size=8192 \
-  --decode 128 --warmup 32 --reps 2 --warm-chars 200000 --ppl-tokens 4000
-run serve_throughput 240 "$PY" benchmarks/serve_throughput.py --device cuda --preset paper-350m \
-  --set vocab_size=8192 --prompt 64 --new 32 --reps 2
+run decode_offload 180 "$PY" benchmarks/decode_offload.py --device $DEV --preset paper-350m --set vocab_size=8192 \
+  --decode 128 --warmup 32 --reps 2 --warm-chars 200000 --ppl-tokens 4000 $(small decode_offload)
+run serve_throughput 240 "$PY" benchmarks/serve_throughput.py --device $DEV --preset paper-350m \
+  --set vocab_size=8192 --prompt 64 --new 32 --reps 2 $(small serve_throughput)
 # --- close to the machine (issue 23): small entries, about a minute together ---
-run fused_loss 120 "$PY" benchmarks/fused_loss.py --device cuda --dtype bf16 --vocabs 8192,131072 --reps 5
-run decode_speed 120 "$PY" benchmarks/decode_speed.py --device cuda --clock wall --reps 3
+run fused_loss 120 "$PY" benchmarks/fused_loss.py --device $DEV --dtype bf16 --vocabs 8192,131072 --reps 5 \
+  $(small fused_loss)
+run decode_speed 120 "$PY" benchmarks/decode_speed.py --device $DEV --clock wall --reps 3 $(small decode_speed)
 echo "gpu_check: $failed failed"
 exit "$failed"

@@ -86,7 +86,7 @@ def main(argv: list[str] | None = None) -> None:
                 trainers[name].train_step()
                 times[name].append(clock() - start)
         host.sync()  # the last update's wait is counted too
-        summary = host.summary(trainers["host"].optimizers[-1])
+        summary = host.summary(trainers["host"].optimizers)
     median = {name: statistics.median(ts) for name, ts in times.items()}
     ratio = median["host"] / median["resident"]
     print(

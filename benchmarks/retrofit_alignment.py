@@ -23,12 +23,12 @@ from stemlm.convert.retrofit import ffn_input_alignment
 from stemlm.data.corpus import embedded_texts
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("ckpt", help="a dense checkpoint or HF Llama folder with its tokenizer")
     parser.add_argument("--tokens", type=int, default=2048, help="held-out tokens to read (default 2048)")
     parser.add_argument("--json", action="store_true", help="print the per-layer rows as one JSON object")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     model, tok = load_checkpoint(args.ckpt)
     text = embedded_texts("heldout")[0]
     ids = torch.tensor(tok.encode(text[: args.tokens * 16], add_special_tokens=False).ids[: args.tokens])

@@ -12,6 +12,9 @@ answer (unedited beside it).
 
     python benchmarks/retrofit_edits.py ckpt/smollm2 --sets 0 0,1
 
+`--all-countries` pairs every country, known or not (the rates are then over all of them): a model that knows
+no capital, such as a random one, still makes every edit.
+
 The last line is `RESULT <set>_greedy=… <set>_pnew=… <set>_locality=…` (means over phrasings).
 """
 
@@ -41,10 +44,12 @@ def greedy_is(model, prompt: list[int], answer: list[int], edit) -> bool:
 
 
 @torch.no_grad()
-def measure(model, tok, phrasing: str) -> dict:
+def measure(model, tok, phrasing: str, all_countries: bool = False) -> dict:
     cap = {c: tok.encode(" " + country(c).capital).ids for c in COUNTRIES}
     known = [c for c in COUNTRIES if greedy_is(model, tok.encode(phrasing.format(s=c)).ids, cap[c], None)]
     rows = {"known": len(known), "greedy": [0, 0], "pnew": [0, 0], "local": [0, 0]}
+    if all_countries:
+        known = COUNTRIES
     if len(known) < 3:  # a pair needs a different target, and locality a third country
         known = []
     for k, src in enumerate(known):
@@ -63,18 +68,19 @@ def measure(model, tok, phrasing: str) -> dict:
     return {k: ([v[0] / n, v[1] / n] if isinstance(v, list) else v) for k, v in rows.items()}
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("ckpt", help="a dense checkpoint or HF Llama folder with its tokenizer")
     parser.add_argument("--sets", nargs="+", default=["0", "0,1"], help="layer sets to retrofit (default 0 and 0,1)")
-    args = parser.parse_args()
+    parser.add_argument("--all-countries", action="store_true", help="pair every country, not only the known ones")
+    args = parser.parse_args(argv)
     dense, tok = load_checkpoint(args.ckpt)
     result = {}
     for layers in args.sets:
         model = retrofit_from_dense(dense, layers).eval()
         means = {"greedy": 0.0, "pnew": 0.0, "locality": 0.0}
         for phrasing in PHRASINGS:
-            r = measure(model, tok, phrasing)
+            r = measure(model, tok, phrasing, args.all_countries)
             print(
                 f"layers {layers:8} {phrasing!r:32} known {r['known']:2d}/{len(COUNTRIES)}  new greedy "
                 f"{r['greedy'][0]:.2f} ({r['greedy'][1]:.2f})  P(new)>P(true) {r['pnew'][0]:.2f} ({r['pnew'][1]:.2f})"

@@ -40,13 +40,13 @@ def recall(model, tok, countries) -> float:
     return hits / len(countries)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("ckpt", help="a dense checkpoint or HF Llama folder with its tokenizer")
     parser.add_argument("--sets", nargs="+", default=["0", "1", "0,1", "0,1,2,3"], help="layer sets to retrofit")
     parser.add_argument("--countries", type=int, default=40, help="countries asked (default 40)")
     parser.add_argument("--tokens", type=int, default=2048, help="held-out tokens scored (default 2048)")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     dense, tok = load_checkpoint(args.ckpt)
     countries = load_countries()[: args.countries]
     held = embedded_texts("heldout")

@@ -64,7 +64,7 @@ def worker(rank: int, tmp: str, batch: int, seq: int, steps: int) -> None:
         ids = ids[rank * local : (rank + 1) * local]
         start = time.perf_counter()
         inputs = ids[:, :-1]
-        model(inputs, labels=ids[:, 1:], table_rows=tables.lookup(inputs)).loss.backward()
+        model(inputs, labels=ids[:, 1:], rows={"token": tables.lookup(inputs)}).loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
         model.zero_grad(set_to_none=True)
@@ -212,7 +212,7 @@ def exchange_main(args: argparse.Namespace) -> None:
     print(f"RESULT {' '.join(out)} collectives_per_step_before={before} collectives_per_step_after={after}")
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--batch", type=int, default=8, help="global batch (sequences), split over 2 ranks")
     parser.add_argument("--seq", type=int, default=256, help="tokens per sequence")
@@ -223,7 +223,7 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=2, help="--exchange: untimed steps per trainer first")
     parser.add_argument("--reps", type=int, default=6, help="--exchange: timed steps per trainer")
     parser.add_argument("--device", default="cpu", help="--exchange: cpu (gloo) or cuda (NCCL, bf16; 2 GPUs)")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if args.exchange:
         exchange_main(args)
         return

@@ -5,23 +5,20 @@ tokens equal transformers'."""
 
 from __future__ import annotations
 
-import importlib.util
 import re
-from pathlib import Path
 
 import pytest
 
-PATH = Path(__file__).resolve().parents[2] / "benchmarks" / "decode_speed.py"
-spec = importlib.util.spec_from_file_location("decode_speed_bench", PATH)
-bench = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(bench)
+from tests.benchmarks.harness import load_benchmark, result_fields
+
+bench = load_benchmark("decode_speed.py")
 
 
 @pytest.mark.parametrize("clock", ["cpu", "wall"])
 def test_result_line_and_shares(capsys, clock):
     bench.main(["--prompt", "4", "--new", "3", "--reps", "2", "--stream-mib", "8", "--clock", clock])
     out = capsys.readouterr().out
-    fields = dict(item.split("=") for item in out.strip().splitlines()[-1].removeprefix("RESULT ").split())
+    fields = result_fields(out)
     assert set(fields) == {
         "ours_over_hf", "fused_over_unfused", "share_of_bound", "share_of_matvec", "matvec_share_of_bound",
         "stem_share_of_bound",
@@ -46,7 +43,7 @@ def test_result_line_and_shares(capsys, clock):
 def test_compiled_steps_report_their_ratios_and_share(capsys):
     bench.main(["--prompt", "4", "--new", "3", "--reps", "1", "--stream-mib", "8", "--compile"])
     out = capsys.readouterr().out
-    fields = dict(item.split("=") for item in out.strip().splitlines()[-1].removeprefix("RESULT ").split())
+    fields = result_fields(out)
     assert "greedy tokens: ours compiled == ours dense: True" in out
     labels = {"compiled": "ours, compiled steps", "dense": "ours, tiny-dense", "hf": "transformers, tiny-dense"}
     tok_s = {k: float(re.search(rf"{label}\s+(\d+)", out).group(1)) for k, label in labels.items()}

@@ -3,14 +3,11 @@ saved-for-backward count it reports (exact, unlike the timings) below the plain 
 
 from __future__ import annotations
 
-import importlib.util
 import re
-from pathlib import Path
 
-PATH = Path(__file__).resolve().parents[2] / "benchmarks" / "fused_loss.py"
-spec = importlib.util.spec_from_file_location("fused_loss_bench", PATH)
-bench = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(bench)
+from tests.benchmarks.harness import load_benchmark
+
+bench = load_benchmark("fused_loss.py")
 
 
 def test_result_line_has_each_ratio_per_vocabulary(capsys):

@@ -1,25 +1,20 @@
 """benchmarks/gpu_evidence.py: the CPU path end to end at a toy budget (every run under --recipe official with its
 variant's lr groups; paired RESULT lines from real runs), the GPU plan (matched FLOPs, inside its 8 minutes at
-the stated throughput) and the one-line refusals."""
+the stated throughput; benchmarks/gpu_evidence.sh prints the same) and the one-line refusals."""
 
 from __future__ import annotations
 
-import importlib.util
 import re
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
 from stemlm.train.recipes import OfficialRecipe
+from tests.benchmarks.harness import load_benchmark, run_benchmark
 from tests.small_corpus import write_small_corpus
 
-PATH = Path(__file__).resolve().parents[2] / "benchmarks" / "gpu_evidence.py"
-spec = importlib.util.spec_from_file_location("gpu_evidence", PATH)
-bench = importlib.util.module_from_spec(spec)
-sys.modules[spec.name] = bench  # its dataclass looks its module up by name
-spec.loader.exec_module(bench)
+bench = load_benchmark("gpu_evidence.py")
 PLAN = re.compile(r"plan: (\w+) +(\d+) steps, ([\d,]+) tokens, ([\d.e+]+) FLOPs")
 
 
@@ -71,6 +66,11 @@ def test_cpu_smoke_trains_every_variant_and_prints_paired_results(corpus, monkey
     for key in ("dense", "dense_embed", "stem", "stem_minus_dense", "stem_minus_dense_embed"):
         assert mean[key] == pytest.approx(sum(float(r[key]) for r in per_seed) / 2, abs=2e-4)
     assert mean["measured_tflops"] > 0
+
+
+def test_the_shell_entry_prints_the_same_plan(capsys):
+    bench.main(["--plan"])
+    assert run_benchmark("gpu_evidence.sh", "--plan") == capsys.readouterr().out
 
 
 def test_gpu_plan_is_flop_matched_and_fits_its_budget(capsys):

@@ -4,25 +4,21 @@ from the ratios."""
 
 from __future__ import annotations
 
-import importlib.util
 import re
-from pathlib import Path
 
 import pytest
 import torch
 
 from stemlm.model.fusion import stored_transposed
+from tests.benchmarks.harness import load_benchmark, result_fields
 
-PATH = Path(__file__).resolve().parents[2] / "benchmarks" / "matvec_layout.py"
-spec = importlib.util.spec_from_file_location("matvec_layout_bench", PATH)
-bench = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(bench)
+bench = load_benchmark("matvec_layout.py")
 
 
 def test_rows_ratios_and_the_rule(capsys):
     bench.main(["--mib", "2", "--reps", "1"])
     out = capsys.readouterr().out
-    fields = dict(item.split("=") for item in out.strip().splitlines()[-1].removeprefix("RESULT ").split())
+    fields = result_fields(out)
     rows = re.findall(r"^(\w+)\s+(\d+)x(\d+)\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)\s+(\[\w+, \w+\])$", out, re.M)
     assert {f"{o}x{i}" for _, o, i, *_ in rows} == {k.removeprefix("transposed_over_plain_") for k in fields} - {
         "rule_holds",

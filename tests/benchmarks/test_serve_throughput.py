@@ -3,21 +3,16 @@ host-table output equal to single-stream greedy."""
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
+from tests.benchmarks.harness import load_benchmark, result_fields
 
-PATH = Path(__file__).resolve().parents[2] / "benchmarks" / "serve_throughput.py"
-spec = importlib.util.spec_from_file_location("serve_throughput", PATH)
-bench = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(bench)
+bench = load_benchmark("serve_throughput.py")
 
 
 def test_result_line(capsys):
     small = ["--set", "hidden_size=32", "--set", "intermediate_size=64", "--set", "num_hidden_layers=2"]
     bench.main([*small, "--prompt", "6", "--new", "3", "--reps", "2", "--concurrency", "1,3"])
-    last = capsys.readouterr().out.strip().splitlines()[-1]
-    fields = dict(item.split("=") for item in last.removeprefix("RESULT ").split())
-    assert last.startswith("RESULT ") and fields["outputs_equal"] == "1"
+    fields = result_fields(capsys.readouterr().out)
+    assert fields["outputs_equal"] == "1"
     assert set(fields) == {
         "single_stream_tok_s", "batch1_tok_s", "batch3_tok_s", "batch3_over_single", "host_over_resident",
         "host_over_resident_cpu",

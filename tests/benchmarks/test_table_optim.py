@@ -3,14 +3,11 @@ and its two ratios printed."""
 
 from __future__ import annotations
 
-import importlib.util
 import re
-from pathlib import Path
 
-PATH = Path(__file__).resolve().parents[2] / "benchmarks" / "table_optim.py"
-spec = importlib.util.spec_from_file_location("table_optim_bench", PATH)
-bench = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(bench)
+from tests.benchmarks.harness import load_benchmark, result_fields
+
+bench = load_benchmark("table_optim.py")
 
 
 def test_result_line_times_the_default_optimizer_too(capsys):
@@ -18,6 +15,6 @@ def test_result_line_times_the_default_optimizer_too(capsys):
     out = capsys.readouterr().out
     for name in ("adamw", "lazy_adamw", "rowwise_adagrad"):
         assert re.search(rf"\s{name}\s+V=\s+256\s+[\d.]+ ms/step", out)
-    fields = dict(item.split("=") for item in out.strip().splitlines()[-1].removeprefix("RESULT ").split())
+    fields = result_fields(out)
     assert set(fields) == {"lazy_64k_over_8k", "dense_over_lazy_64k", "adagrad_64k_over_8k", "dense_over_adagrad_64k"}
     assert all(float(v) > 0 for v in fields.values())

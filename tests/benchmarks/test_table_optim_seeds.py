@@ -1,19 +1,18 @@
-"""benchmarks/table_optim_seeds.py: the paired-by-seed summary and the argument checks (no training here)."""
+"""benchmarks/table_optim_seeds.py: the paired-by-seed summary, the argument checks, and a one-step run of two
+optimizers whose records a second run reuses."""
 
 from __future__ import annotations
 
-import importlib.util
+import json
 import math
-from pathlib import Path
 
 import numpy as np
 import pytest
 from scipy import stats
 
-PATH = Path(__file__).resolve().parents[2] / "benchmarks" / "table_optim_seeds.py"
-spec = importlib.util.spec_from_file_location("table_optim_seeds", PATH)
-bench = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(bench)
+from tests.benchmarks.harness import load_benchmark, result_fields, run_benchmark
+
+bench = load_benchmark("table_optim_seeds.py")
 
 
 def record(optim: str, seed: int, loss: float, recall: float) -> dict:
@@ -68,3 +67,18 @@ def test_a_kept_run_of_another_budget_is_never_overwritten(tmp_path, capsys):
         )
     assert info.value.code == 2 and "300-step run" in capsys.readouterr().err
     assert kept.read_text() == '{"optim": "rowwise_adagrad", "seed": 0, "steps": 300}'
+
+
+@pytest.mark.slow
+def test_a_one_step_run_per_optimizer_then_its_records_reused(tmp_path):
+    argv = ["--steps", "1", "--seeds", "0", "--optims", "rowwise_adagrad,lazy_adamw", "--out", tmp_path]
+    first = run_benchmark("table_optim_seeds.py", *argv)
+    fields = result_fields(first)
+    assert fields["budget"] == "main" and fields["best"] in ("rowwise_adagrad", "lazy_adamw")
+    means = {name: float(fields[f"{name}_mean"]) for name in ("rowwise_adagrad", "lazy_adamw")}
+    difference = float(fields["lazy_adamw_minus_rowwise_adagrad"])
+    assert difference == pytest.approx(means["lazy_adamw"] - means["rowwise_adagrad"], abs=2e-4)
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert [(r["optim"], r["steps"]) for r in summary["runs"]] == [("lazy_adamw", 1), ("rowwise_adagrad", 1)]
+    again = run_benchmark("table_optim_seeds.py", *argv)  # nothing trains: both records are read back
+    assert again.count("reused") == 2 and result_fields(again) == fields

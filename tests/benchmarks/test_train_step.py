@@ -4,16 +4,13 @@ test)."""
 
 from __future__ import annotations
 
-import importlib.util
 import re
-from pathlib import Path
 
 import pytest
 
-PATH = Path(__file__).resolve().parents[2] / "benchmarks" / "train_step.py"
-spec = importlib.util.spec_from_file_location("train_step_bench", PATH)
-bench = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(bench)
+from tests.benchmarks.harness import load_benchmark, result_fields
+
+bench = load_benchmark("train_step.py")
 
 TOY = ["--hidden", "32", "--layers", "2", "--heads", "2", "--ffn-dim", "64", "--batch", "2", "--seq", "16"]
 
@@ -21,7 +18,7 @@ TOY = ["--hidden", "32", "--layers", "2", "--heads", "2", "--ffn-dim", "64", "--
 def test_result_line_and_its_arithmetic(capsys):
     bench.main([*TOY, "--stem-layers", "1", "--fused-chunk", "8", "--warmup", "1", "--reps", "2", "--threads", "1"])
     lines = capsys.readouterr().out.strip().splitlines()
-    fields = dict(item.split("=") for item in lines[-1].removeprefix("RESULT ").split())
+    fields = result_fields("\n".join(lines))
     assert set(fields) == {
         "stem_over_dense", "ours_over_hf", "predicted_stem_over_dense", "share_of_gemm", "stem_share_of_gemm",
         "loss_over_step", "fused_over_plain", "faults_per_step", "fused_faults_per_step",
@@ -48,7 +45,7 @@ def test_compiled_trainers_join_the_rotation(capsys):
     bench.main([*TOY, "--stem-layers", "1", "--fused-chunk", "8", "--warmup", "1", "--reps", "1", "--threads", "1",
                 "--compile"])  # fmt: skip
     lines = capsys.readouterr().out.strip().splitlines()
-    fields = dict(item.split("=") for item in lines[-1].removeprefix("RESULT ").split())
+    fields = result_fields("\n".join(lines))
     rows = {line.split()[0]: line.split() for line in lines}
     assert {"compiled", "compiled_fused"} <= set(rows)
     assert float(fields["compiled_over_plain"]) == pytest.approx(
