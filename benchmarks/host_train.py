@@ -22,7 +22,7 @@ import time
 
 import torch
 
-from stemlm.choices import ROW_SPARSE_OPTIMIZERS as ROW_SPARSE
+from stemlm.choices import ROW_SPARSE_OPTIMIZERS
 from stemlm.model.presets import get_preset
 from stemlm.train.config import TrainConfig
 from stemlm.train.trainer import Trainer
@@ -34,7 +34,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--batch", type=int, default=8, help="sequences per step (default 8)")
     p.add_argument("--seq", type=int, default=256, help="tokens per sequence (default 256)")
     p.add_argument("--grad-accum", type=int, default=1, help="micro-batches per step (default 1)")
-    p.add_argument("--table-optim", choices=ROW_SPARSE, default="rowwise_adagrad", help="table optimizer")
+    p.add_argument("--table-optim", choices=ROW_SPARSE_OPTIMIZERS, default="rowwise_adagrad", help="table optimizer")
     p.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32", help="autocast dtype (default fp32)")
     p.add_argument("--warmup", type=int, default=2, help="untimed steps per trainer first (default 2)")
     p.add_argument("--reps", type=int, default=10, help="timed steps per trainer, round-robin (default 10)")
