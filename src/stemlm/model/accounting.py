@@ -59,14 +59,20 @@ def _layer(config: ModelConfig, layer_idx: int) -> tuple[dict[str, int], dict[st
     attention = d * q_width + 2 * d * kv_width + q_width * d
     params = {"attention": attention, "norms": 2 * d}
     used = {"attention": attention}
-    kind = config.layer_ffn(layer_idx)
-    part = get_kind(kind).count(config, layer_idx)
-    unknown = sorted((set(part.params) | set(part.matmul)) - set(PARAM_COMPONENTS))
-    if unknown:
-        raise StemlmError(f"kind {kind!r} counts components {unknown} it does not declare (Kind.components)")
-    _add(params, part.params)
-    _add(used, part.matmul)
-    return params, used, part.rows, part.inactive
+    kind = get_kind(config.layer_ffn(layer_idx))
+    parts = [(kind, kind.count(config, layer_idx))]  # the FFN kind, then the kinds beside it (their side modules)
+    parts += [
+        (get_kind(name), get_kind(name).beside.count(config, layer_idx)) for name in config.layer_sides(layer_idx)
+    ]
+    rows = inactive = 0
+    for kind, part in parts:
+        unknown = sorted((set(part.params) | set(part.matmul)) - set(PARAM_COMPONENTS))
+        if unknown:
+            raise StemlmError(f"kind {kind.name!r} counts components {unknown} it does not declare (Kind.components)")
+        _add(params, part.params)
+        _add(used, part.matmul)
+        rows, inactive = rows + part.rows, inactive + part.inactive
+    return params, used, rows, inactive
 
 
 def _add(total: dict[str, int], part: dict[str, int]) -> None:
