@@ -32,7 +32,7 @@ from typing import Any
 
 from stemlm.errors import StemlmError
 from stemlm.model.config import ModelConfig
-from stemlm.model.kinds.registry import all_kinds, get_kind, ordered_union
+from stemlm.model.kinds.registry import all_kinds, beside_kinds, get_kind, ordered_union
 
 _KINDS = all_kinds()
 PARAM_COMPONENTS = ordered_union([("embed_tokens", "lm_head", "attention", "norms"), *(k.components for k in _KINDS)])
@@ -371,6 +371,9 @@ def summarize(config: ModelConfig, seq_len: int, attention: str = "causal", dtyp
         },
         "paper_convention": paper_convention(config),
     }
+    beside = {k.name: layers for k in beside_kinds() if (layers := config.beside_layers(k.name))}
+    if beside:  # kinds beside the FFN kind (value embeddings, Engram), by their layers
+        out["beside"] = beside
     if get_kind(config.ffn).stem_saving and config.special_layers:
         d, f = config.hidden_size, config.intermediate_size
         out["stem"] = {
