@@ -233,3 +233,18 @@ def test_save_load_and_auto_model(tmp_path, tiny_config):
     assert hf.config.value_embed_layers == "first:3,last:3" and hf.config.engram_layers == "2"
     with torch.no_grad():
         assert torch.equal(hf(ids).logits, expected)
+
+
+def test_resize_grows_side_tables_and_keeps_them_shared(tiny_config):
+    from stemlm.model.resize import resize_vocabulary
+
+    model = randomized(build_model(composed(tiny_config)))
+    ids = torch.randint(0, 256, (1, 7), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        before = model(ids).logits
+    resize_vocabulary(model, 300)
+    tables = model.tables("token")
+    assert list(tables) == [1, 3, 5, 12, 13, 14] and all(t.weight.shape[0] == 300 for t in tables.values())
+    assert model.model.layers[5].beside.value_embed.value_embedding is tables[14]  # still the owner's (new) table
+    with torch.no_grad():  # the old ids read their old rows
+        torch.testing.assert_close(model(ids).logits[..., :256], before, atol=0, rtol=0)
