@@ -35,7 +35,7 @@ from stemlm.edit.spans import DEFAULT_PAD, RowPlan, align, entity_ids, locate, t
 from stemlm.errors import StemlmError
 from stemlm.model.decoder import ModelOutput, StemLM
 from stemlm.model.ffn import EMBED, EmbedRows, Rows, TableRows
-from stemlm.model.kinds.registry import get_kind
+from stemlm.model.kinds.registry import get_kind, key_layer
 
 Hooks = Rows | None  # the forward's rows= mapping of an edit ("token" and / or "embed"); None: no edit
 
@@ -55,7 +55,9 @@ class PositionalEdit:
 
 
 def table_layers(model: StemLM, layers: Sequence[int] | None) -> tuple[int, ...]:
-    """The chosen token-table layers (all when None), with a clear error for a model or a layer without one."""
+    """The table keys (`StemLM.tables`) of the chosen layers' token tables, every one when None: a layer's own
+    table and those of its side modules (value embeddings beside STEM), with a clear error for a model or a
+    layer without one."""
     tables = model.stem_tables()
     if not tables:
         raise StemlmError(
@@ -64,10 +66,12 @@ def table_layers(model: StemLM, layers: Sequence[int] | None) -> tuple[int, ...]
         )
     if layers is None:
         return tuple(sorted(tables))
+    layer_of = {key: key_layer(model.config, key) for key in tables}
+    have = sorted(set(layer_of.values()))
     for i in layers:
-        if i not in tables:
-            raise StemlmError(f"layer {i} is not a STEM layer; STEM layers: {', '.join(map(str, sorted(tables)))}")
-    return tuple(sorted(set(layers)))
+        if i not in have:
+            raise StemlmError(f"layer {i} is not a STEM layer; STEM layers: {', '.join(map(str, have))}")
+    return tuple(sorted(key for key, layer in layer_of.items() if layer in layers))
 
 
 def rows_to_parts(rows: str) -> tuple[bool, bool]:

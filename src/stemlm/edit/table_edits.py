@@ -32,6 +32,7 @@ from stemlm.edit.shared_tokens import changed_token_ids, describe_shared
 from stemlm.edit.spans import GLOBAL_DEFAULT_PAD, RowPlan, align, entity_ids, tokenizer_eot
 from stemlm.errors import StemlmError
 from stemlm.model.decoder import StemLM
+from stemlm.model.kinds.registry import key_label
 
 EDIT_PRODUCER = "stemlm edit --save"  # names an edit save in its manifest
 EDITS_NAME = "edits.json"
@@ -47,7 +48,8 @@ class UndoRecord:
 
 def _targets(model: StemLM, layers: Sequence[int] | None, rows: str) -> list[tuple[str, torch.nn.Parameter]]:
     stem, embed = rows_to_parts(rows)
-    named = [(f"layer {i}", model.stem_tables()[i].weight) for i in (table_layers(model, layers) if stem else ())]
+    keys = table_layers(model, layers) if stem else ()
+    named = [(key_label(model.config, key), model.stem_tables()[key].weight) for key in keys]
     if embed:
         named.append(("embed_tokens", model.model.embed_tokens.weight))
     return named

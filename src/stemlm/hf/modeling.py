@@ -206,7 +206,12 @@ class StemlmPreTrainedModel(PreTrainedModel):
         if input_ids is None:
             config = self._stem.config
             readers = sorted(
-                {f for i in range(config.num_hidden_layers) if get_kind(f := config.layer_ffn(i)).reads_input_ids()}
+                {
+                    f
+                    for i in range(config.num_hidden_layers)
+                    for f in config.layer_kinds(i)
+                    if get_kind(f).reads_input_ids()
+                }
             )
             if readers:
                 raise StemlmError(

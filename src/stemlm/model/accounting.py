@@ -32,7 +32,7 @@ from typing import Any
 
 from stemlm.errors import StemlmError
 from stemlm.model.config import ModelConfig
-from stemlm.model.kinds.registry import all_kinds, get_kind, ordered_union
+from stemlm.model.kinds.registry import all_kinds, beside_kinds, get_kind, ordered_union
 
 _KINDS = all_kinds()
 PARAM_COMPONENTS = ordered_union([("embed_tokens", "lm_head", "attention", "norms"), *(k.components for k in _KINDS)])
@@ -59,14 +59,20 @@ def _layer(config: ModelConfig, layer_idx: int) -> tuple[dict[str, int], dict[st
     attention = d * q_width + 2 * d * kv_width + q_width * d
     params = {"attention": attention, "norms": 2 * d}
     used = {"attention": attention}
-    kind = config.layer_ffn(layer_idx)
-    part = get_kind(kind).count(config, layer_idx)
-    unknown = sorted((set(part.params) | set(part.matmul)) - set(PARAM_COMPONENTS))
-    if unknown:
-        raise StemlmError(f"kind {kind!r} counts components {unknown} it does not declare (Kind.components)")
-    _add(params, part.params)
-    _add(used, part.matmul)
-    return params, used, part.rows, part.inactive
+    kind = get_kind(config.layer_ffn(layer_idx))
+    parts = [(kind, kind.count(config, layer_idx))]  # the FFN kind, then the kinds beside it (their side modules)
+    parts += [
+        (get_kind(name), get_kind(name).beside.count(config, layer_idx)) for name in config.layer_sides(layer_idx)
+    ]
+    rows = inactive = 0
+    for kind, part in parts:
+        unknown = sorted((set(part.params) | set(part.matmul)) - set(PARAM_COMPONENTS))
+        if unknown:
+            raise StemlmError(f"kind {kind.name!r} counts components {unknown} it does not declare (Kind.components)")
+        _add(params, part.params)
+        _add(used, part.matmul)
+        rows, inactive = rows + part.rows, inactive + part.inactive
+    return params, used, rows, inactive
 
 
 def _add(total: dict[str, int], part: dict[str, int]) -> None:
@@ -365,6 +371,9 @@ def summarize(config: ModelConfig, seq_len: int, attention: str = "causal", dtyp
         },
         "paper_convention": paper_convention(config),
     }
+    beside = {k.name: layers for k in beside_kinds() if (layers := config.beside_layers(k.name))}
+    if beside:  # kinds beside the FFN kind (value embeddings, Engram), by their layers
+        out["beside"] = beside
     if get_kind(config.ffn).stem_saving and config.special_layers:
         d, f = config.hidden_size, config.intermediate_size
         out["stem"] = {

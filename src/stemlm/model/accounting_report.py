@@ -89,6 +89,10 @@ def render_summary(config: ModelConfig, s: dict[str, Any]) -> str:
         f"{s['model']}: ffn {config.ffn} in layers [{special}] of {config.num_hidden_layers}; d {config.hidden_size}, "
         f"d_ff {config.intermediate_size}, heads {config.num_attention_heads}/{config.kv_heads} x {config.head_size}, "
         f"vocab {config.vocab_size}, {'tied' if config.tie_word_embeddings else 'untied'} embeddings",
+        *(
+            f"{kind} beside the FFN in layers [{','.join(map(str, layers))}]"
+            for kind, layers in s.get("beside", {}).items()
+        ),
         *([f"source: {s['source']}"] if "source" in s else []),
         "",
         "parameters",

@@ -8,6 +8,11 @@ spec string resolved against `num_hidden_layers` (see `resolve_layer_spec`).
 The kinds' own fields (`num_experts`, `engram_dim`, ...) are declared by the kinds (`stemlm.model.kinds`) and
 added here as flat fields after the shared ones, so attributes and config.json keys are flat as they always
 were: `ModelConfig(ffn="engram", engram_dim=128)`. `FFN_KINDS` and `TABLE_KINDS` come from the registry.
+
+Kinds compose per layer: a kind that can run beside an FFN kind (`Kind.beside`: value embeddings, the Engram
+branch) has its own layer selection `<kind>_layers`, so `ModelConfig(ffn="stem", stem_layers="odd",
+value_embed_layers="first:3,last:3")` is STEM on the odd layers and value embeddings on the first and last three
+(`layer_sides(i)` lists a layer's side kinds).
 """
 
 from __future__ import annotations
@@ -19,7 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from stemlm.errors import StemlmError
-from stemlm.model.kinds.registry import all_kinds, kind_fields, kind_names
+from stemlm.model.kinds.registry import all_kinds, beside_kinds, get_kind, kind_fields, kind_names
 from stemlm.model.overrides import apply_overrides
 
 FFN_KINDS = kind_names()
@@ -52,14 +57,16 @@ def resolve_layer_spec(spec: str | list[int] | tuple[int, ...], num_layers: int)
 
     Specs: `all`; `all-but-first` (the official STEM default); `odd` (1, 3, 5, ...); `even`; `half`
     (every second layer starting at 1, i.e. `odd`, the paper's best "1/2 layers" variant); `every:K` (layers
-    K-1, 2K-1, ... so the last layer is included when K divides L); `none`; or a comma list "1,3,5".
+    K-1, 2K-1, ... so the last layer is included when K divides L); `none`; or a comma list whose entries are
+    indices (negative ones count from the end: -1 is the last layer), `first:K` or `last:K`, e.g. "1,3,5" or
+    "first:3,last:3" (= "0,1,2,-3,-2,-1", modded-nanogpt's value-embedding layers).
     """
     if isinstance(spec, (list, tuple)):
         if not all(isinstance(i, int) and not isinstance(i, bool) for i in spec):
             raise StemlmError(f"bad layer list {list(spec)!r}: entries must be integer layer indices")
         if len(spec) > num_layers:
             raise StemlmError(f"layer list has {len(spec)} entries for a model with {num_layers} layers")
-        layers = list(spec)
+        layers = [i + num_layers if i < 0 else i for i in spec]
     else:
         text = str(spec).strip().lower()
         if text in ("all",):
@@ -81,12 +88,9 @@ def resolve_layer_spec(spec: str | list[int] | tuple[int, ...], num_layers: int)
                 raise StemlmError(f"bad layer spec {spec!r}: K must be >= 1")
             layers = list(range(k - 1, num_layers, k))
         else:
-            try:
-                layers = [int(part) for part in text.replace(" ", "").split(",") if part]
-            except ValueError:
-                raise StemlmError(
-                    f"bad layer spec {spec!r}: use a comma list of indices or one of {', '.join(LAYER_SPECS)}, every:K"
-                ) from None
+            layers = [
+                i for part in text.replace(" ", "").split(",") if part for i in _spec_part(spec, part, num_layers)
+            ]
     for i in layers:
         if not 0 <= i < num_layers:
             raise StemlmError(
@@ -95,6 +99,23 @@ def resolve_layer_spec(spec: str | list[int] | tuple[int, ...], num_layers: int)
     if len(set(layers)) != len(layers):
         raise StemlmError(f"layer spec {spec!r} lists a layer twice")
     return sorted(layers)
+
+
+def _spec_part(spec, part: str, num_layers: int) -> list[int]:
+    """One entry of a comma list: an index (negative: from the end), `first:K` or `last:K`."""
+    end, _, count = part.partition(":") if part.startswith(("first:", "last:")) else ("", "", part)
+    try:
+        n = int(count)
+    except ValueError:
+        raise StemlmError(
+            f"bad layer spec {spec!r}: use a comma list of indices, first:K, last:K or one of "
+            f"{', '.join(LAYER_SPECS)}, every:K"
+        ) from None
+    if not end:
+        return [n + num_layers if n < 0 else n]
+    if not 0 <= n <= num_layers:
+        raise StemlmError(f"bad layer spec {spec!r}: {part} asks for {n} of {num_layers} layers")
+    return list(range(n)) if end == "first" else list(range(num_layers - n, num_layers))
 
 
 def with_kind_fields(cls: type) -> type:
@@ -157,6 +178,18 @@ class ModelConfig:
     def layer_ffn(self, layer_idx: int) -> str:
         return self.ffn if layer_idx in self.special_layers else "dense"
 
+    def beside_layers(self, kind: str) -> list[int]:
+        """The layers where `kind` runs beside the FFN kind (its field `<kind>_layers`)."""
+        return resolve_layer_spec(getattr(self, get_kind(kind).layers_field), self.num_hidden_layers)
+
+    def layer_kinds(self, layer_idx: int) -> tuple[str, ...]:
+        """The FFN kind of layer `layer_idx`, then the kinds beside it."""
+        return (self.layer_ffn(layer_idx), *self.layer_sides(layer_idx))
+
+    def layer_sides(self, layer_idx: int) -> tuple[str, ...]:
+        """The kinds running beside the FFN kind in layer `layer_idx`, in kind order."""
+        return tuple(k.name for k in beside_kinds() if layer_idx in self.beside_layers(k.name))
+
     # ----- validation -----
     def validate(self) -> None:
         def need(cond: bool, msg: str) -> None:
@@ -213,6 +246,13 @@ class ModelConfig:
             self.table_init in ("xavier", "normal"), f"table_init must be 'xavier' or 'normal', got {self.table_init!r}"
         )
         resolve_layer_spec(self.stem_layers, self.num_hidden_layers)
+        for kind in beside_kinds():
+            side = self.beside_layers(kind.name)
+            need(
+                not side or self.ffn != kind.name or not self.special_layers,
+                f"{kind.layers_field} adds {kind.name} beside the FFN kind, which is {kind.name} already: "
+                f"select its layers with stem_layers alone",
+            )
         for kind in all_kinds():  # every kind's checks, whichever kind is selected (as config.json is read)
             if kind.check is not None:
                 kind.check(self, need)
@@ -220,8 +260,9 @@ class ModelConfig:
     # ----- (de)serialisation -----
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
-        if isinstance(d["stem_layers"], tuple):
-            d["stem_layers"] = list(d["stem_layers"])
+        for name in ("stem_layers", *(k.layers_field for k in beside_kinds())):
+            if isinstance(d[name], tuple):
+                d[name] = list(d[name])
         return d
 
     def to_hf_dict(self) -> dict[str, Any]:

@@ -3,9 +3,12 @@
 Module names mirror Hugging Face Llama (`model.embed_tokens`, `model.layers.{i}.self_attn.q_proj`,
 `model.layers.{i}.mlp.gate_proj`, `model.norm`, `lm_head`), so parameter names are the checkpoint format.
 Each layer's `mlp` is the module its kind builds (`stemlm.model.kinds`); a kind that acts on attention's values
-(`Kind.acts_on_values`) gets them through its module's `mix_values(v, ctx)`. The model is written for one device;
-offload, sharding and editing act through the forward's `rows={family: provider}` mapping (see
-`stemlm.model.ffn.TokenContext`) or by wrapping it, never by flags inside the layers.
+(`Kind.acts_on_values`) gets them through its module's `mix_values(v, ctx)`. Kinds selected beside the FFN kind
+(`ModelConfig.layer_sides`) put their side modules in `model.layers.{i}.beside.<kind>`: on attention's values
+(value embeddings) or added to the FFN output (the Engram branch), as their `Kind.beside` declares.
+The model is written for one device; offload, sharding and editing act through the forward's
+`rows={family: provider}` mapping (see `stemlm.model.ffn.TokenContext`) or by wrapping it, never by flags
+inside the layers.
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ from stemlm.model.config import ModelConfig
 from stemlm.model.decoding_state import fill_lookup_context
 from stemlm.model.ffn import EMBED, EmbedRows, Rows, TokenContext, checked_rows, token_table
 from stemlm.model.fused_loss import fused_linear_cross_entropy
-from stemlm.model.kinds.registry import FAMILIES, get_kind
+from stemlm.model.kinds.registry import FAMILIES, get_kind, table_key
 from stemlm.model.loss import chunked_cross_entropy, cross_entropy
 from stemlm.model.memory_check import check_fits
 from stemlm.model.ngram import ngram_hasher
@@ -75,6 +78,13 @@ def build_ffn(config: ModelConfig, layer_idx: int) -> nn.Module:
     return get_kind(config.layer_ffn(layer_idx)).build(config, layer_idx)
 
 
+def layer_modules(config: ModelConfig, layer: DecoderLayer, layer_idx: int):
+    """(kind, side kind name or None, module) for the layer's `mlp` and each of its side modules."""
+    for n, name in enumerate(config.layer_kinds(layer_idx)):
+        side = name if n else None
+        yield get_kind(name), side, layer.kind_module(side)
+
+
 class DecoderLayer(nn.Module):
     def __init__(self, config: ModelConfig, layer_idx: int) -> None:
         super().__init__()
@@ -82,12 +92,40 @@ class DecoderLayer(nn.Module):
         self.mlp = build_ffn(config, layer_idx)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        sides = {name: get_kind(name).beside for name in config.layer_sides(layer_idx)}
+        if sides:  # registered last and only when used, so a model without side kinds keeps its modules
+            self.beside = nn.ModuleDict({name: side.build(config, layer_idx) for name, side in sides.items()})
+        # Names, not modules: whatever replaces `mlp` or a side module later (conversion, loading) is what runs.
         self.acts_on_values = get_kind(config.layer_ffn(layer_idx)).acts_on_values
+        self.value_sides = tuple(name for name, side in sides.items() if side.acts_on == "values")
+        self.ffn_sides = tuple(name for name, side in sides.items() if side.acts_on == "ffn")
+
+    def kind_module(self, side: str | None) -> nn.Module:
+        """The module of the layer's FFN kind (side None) or of the kind `side` beside it."""
+        return self.mlp if side is None else self.beside[side]
+
+    def set_kind_module(self, side: str | None, module: nn.Module) -> None:
+        if side is None:
+            self.mlp = module
+        else:
+            self.beside[side] = module
 
     def forward(self, x, rope, mask, cache: KVCache | None, ctx: TokenContext, weights=None) -> torch.Tensor:
-        values = (lambda v: self.mlp.mix_values(v, ctx)) if self.acts_on_values else None
+        values = partial(self._mix_values, ctx) if self.acts_on_values or self.value_sides else None
         x = x + self.self_attn(self.input_layernorm(x), rope, mask, cache, values, weights)
-        return x + self.mlp(self.post_attention_layernorm(x), ctx)
+        h = self.post_attention_layernorm(x)
+        y = self.mlp(h, ctx)
+        for name in self.ffn_sides:
+            y = self.beside[name](h, ctx, y)
+        return x + y
+
+    def _mix_values(self, ctx: TokenContext, v: torch.Tensor) -> torch.Tensor:
+        """Attention's values [B, kv_heads, T, head_dim] through the FFN kind's mix, then each side module's."""
+        if self.acts_on_values:
+            v = self.mlp.mix_values(v, ctx)
+        for name in self.value_sides:
+            v = self.beside[name].mix_values(v, ctx)
+        return v
 
 
 class DecoderStack(nn.Module):
@@ -105,12 +143,14 @@ class DecoderStack(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary_emb = RotaryEmbedding(config.head_size, config.rope_theta, config.rope_llama3)
         for i, layer in enumerate(self.layers):
-            for table in get_kind(config.layer_ffn(i)).tables:
-                owner = table.owner_of(config, i)
-                if owner != i:
-                    # A shared table: registered once, in its owner's module (one parameter name); this layer
-                    # holds a plain reference, which follows the owner's module through .to(), loading, sharding.
-                    object.__setattr__(layer.mlp, table.attr, getattr(self.layers[owner].mlp, table.attr))
+            for kind, side, module in layer_modules(config, layer, i):
+                for table in kind.tables:
+                    owner = table.owner_of(config, i)
+                    if owner != i:
+                        # A shared table: registered once, in its owner's module (one parameter name); this layer
+                        # holds a plain reference, which follows the owner's module through .to(), loading, sharding.
+                        held = self.layers[owner].kind_module(side)
+                        object.__setattr__(module, table.attr, getattr(held, table.attr))
 
 
 class StemLM(nn.Module):
@@ -199,23 +239,26 @@ class StemLM(nn.Module):
 
     # ----- parameters -----
     def tables(self, family: str) -> dict[int, nn.Module]:
-        """Layer index -> the lookup table of `family` that layer's module owns (a table shared by several layers
-        appears once, under its owner's index: the key its rows are asked for with)."""
+        """Table key -> the lookup table of `family` held there, in key order: the layer index for a layer's `mlp`,
+        past the layers for its side modules (`stemlm.model.kinds.registry.table_key`; `key_label` shows one). A
+        table shared by several layers appears once, under its owner's key: the key its rows are asked for with."""
         if family not in FAMILIES:
             raise StemlmError(f"unknown table family {family!r}; families: {', '.join(FAMILIES)}")
         found = {}
         for i, layer in enumerate(self.model.layers):
-            for table in get_kind(self.config.layer_ffn(i)).tables:
-                if table.family == family and table.owner_of(self.config, i) == i:
-                    found[i] = getattr(layer.mlp, table.attr)
-        return found
+            for kind, side, module in layer_modules(self.config, layer, i):
+                for table in kind.tables:
+                    if table.family == family and table.owner_of(self.config, i) == i:
+                        found[table_key(self.config, i, side)] = getattr(module, table.attr)
+        return dict(sorted(found.items()))
 
     def lookup_tables(self) -> dict[str, dict[int, nn.Module]]:
         """Family -> `tables(family)`, for the families this model has."""
         return {family: tables for family in FAMILIES if (tables := self.tables(family))}
 
     def stem_tables(self) -> dict[int, nn.Embedding]:
-        """Layer index -> token table (the `token` family: STEM, STEM-gate, PLE, ... tables keyed by the input id)."""
+        """Table key -> token table (the `token` family: STEM, STEM-gate, PLE, value tables, ... keyed by the input
+        id), side modules' tables included."""
         return self.tables("token")
 
     def init_stds(self) -> dict[int, float]:

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from stemlm.errors import StemlmError
-from stemlm.model.kinds.registry import Config, get_kind
+from stemlm.model.kinds.registry import Config, beside_kinds, get_kind
 
 
 def is_prime(n: int) -> bool:
@@ -71,12 +71,20 @@ def check_orders(name: str, value, need) -> None:
     need(ok, f"{name} must be a comma list of distinct n-gram orders >= 2 such as '2' or '2,3', got {value!r}")
 
 
+def ngram_kind(config: Config):
+    """The kind whose layers look n-gram rows up (the FFN kind, or one beside it; at most one per model), or None."""
+    ffn = get_kind(config.ffn)
+    if ffn.ngram is not None and config.special_layers:
+        return ffn
+    return next((k for k in beside_kinds() if k.ngram is not None and config.beside_layers(k.name)), None)
+
+
 def ngram_layout(config: Config) -> NgramLayout | None:
     """The n-gram tables of a config whose kind has n-gram keys (every such layer has the same), else None."""
-    shape = get_kind(config.ffn).ngram
-    if shape is None or not config.special_layers:
+    kind = ngram_kind(config)
+    if kind is None:
         return None
-    orders, heads, rows = shape(config)
+    orders, heads, rows = kind.ngram(config)
     orders = parse_orders(orders)
     primes = head_primes(rows or config.vocab_size, heads)
     return NgramLayout(orders, heads, tuple(p for _ in orders for p in primes))

@@ -22,8 +22,7 @@ import torch
 from torch import nn
 
 from stemlm.errors import StemlmError
-from stemlm.model.decoder import StemLM
-from stemlm.model.kinds.registry import get_kind
+from stemlm.model.decoder import StemLM, layer_modules
 from stemlm.model.ngram import ngram_hasher
 
 
@@ -93,19 +92,23 @@ def resize_vocabulary(model: StemLM, vocab_size: int) -> StemLM:
     grown: list[tuple[nn.Parameter, int]] = []
     hashed = set()
     for i, layer in enumerate(model.model.layers):
-        kind = get_kind(config.layer_ffn(i))
-        with torch.device("meta"):
-            probe = kind.build(config, i)
-        if _state_shapes(probe) != _state_shapes(layer.mlp):
-            layer.mlp, resized = _rebuild(layer.mlp, kind.build, config, i)
-            grown += resized
-        if kind.ngram is not None or kind.routes_by_id:
-            hashed.add(kind.name)
+        for kind, side, module in list(layer_modules(config, layer, i)):  # its FFN module and side modules
+            build = kind.build if side is None else kind.beside.build
+            with torch.device("meta"):
+                probe = build(config, i)
+            if _state_shapes(probe) != _state_shapes(module):
+                rebuilt, resized = _rebuild(module, build, config, i)
+                layer.set_kind_module(side, rebuilt)
+                grown += resized
+            if kind.ngram is not None or kind.routes_by_id:
+                hashed.add(kind.name)
     for i, layer in enumerate(model.model.layers):  # tables shared across layers: point at the owner's new table
-        for table in get_kind(config.layer_ffn(i)).tables:
-            owner = table.owner_of(config, i)
-            if owner != i:
-                object.__setattr__(layer.mlp, table.attr, getattr(model.model.layers[owner].mlp, table.attr))
+        for kind, side, module in layer_modules(config, layer, i):
+            for table in kind.tables:
+                owner = table.owner_of(config, i)
+                if owner != i:
+                    held = model.model.layers[owner].kind_module(side)
+                    object.__setattr__(module, table.attr, getattr(held, table.attr))
     embed = model.model.embed_tokens
     if embed.num_embeddings != vocab_size:
         _resize_module_rows(embed, "weight", vocab_size, grown)

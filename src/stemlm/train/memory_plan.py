@@ -57,7 +57,7 @@ def _table_optimizer_bytes(table_optim: str, rows: int, width: int, num_tables: 
 
 def _block_elements(config: ModelConfig) -> tuple[list[int], int]:
     """(elements each block saves per token, the shared RoPE cos/sin per token)."""
-    kinds = {config.layer_ffn(i) for i in range(config.num_hidden_layers)}
+    kinds = {k for i in range(config.num_hidden_layers) for k in config.layer_kinds(i)}
     if not kinds <= set(MODELLED_KINDS):
         raise StemlmError(f"activation memory is modelled for {', '.join(MODELLED_KINDS)} layers, not {sorted(kinds)}")
     d, heads, hd = config.hidden_size, config.num_attention_heads, config.head_size
@@ -114,7 +114,7 @@ def memory_plan(
     table_state = _table_optimizer_bytes(table_optim, rows, width, len(tables))
     tokens = micro_batch * seq_len
     per_token, recompute = None, 0
-    if {config.layer_ffn(i) for i in range(config.num_hidden_layers)} <= set(MODELLED_KINDS):
+    if {k for i in range(config.num_hidden_layers) for k in config.layer_kinds(i)} <= set(MODELLED_KINDS):
         per_token = activation_elements_per_token(config, loss_chunk=loss_chunk, checkpointing=activation_checkpointing)
         recompute = recompute_elements_per_token(config) if activation_checkpointing else 0
     plan = {

@@ -29,8 +29,7 @@ import torch
 from torch import nn
 
 from stemlm.errors import StemlmError
-from stemlm.model.decoder import StemLM
-from stemlm.model.kinds.registry import get_kind
+from stemlm.model.decoder import StemLM, layer_modules
 from stemlm.train.config import TrainConfig
 from stemlm.train.tables.optim import (
     clip_grad_norm_mixed,
@@ -61,7 +60,8 @@ def freeze_backbone(model: StemLM) -> None:
     adapter's gate logits: `Kind.trains_with_tables`) stops learning."""
     keep = {id(p) for p in split_parameters(model)["tables"]}
     for i, layer in enumerate(model.model.layers):
-        keep |= {id(getattr(layer.mlp, name)) for name in get_kind(model.config.layer_ffn(i)).trains_with_tables}
+        for kind, _, module in layer_modules(model.config, layer, i):  # the layer's FFN and side modules
+            keep |= {id(getattr(module, name)) for name in kind.trains_with_tables}
     if not keep:
         raise StemlmError("--train tables needs a model with token tables (e.g. one from `stemlm convert`)")
     for param in model.parameters():

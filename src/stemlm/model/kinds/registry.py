@@ -16,8 +16,18 @@ Lookup tables belong to a `Family`, which fixes how the library treats them (`FA
 - `memory`: rows keyed by ids that a layer's own top-k picks from the hidden state, so they are fetched on demand
   (one provider and cache per layer, on the forward's critical path); replicated under `--nproc`; not edited.
 
+A kind may also run *beside* the layer's FFN kind (`Kind.beside`, a `Beside`): its side module (value embeddings'
+mix alone, Engram's branch alone) sits at `model.layers.<i>.beside.<kind>` on the layers its own selection field
+`<kind>_layers` names, whatever kind the layer's `mlp` is. Its tables are the kind's `tables`, read from the side
+module.
+
 `model(ids, rows={family: provider})` supplies rows from outside (offload, sharding, edits); a family without a
-provider is read from the model's own tables. Every table trains in the table optimizer group (row-sparse
+provider is read from the model's own tables. A provider is asked for rows by a table key (`table_key`): the
+layer index for the tables of the layer's `mlp`, so a model without side modules keys its tables by layer as it
+always did; a side module's tables are keyed past the layers (`layer + slot * num_hidden_layers`), so a layer's
+two token tables (STEM's and a value table) never share a key.
+
+Every table trains in the table optimizer group (row-sparse
 optimizers switch it to sparse gradients) and takes `table_init` unless its module's `init_stds` says otherwise.
 """
 
@@ -118,6 +128,21 @@ class LayerCount:
 
 
 @dataclass(frozen=True)
+class Beside:
+    """How a kind runs beside the layer's FFN kind, on the layers of its field `<kind>_layers` (default none).
+
+    `build(config, layer_idx)` makes the side module at `model.layers.<i>.beside.<kind>`; it holds the attributes
+    the kind's `tables` name. `acts_on` says where it enters the layer: "values" (its `mix_values(v, ctx)` runs on
+    attention's values, as `Kind.acts_on_values`) or "ffn" (its `forward(x, ctx, y)` returns the FFN output `y`
+    plus its branch of the same normalised input `x`). `count` is the side module's accounting, in the kind's
+    components. A side kind is refused on a model whose FFN kind is the same kind."""
+
+    build: Callable[[Config, int], Any]
+    count: Callable[[Config, int], LayerCount]
+    acts_on: str  # "values" or "ffn"
+
+
+@dataclass(frozen=True)
 class Kind:
     name: str
     order: int  # position in kind lists (help texts, `--ffn` choices, `experiment compare --kinds`)
@@ -138,6 +163,12 @@ class Kind:
     edit_note: str | None = None  # said with every row edit of such a model (what an edit does not change)
     resolved: Callable[[Config], dict[str, Any]] | None = None  # its None defaults resolved (config comparison)
     routes_by_id: bool = False  # reads `ctx.input_ids` without a table (hash layers: the id picks the expert)
+    beside: Beside | None = None  # it can also run beside another kind's FFN (its side module), see `Beside`
+
+    @property
+    def layers_field(self) -> str:
+        """The config field selecting the layers it runs beside the FFN kind on (kinds with `beside`)."""
+        return f"{self.name}_layers"
 
     def families(self) -> tuple[str, ...]:
         return tuple(dict.fromkeys(t.family for t in self.tables))
@@ -197,11 +228,42 @@ def get_kind(name: str) -> Kind:
     return kinds[name]
 
 
+def beside_kinds() -> tuple[Kind, ...]:
+    """The kinds that can run beside an FFN kind, in `order`; the i-th keys its tables at slot i + 1."""
+    return tuple(k for k in all_kinds() if k.beside is not None)
+
+
+def table_key(config: Config, layer_idx: int, side: str | None = None) -> int:
+    """The key the rows of a table held at layer `layer_idx` are asked for with: the layer index for its `mlp`,
+    `layer_idx + slot * num_hidden_layers` for the side module of kind `side` (slot 1, 2, ... in `beside_kinds`)."""
+    if side is None:
+        return layer_idx
+    slot = 1 + [k.name for k in beside_kinds()].index(side)
+    return layer_idx + slot * config.num_hidden_layers
+
+
+def key_layer(config: Config, key: int) -> int:
+    """The layer whose table `key` names (the inverse of `table_key` up to the module)."""
+    return key % config.num_hidden_layers
+
+
+def key_label(config: Config, key: int) -> str:
+    """How a table key is shown: "layer 3", or "layer 3 value_embed" for a side module's table."""
+    slot = key // config.num_hidden_layers
+    side = "" if slot == 0 else f" {beside_kinds()[slot - 1].name}"
+    return f"layer {key_layer(config, key)}{side}"
+
+
 def kind_fields() -> list[Field]:
-    """Every kind's config fields, in kind order; a field declared by two kinds must be declared alike."""
+    """Every kind's config fields, in kind order; a field declared by two kinds must be declared alike. A kind
+    that runs beside others adds its layer selection `<kind>_layers` (a layer spec, default "none")."""
     fields: dict[str, Field] = {}
     for kind in all_kinds():
-        for f in kind.fields:
+        declared = kind.fields
+        if kind.beside is not None:
+            help_text = f"layers where {kind.name} runs beside the FFN kind (a layer spec, e.g. first:3,last:3)"
+            declared = (*declared, Field(kind.layers_field, "str | list[int]", "none", help_text))
+        for f in declared:
             if f.name in fields and fields[f.name] != f:
                 raise StemlmError(f"config field {f.name!r} is declared differently by two kinds")
             fields.setdefault(f.name, f)

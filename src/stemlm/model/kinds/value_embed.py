@@ -4,11 +4,15 @@ In each selected layer, on the value vectors of attention (before it attends, an
 
     v_t <- λ0 · v_t + λ1 · VE[t]         VE: [vocab_size, kv_heads · head_dim], t the input id; λ learned per layer
 
-The layer's FFN stays a dense SwiGLU. `value_embed_tables` = n shares the tables: the j-th selected layer uses
-table j mod n (six layers and n = 3 give modded-nanogpt's 0 1 2 ... 0 1 2); None gives every layer its own. A
-shared table is held by the first layer that uses it (`model.layers.<owner>.mlp.value_embedding.weight`); the
-others read it under the owner's index. VE is a `token` table (stemlm.model.kinds.registry.FAMILIES), so it is
-prefetched when offloaded, row-sharded under `--nproc`, trained row-sparsely and edited like a STEM table.
+As the FFN kind (`ffn="value_embed"`, its layers in `stem_layers`) the layer's FFN stays a dense SwiGLU. Beside
+another FFN kind (`value_embed_layers`, e.g. STEM on the odd layers and value embeddings on "first:3,last:3") the
+mix alone sits at `model.layers.<i>.beside.value_embed` (`ValueEmbedding`); both modules mix through
+`mix_values`, one implementation. `value_embed_tables` = n shares the tables: the j-th selected layer uses table
+j mod n (six layers and n = 3 give modded-nanogpt's 0 1 2 ... 0 1 2); None gives every layer its own. A shared
+table is held by the first layer that uses it (`model.layers.<owner>.mlp.value_embedding.weight`, or
+`...beside.value_embed.value_embedding.weight`); the others read it under the owner's key. VE is a
+`token` table (stemlm.model.kinds.registry.FAMILIES), so it is prefetched when offloaded, row-sharded under
+`--nproc`, trained row-sparsely and edited like a STEM table.
 
 From KellerJordan/modded-nanogpt's `train_gpt.py` (the idea read there, written anew). Differences: λ start at
 (1, 1), so a layer starts as its dense twin plus the row (modded-nanogpt starts at (0.5, 0.5)); VE takes
@@ -24,30 +28,53 @@ import torch.nn.functional as F
 from torch import nn
 
 from stemlm.model.ffn import TokenContext, lookup, token_table
-from stemlm.model.kinds.registry import Config, Field, Kind, LayerCount, Table
+from stemlm.model.kinds.registry import Beside, Config, Field, Kind, LayerCount, Table, table_key
+
+NAME = "value_embed"
+
+
+def value_layers(config: Config) -> list[int]:
+    """The layers with value embeddings: `stem_layers` when it is the FFN kind, else `value_embed_layers`."""
+    return config.special_layers if config.ffn == NAME else config.beside_layers(NAME)
 
 
 def table_owner(config: Config, layer_idx: int) -> int:
     """The layer whose module holds the value table that `layer_idx` reads."""
-    layers = config.special_layers
+    layers = value_layers(config)
     return layers[layers.index(layer_idx) % (config.value_embed_tables or len(layers))]
 
 
+def mix_values(module: nn.Module, v: torch.Tensor, ctx: TokenContext) -> torch.Tensor:
+    """v: [B, kv_heads, T, head_dim] -> λ0 · v + λ1 · VE[t], same shape (`module`: either module below)."""
+    B, H, T, D = v.shape
+    rows = lookup(module.value_embedding, ctx, module.table_key)  # [B, T, kv_heads · head_dim]
+    ve = rows.to(v.dtype).reshape(B, T, H, D).transpose(1, 2)
+    lam = module.value_lambda.to(v.dtype)
+    return lam[0] * v + lam[1] * ve
+
+
+def _add_mix(module: nn.Module, config: Config, layer_idx: int, side: str | None) -> None:
+    """Give `module` its value table (unless another layer owns it: the decoder points `value_embedding` at the
+    owner's) and its λ, registered after whatever the module already has (the parameter order is the init order)."""
+    owner = table_owner(config, layer_idx)
+    module.table_key = table_key(config, owner, side)
+    if owner == layer_idx:
+        module.value_embedding = token_table(config.vocab_size, config.kv_heads * config.head_size)
+    module.value_lambda = nn.Parameter(torch.empty(2))  # (λ0, λ1)
+
+
 class ValueEmbedFFN(nn.Module):
-    """A dense SwiGLU at the FFN position, and `mix_values`, which the layer's attention calls on its values."""
+    """The FFN kind: a dense SwiGLU at the FFN position, and `mix_values`, which the layer's attention calls."""
 
     fusable = (("gate_proj", "up_proj"),)  # one product for decoding (stemlm.model.fusion)
 
     def __init__(self, config: Config, layer_idx: int) -> None:
         super().__init__()
-        self.layer_idx, self.table_layer = layer_idx, table_owner(config, layer_idx)
         d, f = config.hidden_size, config.intermediate_size
         self.gate_proj = nn.Linear(d, f, bias=False)
         self.up_proj = nn.Linear(d, f, bias=False)
         self.down_proj = nn.Linear(f, d, bias=False)
-        if self.table_layer == layer_idx:  # otherwise the decoder points `value_embedding` at the owner's table
-            self.value_embedding = token_table(config.vocab_size, config.kv_heads * config.head_size)
-        self.value_lambda = nn.Parameter(torch.empty(2))  # (λ0, λ1)
+        _add_mix(self, config, layer_idx, side=None)
 
     def init_stds(self) -> dict[int, float | None]:
         return {id(self.value_lambda): None}  # None: ones
@@ -56,34 +83,49 @@ class ValueEmbedFFN(nn.Module):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
     def mix_values(self, v: torch.Tensor, ctx: TokenContext) -> torch.Tensor:
-        """v: [B, kv_heads, T, head_dim] -> λ0 · v + λ1 · VE[t], same shape."""
-        B, H, T, D = v.shape
-        rows = lookup(self.value_embedding, ctx, self.table_layer)  # [B, T, kv_heads · head_dim]
-        ve = rows.to(v.dtype).reshape(B, T, H, D).transpose(1, 2)
-        lam = self.value_lambda.to(v.dtype)
-        return lam[0] * v + lam[1] * ve
+        return mix_values(self, v, ctx)
+
+
+class ValueEmbedding(nn.Module):
+    """Beside another FFN kind: the mix alone, at `model.layers.<i>.beside.value_embed`."""
+
+    def __init__(self, config: Config, layer_idx: int) -> None:
+        super().__init__()
+        _add_mix(self, config, layer_idx, side=NAME)
+
+    def init_stds(self) -> dict[int, float | None]:
+        return {id(self.value_lambda): None}  # None: ones
+
+    def mix_values(self, v: torch.Tensor, ctx: TokenContext) -> torch.Tensor:
+        return mix_values(self, v, ctx)
+
+
+def count_mix(config: Config, layer_idx: int) -> LayerCount:
+    """The mix alone: two λ, and the table with one row read per token where this layer owns it."""
+    width = config.kv_heads * config.head_size
+    owner = table_owner(config, layer_idx) == layer_idx
+    params = {"value_mix": 2, **({"value_tables": config.vocab_size * width} if owner else {})}
+    return LayerCount(params, {}, width if owner else 0)
 
 
 def count(config: Config, layer_idx: int) -> LayerCount:
-    d, f, width = config.hidden_size, config.intermediate_size, config.kv_heads * config.head_size
-    params = {"ffn_dense": 3 * d * f, "value_mix": 2}
-    owner = table_owner(config, layer_idx) == layer_idx
-    if owner:
-        params["value_tables"] = config.vocab_size * width
-    return LayerCount(params, {"ffn_dense": 3 * d * f}, width if owner else 0)
+    d, f = config.hidden_size, config.intermediate_size
+    mix = count_mix(config, layer_idx)
+    return LayerCount({"ffn_dense": 3 * d * f, **mix.params}, {"ffn_dense": 3 * d * f}, mix.rows)
 
 
 def check(config: Config, need) -> None:
-    if config.ffn == "value_embed" and config.value_embed_tables is not None:
-        layers = len(config.special_layers)
+    field = "stem_layers" if config.ffn == NAME else "value_embed_layers"
+    layers = len(value_layers(config))
+    if config.value_embed_tables is not None and (config.ffn == NAME or layers):
         need(
             config.value_embed_tables <= layers,
-            f"value_embed_tables={config.value_embed_tables} exceeds the {layers} layers in stem_layers",
+            f"value_embed_tables={config.value_embed_tables} exceeds the {layers} layers in {field}",
         )
 
 
 KIND = Kind(
-    name="value_embed",
+    name=NAME,
     order=100,
     summary="value embeddings (modded-nanogpt): attention's v <- λ0·v + λ1·VE[t], beside a dense FFN",
     build=ValueEmbedFFN,
@@ -104,4 +146,5 @@ KIND = Kind(
     scalar_components=("value_mix",),
     acts_on_values=True,
     trains_with_tables=("value_lambda",),
+    beside=Beside(build=ValueEmbedding, count=count_mix, acts_on="values"),
 )
