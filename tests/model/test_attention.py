@@ -24,6 +24,19 @@ def test_rmsnorm_matches_formula():
     torch.testing.assert_close(norm(x), expected)
 
 
+def test_rmsnorm_computes_fp64_in_fp64_and_half_types_in_fp32():
+    norm = RMSNorm(64, eps=1e-6).double()
+    with torch.no_grad():
+        norm.weight.normal_()
+    x = torch.randn(5, 64, dtype=torch.float64)
+    expected = norm.weight * x / torch.sqrt((x * x).sum(-1, keepdim=True) / 64 + 1e-6)
+    assert (norm(x) - expected).abs().max() < 1e-14  # fp32 arithmetic would be ~1e-7 off
+    half = RMSNorm(64, eps=1e-6)
+    xb = torch.randn(5, 64).to(torch.bfloat16)
+    through_fp32 = (xb.float() * torch.rsqrt(xb.float().pow(2).mean(-1, keepdim=True) + 1e-6)).to(torch.bfloat16)
+    assert torch.equal(half(xb), half.weight * through_fp32)
+
+
 def test_rope_is_a_rotation_of_half_split_pairs():
     # Independent form: pair dimension i with i + hd/2 as a complex number and rotate it by pos * theta^(-2i/hd).
     hd, theta = 8, 10000.0

@@ -29,6 +29,9 @@ if TYPE_CHECKING:  # annotations only: the config imports the kinds, and a kind 
 
 
 class RMSNorm(nn.Module):
+    """x / rms(x) · weight, computed in fp32 for fp32 and half inputs (bf16's mean of squares loses too much) and in
+    fp64 for fp64 ones, so an fp64 check through a norm is exact rather than fp32-accurate."""
+
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
         self.eps = eps
@@ -36,7 +39,7 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
-        x = x.float()
+        x = x.to(torch.float64 if dtype == torch.float64 else torch.float32)
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x.to(dtype)
 
