@@ -59,7 +59,7 @@ def test_angular_spread_numbers(analysis_model):
     tokens, positions = [3, 17, 42, 9, 100, 250], [0, 1, 3, 4, 5, 7]
     assert result["tokens"] == 6 and set(result["layers"]) == {"1", "2"} and "dense" in result["baseline"]
     for layer in (1, 2):
-        rows = stem.stem_tables()[layer].weight.detach()[tokens]
+        rows = stem.token_tables()[layer].weight.detach()[tokens]
         assert result["layers"][str(layer)]["stem_rows"]["mean"] == pytest.approx(float(pairwise_cosines(rows).mean()))
         centred = float(pairwise_cosines(rows - rows.mean(0)).abs().mean())
         assert result["layers"][str(layer)]["stem_rows"]["centred_mean_abs"] == pytest.approx(centred)

@@ -35,7 +35,7 @@ def tiny_config(ffn: str = "stem", **overrides) -> ModelConfig:
         num_key_value_heads=2,
         max_position_embeddings=64,
         ffn=ffn,
-        stem_layers="all-but-first",
+        ffn_layers="all-but-first",
         num_experts=4,
         ple_dim=8,
         rope_theta=500.0,
@@ -137,7 +137,7 @@ def test_config_fields_mirror_model_config():
     hf_fields = {name for name in StemlmConfig.__dataclass_fields__ if name in model_config_fields()}
     assert hf_fields == set(model_config_fields())
     assert StemlmConfig().to_model_config() == ModelConfig()
-    config = tiny_config("hash_moe", stem_layers=[0, 2])
+    config = tiny_config("hash_moe", ffn_layers=[0, 2])
     assert StemlmConfig.from_model_config(config).to_model_config() == config
     with pytest.raises(StemlmError, match="unknown ffn kind"):
         StemlmConfig(ffn="bogus")
@@ -151,7 +151,7 @@ def test_fresh_model_follows_stemlm_init():
         num_hidden_layers=2,
         num_attention_heads=4,
         ffn="stem",
-        stem_layers="all",
+        ffn_layers="all",
     )
     torch.manual_seed(0)
     model = StemlmForCausalLM(config)
@@ -224,7 +224,7 @@ def test_resize_token_embeddings_grows_the_stem_tables_and_round_trips(tmp_path,
     before = hf(ids).logits
     hf.resize_token_embeddings(VOCAB + 8)
     assert hf.config.vocab_size == hf.stem.config.vocab_size == VOCAB + 8
-    assert all(t.weight.shape[0] == VOCAB + 8 for t in hf.stem.stem_tables().values())
+    assert all(t.weight.shape[0] == VOCAB + 8 for t in hf.stem.token_tables().values())
     assert (hf.lm_head.weight is hf.model.embed_tokens.weight) == tied
     after = hf(torch.cat([ids, torch.full((2, 1), VOCAB + 7)], 1)).logits
     torch.testing.assert_close(after[:, :6, :VOCAB], before)  # old tokens: the same rows, the same logits

@@ -57,7 +57,7 @@ def edited_copy(model, source: str, target: str, layers=None):
     clone = copy.deepcopy(model)
     (src,) = ids_of(" " + source)
     tgt = ids_of(" " + target)
-    for i, table in clone.stem_tables().items():
+    for i, table in clone.token_tables().items():
         if layers is None or i in layers:
             table.weight[src] = table.weight[tgt].mean(0)
     return clone
@@ -66,7 +66,7 @@ def edited_copy(model, source: str, target: str, layers=None):
 def test_info_and_tokenize(client_for, stem_ckpt):
     client, pg = client_for(stem_ckpt)
     info = client.get("/api/info").get_json()
-    assert info["stem_layers"] == [1, 2] and info["tables"] == "resident" and info["editing"] is None
+    assert info["table_layers"] == [1, 2] and info["tables"] == "resident" and info["editing"] is None
     assert info["can_save"] is False and "Germany" in info["entities"]
     status, body = post(client, "/api/tokenize", prompt=PROMPT)
     assert status == 200 and [t["id"] for t in body["tokens"]] == ids_of(PROMPT)
@@ -198,7 +198,7 @@ def test_unexpected_failure_is_json_without_traceback(client_for, stem_ckpt, mon
 def test_dense_checkpoint_cannot_be_edited_but_generates(client_for, dense_ckpt):
     client, pg = client_for(dense_ckpt)
     info = client.get("/api/info").get_json()
-    assert info["stem_layers"] == [] and "no STEM tables" in info["editing"]
+    assert info["table_layers"] == [] and "no STEM tables" in info["editing"]
     status, body = post(client, "/api/edit", prompt=PROMPT, source=SOURCE, target=TARGET)
     assert status == 400 and "no STEM tables" in body["error"]
     status, body = post(client, "/api/contribution", prompt=PROMPT)
@@ -238,7 +238,7 @@ def test_nearest_tokens_by_row_cosine(client_for, stem_ckpt):
     query = ids_of(" " + SOURCE)[0]
     status, body = post(client, "/api/nearest", token_id=query, k=4)
     assert status == 200 and [t["name"] for t in body["tables"]] == ["layer 1", "layer 2", "embed_tokens"]
-    weight = pg.model.stem_tables()[1].weight
+    weight = pg.model.token_tables()[1].weight
     cos = (weight @ weight[query]) / (weight.norm(dim=-1) * weight[query].norm())
     cos[query] = -2
     expected = torch.topk(cos, 4)

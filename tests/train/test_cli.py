@@ -245,7 +245,7 @@ def test_flags_become_the_run_request():
     assert request == RunRequest(
         request.changes,
         ffn="stem",
-        stem_layers="1,3",
+        ffn_layers="1,3",
         model_sets=["model.hidden_size=32"],
         fit_vocab=True,
         **same,
