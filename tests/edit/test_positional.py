@@ -196,7 +196,7 @@ def test_errors(edit_model, fact_tokenizer):
     with pytest.raises(StemlmError, match="beyond the model's vocabulary"):
         make_edit(edit_model(vocab_size=300), fact_tokenizer, prompt, "Spain", "Germany")
     with pytest.raises(StemlmError, match="unknown row kind"):
-        make_edit(stem, fact_tokenizer, prompt, "Spain", "Germany", rows="tables")
+        make_edit(stem, fact_tokenizer, prompt, "Spain", "Germany", rows="bogus")
 
 
 def test_batch_hooks_equal_separate_edits(edit_model, fact_tokenizer):

@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import pytest
 
+from stemlm.cli.main import build_parser
 from stemlm.edit.evaluate import edit_variants
+from stemlm.edit.positional import rows_to_parts
 from stemlm.edit.session import EditOptions, parse_layers, render_edit, run_edit
 from stemlm.errors import StemlmError
 
@@ -82,3 +84,14 @@ def test_checkpoint_edits_with_a_dense_control(edit_model, fact_tokenizer, tmp_p
     )
     with pytest.raises(StemlmError, match="--fluency-records must be >= 0"):
         evaluate_checkpoint_edits(str(tmp_path / "stem"), "capital", 2, seed=0, fluency_records=-1)
+
+
+def test_rows_stem_is_the_old_name_of_tables(tiny_model):
+    assert rows_to_parts("stem") == rows_to_parts("tables") == (True, False)
+    assert edit_variants("stem,embed", tiny_model()) == ["tables", "embed"]
+    args = build_parser().parse_args(
+        ["edit", "ckpt", "--prompt", "p", "--source", "a", "--target", "b", "--rows", "stem"]
+    )
+    assert args.rows == "tables"
+    with pytest.raises(StemlmError, match="unknown row kind 'bogus'"):
+        rows_to_parts("bogus")

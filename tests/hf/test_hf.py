@@ -143,6 +143,20 @@ def test_config_fields_mirror_model_config():
         StemlmConfig(ffn="bogus")
 
 
+def test_stem_layers_is_the_old_name_of_ffn_layers(tmp_path):
+    config = StemlmConfig(hidden_size=32, num_attention_heads=2, num_hidden_layers=4, stem_layers="odd")
+    assert config.ffn_layers == "odd" and config.to_model_config().special_layers == [1, 3]
+    assert "stem_layers" not in config.to_dict()
+    with pytest.raises(StemlmError, match="both stem_layers='odd' and ffn_layers='all'"):
+        StemlmConfig(num_hidden_layers=4, ffn_layers="all", stem_layers="odd")
+    # a config.json written before the rename (stem_layers, resolved_stem_layers) loads with its layers
+    d = json.loads(config.to_json_string())
+    d["stem_layers"], d["resolved_stem_layers"] = d.pop("ffn_layers"), [1, 3]
+    d.pop("resolved_ffn_layers", None)
+    (tmp_path / "config.json").write_text(json.dumps(d))
+    assert AutoConfig.from_pretrained(tmp_path).to_model_config().special_layers == [1, 3]
+
+
 def test_fresh_model_follows_stemlm_init():
     config = StemlmConfig(
         vocab_size=1024,

@@ -108,6 +108,17 @@ def test_hf_dict_round_trip_and_llama_fields(tiny_config):
         ModelConfig.from_dict(d | {"model_type": "llama"})
 
 
+def test_stem_layers_is_the_old_name_of_ffn_layers(tiny_config):
+    # config.json files and dicts written before the rename, and `--set model.stem_layers=...`
+    d = tiny_config("stem").to_dict()
+    old = {k: v for k, v in d.items() if k != "ffn_layers"} | {"stem_layers": "odd"}
+    assert ModelConfig.from_dict(old).ffn_layers == "odd" and ModelConfig.from_dict(old).special_layers == [1]
+    assert ModelConfig.from_dict(d | {"stem_layers": d["ffn_layers"]}) == ModelConfig.from_dict(d)  # agreeing
+    with pytest.raises(StemlmError, match="both stem_layers='odd' and ffn_layers='all'"):
+        ModelConfig.from_dict(d | {"ffn_layers": "all", "stem_layers": "odd"})
+    assert tiny_config().with_overrides(["model.stem_layers=odd"]).ffn_layers == "odd"
+
+
 def test_layer_ffn_and_dense_config(tiny_config):
     config = tiny_config("ple", ffn_layers=[2])
     assert [config.layer_ffn(i) for i in range(3)] == ["dense", "dense", "ple"]

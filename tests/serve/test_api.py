@@ -122,6 +122,17 @@ def test_edit_matches_an_independent_edit(client_for, stem_ckpt):
     assert body["max_abs_prob_change"] == pytest.approx(float((after - before).abs().max()), rel=1e-4)
 
 
+def test_edit_rows_stem_is_the_old_name_of_tables(client_for, stem_ckpt):
+    client, _ = client_for(stem_ckpt)
+    common = dict(prompt=PROMPT, source=SOURCE, target=TARGET, max_new_tokens=3, greedy=True)
+    _, new = post(client, "/api/edit", rows="tables", **common)
+    _, old = post(client, "/api/edit", rows="stem", **common)
+    for key in ("positions", "layers", "before", "after"):
+        assert old[key] == new[key]
+    status, _ = post(client, "/api/edit", rows="bogus", **common)
+    assert status == 400
+
+
 def test_picked_span_equals_the_named_source(client_for, stem_ckpt):
     client, _ = client_for(stem_ckpt)
     pos = ids_of(PROMPT).index(ids_of(" " + SOURCE)[0])
