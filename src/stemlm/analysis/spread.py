@@ -113,7 +113,8 @@ def spread_vectors(
 def angular_spread(
     model: StemLM, ids: Sequence[int], *, dense: StemLM | None = None, max_tokens: int = 512
 ) -> tuple[dict, dict[int, tuple[torch.Tensor, torch.Tensor]]]:
-    """(per-layer cosine statistics of STEM rows vs baseline vectors, the raw cosines for `plot_spread`)."""
+    """(per-table cosine statistics of STEM rows vs baseline vectors, keyed by table key with its `label`; the raw
+    cosines for `plot_spread`, keyed by that label)."""
     tokens, vectors = spread_vectors(model, ids, dense, max_tokens)
     samples = {
         key_label(model.config, key): (pairwise_cosines(rows), pairwise_cosines(base))

@@ -79,7 +79,7 @@ def diagnostics(cfg, stem, tokenizer: Tokenizer, records, cache: dict, log) -> d
                 stem, tokenizer, records, rows=rows, layers=[layer], **quick
             )
     log("diagnostics: global (table) edits")
-    out["global-stem"] = evaluate_edits(stem, tokenizer, records, rows="tables", mode="global", **quick)
+    out["global-tables"] = evaluate_edits(stem, tokenizer, records, rows="tables", mode="global", **quick)
     out["global-both"] = evaluate_edits(stem, tokenizer, records, rows="both", mode="global", **quick)
     everything = edit_records(cfg.edit_relation, None, seed=cfg.seed)
     groups = _length_groups(tokenizer, everything, stem.config.vocab_size)
