@@ -231,7 +231,7 @@ def test_inputs_embeds_alone_is_refused_where_the_kind_reads_ids(tmp_path):
 
 
 @pytest.mark.parametrize("tied", [False, True])
-def test_resize_token_embeddings_grows_the_stem_tables_and_round_trips(tmp_path, tied):
+def test_resize_token_embeddings_grows_the_token_tables_and_round_trips(tmp_path, tied):
     _, folder = saved_stemlm(tmp_path, tiny_config("stem", tie_word_embeddings=tied))
     hf = AutoModelForCausalLM.from_pretrained(folder).eval()
     ids = random_ids(2, 6)

@@ -74,7 +74,7 @@ def test_table_rows_sees_input_ids_and_own_rows_change_nothing(tiny_model, ffn):
     assert seen == model.config.special_layers
 
 
-def test_stem_tables_empty_without_tables(tiny_model):
+def test_token_tables_empty_without_tables(tiny_model):
     for ffn in set(FFN_KINDS) - set(TABLE_KINDS):
         assert tiny_model(ffn).token_tables() == {}
 
