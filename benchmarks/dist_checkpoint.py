@@ -40,7 +40,7 @@ def config(vocab: int) -> ModelConfig:
         num_key_value_heads=2,
         max_position_embeddings=128,
         ffn="stem",
-        stem_layers="odd",
+        ffn_layers="odd",
     )
 
 

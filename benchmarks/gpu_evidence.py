@@ -110,7 +110,7 @@ CPU_SMOKE = Mode(
         num_attention_heads=4,
         num_key_value_heads=2,
         head_dim=None,
-        stem_layers="odd",
+        ffn_layers="odd",
     ),
 )
 

@@ -221,7 +221,7 @@ def main(argv: list[str] | None = None) -> None:
         max_position_embeddings=max(1024, args.seq),
         ffn="dense",
     )
-    stem = dense.replace(ffn="stem", stem_layers=args.stem_layers)
+    stem = dense.replace(ffn="stem", ffn_layers=args.stem_layers)
     total = args.warmup + args.reps + 1
     cfg = TrainConfig(
         steps=total,

@@ -14,7 +14,8 @@ from stemlm import choices
 from stemlm.errors import StemlmError
 
 PACKAGE = Path(stemlm.__file__).parent
-SETS = {name: value for name, value in vars(choices).items() if name.isupper()}
+# The sets; an *_ALIASES map names old values of a set (checked against it below).
+SETS = {name: value for name, value in vars(choices).items() if name.isupper() and not name.endswith("_ALIASES")}
 
 
 def string_literals(path: Path) -> list[tuple[int, frozenset[str]]]:
@@ -30,6 +31,13 @@ def string_literals(path: Path) -> list[tuple[int, frozenset[str]]]:
 def test_the_sets_are_distinct_tuples_of_distinct_names():
     assert SETS and all(isinstance(v, tuple) and len(set(v)) == len(v) >= 2 for v in SETS.values()), SETS
     assert len({frozenset(v) for v in SETS.values()}) == len(SETS)
+
+
+def test_an_old_value_names_a_current_one():
+    assert all(
+        old not in choices.EDIT_ROWS and new in choices.EDIT_ROWS for old, new in choices.EDIT_ROW_ALIASES.items()
+    )
+    assert choices.edit_row_kind("stem") == "tables" and choices.edit_row_kind("embed") == "embed"
 
 
 def test_no_set_is_written_out_again():

@@ -21,10 +21,16 @@ SAMPLING = ("auto", "epoch", "uniform")  # training window order (stemlm.train.c
 TRAINABLE = ("all", "tables")  # the parameters that learn: all, or only the token tables
 KEEP_OPTIMIZER_STATE = ("newest", "all")  # the checkpoints that keep their optimizer state
 CACHE_POLICIES = ("lfu", "lru")  # replacement policies of the hot-row table cache (stemlm.offload.cache)
-EDIT_ROWS = ("stem", "embed", "both")  # the rows a row-swap edit replaces: STEM table rows, embedding rows, both
+EDIT_ROWS = ("tables", "embed", "both")  # the rows a row-swap edit replaces: token-table rows, embedding rows, both
+EDIT_ROW_ALIASES = {"stem": "tables"}  # old names of EDIT_ROWS values, accepted wherever a row kind is read
 EDIT_MODES = ("positional", "global")  # an edit of the prompt's span, or of the source tokens everywhere
 RETROFIT_INITS = ("embed", "normed", "calib")  # a retrofitted table's start (stemlm.convert.retrofit)
 # The token tables' optimizers (stemlm.train.tables.optim); the row-sparse ones update only the rows a step touched,
 # which every placement off the device needs (its rows come and go per micro-batch).
 ROW_SPARSE_OPTIMIZERS = ("lazy_adamw", "rowwise_adagrad")
 TABLE_OPTIMIZERS = ("adamw", *ROW_SPARSE_OPTIMIZERS)
+
+
+def edit_row_kind(rows):
+    """The row kind `rows` names: an old name (`EDIT_ROW_ALIASES`) read as its new one, anything else unchanged."""
+    return EDIT_ROW_ALIASES.get(rows, rows) if isinstance(rows, str) else rows

@@ -7,6 +7,7 @@ types and choices.
   (`stemlm.model.overrides.parse_value`), or by `parse=`; `one_of=` offers a closed set (`stemlm.choices`);
 - `const=V` makes a switch that sets V, `append=True` a repeatable flag, `many=True` one that takes several values
   (both keep their text);
+- `aliases=` are old names of the flag that keep working (hidden from the help, which names them once);
 - `section=` names the group the flag is shown in (`stemlm.train.config.SECTIONS` for `stemlm train`);
 - the help may name the field's default as `{default}` and another field's as `{<field>}` (`help_text`).
 
@@ -35,6 +36,7 @@ class Setting:
     append: bool = False  # repeatable; the values form a list
     many: bool = False  # several values after one flag (nargs="+")
     parse: Callable[[str], Any] | None = None  # default: by the field's annotation
+    aliases: tuple[str, ...] = ()  # old flag names that still work (a renamed setting)
 
 
 def setting(
@@ -49,10 +51,11 @@ def setting(
     append: bool = False,
     many: bool = False,
     parse: Callable[[str], Any] | None = None,
+    aliases: tuple[str, ...] = (),
 ) -> Any:
     """A dataclass field with this default whose metadata makes it a setting with a command-line flag (see the
     module docstring); a list default is copied for each instance."""
-    metadata = {"setting": Setting(help, section, name, metavar, one_of, const, append, many, parse)}
+    metadata = {"setting": Setting(help, section, name, metavar, one_of, const, append, many, parse, aliases)}
     if isinstance(default, list):
         return dataclasses.field(default_factory=lambda: list(default), metadata=metadata)
     return dataclasses.field(default=default, metadata=metadata)

@@ -12,7 +12,7 @@ from stemlm.errors import StemlmError
 
 
 def _logp_with_scaled_row(model, ids, token, layer, pos, alpha):
-    tables = model.stem_tables()
+    tables = model.token_tables()
 
     def rows(layer_idx, input_ids):
         r = tables[layer_idx](input_ids)
@@ -29,7 +29,7 @@ def _logp_with_scaled_row(model, ids, token, layer, pos, alpha):
 def test_grad_x_input_is_the_derivative_of_scaling_the_row(analysis_model):
     model = analysis_model(seed=3)
     with torch.no_grad():
-        for t in model.stem_tables().values():
+        for t in model.token_tables().values():
             t.weight.mul_(20)  # rows large enough that the effect is well above float noise
     ids = [5, 77, 130, 9, 44]
     result = attribute(model, ids, token_id=200)

@@ -44,6 +44,6 @@ def test_activated_by_hand(tiny_config):
     four, full = result["by_context"]
     assert four == {"context": 4, "windows": 1, "distinct_tokens": 3, "activated_table_params": 2 * 128 * 3}
     assert full["distinct_tokens"] == 35 and full["activated_table_params"] == 2 * 128 * 35
-    assert result["stem_layers"] == 2 and result["rows_per_token"] == 256
+    assert result["projection_replaced_layers"] == 2 and result["rows_per_token"] == 256
     dense = activated_vs_context(tiny_config("dense", vocab_size=512), ids, lengths=[8])
     assert dense["by_context"][0]["activated_table_params"] == 0

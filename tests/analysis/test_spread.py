@@ -59,13 +59,14 @@ def test_angular_spread_numbers(analysis_model):
     tokens, positions = [3, 17, 42, 9, 100, 250], [0, 1, 3, 4, 5, 7]
     assert result["tokens"] == 6 and set(result["layers"]) == {"1", "2"} and "dense" in result["baseline"]
     for layer in (1, 2):
-        rows = stem.stem_tables()[layer].weight.detach()[tokens]
+        rows = stem.token_tables()[layer].weight.detach()[tokens]
+        assert result["layers"][str(layer)]["label"] == f"layer {layer}"
         assert result["layers"][str(layer)]["stem_rows"]["mean"] == pytest.approx(float(pairwise_cosines(rows).mean()))
         centred = float(pairwise_cosines(rows - rows.mean(0)).abs().mean())
         assert result["layers"][str(layer)]["stem_rows"]["centred_mean_abs"] == pytest.approx(centred)
         with torch.no_grad():
             base = dense.model.layers[layer].mlp.up_proj(ffn_inputs(dense, ids)[layer][positions])
-        torch.testing.assert_close(samples[layer][1], pairwise_cosines(base))
+        torch.testing.assert_close(samples[f"layer {layer}"][1], pairwise_cosines(base))
     own, _ = angular_spread(stem, ids)
     assert "gate_proj" in own["baseline"]
 

@@ -16,7 +16,7 @@ from stemlm.model import build_model
 from stemlm.model.config import ModelConfig
 
 CONFIG = dict(
-    vocab_size=64, hidden_size=16, intermediate_size=24, num_hidden_layers=2, num_attention_heads=2, stem_layers=[1]
+    vocab_size=64, hidden_size=16, intermediate_size=24, num_hidden_layers=2, num_attention_heads=2, ffn_layers=[1]
 )
 
 

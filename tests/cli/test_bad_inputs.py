@@ -39,7 +39,7 @@ def tiny(ffn: str = "stem", vocab: int = 8192) -> ModelConfig:
         num_attention_heads=2,
         max_position_embeddings=64,
         ffn=ffn,
-        stem_layers="1",
+        ffn_layers="1",
     )
 
 
@@ -117,7 +117,7 @@ CASES = [
     (["info", "--preset", "tiny", "--set", "rope_theta=inf"], "rope_theta must be a positive number (finite)"),
     (["info", "--preset", "tiny", "--set", "rms_norm_eps=nan"], "rms_norm_eps"),
     (["info", "--preset", "tiny", "--set", "num_attention_heads=3"], "does not divide"),
-    (["info", "--preset", "tiny", "--set", "stem_layers=9"], "out of range"),
+    (["info", "--preset", "tiny", "--set", "ffn_layers=9"], "out of range"),
     (["info", "--preset", "tiny", "--seq-len", "0"], "seq"),
     (["info", "--preset", "tiny", "--seq-len", "-5"], "seq"),
     (["info", "--preset", "tiny", "--dtype", "fp64"], "invalid choice"),
@@ -140,7 +140,7 @@ CASES = [
     (["train", "--set", "noequals"], "not of the form"),
     (["train", "--preset", "nope"], "nope"),
     (["train", "--ffn", "bogus"], "invalid choice"),
-    (["train", "--stem-layers", "99"], "out of range"),
+    (["train", "--ffn-layers", "99"], "out of range"),
     (["train", "--resume", "{nope}"], "does not exist"),
     (["train", "--resume", "{ck}"], "not a training run folder"),
     (["train", "--resume", "{run}", "--init-from", "{ck}"], "cannot be combined"),

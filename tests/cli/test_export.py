@@ -32,7 +32,7 @@ def tiny() -> ModelConfig:
         num_attention_heads=2,
         max_position_embeddings=64,
         ffn="stem",
-        stem_layers="1",
+        ffn_layers="1",
     )
 
 

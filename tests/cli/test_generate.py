@@ -26,7 +26,7 @@ def ckpt(tmp_path_factory):
         num_hidden_layers=2,
         num_attention_heads=2,
         max_position_embeddings=64,
-        stem_layers=[1],
+        ffn_layers=[1],
         initializer_range=0.1,
     )
     model = build_model(config, seed=0).eval()

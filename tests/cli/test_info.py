@@ -95,8 +95,8 @@ def test_list_presets(capsys):
 
 
 def test_overrides(capsys):
-    s = run_json(capsys, "--preset", "tiny", "--set", "intermediate_size=1024", "--set", "model.stem_layers=all")
-    config = get_preset("tiny").replace(intermediate_size=1024, stem_layers="all")
+    s = run_json(capsys, "--preset", "tiny", "--set", "intermediate_size=1024", "--set", "model.ffn_layers=all")
+    config = get_preset("tiny").replace(intermediate_size=1024, ffn_layers="all")
     assert s["special_layers"] == [0, 1, 2, 3]
     assert s["parameters"]["total"] == acc.total_parameters(config)
 

@@ -86,7 +86,7 @@ def test_retrofit_table_chunking_matches_one_matmul(monkeypatch):
 
 def test_errors():
     with pytest.raises(StemlmError, match="needs a dense model"):
-        retrofit_from_dense(build_model(ModelConfig(**{**CONFIG, "ffn": "stem", "stem_layers": [1]})), "2")
+        retrofit_from_dense(build_model(ModelConfig(**{**CONFIG, "ffn": "stem", "ffn_layers": [1]})), "2")
     with pytest.raises(StemlmError, match="bad layer spec"):
         retrofit_from_dense(dense(), "1,x")
     with pytest.raises(StemlmError, match="out of range"):
@@ -117,7 +117,7 @@ def test_convert_checkpoint_then_init_from_is_loadable(tmp_path):
 def test_convert_cli_errors(tmp_path, capsys):
     convert = lambda src, out: main(["convert", "--from-dense", str(src), "--stem-layers", "1", "--out", str(out)])
     stem_ckpt = save_pretrained(
-        build_model(ModelConfig(**{**CONFIG, "ffn": "stem", "stem_layers": [1]})), tmp_path / "s"
+        build_model(ModelConfig(**{**CONFIG, "ffn": "stem", "ffn_layers": [1]})), tmp_path / "s"
     )
     assert convert(stem_ckpt, tmp_path / "o") == 2
     err = capsys.readouterr().err.strip().splitlines()

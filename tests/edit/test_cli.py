@@ -76,7 +76,7 @@ def test_global_edit_saved(checkpoints, capsys, tmp_path, fact_tokenizer):
     original, edited = from_pretrained(stem), from_pretrained(out_dir)
     (s,), (g,) = fact_tokenizer.encode(" Spain").ids, fact_tokenizer.encode(" Germany").ids
     for layer in (1, 2):
-        assert torch.equal(edited.stem_tables()[layer].weight[s], original.stem_tables()[layer].weight[g])
+        assert torch.equal(edited.token_tables()[layer].weight[s], original.token_tables()[layer].weight[g])
     saved = json.loads((out_dir / "edits.json").read_text())["edits"][0]
     assert saved["source"] == "Spain" and saved["changed_tokens"] == out["edit"]["changed_tokens"]
 
@@ -163,7 +163,7 @@ def test_eval_edits_json_with_dense_control(checkpoints, capsys, tmp_path):
             "--json",
         ],
     )
-    assert set(out["variants"]) == {"stem", "embed", "both", "dense-embed"}
+    assert set(out["variants"]) == {"tables", "embed", "both", "dense-embed"}
     for summary in out["variants"].values():
         train = summary["all_records"]["train"]["new_greedy"]
         assert summary["records"] == 2 and 0 <= summary["known"] <= 2 and 0.0 <= train["edited"] <= 1.0

@@ -24,16 +24,16 @@ PROMPT = "Country: Spain. Capital:"
 
 def composed_model(edit_model):
     """STEM on layers 1 and 3 of four, value embeddings on layers 0, 1 and 3 (keys 8, 9, 11: past the layers)."""
-    model = edit_model("stem", num_hidden_layers=4, stem_layers="odd", value_embed_layers="0,1,-1")
+    model = edit_model("stem", num_hidden_layers=4, ffn_layers="odd", value_embed_layers="0,1,-1")
     with torch.no_grad():  # large rows, so an edit of them shows in the logits
-        for table in model.stem_tables().values():
+        for table in model.token_tables().values():
             table.weight.normal_(0, 0.5, generator=torch.Generator().manual_seed(0))
     return model
 
 
 def test_positional_edit_swaps_stem_and_value_rows(edit_model, fact_tokenizer):
     model = composed_model(edit_model)
-    tables = model.stem_tables()
+    tables = model.token_tables()
     assert list(tables) == [1, 3, 8, 9, 11]
     ids = fact_tokenizer.encode(PROMPT).ids
     edit = make_edit(model, fact_tokenizer, ids, "Spain", "Germany")
@@ -69,11 +69,11 @@ def test_global_edit_writes_both_tables_and_undoes(edit_model, fact_tokenizer):
     model = composed_model(edit_model)
     x = torch.tensor([fact_tokenizer.encode(PROMPT).ids])
     src, dst = entity_ids(fact_tokenizer, "Spain"), entity_ids(fact_tokenizer, "Germany")
-    before = {k: t.weight.detach().clone() for k, t in model.stem_tables().items()}
+    before = {k: t.weight.detach().clone() for k, t in model.token_tables().items()}
     with torch.no_grad():
         plain = model(x).logits
         record = apply_global_edit(model, src, [tuple(dst)], layers=[1])
-        for key, table in model.stem_tables().items():
+        for key, table in model.token_tables().items():
             changed = not torch.equal(table.weight[src], before[key][src])
             assert changed == (key in (1, 9)), key  # layer 1's STEM and value rows, nothing else
         assert not torch.allclose(model(x).logits, plain)

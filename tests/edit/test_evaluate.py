@@ -112,7 +112,7 @@ def test_identity_edit_changes_nothing(edit_model, fact_tokenizer):
 def test_record_metrics_match_independent_scores(edit_model, fact_tokenizer, mode):
     model = edit_model(seed=2)
     with torch.no_grad():  # make rows matter so the comparison is not between two near-identical models
-        for table in model.stem_tables().values():
+        for table in model.token_tables().values():
             table.weight.mul_(30)
     result = evaluate_edits(model, fact_tokenizer, _records(), mode=mode, details=True, fluency_tokens=0)
     for rec, row in zip(_records(), result["details"], strict=True):
@@ -138,7 +138,7 @@ def test_locality_same_subject_by_hand(edit_model, fact_tokenizer):
     """The same subject at an unedited position: scored on the edited sentence's continuation."""
     model = edit_model(seed=3)
     with torch.no_grad():
-        for table in model.stem_tables().values():
+        for table in model.token_tables().values():
             table.weight.mul_(30)
     rec = _records()[1]
     row = evaluate_edits(model, fact_tokenizer, [rec], details=True, fluency_tokens=0)["details"][0]
@@ -179,7 +179,7 @@ def test_leaking_positional_edit_fails_locality(knowing_model, fact_tokenizer, m
         """A faulty edit implementation: besides each row's edit, France reads Germany's rows everywhere."""
         hooks = real(model, edits) or {}
         table_rows, embed_rows = hooks.get("token"), hooks.get("embed")
-        tables, embed = model.stem_tables(), model.model.embed_tokens
+        tables, embed = model.token_tables(), model.model.embed_tokens
 
         def leak(rows, ids, weight):
             out = rows.clone()
@@ -233,7 +233,7 @@ def test_dense_model_takes_embedding_rows_only(edit_model, fact_tokenizer):
     result = evaluate_edits(dense, fact_tokenizer, _records(), rows="embed", fluency_tokens=4)
     assert result["rows"] == "embed" and result["known"] == 0 and result["sets"] == {}
     with pytest.raises(StemlmError, match="no STEM tables"):
-        evaluate_edits(dense, fact_tokenizer, _records(), rows="stem")
+        evaluate_edits(dense, fact_tokenizer, _records(), rows="tables")
     with pytest.raises(StemlmError, match="unknown edit mode"):
         evaluate_edits(dense, fact_tokenizer, _records(), rows="embed", mode="sideways")
 
@@ -241,10 +241,16 @@ def test_dense_model_takes_embedding_rows_only(edit_model, fact_tokenizer):
 def test_batching_and_cache_do_not_change_results(edit_model, fact_tokenizer):
     model = edit_model(seed=4)
     cache: dict = {}
-    first = evaluate_edits(model, fact_tokenizer, _records(), rows="stem", fluency_tokens=4, cache=cache, details=True)
+    first = evaluate_edits(
+        model, fact_tokenizer, _records(), rows="tables", fluency_tokens=4, cache=cache, details=True
+    )
     filled = len(cache)
-    again = evaluate_edits(model, fact_tokenizer, _records(), rows="stem", fluency_tokens=4, cache=cache, details=True)
-    small = evaluate_edits(model, fact_tokenizer, _records(), rows="stem", fluency_tokens=4, details=True, batch_rows=3)
+    again = evaluate_edits(
+        model, fact_tokenizer, _records(), rows="tables", fluency_tokens=4, cache=cache, details=True
+    )
+    small = evaluate_edits(
+        model, fact_tokenizer, _records(), rows="tables", fluency_tokens=4, details=True, batch_rows=3
+    )
     assert len(cache) == filled and again == first
     for a, b in zip(first["details"], small["details"], strict=True):
         assert a.keys() == b.keys()

@@ -29,7 +29,7 @@ def test_edit_swaps_token_rows_and_keeps_ngram_rows(edit_model, fact_tokenizer):
     edit = make_edit(model, fact_tokenizer, ids, "Spain", "Germany")
     (target,) = fact_tokenizer.encode(" Germany").ids
     x = torch.tensor([ids])
-    tables = model.stem_tables()
+    tables = model.token_tables()
 
     def token_rows(layer, input_ids):  # independent: U_l[t] with the target's row at the edited positions
         rows = tables[layer].weight[input_ids].clone()

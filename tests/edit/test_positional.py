@@ -36,7 +36,7 @@ def test_positional_edit_equals_reference(edit_model, fact_tokenizer, reference)
     pos = ids.index(_one(fact_tokenizer, "Spain"))
     assert edit.positions == (pos,) and edit.layers == (1, 2) and not edit.embed
     rows = {}
-    for layer, table in model.stem_tables().items():
+    for layer, table in model.token_tables().items():
         r = table.weight.detach()[torch.tensor(ids)].clone()
         r[pos] = table.weight.detach()[_one(fact_tokenizer, "Germany")]
         rows[layer] = r
@@ -52,7 +52,7 @@ def test_average_and_chosen_layer_equal_reference(edit_model, fact_tokenizer, re
     edit = make_edit(model, fact_tokenizer, ids, "Spain", "United Kingdom", strategy="average", layers=[2])
     pos = ids.index(_one(fact_tokenizer, "Spain"))
     target = torch.tensor(fact_tokenizer.encode(" United Kingdom").ids)
-    weight = model.stem_tables()[2].weight.detach()
+    weight = model.token_tables()[2].weight.detach()
     rows = weight[torch.tensor(ids)].clone()
     rows[pos] = (weight[target[0]] + weight[target[1]]) / 2
     got = edited_forward(model, torch.tensor([ids]), edit).logits[0]
@@ -67,7 +67,7 @@ def test_left_pad_rows_equal_reference(edit_model, fact_tokenizer, reference, pa
     edit = make_edit(model, fact_tokenizer, ids, "United Kingdom", "France", strategy="left_pad", pad=pad)
     first, second = edit.positions
     rows = {}
-    for layer, table in model.stem_tables().items():
+    for layer, table in model.token_tables().items():
         w = table.weight.detach()
         r = w[torch.tensor(ids)].clone()
         r[first] = {"source": w[ids[first]], "zero": torch.zeros_like(w[0]), "eot": w[0]}[pad]
@@ -98,7 +98,7 @@ def test_both_rows_equal_reference_with_tied_head(edit_model, fact_tokenizer, re
     erows = emb[torch.tensor(ids)].clone()
     erows[pos] = emb[chile]
     srows = {}
-    for layer, table in model.stem_tables().items():
+    for layer, table in model.token_tables().items():
         srows[layer] = table.weight.detach()[torch.tensor(ids)].clone()
         srows[layer][pos] = table.weight.detach()[chile]
     got = edited_forward(model, torch.tensor([ids]), edit).logits[0]
@@ -143,7 +143,7 @@ def test_concurrent_edits_do_not_interfere(edit_model, fact_tokenizer):
         torch.testing.assert_close(got[t], expected[t], atol=0, rtol=0)
 
 
-@pytest.mark.parametrize("rows", ["stem", "embed", "both"])
+@pytest.mark.parametrize("rows", ["tables", "embed", "both"])
 def test_kv_cache_generation_equals_full_recompute(edit_model, fact_tokenizer, rows):
     model = edit_model(seed=2)
     prompt = _ids(fact_tokenizer, "The capital of United Kingdom is")
@@ -156,7 +156,7 @@ def test_kv_cache_generation_equals_full_recompute(edit_model, fact_tokenizer, r
     assert cached == seq[len(prompt) :]
 
 
-@pytest.mark.parametrize("rows", ["stem", "both"])
+@pytest.mark.parametrize("rows", ["tables", "both"])
 def test_edit_persists_in_decode_logits(edit_model, fact_tokenizer, rows):
     # Decode-step logits (cache from an edited prefill, no hooks) equal a full edited recompute and differ
     # from the unedited ones: the edit lives on in the cached keys and values.
@@ -196,7 +196,7 @@ def test_errors(edit_model, fact_tokenizer):
     with pytest.raises(StemlmError, match="beyond the model's vocabulary"):
         make_edit(edit_model(vocab_size=300), fact_tokenizer, prompt, "Spain", "Germany")
     with pytest.raises(StemlmError, match="unknown row kind"):
-        make_edit(stem, fact_tokenizer, prompt, "Spain", "Germany", rows="tables")
+        make_edit(stem, fact_tokenizer, prompt, "Spain", "Germany", rows="bogus")
 
 
 def test_batch_hooks_equal_separate_edits(edit_model, fact_tokenizer):
@@ -231,7 +231,7 @@ def test_auto_copies_a_shorter_target_equal_to_reference(edit_model, fact_tokeni
     ids = _ids(fact_tokenizer, "Country: United Kingdom. Capital:")
     edit = make_edit(model, fact_tokenizer, ids, "United Kingdom", "France")
     rows = {}
-    for layer, table in model.stem_tables().items():
+    for layer, table in model.token_tables().items():
         w = table.weight.detach()
         rows[layer] = w[torch.tensor(ids)].clone()
         rows[layer][list(edit.positions)] = w[_one(fact_tokenizer, "France")]

@@ -34,7 +34,7 @@ def test_edit_writes_target_rows_and_undo_restores(edit_model, fact_tokenizer):
     editor = TableEditor(model, fact_tokenizer)
     editor.edit("Spain", "Germany", layers=[2])
     s, g = _one(fact_tokenizer, "Spain"), _one(fact_tokenizer, "Germany")
-    tables = model.stem_tables()
+    tables = model.token_tables()
     assert torch.equal(tables[2].weight[s], snap["model.layers.2.mlp.stem_embedding.weight"][g])
     assert torch.equal(tables[1].weight[s], snap["model.layers.1.mlp.stem_embedding.weight"][s])  # layer 1 untouched
     editor.undo()
@@ -51,7 +51,7 @@ def test_edits_compose_and_revert_exactly(edit_model, fact_tokenizer):
     editor.edit("United Kingdom", "France", strategy="left_pad", pad="zero")
     editor.inject("Zorbia", "Chile")
     g = _one(fact_tokenizer, "Germany")  # Germany took Spain's edited rows, i.e. its own original ones
-    w = model.stem_tables()[1].weight
+    w = model.token_tables()[1].weight
     assert torch.equal(w[g], snap["model.layers.1.mlp.stem_embedding.weight"][g])
     (uk_first, uk_second) = fact_tokenizer.encode(" United Kingdom").ids[:2]
     assert torch.equal(w[uk_first], torch.zeros_like(w[0]))
@@ -68,12 +68,12 @@ def test_edits_compose_and_revert_exactly(edit_model, fact_tokenizer):
 def test_swap_in_one_plan_reads_original_rows(edit_model, fact_tokenizer):
     model = edit_model()
     a, b = _one(fact_tokenizer, "Spain"), _one(fact_tokenizer, "Chile")
-    w0 = model.stem_tables()[1].weight.detach().clone()
+    w0 = model.token_tables()[1].weight.detach().clone()
     record = apply_global_edit(model, [a, b], ((b,), (a,)))
-    w = model.stem_tables()[1].weight
+    w = model.token_tables()[1].weight
     assert torch.equal(w[a], w0[b]) and torch.equal(w[b], w0[a])
     undo(record)
-    assert torch.equal(model.stem_tables()[1].weight, w0)
+    assert torch.equal(model.token_tables()[1].weight, w0)
 
 
 def test_global_hooks_equal_in_place_edit(edit_model, fact_tokenizer):
@@ -104,7 +104,7 @@ def test_inject_adds_token_and_copies_rows(edit_model, fact_tokenizer):
     record = editor.inject("Zorbia", "Chile")
     new_id, chile = record.description["token_id"], _one(tok, "Chile")
     assert record.description["added_to_tokenizer"] and tok.encode("Country: Zorbia.").ids.count(new_id) == 1
-    for table in model.stem_tables().values():
+    for table in model.token_tables().values():
         assert torch.equal(table.weight[new_id], table.weight[chile])
     assert torch.equal(model.model.embed_tokens.weight[new_id], model.model.embed_tokens.weight[chile])
 

@@ -24,7 +24,7 @@ PROMPT = ["--prompt", "Country: Spain. Capital:", "--source", "Spain", "--max-ne
 def run(tmp_path_factory):
     """A run folder of the default training config (embedded corpus, fact mix) and a bare checkpoint."""
     root = tmp_path_factory.mktemp("untrained")
-    model, tok = build_model(ModelConfig(**CONFIG, max_position_embeddings=64, stem_layers="1")), default_tokenizer()
+    model, tok = build_model(ModelConfig(**CONFIG, max_position_embeddings=64, ffn_layers="1")), default_tokenizer()
     save_pretrained(model, root / "run" / "checkpoints" / "step-000001", tokenizer=tok)
     (root / "run" / "run_config.json").write_text(json.dumps({"train": TrainConfig().to_dict()}))
     save_pretrained(model, root / "bare", tokenizer=tok)

@@ -21,9 +21,9 @@ PROMPT = "Country: Spain. Capital:"
 
 
 def value_model(edit_model):
-    model = edit_model("value_embed", num_hidden_layers=3, stem_layers="all", value_embed_tables=2)
+    model = edit_model("value_embed", num_hidden_layers=3, ffn_layers="all", value_embed_tables=2)
     with torch.no_grad():  # large rows, so an edit of them shows in the logits
-        for table in model.stem_tables().values():
+        for table in model.token_tables().values():
             table.weight.normal_(0, 0.5, generator=torch.Generator().manual_seed(0))
     return model
 
@@ -35,7 +35,7 @@ def test_positional_edit_swaps_the_value_rows(edit_model, fact_tokenizer):
     assert edit.layers == (0, 1)  # the two tables, under their owners' indices
     (target,) = fact_tokenizer.encode(" Germany").ids
     x = torch.tensor([ids])
-    tables = model.stem_tables()
+    tables = model.token_tables()
     asked = []
 
     def value_rows(layer, input_ids):  # independent: VE[t] with the target's row at the edited positions

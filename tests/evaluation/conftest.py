@@ -19,7 +19,7 @@ def small_model(ffn: str = "stem", max_len: int = 96, seed: int = 0):
         num_hidden_layers=2,
         num_attention_heads=2,
         max_position_embeddings=max_len,
-        stem_layers=[1],
+        ffn_layers=[1],
         ffn=ffn,
         num_experts=4,
         ple_dim=8,

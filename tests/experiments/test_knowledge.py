@@ -111,13 +111,13 @@ def test_quick_cli_json_has_per_seed_and_summary(tmp_path, capsys):
             s["arms"]["stem"]["heldout_loss"] - s["arms"]["dense"]["heldout_loss"]
         )
         assert set(s["edits"]["variants"]) == {
-            "stem-stem",
+            "stem-tables",
             "stem-embed",
             "stem-both",
             "dense-embed",
             "dense_embed-embed",
         }
-    assert "edited" in result["summary"]["edits"]["variants"]["stem-stem"]["all_records"]["train"]["new_greedy"]
+    assert "edited" in result["summary"]["edits"]["variants"]["stem-tables"]["all_records"]["train"]["new_greedy"]
     sweep = result["sweep"]
     for family, trials in sweep["trials"].items():  # each family's chosen lr is its lowest held-out loss
         assert sweep["best"][family] == min(trials.values(), key=lambda t: t["heldout_loss"])["lr"]

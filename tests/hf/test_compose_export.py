@@ -22,11 +22,11 @@ from tests.hf.test_remote_code import NO_STEMLM, tiny
 
 def test_remote_code_folder_of_a_composed_model(tmp_path):
     config = tiny("stem").replace(
-        num_hidden_layers=4, stem_layers="odd", value_embed_layers="first:1,last:2", engram_layers="2"
+        num_hidden_layers=4, ffn_layers="odd", value_embed_layers="first:1,last:2", engram_layers="2"
     )
     model = build_model(config, seed=3).eval()
     with torch.no_grad():  # large value rows, so the side modules matter to the logits
-        for table in model.stem_tables().values():
+        for table in model.token_tables().values():
             table.weight.normal_(0, 0.5, generator=torch.Generator().manual_seed(0))
     save_pretrained(model, tmp_path / "ckpt", default_tokenizer())
     assert main(["export", str(tmp_path / "ckpt"), "--out", str(tmp_path / "hf"), "--remote-code"]) == 0

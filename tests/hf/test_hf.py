@@ -35,7 +35,7 @@ def tiny_config(ffn: str = "stem", **overrides) -> ModelConfig:
         num_key_value_heads=2,
         max_position_embeddings=64,
         ffn=ffn,
-        stem_layers="all-but-first",
+        ffn_layers="all-but-first",
         num_experts=4,
         ple_dim=8,
         rope_theta=500.0,
@@ -137,10 +137,24 @@ def test_config_fields_mirror_model_config():
     hf_fields = {name for name in StemlmConfig.__dataclass_fields__ if name in model_config_fields()}
     assert hf_fields == set(model_config_fields())
     assert StemlmConfig().to_model_config() == ModelConfig()
-    config = tiny_config("hash_moe", stem_layers=[0, 2])
+    config = tiny_config("hash_moe", ffn_layers=[0, 2])
     assert StemlmConfig.from_model_config(config).to_model_config() == config
     with pytest.raises(StemlmError, match="unknown ffn kind"):
         StemlmConfig(ffn="bogus")
+
+
+def test_stem_layers_is_the_old_name_of_ffn_layers(tmp_path):
+    config = StemlmConfig(hidden_size=32, num_attention_heads=2, num_hidden_layers=4, stem_layers="odd")
+    assert config.ffn_layers == "odd" and config.to_model_config().special_layers == [1, 3]
+    assert "stem_layers" not in config.to_dict()
+    with pytest.raises(StemlmError, match="both stem_layers='odd' and ffn_layers='all'"):
+        StemlmConfig(num_hidden_layers=4, ffn_layers="all", stem_layers="odd")
+    # a config.json written before the rename (stem_layers, resolved_stem_layers) loads with its layers
+    d = json.loads(config.to_json_string())
+    d["stem_layers"], d["resolved_stem_layers"] = d.pop("ffn_layers"), [1, 3]
+    d.pop("resolved_ffn_layers", None)
+    (tmp_path / "config.json").write_text(json.dumps(d))
+    assert AutoConfig.from_pretrained(tmp_path).to_model_config().special_layers == [1, 3]
 
 
 def test_fresh_model_follows_stemlm_init():
@@ -151,7 +165,7 @@ def test_fresh_model_follows_stemlm_init():
         num_hidden_layers=2,
         num_attention_heads=4,
         ffn="stem",
-        stem_layers="all",
+        ffn_layers="all",
     )
     torch.manual_seed(0)
     model = StemlmForCausalLM(config)
@@ -217,14 +231,14 @@ def test_inputs_embeds_alone_is_refused_where_the_kind_reads_ids(tmp_path):
 
 
 @pytest.mark.parametrize("tied", [False, True])
-def test_resize_token_embeddings_grows_the_stem_tables_and_round_trips(tmp_path, tied):
+def test_resize_token_embeddings_grows_the_token_tables_and_round_trips(tmp_path, tied):
     _, folder = saved_stemlm(tmp_path, tiny_config("stem", tie_word_embeddings=tied))
     hf = AutoModelForCausalLM.from_pretrained(folder).eval()
     ids = random_ids(2, 6)
     before = hf(ids).logits
     hf.resize_token_embeddings(VOCAB + 8)
     assert hf.config.vocab_size == hf.stem.config.vocab_size == VOCAB + 8
-    assert all(t.weight.shape[0] == VOCAB + 8 for t in hf.stem.stem_tables().values())
+    assert all(t.weight.shape[0] == VOCAB + 8 for t in hf.stem.token_tables().values())
     assert (hf.lm_head.weight is hf.model.embed_tokens.weight) == tied
     after = hf(torch.cat([ids, torch.full((2, 1), VOCAB + 7)], 1)).logits
     torch.testing.assert_close(after[:, :6, :VOCAB], before)  # old tokens: the same rows, the same logits

@@ -106,7 +106,7 @@ class StemlmModelTester:
             num_key_value_heads=self.num_key_value_heads,
             max_position_embeddings=512,
             ffn=self.ffn,
-            stem_layers="all",
+            ffn_layers="all",
             memory_keys=16,  # memory's default (128² value rows) passes the testers' 1M-parameter cap
             pad_token_id=0,
             bos_token_id=1,
@@ -159,5 +159,5 @@ def test_config_common(check, ffn):
     with mock.patch("transformers.utils.direct_transformers_import", lambda path: transformers):
         config_tests = importlib.import_module(f"{PACKAGE}.test_configuration_common")
     case = unittest.TestCase()
-    tester = config_tests.ConfigTester(case, config_class=StemlmConfig, hidden_size=40, ffn=ffn, stem_layers="all")
+    tester = config_tests.ConfigTester(case, config_class=StemlmConfig, hidden_size=40, ffn=ffn, ffn_layers="all")
     getattr(tester, check)()

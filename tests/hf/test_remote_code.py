@@ -47,7 +47,7 @@ torch.save({"logits": logits, "generated": generated, "class": type(model).__mod
 def tiny(ffn: str) -> ModelConfig:
     return ModelConfig(
         vocab_size=8192, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=64, ffn=ffn, stem_layers="all-but-first", engram_dim=16,
+        num_key_value_heads=2, max_position_embeddings=64, ffn=ffn, ffn_layers="all-but-first", engram_dim=16,
     )  # fmt: skip
 
 

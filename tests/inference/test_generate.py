@@ -29,7 +29,7 @@ PROMPT = [5, 17, 3, 42, 8]
 
 
 def tiny(ffn: str = "stem", **kw):
-    return build_model(ModelConfig(**{**CONFIG, "ffn": ffn, "stem_layers": [1, 2], **kw}), seed=3).eval()
+    return build_model(ModelConfig(**{**CONFIG, "ffn": ffn, "ffn_layers": [1, 2], **kw}), seed=3).eval()
 
 
 @pytest.fixture(scope="module")
@@ -129,7 +129,7 @@ def test_stream_equals_list_and_hook_sees_each_token_before_next_forward(stem):
     def rows(layer, ids):
         if layer == 1:
             events.append(("forward", ids.shape[1]))
-        return stem.stem_tables()[layer](ids)
+        return stem.token_tables()[layer](ids)
 
     tokens = generate(stem, PROMPT, 8, seed=2, rows={"token": rows}, on_token=lambda t: events.append(("token", t)))
     assert list(stream_tokens(stem, PROMPT, 8, seed=2)) == tokens
@@ -140,7 +140,7 @@ def test_stream_equals_list_and_hook_sees_each_token_before_next_forward(stem):
 
 
 def test_table_rows_used_and_prefill_override(stem):
-    own = lambda layer, ids: stem.stem_tables()[layer](ids)
+    own = lambda layer, ids: stem.token_tables()[layer](ids)
     plain = generate(stem, PROMPT, 10, greedy=True)
     assert generate(stem, PROMPT, 10, greedy=True, rows={"token": own}) == plain
     # Rows scaled at prefill only: the output changes, and decoding still went through `rows`.

@@ -33,7 +33,7 @@ def config_for(tiny_config, kind, shape, **extra):
         num_key_value_heads=kv,
         head_dim=head_dim,
         num_hidden_layers=4,
-        stem_layers="1,3",
+        ffn_layers="1,3",
         **extra,
     )
 
@@ -52,7 +52,7 @@ def component_of(name: str, config) -> str:
     if ".self_attn." in name:
         return "attention"
     for part, component in (
-        ("stem_embedding", "stem_tables"),
+        ("stem_embedding", "token_tables"),
         ("ple_embedding", "ple_tables"),
         ("router", "moe_router"),
         ("experts", "moe_experts"),
@@ -89,7 +89,7 @@ def test_preset_parameter_counts_match_meta_model(name):
 def test_active_parameters(tiny_config, kind):
     config = config_for(tiny_config, kind, SHAPES[1], moe_shared_expert=True)
     model = build_model(config, device="meta")
-    tables = sum(t.weight.numel() for t in model.stem_tables().values())
+    tables = sum(t.weight.numel() for t in model.token_tables().values())
     unrouted = 0
     for i in config.special_layers:
         experts = getattr(model.model.layers[i].mlp, "experts", None)
@@ -98,7 +98,7 @@ def test_active_parameters(tiny_config, kind):
             unrouted += sum(p.numel() for p in experts.parameters()) * (experts.num_experts - k) // experts.num_experts
     active = acc.active_parameters(config)
     assert active["backbone"] == model.num_parameters() - tables - unrouted
-    widths = [t.weight.shape[1] for t in model.stem_tables().values()]
+    widths = [t.weight.shape[1] for t in model.token_tables().values()]
     assert active["with_rows"] - active["backbone"] == active["rows"] == sum(widths)
 
 
@@ -303,7 +303,7 @@ def test_kv_cache_bytes_equal_the_cache(tiny_model):
 @pytest.mark.parametrize("kind", ["stem", "stem_gate", "ple"])
 def test_activated_table_parameters_equal_rows_read(tiny_model, kind):
     model = tiny_model(kind)
-    tables = model.stem_tables()
+    tables = model.token_tables()
     ids = torch.tensor([[5, 9, 5, 200, 9, 9, 31], [5, 7, 7, 7, 1, 2, 3]])
     read: dict[int, set[int]] = {}
 
@@ -401,7 +401,7 @@ def test_paper_1b_hypotheses():
 def test_paper_comparison_only_for_the_paper_shape(tiny_config):
     assert acc.paper_comparison(tiny_config("stem")) is None
     counts = get_preset("paper-1b-counts")
-    assert acc.paper_comparison(counts.replace(stem_layers=[2, 5, 8, 11, 14]))["preset"] == "paper-1b-counts"
+    assert acc.paper_comparison(counts.replace(ffn_layers=[2, 5, 8, 11, 14]))["preset"] == "paper-1b-counts"
     assert acc.paper_comparison(counts.replace(intermediate_size=4096)) is None
     assert acc.paper_comparison(get_preset("paper-1b")) is None  # the official config is not the paper's table
 

@@ -18,7 +18,7 @@ from tests.model.test_accounting import SHAPE_IDS, SHAPES, math_attention
 KINDS = ["stem_ngram", "engram", "memory"]
 SMALL = dict(memory_keys=16, memory_topk=4, memory_heads=2, memory_key_dim=16, engram_dim=32, engram_heads=2)
 COMPONENT = {  # parameter-name fragment -> component (independent of accounting's bookkeeping)
-    "stem_embedding": "stem_tables",
+    "stem_embedding": "token_tables",
     "ngram_embedding": "ngram_tables",
     "engram_embedding": "ngram_tables",
     "memory_values": "memory_values",
@@ -37,7 +37,7 @@ def config_for(tiny_config, kind, shape):
         num_key_value_heads=kv,
         head_dim=head_dim,
         num_hidden_layers=4,
-        stem_layers="1,3",
+        ffn_layers="1,3",
         stem_ngram_orders="2,3",
         **SMALL,
     )

@@ -27,7 +27,7 @@ def config_for(tiny_config, shape, tables):
         num_key_value_heads=kv,
         head_dim=head_dim,
         num_hidden_layers=5,
-        stem_layers="0,1,3,4",
+        ffn_layers="0,1,3,4",
         value_embed_tables=tables,
     )
 
@@ -57,8 +57,8 @@ def test_parameter_counts_match_meta_model(tiny_config, shape, tables):
     for name, p in model.named_parameters():  # a shared table is one parameter
         measured[component_of(name)] += p.numel()
     assert acc.parameter_counts(config) == measured
-    table_params = sum(t.weight.numel() for t in model.stem_tables().values())
-    assert len(model.stem_tables()) == (tables or 4)
+    table_params = sum(t.weight.numel() for t in model.token_tables().values())
+    assert len(model.token_tables()) == (tables or 4)
     active = acc.active_parameters(config)
     assert active["backbone"] == model.num_parameters() - table_params
     assert active["rows"] == (tables or 4) * config.kv_heads * config.head_size  # one row per table

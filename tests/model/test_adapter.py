@@ -18,7 +18,7 @@ from tests.conftest import make_tiny_config, make_tiny_model
 
 
 def test_layer_is_its_formula():
-    model = build_model(make_tiny_config("stem_adapter", stem_layers="1"), seed=3)
+    model = build_model(make_tiny_config("stem_adapter", ffn_layers="1"), seed=3)
     mlp = model.model.layers[1].mlp
     assert torch.equal(mlp.adapter_gate, torch.zeros_like(mlp.adapter_gate))
     assert torch.allclose(mlp.blend(), torch.sigmoid(torch.tensor(GATE_BIAS)).expand_as(mlp.blend()))
@@ -29,14 +29,14 @@ def test_layer_is_its_formula():
     up = (1 - g) * (x @ mlp.up_proj.weight.t()) + g * mlp.stem_embedding.weight[ids]
     expected = (F.silu(x @ mlp.gate_proj.weight.t()) * up) @ mlp.down_proj.weight.t()
     torch.testing.assert_close(mlp(x, TokenContext(input_ids=ids)), expected)
-    assert sorted(model.stem_tables()) == [1]
+    assert sorted(model.token_tables()) == [1]
 
 
 def test_adapter_interpolates_between_dense_and_retrofit():
     dense = make_tiny_model("dense")
     stem = retrofit(dense, "0,2", "normed").eval()
     adapter = adapter_from(dense, stem).eval()
-    assert adapter.config.ffn == "stem_adapter" and sorted(adapter.stem_tables()) == [0, 2]
+    assert adapter.config.ffn == "stem_adapter" and sorted(adapter.token_tables()) == [0, 2]
     ids = torch.randint(0, 256, (1, 9), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         for i in (0, 2):
@@ -48,7 +48,7 @@ def test_adapter_interpolates_between_dense_and_retrofit():
 
 
 def test_train_tables_keeps_the_gate_trainable():
-    model = build_model(make_tiny_config("stem_adapter", stem_layers="1"), seed=0)
+    model = build_model(make_tiny_config("stem_adapter", ffn_layers="1"), seed=0)
     freeze_backbone(model)
     trainable = {name for name, p in model.named_parameters() if p.requires_grad}
     assert trainable == {"model.layers.1.mlp.stem_embedding.weight", "model.layers.1.mlp.adapter_gate"}

@@ -30,7 +30,7 @@ MODDED = {"value_embed_layers": "first:3,last:3", "value_embed_tables": 3}  # mo
 
 def composed(tiny_config, ffn="stem", **extra):
     """STEM on the odd layers of six, value embeddings on the first and last three (tables shared 0 1 2 0 1 2)."""
-    return tiny_config(ffn, **{"num_hidden_layers": 6, "stem_layers": "odd", **MODDED, **extra})
+    return tiny_config(ffn, **{"num_hidden_layers": 6, "ffn_layers": "odd", **MODDED, **extra})
 
 
 def test_layer_specs_count_from_both_ends():
@@ -76,7 +76,7 @@ def test_side_modules_have_their_own_names_and_keys(tiny_config):
     assert list(tables) == [1, 3, 5, 12, 13, 14]  # STEM at its layers; value tables past the 6 layers
     assert [key_layer(model.config, k) for k in tables] == [1, 3, 5, 0, 1, 2]
     assert key_label(model.config, 13) == "layer 1 value_embed" and key_label(model.config, 3) == "layer 3"
-    assert model.stem_tables() == tables
+    assert model.token_tables() == tables
     assert model.model.layers[4].beside.value_embed.value_embedding is tables[13]  # layer 4 shares table 1
     seen = []
 
@@ -106,7 +106,7 @@ def renamed(state, side):
 )
 def test_side_module_computes_what_the_kind_does(tiny_config, kind, extra):
     """A dense model with the kind beside it on some layers is the kind's model with those layers, bitwise."""
-    as_ffn = randomized(build_model(tiny_config(kind, num_hidden_layers=4, stem_layers="0,2,3", **extra)))
+    as_ffn = randomized(build_model(tiny_config(kind, num_hidden_layers=4, ffn_layers="0,2,3", **extra)))
     side = build_model(tiny_config("dense", num_hidden_layers=4, **{f"{kind}_layers": "0,2,3"}, **extra)).eval()
     state = as_ffn.state_dict()
     side.load_state_dict(renamed(state, kind))
@@ -170,7 +170,7 @@ def component_of(name: str) -> str:  # independent of accounting's bookkeeping
     for suffix, component in [
         ("value_embedding.weight", "value_tables"),
         ("value_lambda", "value_mix"),
-        ("stem_embedding.weight", "stem_tables"),
+        ("stem_embedding.weight", "token_tables"),
         ("engram_embedding.weight", "ngram_tables"),
     ]:
         if name.endswith(suffix):

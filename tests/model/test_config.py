@@ -35,11 +35,11 @@ def test_paper_1b_placement_is_five_layers():
 @pytest.mark.parametrize(
     "changes, message",
     [
-        (dict(stem_layers=[1, 9]), "layer index 9 is out of range for a model with 3 layers"),
-        (dict(stem_layers="1,1"), "lists a layer twice"),
-        (dict(stem_layers="first"), "bad layer spec 'first'"),
-        (dict(stem_layers="every:x"), "every:K needs an integer"),
-        (dict(stem_layers=[1.5]), "entries must be integer layer indices"),
+        (dict(ffn_layers=[1, 9]), "layer index 9 is out of range for a model with 3 layers"),
+        (dict(ffn_layers="1,1"), "lists a layer twice"),
+        (dict(ffn_layers="first"), "bad layer spec 'first'"),
+        (dict(ffn_layers="every:x"), "every:K needs an integer"),
+        (dict(ffn_layers=[1.5]), "entries must be integer layer indices"),
         (dict(hidden_size=66, num_attention_heads=4), "num_attention_heads=4 does not divide hidden_size=66"),
         (dict(num_attention_heads=4, num_key_value_heads=3), "num_key_value_heads=3 must divide num_attention_heads=4"),
         (dict(ffn="mlp"), "unknown ffn kind 'mlp'; choose one of dense, stem"),
@@ -64,7 +64,7 @@ def test_overrides_parse_by_field_type(tiny_config):
             "rope_theta=500000",
             "tie_word_embeddings=true",
             "num_key_value_heads=none",
-            "stem_layers=1,2",
+            "ffn_layers=1,2",
             "ffn=moe",
             "table_init_std=0.01",
         ]
@@ -72,8 +72,8 @@ def test_overrides_parse_by_field_type(tiny_config):
     assert config.hidden_size == 128 and isinstance(config.hidden_size, int)
     assert config.rope_theta == 500000.0 and config.tie_word_embeddings is True
     assert config.num_key_value_heads is None and config.kv_heads == config.num_attention_heads
-    assert config.stem_layers == [1, 2] and config.ffn == "moe" and config.table_init_std == 0.01
-    assert tiny_config().with_overrides(["stem_layers=odd"]).special_layers == [1]
+    assert config.ffn_layers == [1, 2] and config.ffn == "moe" and config.table_init_std == 0.01
+    assert tiny_config().with_overrides(["ffn_layers=odd"]).special_layers == [1]
     assert tiny_config().with_overrides({"num_key_value_heads": "4"}).kv_heads == 4
 
 
@@ -97,10 +97,10 @@ def test_bad_overrides(tiny_config, override, message):
 
 
 def test_hf_dict_round_trip_and_llama_fields(tiny_config):
-    config = tiny_config("stem", stem_layers="odd", num_key_value_heads=None)
+    config = tiny_config("stem", ffn_layers="odd", num_key_value_heads=None)
     d = json.loads(config.to_json())
     assert d["model_type"] == "stemlm" and d["num_key_value_heads"] == 4 and d["head_dim"] == 16
-    assert d["hidden_act"] == "silu" and d["resolved_stem_layers"] == [1]
+    assert d["hidden_act"] == "silu" and d["resolved_ffn_layers"] == [1]
     back = ModelConfig.from_dict(d)
     assert back.special_layers == config.special_layers
     assert back.to_hf_dict() == config.to_hf_dict() | {"num_key_value_heads": 4, "head_dim": 16}
@@ -108,8 +108,19 @@ def test_hf_dict_round_trip_and_llama_fields(tiny_config):
         ModelConfig.from_dict(d | {"model_type": "llama"})
 
 
+def test_stem_layers_is_the_old_name_of_ffn_layers(tiny_config):
+    # config.json files and dicts written before the rename, and `--set model.stem_layers=...`
+    d = tiny_config("stem").to_dict()
+    old = {k: v for k, v in d.items() if k != "ffn_layers"} | {"stem_layers": "odd"}
+    assert ModelConfig.from_dict(old).ffn_layers == "odd" and ModelConfig.from_dict(old).special_layers == [1]
+    assert ModelConfig.from_dict(d | {"stem_layers": d["ffn_layers"]}) == ModelConfig.from_dict(d)  # agreeing
+    with pytest.raises(StemlmError, match="both stem_layers='odd' and ffn_layers='all'"):
+        ModelConfig.from_dict(d | {"ffn_layers": "all", "stem_layers": "odd"})
+    assert tiny_config().with_overrides(["model.stem_layers=odd"]).ffn_layers == "odd"
+
+
 def test_layer_ffn_and_dense_config(tiny_config):
-    config = tiny_config("ple", stem_layers=[2])
+    config = tiny_config("ple", ffn_layers=[2])
     assert [config.layer_ffn(i) for i in range(3)] == ["dense", "dense", "ple"]
     assert tiny_config("dense").special_layers == []
 

@@ -50,12 +50,12 @@ def test_kind_sizes_are_bounded_whichever_kind_is_selected(ffn, field):
 def test_a_huge_layer_count_fails_before_any_layer_list_is_made():
     # 10**9 layers once grew to 11 GB resolving "all-but-first"; now the bound comes first.
     with pytest.raises(StemlmError, match="num_hidden_layers=1000000000 exceeds the limit of 1024"):
-        ModelConfig.from_dict({"num_hidden_layers": 10**9, "stem_layers": "all"})
+        ModelConfig.from_dict({"num_hidden_layers": 10**9, "ffn_layers": "all"})
 
 
 def test_a_layer_list_longer_than_the_model_is_refused_at_once():
     with pytest.raises(StemlmError, match="layer list has 100000 entries for a model with 4 layers"):
-        ModelConfig(stem_layers=list(range(10**5)))
+        ModelConfig(ffn_layers=list(range(10**5)))
 
 
 def test_the_presets_and_the_tiny_config_are_within_the_bounds():

@@ -59,7 +59,7 @@ def test_loss_is_cross_entropy_on_given_targets(tiny_model):
 @pytest.mark.parametrize("ffn", TABLE_KINDS)
 def test_table_rows_sees_input_ids_and_own_rows_change_nothing(tiny_model, ffn):
     model = tiny_model(ffn)
-    tables = model.stem_tables()
+    tables = model.token_tables()
     assert sorted(tables) == model.config.special_layers
     ids = torch.randint(0, 256, (2, 7))
     seen = []
@@ -74,9 +74,9 @@ def test_table_rows_sees_input_ids_and_own_rows_change_nothing(tiny_model, ffn):
     assert seen == model.config.special_layers
 
 
-def test_stem_tables_empty_without_tables(tiny_model):
+def test_token_tables_empty_without_tables(tiny_model):
     for ffn in set(FFN_KINDS) - set(TABLE_KINDS):
-        assert tiny_model(ffn).stem_tables() == {}
+        assert tiny_model(ffn).token_tables() == {}
 
 
 def test_sequence_longer_than_max_positions(tiny_model):
@@ -90,9 +90,9 @@ def _std(t: torch.Tensor) -> float:
 
 
 def test_init_follows_table_init(tiny_config):
-    model = build_model(tiny_config("stem", stem_layers="all"))
+    model = build_model(tiny_config("stem", ffn_layers="all"))
     V, d_ff = model.config.vocab_size, model.config.intermediate_size
-    for table in model.stem_tables().values():
+    for table in model.token_tables().values():
         assert _std(table.weight) == pytest.approx(math.sqrt(2 / (V + d_ff)), rel=0.03)
         assert abs(float(table.weight.detach().double().mean())) < 0.003
     for name, p in model.named_parameters():
@@ -101,7 +101,7 @@ def test_init_follows_table_init(tiny_config):
         elif "stem_embedding" not in name:
             assert _std(p) == pytest.approx(model.config.initializer_range, rel=0.05), name
     normal = build_model(tiny_config("ple", table_init="normal", table_init_std=0.05))
-    for table in normal.stem_tables().values():
+    for table in normal.token_tables().values():
         assert _std(table.weight) == pytest.approx(0.05, rel=0.05)
 
 

@@ -19,7 +19,7 @@ VOCAB = 300
 def config(**overrides) -> ModelConfig:
     base = dict(
         vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=64, ffn="stem", stem_layers="odd",
+        num_key_value_heads=2, max_position_embeddings=64, ffn="stem", ffn_layers="odd",
     )  # fmt: skip
     return ModelConfig(**{**base, **overrides})
 

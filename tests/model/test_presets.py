@@ -32,7 +32,7 @@ def test_presets_build_on_meta_with_expected_shape(name):
     assert model.num_parameters() == count_by_formula(config)
     assert (config.ffn == "dense") == name.endswith("-dense")
     if not name.endswith("-dense"):
-        assert sorted(model.stem_tables()) == config.special_layers
+        assert sorted(model.token_tables()) == config.special_layers
         assert config.replace(ffn="dense") == get_preset(f"{name}-dense")
 
 
@@ -40,8 +40,8 @@ def test_paper_1b_counts_totals():
     # The paper: 1B STEM ≈ 6.75B total / 1.41B active against a 1.50B dense baseline (Llama-3.2-1B shape, untied).
     stem = build_model(get_preset("paper-1b-counts"), device="meta")
     dense = build_model(get_preset("paper-1b-counts-dense"), device="meta")
-    tables = sum(t.weight.numel() for t in stem.stem_tables().values())
-    assert len(stem.stem_tables()) == 5
+    tables = sum(t.weight.numel() for t in stem.token_tables().values())
+    assert len(stem.token_tables()) == 5
     assert stem.num_parameters() / 1e9 == pytest.approx(6.67, abs=0.01)
     assert (stem.num_parameters() - tables) / 1e9 == pytest.approx(1.41, abs=0.01)
     assert dense.num_parameters() / 1e9 == pytest.approx(1.50, abs=0.01)
@@ -52,8 +52,8 @@ def test_paper_350m_odd_totals():
     # 1.85B / 0.34B and 0.37B, so its 350M runs used a somewhat wider FFN or vocabulary).
     stem = build_model(get_preset("paper-350m-odd"), device="meta")
     dense = build_model(get_preset("paper-350m-odd-dense"), device="meta")
-    tables = sum(t.weight.numel() for t in stem.stem_tables().values())
-    assert len(stem.stem_tables()) == 16
+    tables = sum(t.weight.numel() for t in stem.token_tables().values())
+    assert len(stem.token_tables()) == 16
     assert stem.num_parameters() / 1e9 == pytest.approx(1.617, abs=0.001)
     assert (stem.num_parameters() - tables) / 1e9 == pytest.approx(0.306, abs=0.001)
     assert dense.num_parameters() / 1e9 == pytest.approx(0.345, abs=0.001)
@@ -72,7 +72,7 @@ def test_official_configs(name, layers, total):
     config = get_preset(name)
     model = build_model(config, device="meta")
     assert config.tie_word_embeddings and model.lm_head.weight is model.model.embed_tokens.weight
-    assert sorted(model.stem_tables()) == layers
+    assert sorted(model.token_tables()) == layers
     assert total is None or model.num_parameters() == total
     assert (config.vocab_size, config.rope_theta) == ((32000, 1e4) if "350m" in name else (128256, 5e5))
     # d_ff by the official rounding: multiple_of 256 over int(2/3 · 4d) (x 1.5 for Llama-3.2-1B)
@@ -107,7 +107,7 @@ def test_tiny_is_unchanged():
         num_key_value_heads=4,
         max_position_embeddings=1024,
         ffn="stem",
-        stem_layers="odd",
+        ffn_layers="odd",
     )
 
 

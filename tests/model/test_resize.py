@@ -19,7 +19,7 @@ VOCAB = 64
 def tiny(ffn: str, **overrides) -> ModelConfig:
     base = dict(
         vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=3, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=64, ffn=ffn, stem_layers="all-but-first", num_experts=4,
+        num_key_value_heads=2, max_position_embeddings=64, ffn=ffn, ffn_layers="all-but-first", num_experts=4,
         ple_dim=8, memory_keys=8, memory_topk=4, engram_dim=16, value_embed_tables=1,
     )  # fmt: skip
     return ModelConfig(**{**base, **overrides})
@@ -41,7 +41,7 @@ def test_every_vocab_shaped_tensor_follows(ffn, new):
     assert model.config.vocab_size == new
     assert not any(m.training for m in model.modules())  # rebuilt layers keep the model's eval mode
     assert model.lm_head.weight.shape[0] == model.model.embed_tokens.weight.shape[0] == new
-    for table in model.stem_tables().values():
+    for table in model.token_tables().values():
         assert table.weight.shape[0] == new
     fresh = build_model(tiny(ffn, vocab_size=new), device="meta")
     shapes = {name: p.shape for name, p in fresh.named_parameters()}
@@ -66,7 +66,7 @@ def test_added_table_rows_take_the_table_init():
     config = tiny("stem", vocab_size=512, intermediate_size=256, table_init="normal", table_init_std=0.5)
     model = build_model(config, seed=0)
     resize_vocabulary(model, 1024)
-    added = model.stem_tables()[1].weight[512:]
+    added = model.token_tables()[1].weight[512:]
     assert abs(added.std().item() - 0.5) < 0.02
 
 

@@ -19,7 +19,7 @@ from stemlm.model import build_model
 
 
 def config(tiny_config, **extra):
-    return tiny_config("value_embed", **{"num_hidden_layers": 4, "stem_layers": "all", **extra})
+    return tiny_config("value_embed", **{"num_hidden_layers": 4, "ffn_layers": "all", **extra})
 
 
 def randomized(model, seed=0):
@@ -75,7 +75,7 @@ def test_shared_tables_have_one_name_and_one_key(tiny_config):
     model = build_model(config(tiny_config, value_embed_tables=2))
     names = [k for k in model.state_dict() if k.endswith("value_embedding.weight")]
     assert names == ["model.layers.0.mlp.value_embedding.weight", "model.layers.1.mlp.value_embedding.weight"]
-    tables = model.stem_tables()
+    tables = model.token_tables()
     assert sorted(tables) == [0, 1]
     assert (
         model.model.layers[2].mlp.value_embedding is tables[0]
@@ -110,7 +110,7 @@ def test_starts_as_its_dense_twin_plus_the_row(tiny_config):
     model = build_model(config(tiny_config), seed=3)
     for i in model.config.special_layers:
         assert torch.equal(model.model.layers[i].mlp.value_lambda.detach(), torch.ones(2))
-    table = model.stem_tables()[1].weight
+    table = model.token_tables()[1].weight
     width = model.config.kv_heads * model.config.head_size
     assert table.shape == (256, width)
     std = float(table.detach().double().std())

@@ -22,7 +22,7 @@ CONFIG = dict(
     num_attention_heads=4,
     num_key_value_heads=2,
     max_position_embeddings=128,
-    stem_layers="all-but-first",
+    ffn_layers="all-but-first",
     ple_dim=16,
     initializer_range=0.1,
 )

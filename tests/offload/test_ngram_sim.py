@@ -19,7 +19,7 @@ def test_stream_and_full_cache():
         num_hidden_layers=2,
         num_attention_heads=2,
         ffn="engram",
-        stem_layers="1",
+        ffn_layers="1",
         engram_rows=40,
         engram_dim=32,
     )

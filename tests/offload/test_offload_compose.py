@@ -31,7 +31,7 @@ def composed_config(vocab: int) -> ModelConfig:
         num_key_value_heads=2,
         max_position_embeddings=96,
         ffn="stem",
-        stem_layers="odd",
+        ffn_layers="odd",
         value_embed_layers="first:1,last:2",
         engram_layers="1",
         engram_dim=32,
@@ -44,7 +44,7 @@ def folder(tmp_path_factory):
     tok = default_tokenizer()
     model = build_model(composed_config(tok.get_vocab_size()), seed=0)
     with torch.no_grad():  # large rows, so every table matters to the output
-        for t in model.stem_tables().values():
+        for t in model.token_tables().values():
             t.weight.normal_(0, 0.5, generator=torch.Generator().manual_seed(1))
     return save_pretrained(model.eval(), tmp_path_factory.mktemp("compose") / "ckpt", tokenizer=tok)
 
@@ -69,7 +69,7 @@ def test_offloaded_rows_equal_the_model_tables(folder, tables):
     resident, _ = load_offloaded_model(folder, "resident")
     _, providers = load_offloaded_model(folder, tables)
     ids = torch.tensor([3, 17, 3, 250])
-    expected = torch.cat([t.weight[ids] for t in resident.stem_tables().values()], dim=1)
+    expected = torch.cat([t.weight[ids] for t in resident.token_tables().values()], dim=1)
     torch.testing.assert_close(providers.token.gather(ids), expected, atol=0, rtol=0)
     assert providers.ngram is not None
 

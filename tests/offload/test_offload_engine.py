@@ -81,7 +81,7 @@ def test_host_tables_are_not_on_the_device(stem_checkpoint):
     table_bytes = len(cfg.special_layers) * cfg.vocab_size * cfg.intermediate_size * 4  # fp32
     with OffloadedLM.load(folder, "host", cache_rows=10) as lm:
         memory = lm.memory()
-        assert all(t.weight.is_meta for t in lm.model.stem_tables().values())
+        assert all(t.weight.is_meta for t in lm.model.token_tables().values())
         assert lm.provider.matrix.numel() * 4 == table_bytes
     assert memory["device_parameter_bytes"] == device_parameter_bytes(model) - table_bytes
     assert memory["device_parameter_bytes"] == sum(p.numel() * 4 for p in model.parameters()) - table_bytes
@@ -133,7 +133,7 @@ def test_layouts_and_dtypes(stem_checkpoint, tmp_path, offload_model):
     for tables, layout in (("host", "token"), ("host", "layer"), ("mmap", "token")):
         with OffloadedLM.load(folder, tables, layout=layout) as lm:
             rows[tables, layout] = lm.provider.gather(ids)
-    expected = torch.cat([model.stem_tables()[i].weight[ids] for i in (1, 2)], dim=1)
+    expected = torch.cat([model.token_tables()[i].weight[ids] for i in (1, 2)], dim=1)
     assert all(torch.equal(r, expected) for r in rows.values())
     bf16 = offload_model("stem", seed=3).to(torch.bfloat16)
     save_pretrained(bf16, tmp_path / "bf16")
@@ -154,7 +154,7 @@ def test_sharded_checkpoint(tmp_path, offload_model):
 
 def test_pipeline_rejects_rows_for_other_ids_and_serves_unrequested(stem_checkpoint):
     _, model = stem_checkpoint
-    provider = HostProvider({i: t.weight.detach() for i, t in model.stem_tables().items()})
+    provider = HostProvider({i: t.weight.detach() for i, t in model.token_tables().items()})
     with RowPipeline(RowCache(provider, 4)) as rows:
         rows.request(torch.tensor([[1, 2, 3]]))
         with pytest.raises(RuntimeError, match="other ids"):

@@ -35,7 +35,7 @@ def checkpoint(folder, kind: str, vocab: int = 256, tokenizer=None):
         num_attention_heads=4,
         max_position_embeddings=96,
         ffn=kind,
-        stem_layers="1,2",
+        ffn_layers="1,2",
         stem_ngram_orders="2,3",
         stem_ngram_rows=64,
         engram_rows=64,
@@ -89,7 +89,7 @@ def test_offloaded_equals_resident(folder, tables, fraction):
 
 def test_families_of_each_kind(tmp_path):
     for kind, expected in (("stem_ngram", {"token", "ngram"}), ("engram", {"ngram"}), ("memory", {"memory"})):
-        model = build_model(ModelConfig(ffn=kind, num_hidden_layers=2, stem_layers="1", **SMALL), device="meta")
+        model = build_model(ModelConfig(ffn=kind, num_hidden_layers=2, ffn_layers="1", **SMALL), device="meta")
         assert set(table_families(model)) == expected
 
 

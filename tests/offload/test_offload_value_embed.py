@@ -36,12 +36,12 @@ def checkpoint(folder, vocab: int = 256, tokenizer=None):
         num_key_value_heads=2,
         max_position_embeddings=96,
         ffn="value_embed",
-        stem_layers="all",
+        ffn_layers="all",
         value_embed_tables=2,
     )
     model = build_model(config, seed=0)
     with torch.no_grad():  # large rows, so the value embeddings matter to the output
-        for t in model.stem_tables().values():
+        for t in model.token_tables().values():
             t.weight.normal_(0, 0.5, generator=torch.Generator().manual_seed(1))
     return save_pretrained(model.eval(), folder, tokenizer=tokenizer)
 

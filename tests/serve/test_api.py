@@ -57,7 +57,7 @@ def edited_copy(model, source: str, target: str, layers=None):
     clone = copy.deepcopy(model)
     (src,) = ids_of(" " + source)
     tgt = ids_of(" " + target)
-    for i, table in clone.stem_tables().items():
+    for i, table in clone.token_tables().items():
         if layers is None or i in layers:
             table.weight[src] = table.weight[tgt].mean(0)
     return clone
@@ -66,7 +66,7 @@ def edited_copy(model, source: str, target: str, layers=None):
 def test_info_and_tokenize(client_for, stem_ckpt):
     client, pg = client_for(stem_ckpt)
     info = client.get("/api/info").get_json()
-    assert info["stem_layers"] == [1, 2] and info["tables"] == "resident" and info["editing"] is None
+    assert info["table_layers"] == [1, 2] and info["tables"] == "resident" and info["editing"] is None
     assert info["can_save"] is False and "Germany" in info["entities"]
     status, body = post(client, "/api/tokenize", prompt=PROMPT)
     assert status == 200 and [t["id"] for t in body["tokens"]] == ids_of(PROMPT)
@@ -120,6 +120,17 @@ def test_edit_matches_an_independent_edit(client_for, stem_ckpt):
     assert body["before"]["ids"] == greedy_by_recompute(pg.model, ids_of(PROMPT), 4)
     assert body["after"]["ids"][0] == int(after.argmax()) != body["before"]["ids"][0]  # the fixture's promise
     assert body["max_abs_prob_change"] == pytest.approx(float((after - before).abs().max()), rel=1e-4)
+
+
+def test_edit_rows_stem_is_the_old_name_of_tables(client_for, stem_ckpt):
+    client, _ = client_for(stem_ckpt)
+    common = dict(prompt=PROMPT, source=SOURCE, target=TARGET, max_new_tokens=3, greedy=True)
+    _, new = post(client, "/api/edit", rows="tables", **common)
+    _, old = post(client, "/api/edit", rows="stem", **common)
+    for key in ("positions", "layers", "before", "after"):
+        assert old[key] == new[key]
+    status, _ = post(client, "/api/edit", rows="bogus", **common)
+    assert status == 400
 
 
 def test_picked_span_equals_the_named_source(client_for, stem_ckpt):
@@ -198,7 +209,7 @@ def test_unexpected_failure_is_json_without_traceback(client_for, stem_ckpt, mon
 def test_dense_checkpoint_cannot_be_edited_but_generates(client_for, dense_ckpt):
     client, pg = client_for(dense_ckpt)
     info = client.get("/api/info").get_json()
-    assert info["stem_layers"] == [] and "no STEM tables" in info["editing"]
+    assert info["table_layers"] == [] and "no STEM tables" in info["editing"]
     status, body = post(client, "/api/edit", prompt=PROMPT, source=SOURCE, target=TARGET)
     assert status == 400 and "no STEM tables" in body["error"]
     status, body = post(client, "/api/contribution", prompt=PROMPT)
@@ -238,7 +249,7 @@ def test_nearest_tokens_by_row_cosine(client_for, stem_ckpt):
     query = ids_of(" " + SOURCE)[0]
     status, body = post(client, "/api/nearest", token_id=query, k=4)
     assert status == 200 and [t["name"] for t in body["tables"]] == ["layer 1", "layer 2", "embed_tokens"]
-    weight = pg.model.stem_tables()[1].weight
+    weight = pg.model.token_tables()[1].weight
     cos = (weight @ weight[query]) / (weight.norm(dim=-1) * weight[query].norm())
     cos[query] = -2
     expected = torch.topk(cos, 4)

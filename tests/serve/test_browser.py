@@ -246,7 +246,7 @@ def test_heat_map_and_nearest_tokens(browser, stem_site):
     by_id(browser, "see-btn").click()
     wait(browser, lambda d: d.find_elements(By.CSS_SELECTOR, "#heatmap td.cell"))
     cells = browser.find_elements(By.CSS_SELECTOR, "#heatmap td.cell")
-    assert len(cells) == len(pg.model.stem_tables()) * len(pg.encode(PROMPT))
+    assert len(cells) == len(pg.model.token_tables()) * len(pg.encode(PROMPT))
     header = [h for h in browser.find_elements(By.CSS_SELECTOR, "#heatmap th.tok") if h.text.strip() == SOURCE][0]
     ActionChains(browser).move_to_element(header).perform()
     wait(browser, lambda d: f'nearest to " {SOURCE}"' in by_id(d, "nearest").text)

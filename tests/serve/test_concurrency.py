@@ -86,13 +86,13 @@ def test_two_simultaneous_edits_each_see_only_their_own(live_server, stem_ckpt):
 def test_saves_during_edits_leave_the_served_tables_alone(live_server, stem_ckpt, tmp_path):
     common = dict(max_new_tokens=3, greedy=True)
     with live_server(stem_ckpt, save_dir=tmp_path) as (url, pg):
-        before = {i: t.weight.detach().clone() for i, t in pg.model.stem_tables().items()}
+        before = {i: t.weight.detach().clone() for i, t in pg.model.token_tables().items()}
         alone = call(url, "/api/edit", {**EDITS[1], **common})
         jobs = [lambda: call(url, "/api/edit", {**EDITS[1], **common}) for _ in range(2)]
         save = {**EDITS[0], "allow_shared_subwords": True}  # " France" is shared by "France's"
         jobs += [lambda n=n: call(url, "/api/save", {**save, "name": n}) for n in ("a", "a", "b")]
         results = run_together(jobs)
-        for i, table in pg.model.stem_tables().items():
+        for i, table in pg.model.token_tables().items():
             assert torch.equal(table.weight, before[i])
     timeless = [(status, {k: v for k, v in body.items() if k != "seconds"}) for status, body in [alone, *results[:2]]]
     assert timeless[1:] == [timeless[0]] * 2

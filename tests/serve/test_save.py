@@ -27,7 +27,7 @@ def ids_of(text: str) -> list[int]:
 
 def test_save_writes_the_global_edit_and_leaves_the_served_model(client_for, stem_ckpt, tmp_path):
     client, pg = client_for(stem_ckpt, save_dir=tmp_path / "saved")
-    served = {i: t.weight.detach().clone() for i, t in pg.model.stem_tables().items()}
+    served = {i: t.weight.detach().clone() for i, t in pg.model.token_tables().items()}
     body = dict(
         prompt=PROMPT,
         source=SOURCE,
@@ -47,12 +47,12 @@ def test_save_writes_the_global_edit_and_leaves_the_served_model(client_for, ste
     original = from_pretrained(stem_ckpt)
     (src,) = ids_of(" " + SOURCE)
     tgt = ids_of(" " + TARGET)
-    for i, table in saved.stem_tables().items():
-        expected = original.stem_tables()[i].weight.detach().clone()
+    for i, table in saved.token_tables().items():
+        expected = original.token_tables()[i].weight.detach().clone()
         if i == 2:  # average: the one source token takes the mean of the target's three rows
             expected[src] = expected[tgt].float().mean(0)
         torch.testing.assert_close(table.weight, expected, rtol=0, atol=1e-6)
-        assert torch.equal(pg.model.stem_tables()[i].weight, served[i])  # served tables unchanged
+        assert torch.equal(pg.model.token_tables()[i].weight, served[i])  # served tables unchanged
     for name, tensor in original.state_dict().items():
         if "stem_embedding" not in name:
             assert torch.equal(saved.state_dict()[name], tensor), name

@@ -25,9 +25,9 @@ MODEL = dict(
     num_attention_heads=4,
     num_key_value_heads=2,
     max_position_embeddings=64,
-    stem_layers="odd",
+    ffn_layers="odd",
 )
-MODEL_SETS = [f"model.{k}={v}" for k, v in MODEL.items() if k != "stem_layers"]
+MODEL_SETS = [f"model.{k}={v}" for k, v in MODEL.items() if k != "ffn_layers"]
 RUN_FLAGS = ["--data", "{data}", "--tokenizer", "{tok}", "--seq-len", "32", "--batch-size", "4", "--device", "cpu"]
 BASE = ["train", *RUN_FLAGS, "--steps", "2", "--no-progress", "--set", *MODEL_SETS]  # a tiny new run, no --out
 FRESH = [*BASE, "--out", "{out}"]

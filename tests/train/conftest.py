@@ -61,7 +61,7 @@ def make_model_config():
             num_key_value_heads=2,
             max_position_embeddings=64,
             ffn=ffn,
-            stem_layers="odd",
+            ffn_layers="odd",
             num_experts=4,
             num_experts_per_tok=2,
             ple_dim=16,

@@ -33,7 +33,7 @@ from stemlm.model.config import ModelConfig
 from stemlm.train.config import TrainConfig
 from stemlm.train.trainer import Trainer
 config = ModelConfig(vocab_size=8192, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                     num_attention_heads=2, max_position_embeddings=64, ffn="stem", stem_layers="1")
+                     num_attention_heads=2, max_position_embeddings=64, ffn="stem", ffn_layers="1")
 with tempfile.TemporaryDirectory() as tmp:
     trainer = Trainer(config, TrainConfig(steps=3, batch_size=2, seq_len=16, eval_every=0, out=tmp + "/run"),
                       progress=False)

@@ -6,6 +6,7 @@ point. Run: `OMP_NUM_THREADS=1 python -m pytest tests/train/test_cli.py -q`.
 
 from __future__ import annotations
 
+import argparse
 import errno
 import json
 import os
@@ -23,7 +24,7 @@ from stemlm.model import build_model
 from stemlm.model.config import ModelConfig
 from stemlm.train import state as state_mod
 from stemlm.train.config import SECTIONS, TrainConfig
-from stemlm.train.setup import RunRequest
+from stemlm.train.setup import RunRequest, requested_model
 
 MODEL = [
     "model.hidden_size=64",
@@ -222,7 +223,10 @@ def train_parser():
 
 @pytest.mark.parametrize("cls", [TrainConfig, RunRequest])
 def test_every_setting_is_a_flag_in_its_section(cls):
-    groups = {g.title: {a.dest: a for a in g._group_actions} for g in train_parser()._action_groups}
+    shown = [
+        (g.title, [a for a in g._group_actions if a.help != argparse.SUPPRESS]) for g in train_parser()._action_groups
+    ]
+    groups = {title: {a.dest: a for a in actions} for title, actions in shown}  # an old name is a hidden flag
     for flag, f, spec in settings(cls):
         action = groups[SECTIONS[spec.section]][f.name]
         assert action.option_strings == [flag] and action.default is None, f.name
@@ -230,7 +234,7 @@ def test_every_setting_is_a_flag_in_its_section(cls):
 
 def test_flags_become_the_run_request():
     argv = [
-        *("train", "--preset", "tiny-dense", "--ffn", "stem", "--stem-layers", "1,3", "--fit-vocab", "--tokenizer"),
+        *("train", "--preset", "tiny-dense", "--ffn", "stem", "--ffn-layers", "1,3", "--fit-vocab", "--tokenizer"),
         *("gpt2", "--init-from", "ck", "--steps", "5", "--lr", "0.01", "--table-lr", "x3", "--compile", "--train"),
         *("tables", "--data", "a", "b", "--set", "model.hidden_size=32", "train.eval_every=2", "train.steps=9"),
         "--no-progress",
@@ -245,11 +249,23 @@ def test_flags_become_the_run_request():
     assert request == RunRequest(
         request.changes,
         ffn="stem",
-        stem_layers="1,3",
+        ffn_layers="1,3",
         model_sets=["model.hidden_size=32"],
         fit_vocab=True,
         **same,
         progress=False,
+    )
+
+
+def test_stem_layers_is_the_old_name_of_ffn_layers():
+    old, new = (
+        run_request(build_parser().parse_args(["train", flag, "odd"])) for flag in ("--stem-layers", "--ffn-layers")
+    )
+    assert old == new and new.ffn_layers == "odd"
+    assert requested_model(old, None)[0].ffn_layers == "odd"
+    helped = train_parser().format_help()
+    assert (
+        "--ffn-layers SPEC" in helped and "(old name: --stem-layers)" in helped and "--stem-layers SPEC" not in helped
     )
 
 

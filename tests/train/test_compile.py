@@ -28,7 +28,7 @@ def _fresh_dynamo():
 def test_forward_has_no_graph_breaks(ffn):
     cfg = ModelConfig(vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, ffn=ffn,
-                      stem_layers="odd")  # fmt: skip
+                      ffn_layers="odd")  # fmt: skip
     model = build_model(cfg, seed=0)
     x, y = torch.randint(0, 300, (2, 16)), torch.randint(0, 300, (2, 16))
     explained = torch._dynamo.explain(model)(x, labels=y)

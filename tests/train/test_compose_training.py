@@ -18,7 +18,7 @@ from stemlm.train.trainer import Trainer
 from tests.train.tables.test_host import same_run
 from tests.train.test_cli import run_cli, small  # noqa: F401 (small: a fixture)
 
-COMPOSED = dict(stem_layers="1", value_embed_layers="all", value_embed_tables=1)  # layer 1 reads layer 0's table
+COMPOSED = dict(ffn_layers="1", value_embed_layers="all", value_embed_tables=1)  # layer 1 reads layer 0's table
 
 
 def test_every_token_table_moves_row_sparsely_and_lambdas_train(tmp_path, make_train_config, make_model_config):
@@ -26,7 +26,7 @@ def test_every_token_table_moves_row_sparsely_and_lambdas_train(tmp_path, make_t
     trainer = Trainer(
         config, make_train_config(tmp_path, steps=1, eval_every=0, table_optim="lazy_adamw"), progress=False
     )
-    tables = trainer.model.stem_tables()
+    tables = trainer.model.token_tables()
     assert list(tables) == [1, 4]  # STEM at layer 1, the one value table past the 2 layers
     assert {id(t.weight) for t in tables.values()} == {id(p) for p in split_parameters(trainer.model)["tables"]}
     lambdas = [layer.beside.value_embed.value_lambda for layer in trainer.model.model.layers]

@@ -139,6 +139,6 @@ def test_hand_edited_trainer_state_is_one_line(tmp_path, make_train_config, make
 
 
 def test_stem_layers_validated_against_the_final_config():
-    request = RunRequest(preset="tiny", stem_layers="5", model_sets=["model.num_hidden_layers=6"])
+    request = RunRequest(preset="tiny", ffn_layers="5", model_sets=["model.num_hidden_layers=6"])
     config, _ = requested_model(request, None)
     assert config.num_hidden_layers == 6 and config.special_layers == [5]

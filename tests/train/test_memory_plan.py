@@ -30,7 +30,7 @@ SHAPES = [
 
 def config(ffn: str, layers: int, shape: dict) -> ModelConfig:
     return ModelConfig(vocab_size=300, num_hidden_layers=layers, max_position_embeddings=64, ffn=ffn,
-                       stem_layers="odd", **shape)  # fmt: skip
+                       ffn_layers="odd", **shape)  # fmt: skip
 
 
 def saved_elements_per_token(cfg: ModelConfig, chunk: int, ac: bool, B: int = 2, T: int = 8) -> float:
@@ -77,7 +77,7 @@ def test_recompute_peak_is_one_unwrapped_block():
 def test_parameter_shards_match_meta_counts(nproc):
     cfg = get_preset("paper-350m")
     meta = build_model(cfg, device="meta")
-    tables = {id(t.weight) for t in meta.stem_tables().values()}
+    tables = {id(t.weight) for t in meta.token_tables().values()}
     backbone = [p for p in meta.parameters() if id(p) not in tables]
     fsdp = memory_plan(cfg, nproc=nproc, parallel="fsdp")
     ddp = memory_plan(cfg, nproc=nproc, parallel="ddp")
@@ -86,15 +86,15 @@ def test_parameter_shards_match_meta_counts(nproc):
     assert ddp["bytes_per_rank"]["backbone_weights"] == 4 * sum(p.numel() for p in backbone)
     assert fsdp["parameters"]["total"] == total_parameters(cfg)
     rows = len(range(0, cfg.vocab_size, nproc))  # rank 0 owns rows 0, N, 2N, ...
-    widths = sum(t.weight.shape[1] for t in meta.stem_tables().values())
+    widths = sum(t.weight.shape[1] for t in meta.token_tables().values())
     assert fsdp["bytes_per_rank"]["table_shard"] == 4 * rows * widths
 
 
 @pytest.mark.parametrize("name", ["adamw", "lazy_adamw", "rowwise_adagrad"])
 def test_table_optimizer_state_matches_a_real_optimizer(name):
     cfg = ModelConfig(vocab_size=101, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
-                      num_attention_heads=2, max_position_embeddings=16, ffn="stem", stem_layers="all")  # fmt: skip
-    tables = [t.weight for t in build_model(cfg, seed=0).stem_tables().values()]
+                      num_attention_heads=2, max_position_embeddings=16, ffn="stem", ffn_layers="all")  # fmt: skip
+    tables = [t.weight for t in build_model(cfg, seed=0).token_tables().values()]
     opt = make_table_optimizer(name, tables, lr=1e-3)
     for t in tables:
         ids, rows = torch.arange(cfg.vocab_size)[None], torch.ones(cfg.vocab_size, 48)
@@ -107,7 +107,7 @@ def test_table_optimizer_state_matches_a_real_optimizer(name):
 def test_backbone_optimizer_matches_adamw():
     cfg = config("stem", 2, SHAPES[0])
     model = build_model(cfg, seed=0)
-    tables = {id(t.weight) for t in model.stem_tables().values()}
+    tables = {id(t.weight) for t in model.token_tables().values()}
     backbone = [p for p in model.parameters() if id(p) not in tables]
     opt = torch.optim.AdamW(backbone)
     for p in backbone:

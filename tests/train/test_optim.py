@@ -23,7 +23,7 @@ def test_groups_cover_every_parameter_once(make_model_config):
     parts = split_parameters(model)
     ids = [id(p) for group in parts.values() for p in group]
     assert len(ids) == len(set(ids)) == len(list(model.parameters()))
-    assert {id(p) for p in parts["tables"]} == {id(t.weight) for t in model.stem_tables().values()}
+    assert {id(p) for p in parts["tables"]} == {id(t.weight) for t in model.token_tables().values()}
     names = {id(p): n for n, p in model.named_parameters()}
     assert all(names[id(p)].endswith("norm.weight") for p in parts["no_decay"])
     assert sum(n.endswith("norm.weight") for n in names.values()) == len(parts["no_decay"])
@@ -45,7 +45,7 @@ def test_weight_decay_per_group(make_model_config):
         p.grad = torch.zeros_like(p)
     for opt in opts:
         opt.step()
-    tables = {f"model.layers.{i}.mlp.stem_embedding.weight" for i in model.stem_tables()}
+    tables = {f"model.layers.{i}.mlp.stem_embedding.weight" for i in model.token_tables()}
     assert tables
     for name, p in model.named_parameters():
         factor = 1 - 0.2 * 0.25 if name in tables else 1.0 if name.endswith("norm.weight") else 1 - 0.1 * 0.5
@@ -126,7 +126,7 @@ def test_row_sparse_table_optimizer_plugs_in(make_model_config):
     model = build_model(make_model_config("stem"))
     opts = build_optimizers(model, TrainConfig(table_optim="lazy_adamw"))
     assert isinstance(opts[1], LazyAdamW)
-    assert all(t.sparse for t in model.stem_tables().values())
+    assert all(t.sparse for t in model.token_tables().values())
 
 
 def test_backbone_adamw_is_foreach_on_cpu_and_equals_the_single_tensor_adamw_bitwise(make_model_config):

@@ -72,7 +72,7 @@ def test_one_backbone_group_decays_the_norm_gains(make_model_config):
         p.grad = torch.zeros_like(p)
     for opt in opts:
         opt.step()
-    tables = {f"model.layers.{i}.mlp.stem_embedding.weight" for i in model.stem_tables()}
+    tables = {f"model.layers.{i}.mlp.stem_embedding.weight" for i in model.token_tables()}
     assert tables and any(n.endswith("norm.weight") for n in before)
     for name, p in model.named_parameters():
         factor = 1 - 0.2 * 0.25 if name in tables else 1 - 0.1 * 0.5
@@ -201,7 +201,7 @@ def test_two_steps_equal_the_official_update_in_fp64(tmp_path, make_train_config
     batches = [trainer.batches.sample(step) for step in range(cfg.steps)]
     for _ in range(cfg.steps):
         assert not trainer.train_step()["skipped"]
-    tables = {f"model.layers.{i}.mlp.stem_embedding.weight" for i in reference.stem_tables()}
+    tables = {f"model.layers.{i}.mlp.stem_embedding.weight" for i in reference.token_tables()}
     norms = _official_update_by_hand(
         reference,
         batches,

@@ -34,7 +34,7 @@ def shrunk(name: str) -> ModelConfig:
         num_key_value_heads=2,
         head_dim=16,
         max_position_embeddings=64,
-        stem_layers=[i for i in config.special_layers if i < 4],
+        ffn_layers=[i for i in config.special_layers if i < 4],
     )
 
 

@@ -244,10 +244,8 @@ def test_resume_checks_model_tokenizer_and_steps(tmp_path, make_train_config, ma
     config = make_model_config("stem")
     Trainer(config, make_train_config(tmp_path, steps=2, eval_every=0), progress=False).fit()
     run = tmp_path / "run"
-    with pytest.raises(
-        StemlmError, match=r"hidden_size: run 64, requested 32.*stem_layers: run \[1\], requested \[0\]"
-    ):
-        Trainer.resume(run, model_config=config.replace(hidden_size=32, stem_layers="0"))
+    with pytest.raises(StemlmError, match=r"hidden_size: run 64, requested 32.*ffn_layers: run \[1\], requested \[0\]"):
+        Trainer.resume(run, model_config=config.replace(hidden_size=32, ffn_layers="0"))
     from stemlm.data import default_tokenizer
 
     with pytest.raises(StemlmError, match="tokenizer differs from the run's"):

@@ -16,7 +16,7 @@ from stemlm.train.optim import split_parameters
 from stemlm.train.trainer import Trainer
 from tests.train.tables.test_host import same_run
 
-SHARED = dict(num_hidden_layers=3, stem_layers="all", value_embed_tables=2)  # layer 2 reads layer 0's table
+SHARED = dict(num_hidden_layers=3, ffn_layers="all", value_embed_tables=2)  # layer 2 reads layer 0's table
 
 
 @pytest.mark.parametrize("table_optim", ["lazy_adamw", "rowwise_adagrad"])
@@ -25,7 +25,7 @@ def test_tables_move_row_sparsely_and_lambdas_train(tmp_path, make_train_config,
     trainer = Trainer(
         config, make_train_config(tmp_path, steps=1, eval_every=0, table_optim=table_optim), progress=False
     )
-    tables = list(trainer.model.stem_tables().values())
+    tables = list(trainer.model.token_tables().values())
     parts = split_parameters(trainer.model)
     assert len(tables) == 2 and {id(t.weight) for t in tables} == {id(p) for p in parts["tables"]}
     lambdas = [layer.mlp.value_lambda for layer in trainer.model.model.layers]
@@ -70,6 +70,6 @@ def test_host_tables_train_bitwise_like_resident(tmp_path, make_train_config, ma
     host = Trainer(config, make_train_config(tmp_path / "b", tables="host", **kw), progress=False)
     host.fit()
     same_run(resident, host, tmp_path / "a" / "run", tmp_path / "b" / "run")
-    for i, table in host.model.stem_tables().items():
+    for i, table in host.model.token_tables().items():
         assert table.weight is host.tables.params[i]
     assert host.model.model.layers[2].mlp.value_embedding.weight is host.tables.params[0 if tables else 2]

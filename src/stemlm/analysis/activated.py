@@ -53,7 +53,7 @@ def activated_vs_context(
         )
     active = active_parameters(config)
     return {
-        "stem_layers": len(config.special_layers) if get_kind(config.ffn).stem_saving else 0,
+        "projection_replaced_layers": len(config.special_layers) if get_kind(config.ffn).replaces_projection else 0,
         "d_ff": config.intermediate_size,
         "backbone_active_params": active["backbone"],
         "rows_per_token": active["rows"],

@@ -25,6 +25,7 @@ import torch
 
 from stemlm.errors import StemlmError
 from stemlm.model.decoder import StemLM
+from stemlm.model.kinds.registry import key_label, key_layer
 
 
 def attribute(
@@ -32,7 +33,7 @@ def attribute(
 ) -> dict:
     """Per STEM layer and position: FFN output norm and gradient x input for log p(token | prompt). `forward` runs
     the model's forward (default: the model itself; a served model's `InferenceModel`, for its autocast)."""
-    tables = model.stem_tables()
+    tables = model.token_tables()
     if not tables:
         raise StemlmError("attribution needs a STEM model (this checkpoint has no STEM tables)")
     device = next(model.parameters()).device
@@ -54,7 +55,10 @@ def attribute(
             outputs[i] = out[0].detach()
 
     handles = [
-        model.model.layers[i].mlp.register_forward_hook(lambda _m, _inp, out, i=i: capture(i, out)) for i in tables
+        model.model.layers[key_layer(model.config, i)].mlp.register_forward_hook(
+            lambda _m, _inp, out, i=i: capture(i, out)
+        )
+        for i in tables  # a side table's key (past the layers) hooks its layer's FFN
     ]
     try:
         with torch.enable_grad():
@@ -71,6 +75,7 @@ def attribute(
     layers = {}
     for i in sorted(tables):
         layers[str(i)] = {
+            "label": key_label(model.config, i),
             "ffn_norm": outputs[i].norm(dim=-1).tolist(),
             "grad_x_input": (grads[i][0] * leaves[i].detach()[0]).sum(-1).tolist(),
         }
@@ -95,7 +100,7 @@ def plot_attribution(result: dict, labels: list[str], target: str, path: str | P
             image = ax.imshow(grid.numpy(), aspect="auto", cmap=cmap, vmin=-bound, vmax=bound)
         else:
             image = ax.imshow(grid.numpy(), aspect="auto", cmap=cmap)
-        ax.set_yticks(range(len(layer_names)), [f"layer {n}" for n in layer_names])
+        ax.set_yticks(range(len(layer_names)), [result["layers"][n]["label"] for n in layer_names])
         ax.set_xticks(range(len(labels)), labels, rotation=60, ha="right", fontsize=8)
         ax.set_title(title, fontsize=9)
         fig.colorbar(image, ax=ax, fraction=0.025)

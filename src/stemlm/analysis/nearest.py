@@ -14,6 +14,7 @@ from tokenizers import Tokenizer
 
 from stemlm.errors import StemlmError
 from stemlm.model.decoder import StemLM
+from stemlm.model.kinds.registry import key_label
 
 
 def query_token(tokenizer: Tokenizer, text: str, vocab_size: int) -> int:
@@ -39,7 +40,7 @@ def neighbours(weight: torch.Tensor, token_id: int, k: int) -> list[tuple[int, f
 def nearest_tokens(model: StemLM, tokenizer: Tokenizer, token: str, k: int = 10) -> dict:
     """{table name: [{token, id, cosine}]} for every STEM layer and the token embedding."""
     token_id = query_token(tokenizer, token, model.config.vocab_size)
-    named = {f"layer {i}": t.weight for i, t in sorted(model.stem_tables().items())}
+    named = {key_label(model.config, i): t.weight for i, t in sorted(model.token_tables().items())}
     named["embed_tokens"] = model.model.embed_tokens.weight
     tables = {
         name: [{"token": tokenizer.decode([i]), "id": i, "cosine": c} for i, c in neighbours(w, token_id, k)]

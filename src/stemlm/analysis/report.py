@@ -73,7 +73,7 @@ def chosen_analyses(options: AnalysisOptions, model) -> list[str]:
     for n in names:
         if n not in ANALYSES:
             raise StemlmError(f"unknown analysis {n!r}; choose from {', '.join(ANALYSES)} (comma list) or all")
-    if not model.stem_tables():
+    if not model.token_tables():
         asked = [n for n in names if n in STEM_ONLY]
         if options.only != "all" and asked:
             raise StemlmError(f"{', '.join(asked)} need a STEM checkpoint; this one is dense (ffn=dense)")
@@ -137,18 +137,18 @@ def render_analysis(report: dict) -> str:
         lines.append(
             f"angular spread over {report['spread']['tokens']} tokens (baseline: {report['spread']['baseline']}):"
         )
-        for layer, r in report["spread"]["layers"].items():
+        for r in report["spread"]["layers"].values():
             s, b = r["stem_rows"], r["baseline"]
             lines.append(
-                f"  layer {layer}: mean cos STEM rows {s['mean']:+.3f} (|cos| {s['mean_abs']:.3f})"
+                f"  {r['label']}: mean cos STEM rows {s['mean']:+.3f} (|cos| {s['mean_abs']:.3f})"
                 f"  vs baseline {b['mean']:+.3f} (|cos| {b['mean_abs']:.3f})"
             )
     if "attribution" in report:
         a = report["attribution"]
         lines.append(f"attribution for {a['token']!r} (log p {a['logprob']:.3f}):")
-        for layer, r in a["layers"].items():
+        for r in a["layers"].values():
             top = max(range(len(r["grad_x_input"])), key=lambda i: abs(r["grad_x_input"][i]))
-            lines.append(f"  layer {layer}: strongest grad x input at position {top} ({r['grad_x_input'][top]:+.4f})")
+            lines.append(f"  {r['label']}: strongest grad x input at position {top} ({r['grad_x_input'][top]:+.4f})")
     if "nearest" in report:
         n = report["nearest"]
         lines.append(f"nearest tokens to {n['query']!r}:")

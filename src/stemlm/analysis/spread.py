@@ -23,6 +23,7 @@ import torch
 
 from stemlm.errors import StemlmError
 from stemlm.model.decoder import StemLM
+from stemlm.model.kinds.registry import key_label, key_layer
 
 PERCENTILES = (1, 5, 25, 50, 75, 95, 99)
 
@@ -86,7 +87,7 @@ def spread_vectors(
     model: StemLM, ids: Sequence[int], dense: StemLM | None = None, max_tokens: int = 512
 ) -> tuple[list[int], dict[int, tuple[torch.Tensor, torch.Tensor]]]:
     """(distinct tokens, {STEM layer: (their STEM rows [N, d_ff], their baseline vectors [N, d_ff])})."""
-    tables = model.stem_tables()
+    tables = model.token_tables()
     if not tables:
         raise StemlmError("angular spread needs a STEM model (this checkpoint has no STEM tables)")
     if dense is not None and dense.config.num_hidden_layers != model.config.num_hidden_layers:
@@ -98,29 +99,36 @@ def spread_vectors(
     base_model = dense if dense is not None else model
     inputs = ffn_inputs(base_model, ids)
     out = {}
-    for layer, table in tables.items():
+    for key, table in tables.items():
+        layer = key_layer(model.config, key)  # a side table (value embeddings beside the FFN) sits past the layers
         mlp = base_model.model.layers[layer].mlp
         proj = getattr(mlp, "up_proj", None) if dense is not None else mlp.gate_proj
         if proj is None:
             raise StemlmError(f"layer {layer} of the dense checkpoint has no up_proj (is it a STEM layer there?)")
         rows = table.weight[torch.tensor(tokens, device=table.weight.device)]
-        out[layer] = (rows.detach(), proj(inputs[layer][positions]).detach())
+        out[key] = (rows.detach(), proj(inputs[layer][positions]).detach())
     return tokens, out
 
 
 def angular_spread(
     model: StemLM, ids: Sequence[int], *, dense: StemLM | None = None, max_tokens: int = 512
 ) -> tuple[dict, dict[int, tuple[torch.Tensor, torch.Tensor]]]:
-    """(per-layer cosine statistics of STEM rows vs baseline vectors, the raw cosines for `plot_spread`)."""
+    """(per-table cosine statistics of STEM rows vs baseline vectors, keyed by table key with its `label`; the raw
+    cosines for `plot_spread`, keyed by that label)."""
     tokens, vectors = spread_vectors(model, ids, dense, max_tokens)
-    samples = {layer: (pairwise_cosines(rows), pairwise_cosines(base)) for layer, (rows, base) in vectors.items()}
+    samples = {
+        key_label(model.config, key): (pairwise_cosines(rows), pairwise_cosines(base))
+        for key, (rows, base) in vectors.items()
+    }
     layers = {}
-    for layer, (rows, base) in vectors.items():
+    for key, (rows, base) in vectors.items():
+        label = key_label(model.config, key)
         # Also after removing the mean vector: a direction shared by every token (common in residual streams)
         # raises all raw cosines. Centred cosines average ~0 by construction, so their mean |cos| is reported.
-        layers[str(layer)] = {
-            "stem_rows": {**cosine_stats(samples[layer][0]), "centred_mean_abs": _centred_mean_abs(rows)},
-            "baseline": {**cosine_stats(samples[layer][1]), "centred_mean_abs": _centred_mean_abs(base)},
+        layers[str(key)] = {
+            "label": label,
+            "stem_rows": {**cosine_stats(samples[label][0]), "centred_mean_abs": _centred_mean_abs(rows)},
+            "baseline": {**cosine_stats(samples[label][1]), "centred_mean_abs": _centred_mean_abs(base)},
         }
     result = {
         "tokens": len(tokens),
@@ -141,11 +149,11 @@ def plot_spread(samples: dict, baseline_name: str, path: str | Path) -> Path:
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, len(samples), figsize=(4 * len(samples), 3.2), squeeze=False)
-    for ax, (layer, (rows, base)) in zip(axes[0], samples.items(), strict=True):
+    for ax, (label, (rows, base)) in zip(axes[0], samples.items(), strict=True):
         bins = torch.linspace(-1, 1, 81).tolist()
         ax.hist(base.float().numpy(), bins=bins, alpha=0.6, density=True, label=baseline_name)
         ax.hist(rows.float().numpy(), bins=bins, alpha=0.6, density=True, label="STEM rows")
-        ax.set_title(f"layer {layer}: {len(rows):,} token pairs")
+        ax.set_title(f"{label}: {len(rows):,} token pairs")
         ax.set_xlabel("cosine similarity of a pair of distinct tokens' vectors")
         ax.set_ylabel("density (histogram area 1)")
     axes[0][0].legend(fontsize=7)

@@ -55,6 +55,8 @@ def add_field_flags(
     number's value where the setting does not (e.g. {"int": "N", "float": "X"})."""
     for flag, f, spec in settings(cls):
         help = describe(f, spec) if describe else help_text(cls, f, spec)
+        if spec.aliases:
+            help += f" (old name: {', '.join(spec.aliases)})"
         kw: dict[str, Any] = {"dest": f.name, "default": None, "help": help}
         if spec.const is not UNSET:
             kw.update(action="store_const", const=spec.const)
@@ -65,7 +67,10 @@ def add_field_flags(
                 kw.update(action="append" if spec.append else "store", nargs="+" if spec.many else None)
             else:
                 kw.update(type=arg_type(functools.partial(parse_setting, f, spec)), choices=spec.one_of)
-        (target[spec.section] if isinstance(target, dict) else target).add_argument(flag, **kw)
+        group = target[spec.section] if isinstance(target, dict) else target
+        group.add_argument(flag, **kw)
+        for alias in spec.aliases:  # the same setting under its old name, listed once in the flag's help
+            group.add_argument(alias, **{**kw, "help": argparse.SUPPRESS})
 
 
 def parse_setting(f: dataclasses.Field, spec: Setting, text: str) -> Any:

@@ -19,7 +19,7 @@ from __future__ import annotations
 import functools
 import sys
 
-from stemlm.choices import EDIT_MODES, EDIT_ROWS
+from stemlm.choices import EDIT_MODES, EDIT_ROWS, edit_row_kind
 from stemlm.cli.common import add_json_flag, print_json
 from stemlm.errors import StemlmError
 
@@ -91,9 +91,10 @@ def add_edit_flags(p, with_rows: bool = True) -> None:
     if with_rows:
         p.add_argument(
             "--rows",
+            type=edit_row_kind,
             choices=EDIT_ROWS,
-            help="rows to swap: STEM table rows, token-embedding rows, or both (default stem; both for "
-            "--inject, since a new token's embedding row is untrained)",
+            help="rows to swap: token-table rows, token-embedding rows, or both (default tables; both for "
+            "--inject, since a new token's embedding row is untrained; 'stem' is the old name of tables)",
         )
 
 

@@ -38,7 +38,7 @@ def register(subparsers) -> None:
         metavar="KEY=VALUE",
         action="append",
         default=[],
-        help="override a config field, e.g. --set stem_layers=odd (repeatable; 'model.' prefix ok)",
+        help="override a config field, e.g. --set ffn_layers=odd (repeatable; 'model.' prefix ok)",
     )
     parser.add_argument(
         "--seq-len",

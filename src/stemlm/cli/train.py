@@ -2,7 +2,7 @@
 
     stemlm train --out runs/tiny                              # the defaults: about 5 minutes on 2 idle cores
     stemlm train --preset tiny-dense --steps 200 --out runs/dense
-    stemlm train --ffn stem --stem-layers 1,3 --set model.hidden_size=128 train.eval_every=50
+    stemlm train --ffn stem --ffn-layers 1,3 --set model.hidden_size=128 train.eval_every=50
     stemlm train --data notes/ --tokenizer gpt2 --batch-size 4 --grad-accum 4
     stemlm train --resume runs/dense --steps 400               # continue (bitwise on CPU)
     stemlm train --init-from runs/retrofit/checkpoint --steps 100

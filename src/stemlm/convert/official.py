@@ -91,7 +91,7 @@ def official_config(params: dict[str, Any]) -> ModelConfig:
         rms_norm_eps=float(m.get("norm_eps", 1e-5)),
         tie_word_embeddings=bool(m.get("weight_tying", False)),
         ffn="stem" if stem_layers else "dense",
-        stem_layers=stem_layers,
+        ffn_layers=stem_layers,
     )
 
 

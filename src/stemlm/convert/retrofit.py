@@ -65,7 +65,7 @@ def retrofit_from_dense(dense_model: StemLM, stem_layers_spec: str | list[int]) 
     layers = resolve_layer_spec(stem_layers_spec, config.num_hidden_layers)
     if not layers:
         raise StemlmError(f"stem layer spec {stem_layers_spec!r} selects no layer; nothing to retrofit")
-    stem_config = config.replace(ffn="stem", stem_layers=layers)
+    stem_config = config.replace(ffn="stem", ffn_layers=layers)
     embedding = dense_model.model.embed_tokens.weight
     dropped = {f"model.layers.{i}.mlp.up_proj.weight" for i in layers}
     if config.tie_word_embeddings:
@@ -187,8 +187,8 @@ def retrofit(
 @torch.no_grad()
 def adapter_from(dense: StemLM, stem: StemLM) -> StemLM:
     """The `stem_adapter` model: every dense weight kept (up_proj included), `stem`'s tables, gate logits 0."""
-    layers = sorted(stem.stem_tables())
-    config = dense.config.replace(ffn="stem_adapter", stem_layers=layers)
+    layers = sorted(stem.token_tables())
+    config = dense.config.replace(ffn="stem_adapter", ffn_layers=layers)
     state = {k: v.clone() for k, v in dense.state_dict().items()}
     for i in layers:
         state[f"model.layers.{i}.mlp.stem_embedding.weight"] = stem.model.layers[i].mlp.stem_embedding.weight.clone()

@@ -28,8 +28,8 @@ kinds (`edit_variants`: stem, embed, both) with the unedited scores shared; `eva
 `stemlm eval edits` (a checkpoint, its records, and a dense control).
 
     from stemlm.edit.evaluate import evaluate_edits, format_edit_table
-    result = evaluate_edits(model, tokenizer, edit_records("capital", 50), rows="stem")
-    print(format_edit_table({"stem": result}))
+    result = evaluate_edits(model, tokenizer, edit_records("capital", 50), rows="tables")
+    print(format_edit_table({"tables": result}))
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ from dataclasses import dataclass
 import torch
 from tokenizers import Tokenizer
 
-from stemlm.choices import EDIT_MODES, EDIT_ROWS
+from stemlm.choices import EDIT_MODES, EDIT_ROWS, edit_row_kind
 from stemlm.data.worlds.facts import EditRecord
 from stemlm.edit.positional import Hooks, PositionalEdit, batch_hooks, edit_hooks, greedy_generate, make_edit
 from stemlm.edit.spans import DEFAULT_PAD, GLOBAL_DEFAULT_PAD, align, entity_ids, locate, tokenizer_eot
@@ -335,7 +335,7 @@ def evaluate_edits(
     tokenizer: Tokenizer,
     records: Sequence[EditRecord],
     *,
-    rows: str = "stem",
+    rows: str = "tables",
     strategy: str = "auto",
     pad: str | None = None,
     layers: Sequence[int] | None = None,
@@ -385,11 +385,11 @@ def evaluate_edits(
 def edit_variants(spec: str, model: StemLM) -> list[str]:
     """The row kinds `stemlm eval edits --variants` names (auto: all three for a STEM model, embed for dense)."""
     if spec == "auto":
-        return list(EDIT_ROWS) if model.stem_tables() else ["embed"]
-    variants = [v.strip() for v in spec.split(",") if v.strip()]
+        return list(EDIT_ROWS) if model.token_tables() else ["embed"]
+    variants = [edit_row_kind(v.strip()) for v in spec.split(",") if v.strip()]
     for v in variants:
         if v not in EDIT_ROWS:
-            raise StemlmError(f"unknown variant {v!r} in --variants; use a comma list of stem, embed, both")
+            raise StemlmError(f"unknown variant {v!r} in --variants; use a comma list of {', '.join(EDIT_ROWS)}")
     return variants
 
 

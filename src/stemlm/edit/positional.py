@@ -30,7 +30,7 @@ from dataclasses import dataclass
 import torch
 from tokenizers import Tokenizer
 
-from stemlm.choices import EDIT_ROWS
+from stemlm.choices import EDIT_ROWS, edit_row_kind
 from stemlm.edit.spans import DEFAULT_PAD, RowPlan, align, entity_ids, locate, tokenizer_eot
 from stemlm.errors import StemlmError
 from stemlm.model.decoder import ModelOutput, StemLM
@@ -58,7 +58,7 @@ def table_layers(model: StemLM, layers: Sequence[int] | None) -> tuple[int, ...]
     """The table keys (`StemLM.tables`) of the chosen layers' token tables, every one when None: a layer's own
     table and those of its side modules (value embeddings beside STEM), with a clear error for a model or a
     layer without one."""
-    tables = model.stem_tables()
+    tables = model.token_tables()
     if not tables:
         raise StemlmError(
             f"this model has no STEM tables (ffn={model.config.ffn}); STEM row edits need a STEM checkpoint "
@@ -75,10 +75,11 @@ def table_layers(model: StemLM, layers: Sequence[int] | None) -> tuple[int, ...]
 
 
 def rows_to_parts(rows: str) -> tuple[bool, bool]:
-    """(swap STEM rows, swap embedding rows) for a row kind."""
+    """(swap token-table rows, swap embedding rows) for a row kind."""
+    rows = edit_row_kind(rows)
     if rows not in EDIT_ROWS:
         raise StemlmError(f"unknown row kind {rows!r}; choose one of {', '.join(EDIT_ROWS)}")
-    return rows in ("stem", "both"), rows in ("embed", "both")
+    return rows in ("tables", "both"), rows in ("embed", "both")
 
 
 def make_edit(
@@ -91,7 +92,7 @@ def make_edit(
     strategy: str = "auto",
     pad: str = DEFAULT_PAD,
     layers: Sequence[int] | None = None,
-    rows: str = "stem",
+    rows: str = "tables",
 ) -> PositionalEdit:
     """An edit giving every occurrence of `source` in the prompt the rows of `target`."""
     stem, embed = rows_to_parts(rows)
@@ -142,7 +143,7 @@ def table_rows_hook(model: StemLM, edit: PositionalEdit) -> TableRows | None:
     """The `token` row provider of the edit (None when it swaps no STEM rows)."""
     if not edit.layers:
         return None
-    tables = model.stem_tables()
+    tables = model.token_tables()
 
     def rows(layer_idx: int, input_ids: torch.Tensor) -> torch.Tensor:
         base = tables[layer_idx](input_ids)
@@ -170,7 +171,7 @@ def embed_rows_hook(model: StemLM, edit: PositionalEdit) -> EmbedRows | None:
 def batch_hooks(model: StemLM, edits: Sequence[PositionalEdit | None]) -> Hooks:
     """Hooks for a batch whose row b carries its own edit `edits[b]` (None: unedited), e.g. different
     prompts scored in one forward; each row is checked and substituted exactly as a single edit would be."""
-    tables = model.stem_tables()
+    tables = model.token_tables()
 
     def apply(b_rows: torch.Tensor, input_ids: torch.Tensor, weight_of, wanted) -> torch.Tensor:
         if input_ids.shape[0] != len(edits):

@@ -1,7 +1,7 @@
 """Text tables of edit metrics: every figure beside its unedited value, a chance line and a legend.
 
     from stemlm.edit.report import format_edit_table
-    print(format_edit_table({"stem": evaluate_edits(...), "dense-embed": evaluate_edits(...)}))
+    print(format_edit_table({"tables": evaluate_edits(...), "dense-embed": evaluate_edits(...)}))
 
 Cells read "edited (unedited)"; the summaries come from `stemlm.edit.evaluate.evaluate_edits`.
 """

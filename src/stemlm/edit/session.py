@@ -119,7 +119,7 @@ def run_edit(model, tokenizer, o: EditOptions, sources: tuple = ()) -> dict:
     from stemlm.edit.table_edits import TableEditor
 
     layers = parse_layers(o.layers, model)
-    rows = o.rows or ("both" if o.inject is not None else "stem")
+    rows = o.rows or ("both" if o.inject is not None else "tables")
     pad = o.pad or (DEFAULT_PAD if o.positional else GLOBAL_DEFAULT_PAD)
     report: dict = {
         "mode": "positional" if o.positional else "inject" if o.inject else "global",

@@ -49,7 +49,7 @@ class UndoRecord:
 def _targets(model: StemLM, layers: Sequence[int] | None, rows: str) -> list[tuple[str, torch.nn.Parameter]]:
     stem, embed = rows_to_parts(rows)
     keys = table_layers(model, layers) if stem else ()
-    named = [(key_label(model.config, key), model.stem_tables()[key].weight) for key in keys]
+    named = [(key_label(model.config, key), model.token_tables()[key].weight) for key in keys]
     if embed:
         named.append(("embed_tokens", model.model.embed_tokens.weight))
     return named
@@ -62,7 +62,7 @@ def apply_global_edit(
     plan: RowPlan,
     *,
     layers: Sequence[int] | None = None,
-    rows: str = "stem",
+    rows: str = "tables",
     description: dict | None = None,
 ) -> UndoRecord:
     """Write the plan's rows over the source ids' rows; every new row is computed before any is written,
@@ -83,13 +83,18 @@ def apply_global_edit(
 
 
 def global_edit_hooks(
-    model: StemLM, source_ids: Sequence[int], plan: RowPlan, *, layers: Sequence[int] | None = None, rows: str = "stem"
+    model: StemLM,
+    source_ids: Sequence[int],
+    plan: RowPlan,
+    *,
+    layers: Sequence[int] | None = None,
+    rows: str = "tables",
 ) -> Hooks:
     """The same global edit as a per-call `rows=` mapping (token tables, input embeddings): every occurrence of a
     source id reads its new row, the model is untouched. Used to evaluate global edits without writing the tables."""
     stem, embed = rows_to_parts(rows)
     chosen = table_layers(model, layers) if stem else ()
-    tables = model.stem_tables()
+    tables = model.token_tables()
 
     def swap(weight: torch.Tensor, input_ids: torch.Tensor, base: torch.Tensor) -> torch.Tensor:
         new, out = replacement_rows(weight, source_ids, plan).to(base.dtype), base.clone()
@@ -150,7 +155,7 @@ class TableEditor:
         strategy: str = "auto",
         pad: str = GLOBAL_DEFAULT_PAD,
         layers: Sequence[int] | None = None,
-        rows: str = "stem",
+        rows: str = "tables",
     ) -> UndoRecord:
         """Give ` source` the rows of ` target` (spaced forms: how the names read inside a text)."""
         vocab = self.model.config.vocab_size

@@ -112,7 +112,7 @@ def model_configs(cfg: BioConfig) -> dict[str, ModelConfig]:
         num_attention_heads=cfg.num_attention_heads,
         max_position_embeddings=max(256, cfg.seq_len),
         ffn="stem",
-        stem_layers=cfg.stem_layers,
+        ffn_layers=cfg.stem_layers,
     )
     return {"dense": base.replace(ffn="dense"), "stem": base}
 

@@ -77,7 +77,9 @@ class CompareConfig:
     num_hidden_layers: int = setting(4, "decoder layers", name="--layers", metavar="N")
     num_attention_heads: int = 4
     max_position_embeddings: int = 512
-    stem_layers: str = setting("odd", "layers given the kind's FFN, the others stay dense", metavar="SPEC")
+    ffn_layers: str = setting(
+        "odd", "layers given the kind's FFN, the others stay dense", metavar="SPEC", aliases=("--stem-layers",)
+    )
     num_experts: int = 4
     ple_dim: int = 64
     model_overrides: list[str] = setting(  # "key=value" applied to every kind
@@ -175,7 +177,7 @@ def model_configs(cfg: CompareConfig, tokenizer) -> dict[str, ModelConfig]:
         num_hidden_layers=cfg.num_hidden_layers,
         num_attention_heads=cfg.num_attention_heads,
         max_position_embeddings=cfg.max_position_embeddings,
-        stem_layers=cfg.stem_layers,
+        ffn_layers=cfg.ffn_layers,
         num_experts=cfg.num_experts,
         ple_dim=cfg.ple_dim,
         ffn="stem",

@@ -165,7 +165,7 @@ def model_configs(cfg: KnowledgeConfig) -> dict[str, ModelConfig]:
             num_attention_heads=cfg.num_attention_heads,
             max_position_embeddings=max(256, cfg.seq_len),
         )
-    base = base.replace(ffn="stem", stem_layers=cfg.stem_layers)
+    base = base.replace(ffn="stem", ffn_layers=cfg.stem_layers)
     return {"dense": base.replace(ffn="dense"), "stem": base}
 
 

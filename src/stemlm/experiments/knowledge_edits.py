@@ -72,14 +72,14 @@ def diagnostics(cfg, stem, tokenizer: Tokenizer, records, cache: dict, log) -> d
     """Where the fact lives and which strategy works: single STEM layers, global mode, mismatch strategies."""
     quick = dict(fluency_tokens=0, cache=cache)
     out: dict = {"layers": {}, "mismatch": {}}
-    for layer in sorted(stem.stem_tables()):
-        for rows in ("stem", "both"):
+    for layer in sorted(stem.token_tables()):
+        for rows in ("tables", "both"):
             log(f"diagnostics: layer {layer}, {rows} rows")
             out["layers"][f"layer{layer}-{rows}"] = evaluate_edits(
                 stem, tokenizer, records, rows=rows, layers=[layer], **quick
             )
     log("diagnostics: global (table) edits")
-    out["global-stem"] = evaluate_edits(stem, tokenizer, records, rows="stem", mode="global", **quick)
+    out["global-tables"] = evaluate_edits(stem, tokenizer, records, rows="tables", mode="global", **quick)
     out["global-both"] = evaluate_edits(stem, tokenizer, records, rows="both", mode="global", **quick)
     everything = edit_records(cfg.edit_relation, None, seed=cfg.seed)
     groups = _length_groups(tokenizer, everything, stem.config.vocab_size)
@@ -100,7 +100,7 @@ def diagnostics(cfg, stem, tokenizer: Tokenizer, records, cache: dict, log) -> d
                 continue
             log(f"diagnostics: {group}, {strategy}/{pad}")
             out["mismatch"][f"{group}:{strategy}:{pad}"] = evaluate_edits(
-                stem, tokenizer, groups[group], rows="stem", strategy=strategy, pad=pad, **quick
+                stem, tokenizer, groups[group], rows="tables", strategy=strategy, pad=pad, **quick
             )
     out["row_norms"] = row_norms(stem, tokenizer, groups["target_longer"])
     return out
@@ -110,7 +110,7 @@ def diagnostics(cfg, stem, tokenizer: Tokenizer, records, cache: dict, log) -> d
 def row_norms(stem, tokenizer: Tokenizer, records) -> dict:
     """Mean L2 norm, per STEM layer, of single target rows vs the averaged rows `average` would use."""
     out = {}
-    for layer, table in stem.stem_tables().items():
+    for layer, table in stem.token_tables().items():
         single, averaged = [], []
         for r in records:
             ids = entity_ids(tokenizer, r.target_subject, vocab_size=stem.config.vocab_size)

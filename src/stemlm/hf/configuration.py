@@ -19,7 +19,7 @@ from collections.abc import Callable
 from transformers.configuration_utils import PreTrainedConfig
 
 from stemlm.errors import StemlmError
-from stemlm.model.config import MODEL_TYPE, ModelConfig
+from stemlm.model.config import MODEL_TYPE, RENAMED_FIELDS, ModelConfig
 
 # Called with no arguments by every new StemlmConfig; `stemlm.hf.autoregister` adds its hook when this loads.
 CREATED_HOOKS: list[Callable[[], None]] = []
@@ -47,6 +47,7 @@ class StemlmConfig(PreTrainedConfig):
     eos_token_id: int | list[int] | None = None
 
     def __post_init__(self, **kwargs) -> None:
+        _take_renamed_fields(self, kwargs)
         super().__post_init__(**kwargs)
         _refuse_rope_scaling(self)
         self.to_model_config()  # validates: raises StemlmError (a ValueError) with ModelConfig's message
@@ -61,6 +62,21 @@ class StemlmConfig(PreTrainedConfig):
     def from_model_config(cls, config: ModelConfig, **kwargs) -> StemlmConfig:
         """An HF config from a stemlm `ModelConfig` (extra HF keyword arguments pass through)."""
         return cls(**{**config.to_dict(), **kwargs})
+
+
+def _take_renamed_fields(config: StemlmConfig, kwargs: dict) -> None:
+    """An old field name (`stemlm.model.config.RENAMED_FIELDS`: `StemlmConfig(stem_layers=...)`, a config.json
+    written before the rename) sets the field; given beside the new name with another value it is refused. The
+    new name counts as given when it differs from its default (a dataclass cannot tell otherwise)."""
+    for old, new in RENAMED_FIELDS.items():
+        if old not in kwargs:
+            continue
+        value, default = kwargs.pop(old), getattr(type(config), new)
+        if getattr(config, new) != default and getattr(config, new) != value:
+            raise StemlmError(
+                f"config gives both {old}={value!r} and {new}={getattr(config, new)!r}; {old} is the old name of {new}"
+            )
+        setattr(config, new, value)
 
 
 def _refuse_rope_scaling(config: StemlmConfig) -> None:

@@ -37,7 +37,7 @@ class _StemlmHeadModel(StemlmPreTrainedModel):
     _head = ""
 
     @property
-    def _stem(self):  # the decoder's StemLM, which the shared init and resize code read
+    def _lm(self):  # the decoder's StemLM, which the shared init and resize code read
         return self.model.stem
 
     def _init_weights(self, module: nn.Module) -> None:

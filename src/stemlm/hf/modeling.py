@@ -96,7 +96,7 @@ class _HFCacheView:
 class StemlmDecoderLayer(DecoderLayer, GradientCheckpointingLayer):
     """stemlm's decoder layer as a transformers `GradientCheckpointingLayer`: the same module, parameters and forward,
     which recomputes itself in the backward pass once `activation_checkpointing_enable()` has set its flag. The
-    wrapper gives each layer of the `StemLM` it wraps this class (`_build_stem`), so the names stay the checkpoint's.
+    wrapper gives each layer of the `StemLM` it wraps this class (`_build_lm`), so the names stay the checkpoint's.
     `StemLM.forward` passes the cache positionally, where transformers does not clear it: `_run` turns caching off
     while the layers are checkpointed instead."""
 
@@ -111,25 +111,25 @@ class StemlmPreTrainedModel(PreTrainedModel):
     _supports_sdpa = True  # our attention always runs scaled_dot_product_attention
     supports_gradient_checkpointing = True  # each StemlmDecoderLayer checkpoints itself
 
-    def _build_stem(self, config: StemlmConfig, stem: StemLM | None) -> StemLM:
+    def _build_lm(self, config: StemlmConfig, lm: StemLM | None) -> StemLM:
         if getattr(config, "stemlm_table_storage", None):  # transformers would load int8 codes as float weights
             raise StemlmError(
                 "this checkpoint stores its tables compactly (stemlm convert --table-dtype); transformers cannot "
                 "read that layout: load it with stemlm, or write a plain copy with stemlm export CKPT --out DIR"
             )
-        stem = stem if stem is not None else StemLM(config.to_model_config())
-        for layer in stem.model.layers:
+        lm = lm if lm is not None else StemLM(config.to_model_config())
+        for layer in lm.model.layers:
             if type(layer) is DecoderLayer:
                 layer.__class__ = StemlmDecoderLayer  # a subclass adding only transformers' checkpointing
         # Kept outside the module tree (plain attribute) so its parameters are registered once, under the
         # wrapper's `model.` / `lm_head.` names, which are the checkpoint names.
-        object.__setattr__(self, "_stem", stem)
-        return stem
+        object.__setattr__(self, "_lm", lm)
+        return lm
 
     @property
     def stem(self) -> StemLM:
         """The wrapped stemlm model (shares every parameter with this wrapper)."""
-        return self._stem
+        return self._lm
 
     # ----- initialisation -----
     def _init_weights(self, module: nn.Module) -> None:
@@ -142,7 +142,7 @@ class StemlmPreTrainedModel(PreTrainedModel):
                 module.reset_buffers(buffer.device)
         # The std StemLM.init_weights gives each parameter (tables by table_init, norms and std None: ones, a
         # module's own init_stds, else initializer_range): read from the model, so no kind is named here.
-        stds = {id(param): std for _, param, std in self._stem.init_specs()}
+        stds = {id(param): std for _, param, std in self._lm.init_specs()}
         for param in module.parameters(recurse=False):
             std = stds.get(id(param))
             if std is None and id(param) in stds:
@@ -154,14 +154,14 @@ class StemlmPreTrainedModel(PreTrainedModel):
         # transformers resizes embed_tokens and lm_head (its mean-resizing); every other table, map and hash that
         # vocab_size shapes follows through stemlm.model.resize, which reads them from the kinds.
         embeddings = super()._resize_token_embeddings(new_num_tokens, pad_to_multiple_of, mean_resizing)
-        resize_vocabulary(self._stem, embeddings.num_embeddings)
+        resize_vocabulary(self._lm, embeddings.num_embeddings)
         return embeddings
 
     def _run(self, input_ids, inputs_embeds, attention_mask, position_ids, cache, flags, labels=None, head=True):
         """`StemLM.forward` on HF's arguments; `flags` are the (use_cache, output_attentions, output_hidden_states)
         already resolved against the config. Returns stemlm's output and the HF cache to hand back."""
         use_cache, output_attentions, output_hidden_states = flags
-        layers = self._stem.model.layers
+        layers = self._lm.model.layers
         if self.training and torch.is_grad_enabled() and any(getattr(m, "gradient_checkpointing", 0) for m in layers):
             # Recomputing a layer would append its keys and values to the cache again (transformers' layers drop
             # a cache passed by keyword the same way).
@@ -171,7 +171,7 @@ class StemlmPreTrainedModel(PreTrainedModel):
             cache = _HFCacheView(cache)
         if cache is None and use_cache:
             cache = _HFCacheView(DynamicCache())
-        out = self._stem(
+        out = self._lm(
             input_ids,
             labels=labels,
             attention_mask=attention_mask,
@@ -204,7 +204,7 @@ class StemlmPreTrainedModel(PreTrainedModel):
                 raise StemlmError("pass input_ids (or inputs_embeds, for kinds that do not read token ids)")
             return input_ids, None
         if input_ids is None:
-            config = self._stem.config
+            config = self._lm.config
             readers = sorted(
                 {
                     f
@@ -229,20 +229,20 @@ class StemlmModel(StemlmPreTrainedModel):
     Its children are the `StemLM`'s own `model.` modules (the same objects), so the causal LM's `model.` parameter
     names are this model's names with the prefix, and a base-model folder loads into the causal LM."""
 
-    def __init__(self, config: StemlmConfig, stem: StemLM | None = None) -> None:
+    def __init__(self, config: StemlmConfig, lm: StemLM | None = None) -> None:
         super().__init__(config)
-        stem = self._build_stem(config, stem)
-        self.embed_tokens = stem.model.embed_tokens
-        self.layers = stem.model.layers
-        self.norm = stem.model.norm
-        self.rotary_emb = stem.model.rotary_emb
+        lm = self._build_lm(config, lm)
+        self.embed_tokens = lm.model.embed_tokens
+        self.layers = lm.model.layers
+        self.norm = lm.model.norm
+        self.rotary_emb = lm.model.rotary_emb
         self.post_init()
 
     def get_input_embeddings(self) -> nn.Embedding:
         return self.embed_tokens
 
     def set_input_embeddings(self, value: nn.Embedding) -> None:
-        self.embed_tokens = self._stem.model.embed_tokens = value
+        self.embed_tokens = self._lm.model.embed_tokens = value
 
     @deprecate_kwarg("past_key_values", "5.40.0", new_name="cache")  # transformers' own schedule for the rename
     def forward(
@@ -280,9 +280,9 @@ class StemlmForCausalLM(StemlmPreTrainedModel, GenerationMixin):
 
     def __init__(self, config: StemlmConfig) -> None:
         super().__init__(config)
-        stem = self._build_stem(config, None)
-        self.model = StemlmModel(config, stem)
-        self.lm_head = stem.lm_head
+        lm = self._build_lm(config, None)
+        self.model = StemlmModel(config, lm)
+        self.lm_head = lm.lm_head
         self.post_init()
 
     @classmethod
@@ -330,7 +330,7 @@ class StemlmForCausalLM(StemlmPreTrainedModel, GenerationMixin):
         return self.lm_head
 
     def set_output_embeddings(self, value: nn.Linear) -> None:
-        self.lm_head = self._stem.lm_head = value
+        self.lm_head = self._lm.lm_head = value
 
     # ----- forward -----
     @deprecate_kwarg("past_key_values", "5.40.0", new_name="cache")  # transformers' own schedule for the rename

@@ -285,7 +285,7 @@ def paper_convention(config: ModelConfig) -> dict[str, float]:
     """The counting that reproduces the paper's 1B figures: total = dense twin + the STEM tables (the replaced
     up-projections not subtracted); GFLOPs/token = 2 x active_backbone (embedding lookup counted, scores not)."""
     dense_total = total_parameters(config.replace(ffn="dense"))
-    total = dense_total + parameter_counts(config)["stem_tables"]
+    total = dense_total + parameter_counts(config)["token_tables"]
     return {"total": total, "gflops_per_token": 2 * active_parameters(config)["backbone"] / 1e9}
 
 
@@ -298,7 +298,7 @@ def paper_comparison(config: ModelConfig) -> dict[str, Any] | None:
     from stemlm.model.presets import get_preset
 
     def canonical(c: ModelConfig) -> ModelConfig:
-        return c.replace(stem_layers=c.special_layers)
+        return c.replace(ffn_layers=c.special_layers)
 
     name = next((n for n in PAPER_1B if canonical(get_preset(n)) == canonical(config)), None)
     if name is None:
@@ -374,7 +374,7 @@ def summarize(config: ModelConfig, seq_len: int, attention: str = "causal", dtyp
     beside = {k.name: layers for k in beside_kinds() if (layers := config.beside_layers(k.name))}
     if beside:  # kinds beside the FFN kind (value embeddings, Engram), by their layers
         out["beside"] = beside
-    if get_kind(config.ffn).stem_saving and config.special_layers:
+    if get_kind(config.ffn).replaces_projection and config.special_layers:
         d, f = config.hidden_size, config.intermediate_size
         out["stem"] = {
             "layer_saving_fraction": layer_saving_fraction(config, seq_len, attention),

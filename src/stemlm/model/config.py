@@ -1,16 +1,17 @@
 """`ModelConfig`: the typed description of a stemlm decoder, with validation and (de)serialisation.
 
 Shared fields use Hugging Face Llama names so a dense config.json reads as a Llama config. STEM-specific
-fields: `ffn` is the kind of the selected layers and `stem_layers` selects them (the name follows the
-official STEM code); every other layer is a dense SwiGLU. `stem_layers` is an explicit list of indices or a
-spec string resolved against `num_hidden_layers` (see `resolve_layer_spec`).
+fields: `ffn` is the kind of the selected layers and `ffn_layers` selects them; every other layer is a dense SwiGLU.
+`ffn_layers` is an explicit list of indices or a spec string resolved against `num_hidden_layers` (see
+`resolve_layer_spec`). It was called `stem_layers` (the official STEM code's name) before it selected the layers of
+any kind; `RENAMED_FIELDS` keeps the old name working in config.json files, dicts and `--set` overrides.
 
 The kinds' own fields (`num_experts`, `engram_dim`, ...) are declared by the kinds (`stemlm.model.kinds`) and
 added here as flat fields after the shared ones, so attributes and config.json keys are flat as they always
 were: `ModelConfig(ffn="engram", engram_dim=128)`. `FFN_KINDS` and `TABLE_KINDS` come from the registry.
 
 Kinds compose per layer: a kind that can run beside an FFN kind (`Kind.beside`: value embeddings, the Engram
-branch) has its own layer selection `<kind>_layers`, so `ModelConfig(ffn="stem", stem_layers="odd",
+branch) has its own layer selection `<kind>_layers`, so `ModelConfig(ffn="stem", ffn_layers="odd",
 value_embed_layers="first:3,last:3")` is STEM on the odd layers and value embeddings on the first and last three
 (`layer_sides(i)` lists a layer's side kinds).
 """
@@ -32,6 +33,9 @@ FFN_KINDS = kind_names()
 TABLE_KINDS = tuple(k.name for k in all_kinds() if "token" in k.families())
 LAYER_SPECS = ("all", "all-but-first", "odd", "even", "half", "none")
 MODEL_TYPE = "stemlm"
+# Old field name -> its name: read from config.json files and dicts written before the rename (`renamed_fields`)
+# and accepted by `--set` overrides.
+RENAMED_FIELDS = {"stem_layers": "ffn_layers"}
 # Upper bounds of every size, checked before anything is built from them (or a layer list is resolved): a
 # config.json asking for 10**9 layers is one line, not an out-of-memory kill. Each is far above any published
 # model (the largest have ~128 layers, hidden 16384, a 256k vocabulary); sizes of the kinds' own fields are bounded
@@ -50,6 +54,22 @@ SIZE_LIMITS = {
 _POSITIVE_INTS = (
     "vocab_size hidden_size intermediate_size num_hidden_layers num_attention_heads max_position_embeddings"
 ).split()
+
+
+def renamed_fields(d: dict[str, Any]) -> dict[str, Any]:
+    """`d` with each old field name (`RENAMED_FIELDS`) under its new name; both names with different values is an
+    error (which one was meant is unknown)."""
+    out = dict(d)
+    for old, new in RENAMED_FIELDS.items():
+        if old not in out:
+            continue
+        value = out.pop(old)
+        if new in out and out[new] != value:
+            raise StemlmError(
+                f"config gives both {old}={value!r} and {new}={out[new]!r}; {old} is the old name of {new}"
+            )
+        out[new] = value
+    return out
 
 
 def resolve_layer_spec(spec: str | list[int] | tuple[int, ...], num_layers: int) -> list[int]:
@@ -149,8 +169,8 @@ class ModelConfig:
     tie_word_embeddings: bool = False
     initializer_range: float = 0.02
     # --- FFN selection ---
-    ffn: str = "stem"  # the FFN kind of the layers in stem_layers; all other layers are dense SwiGLU
-    stem_layers: str | list[int] = "all-but-first"
+    ffn: str = "stem"  # the FFN kind of the layers in ffn_layers; all other layers are dense SwiGLU
+    ffn_layers: str | list[int] = "all-but-first"
     # --- lookup tables (every kind's) ---
     table_init: str = "xavier"  # "xavier" (official: std sqrt(2/(V+d_ff))) or "normal" (std = table_init_std)
     table_init_std: float = 0.02
@@ -173,7 +193,7 @@ class ModelConfig:
     @property
     def special_layers(self) -> list[int]:
         """Indices of the layers whose FFN is `ffn` (empty for a dense model)."""
-        return [] if self.ffn == "dense" else resolve_layer_spec(self.stem_layers, self.num_hidden_layers)
+        return [] if self.ffn == "dense" else resolve_layer_spec(self.ffn_layers, self.num_hidden_layers)
 
     def layer_ffn(self, layer_idx: int) -> str:
         return self.ffn if layer_idx in self.special_layers else "dense"
@@ -245,13 +265,13 @@ class ModelConfig:
         need(
             self.table_init in ("xavier", "normal"), f"table_init must be 'xavier' or 'normal', got {self.table_init!r}"
         )
-        resolve_layer_spec(self.stem_layers, self.num_hidden_layers)
+        resolve_layer_spec(self.ffn_layers, self.num_hidden_layers)
         for kind in beside_kinds():
             side = self.beside_layers(kind.name)
             need(
                 not side or self.ffn != kind.name or not self.special_layers,
                 f"{kind.layers_field} adds {kind.name} beside the FFN kind, which is {kind.name} already: "
-                f"select its layers with stem_layers alone",
+                f"select its layers with ffn_layers alone",
             )
         for kind in all_kinds():  # every kind's checks, whichever kind is selected (as config.json is read)
             if kind.check is not None:
@@ -260,7 +280,7 @@ class ModelConfig:
     # ----- (de)serialisation -----
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
-        for name in ("stem_layers", *(k.layers_field for k in beside_kinds())):
+        for name in ("ffn_layers", *(k.layers_field for k in beside_kinds())):
             if isinstance(d[name], tuple):
                 d[name] = list(d[name])
         return d
@@ -275,7 +295,7 @@ class ModelConfig:
             attention_bias=False,
             mlp_bias=False,
             architectures=["StemlmForCausalLM"],
-            resolved_stem_layers=self.special_layers,
+            resolved_ffn_layers=self.special_layers,
         )
         return d
 
@@ -284,14 +304,16 @@ class ModelConfig:
         if "model_type" in d and d["model_type"] != MODEL_TYPE:
             raise StemlmError(f"config is for model type {d['model_type']!r}, not {MODEL_TYPE!r}")
         names = {f.name for f in dataclasses.fields(cls)}
-        return cls(**{k: v for k, v in d.items() if k in names})
+        return cls(**{k: v for k, v in renamed_fields(d).items() if k in names})
 
     def replace(self, **changes: Any) -> ModelConfig:
         return dataclasses.replace(self, **changes)
 
     def with_overrides(self, overrides: dict[str, str] | list[str]) -> ModelConfig:
         """Apply `key=value` overrides (strings as typed on a command line), checking every key exists."""
-        return apply_overrides(self, overrides, prefix="model.", label="config key", fixed=("model_type",))
+        return apply_overrides(
+            self, overrides, prefix="model.", label="config key", fixed=("model_type",), aliases=RENAMED_FIELDS
+        )
 
     def to_json(self) -> str:
         return json.dumps(self.to_hf_dict(), indent=2, sort_keys=True)

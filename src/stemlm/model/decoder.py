@@ -74,7 +74,7 @@ DEFAULT_OPTIONS = ForwardOptions()
 
 
 def build_ffn(config: ModelConfig, layer_idx: int) -> nn.Module:
-    """The module at `model.layers.<i>.mlp`: what the layer's kind builds (dense outside `stem_layers`)."""
+    """The module at `model.layers.<i>.mlp`: what the layer's kind builds (dense outside `ffn_layers`)."""
     return get_kind(config.layer_ffn(layer_idx)).build(config, layer_idx)
 
 
@@ -256,7 +256,7 @@ class StemLM(nn.Module):
         """Family -> `tables(family)`, for the families this model has."""
         return {family: tables for family in FAMILIES if (tables := self.tables(family))}
 
-    def stem_tables(self) -> dict[int, nn.Embedding]:
+    def token_tables(self) -> dict[int, nn.Embedding]:
         """Table key -> token table (the `token` family: STEM, STEM-gate, PLE, value tables, ... keyed by the input
         id), side modules' tables included."""
         return self.tables("token")

@@ -5,7 +5,7 @@ The one parser behind `--set model.<field>=V` / `train.<field>=V` (`ModelConfig.
 lives beside `ModelConfig`, the lowest config that uses it. A value is read by the field's declared type: `int`,
 `float`, `bool` (true/false/1/0), `... | None` (also "none" or "null"), comma lists (`list[str]`,
 `tuple[str, ...]`, `tuple[int, ...]`, `tuple[float, ...]`; "none" is an empty one), and `str | list[int]` (a
-comma list of integers, else the text, as `stem_layers` takes); any other annotation keeps the text. A value
+comma list of integers, else the text, as `ffn_layers` takes); any other annotation keeps the text. A value
 that is not a string (a dict of typed values) is taken as it is; the dataclass's own validation runs on the
 result.
 """
@@ -82,16 +82,24 @@ def parse_value(raw: Any, annotation: str, key: str, label: str = "config key") 
 
 
 def typed_overrides(
-    cls: type, overrides: dict[str, Any] | list[str], *, prefix: str = "", label: str = "config key", fixed=()
+    cls: type,
+    overrides: dict[str, Any] | list[str],
+    *,
+    prefix: str = "",
+    label: str = "config key",
+    fixed=(),
+    aliases: dict[str, str] | None = None,
 ) -> dict[str, Any]:
     """{field: typed value} of `overrides` (`key=value` strings, or a dict) for the dataclass `cls`.
 
-    `prefix` (e.g. "model.") may lead a key; `fixed` fields cannot be overridden; `label` names the config in
-    the messages ("unknown {label} 'x'; valid keys: ...", "{label} 'x' expects an integer, got 'y'")."""
+    `prefix` (e.g. "model.") may lead a key; `fixed` fields cannot be overridden; `aliases` maps a field's old
+    name to its name (a renamed field keeps working); `label` names the config in the messages ("unknown {label}
+    'x'; valid keys: ...", "{label} 'x' expects an integer, got 'y'")."""
     pairs = split_pairs(overrides, prefix) if isinstance(overrides, list) else overrides
     fields = {f.name: f for f in dataclasses.fields(cls) if f.name not in fixed}
     changes = {}
-    for key, raw in pairs.items():
+    for old, raw in pairs.items():
+        key = (aliases or {}).get(old, old)
         if key not in fields:
             raise StemlmError(f"unknown {label} {key!r}; valid keys: {', '.join(sorted(fields))}")
         changes[key] = parse_value(raw, str(fields[key].type), key, label)

@@ -34,11 +34,11 @@ def tiny() -> ModelConfig:
         num_key_value_heads=4,
         max_position_embeddings=1024,
         ffn="stem",
-        stem_layers="odd",
+        ffn_layers="odd",
     )
 
 
-def _mobilellm_350m(stem_layers) -> ModelConfig:
+def _mobilellm_350m(ffn_layers) -> ModelConfig:
     # d_ff 2560 = the official rounding of int(2/3 · 4 · 960) to a multiple of 256.
     return ModelConfig(
         vocab_size=32000,
@@ -52,7 +52,7 @@ def _mobilellm_350m(stem_layers) -> ModelConfig:
         rope_theta=10000.0,
         tie_word_embeddings=True,
         ffn="stem",
-        stem_layers=stem_layers,
+        ffn_layers=ffn_layers,
     )
 
 
@@ -71,7 +71,7 @@ def paper_350m_odd() -> ModelConfig:
     return _mobilellm_350m("odd")
 
 
-def _llama32_1b(stem_layers, tied: bool) -> ModelConfig:
+def _llama32_1b(ffn_layers, tied: bool) -> ModelConfig:
     # Llama-3.2-1B: d_ff 8192 = the official rounding of int(1.5 · int(2/3 · 4 · 2048)) to a multiple of 256.
     return ModelConfig(
         vocab_size=128256,
@@ -85,7 +85,7 @@ def _llama32_1b(stem_layers, tied: bool) -> ModelConfig:
         rope_theta=500000.0,
         tie_word_embeddings=tied,
         ffn="stem",
-        stem_layers=stem_layers,
+        ffn_layers=ffn_layers,
     )
 
 
@@ -98,7 +98,7 @@ def paper_1b() -> ModelConfig:
 
 def paper_1b_odd() -> ModelConfig:
     """The official 1B shape with STEM in the odd layers 1, 3, ..., 15, as the official inference engine builds it
-    (Infini-AI-Lab/STEM pr@54cb637, `inference/Engine/model.py`, config "llama-3.2-1b": `stem_layers=list(range(1,
+    (Infini-AI-Lab/STEM pr@54cb637, `inference/Engine/model.py`, config "llama-3.2-1b": `ffn_layers=list(range(1,
     16, 2))`) and, per stemlm issue 27, the official mid-training config; tied embeddings, θ 5e5."""
     return _llama32_1b("odd", tied=True)
 

@@ -87,7 +87,7 @@ def load_offloaded_model(
         model = from_pretrained(directory, device=device, dtype=dtype)
         if want != stored:
             round_tables(model, want)
-        return model, OffloadProviders(token=ResidentProvider(model) if model.stem_tables() else None)
+        return model, OffloadProviders(token=ResidentProvider(model) if model.token_tables() else None)
     if tables == "mmap" and want != stored:
         raise StemlmError(
             f"--tables mmap reads the rows in the format the checkpoint stores ({stored}); to map {want} rows, "

@@ -141,7 +141,7 @@ class ResidentProvider(TableProvider):
     kind = "resident"
 
     def __init__(self, model) -> None:
-        tables = model.stem_tables()
+        tables = model.token_tables()
         layers = sorted(tables)
         weights = [tables[i].weight for i in layers]
         dtype = weights[0].dtype if weights else torch.float32
@@ -240,7 +240,7 @@ def device_parameter_bytes(model: torch.nn.Module) -> int:
 
 def table_parameter_names(model: StemLM) -> dict[int, str]:
     names = {id(p): n for n, p in model.named_parameters()}
-    return {layer: names[id(table.weight)] for layer, table in model.stem_tables().items()}
+    return {layer: names[id(table.weight)] for layer, table in model.token_tables().items()}
 
 
 def checkpoint_entries(files: list[Path]) -> dict:

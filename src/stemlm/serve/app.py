@@ -44,7 +44,7 @@ from fastapi.staticfiles import StaticFiles
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
 
-from stemlm.choices import EDIT_ROWS
+from stemlm.choices import EDIT_ROW_ALIASES, EDIT_ROWS, edit_row_kind
 from stemlm.edit import PAD_ROWS, STRATEGIES
 from stemlm.edit.shared_tokens import SharedSubwords
 from stemlm.errors import StemlmError
@@ -105,7 +105,7 @@ def edit_spec(body: Body) -> EditSpec:
         strategy=body.choice("strategy", "auto", STRATEGIES),
         pad=body.choice("pad", "", ("", *PAD_ROWS)) or None,  # "" or absent: the editing module's default
         layers=body.int_list("layers"),
-        rows=body.choice("rows", "stem", EDIT_ROWS),
+        rows=edit_row_kind(body.choice("rows", "tables", (*EDIT_ROWS, *EDIT_ROW_ALIASES))),
     )
 
 

@@ -44,7 +44,7 @@ class EditSpec:
     strategy: str = "auto"
     pad: str | None = None  # None: the editing module's default (positional and global edits differ)
     layers: tuple[int, ...] | None = None  # STEM layers whose rows are swapped; None = all
-    rows: str = "stem"  # stem | embed | both
+    rows: str = "tables"  # tables | embed | both (stemlm.choices.EDIT_ROWS)
 
 
 def span_edit(model: StemLM, tokenizer: Tokenizer, ids: Sequence[int], spec: EditSpec) -> PositionalEdit:

@@ -20,6 +20,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+from stemlm.choices import edit_row_kind
 from stemlm.errors import StemlmError
 from stemlm.inference.sampling import MAX_LOGPROBS, SamplingParams
 from stemlm.serve.editing import EditSpec
@@ -131,7 +132,7 @@ def _edit(body: dict) -> EditSpec | None:
         target=value["target"],
         source=value["source"],
         strategy=value.get("strategy", "auto"),
-        rows=value.get("rows", "stem"),
+        rows=edit_row_kind(value.get("rows", "tables")),
         layers=None if layers is None else tuple(layers),
     )
 

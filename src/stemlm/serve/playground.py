@@ -36,6 +36,7 @@ from stemlm.edit.spans import DEFAULT_PAD, GLOBAL_DEFAULT_PAD
 from stemlm.errors import StemlmError
 from stemlm.inference.requests import Request
 from stemlm.inference.sampling import SamplingParams
+from stemlm.model.kinds.registry import key_label
 from stemlm.serve.editing import EditSpec, build_edit, compare, save_global_edit, source_text
 from stemlm.serve.served_model import EOT_TOKEN, ServedModel
 
@@ -102,12 +103,12 @@ class Playground:
     # ----- what the page shows about the model -----
     def info(self) -> dict:
         config = self.model.config
-        tables = sorted(self.model.stem_tables())
+        tables = sorted(self.model.token_tables())
         return {
             "checkpoint": str(self.checkpoint),
             "ffn": config.ffn,
             "num_layers": config.num_hidden_layers,
-            "stem_layers": tables,
+            "table_layers": tables,
             "vocab_size": config.vocab_size,
             "max_position_embeddings": config.max_position_embeddings,
             "tables": self.offloaded.memory()["placement"] if self.offloaded is not None else "resident",
@@ -184,7 +185,7 @@ class Playground:
         model = self.view()
         if not 0 <= token_id < model.config.vocab_size:
             raise StemlmError(f"token id {token_id} is outside the vocabulary of {model.config.vocab_size}")
-        named = [(f"layer {i}", t.weight) for i, t in sorted(model.stem_tables().items())]
+        named = [(key_label(model.config, i), t.weight) for i, t in sorted(model.token_tables().items())]
         named.append(("embed_tokens", model.model.embed_tokens.weight))
         return {
             "query": {"id": token_id, "token": self.tokenizer.decode([token_id])},

@@ -3,7 +3,7 @@
 The playground never writes to the model it serves. Two things still need a model object other than it:
 
 - `resident_view(lm)`: with `--tables host` the served model's tables are meta placeholders (rows come from
-  the host provider through the row cache), but editing and analysis read `model.stem_tables()` directly.
+  the host provider through the row cache), but editing and analysis read `model.token_tables()` directly.
   On a CPU device the host tables already are in compute memory, so a second module tree that shares the
   backbone and points its tables at the provider's host matrices gives them that, with no copy.
 - `editable_copy(model, layers, rows)`: a global edit writes rows in place. To save one without racing the

@@ -484,7 +484,7 @@ def check_vocab(config: ModelConfig, tok: Tokenizer, *, requested: str, vocab_se
 
 def _resolved(config: ModelConfig) -> dict[str, Any]:
     d = config.to_dict()
-    d.update(stem_layers=config.special_layers, head_dim=config.head_size, num_key_value_heads=config.kv_heads)
+    d.update(ffn_layers=config.special_layers, head_dim=config.head_size, num_key_value_heads=config.kv_heads)
     for kind in all_kinds():  # every kind's None defaults resolved (moe_intermediate_size)
         if kind.resolved is not None:
             d.update(kind.resolved(config))

@@ -104,7 +104,7 @@ def memory_plan(
     if table_optim not in TABLE_OPTIMIZERS:
         raise StemlmError(f"table_optim must be one of {', '.join(TABLE_OPTIMIZERS)}, got {table_optim!r}")
     model = build_model(config, device="meta")
-    tables = {id(t.weight): t.weight for t in model.stem_tables().values()}
+    tables = {id(t.weight): t.weight for t in model.token_tables().values()}
     backbone = [p for p in model.parameters() if id(p) not in tables]
     total_params = sum(p.numel() for p in model.parameters())
     shard = (lambda p: _sharded_numel(tuple(p.shape), nproc)) if parallel == "fsdp" else (lambda p: p.numel())

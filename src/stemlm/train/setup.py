@@ -32,8 +32,12 @@ class RunRequest:
     ffn: str | None = setting(
         None, "FFN kind of the selected layers (default: the preset's)", section="model", one_of=FFN_KINDS
     )
-    stem_layers: str | None = setting(  # a layer spec
-        None, "layers with the --ffn kind: all, all-but-first, odd, every:K, 1,3,...", section="model", metavar="SPEC"
+    ffn_layers: str | None = setting(  # a layer spec
+        None,
+        "layers with the --ffn kind: all, all-but-first, odd, every:K, 1,3,...",
+        section="model",
+        metavar="SPEC",
+        aliases=("--stem-layers",),
     )
     model_sets: list[str] = field(default_factory=list)  # "model.<field>=V" overrides
     fit_vocab: bool = setting(
@@ -62,10 +66,10 @@ class RunRequest:
 
 def requested_model(r: RunRequest, base: ModelConfig | None) -> tuple[ModelConfig | None, bool]:
     """The model config the request asks for (None if it names no model choice) and whether vocab_size was set."""
-    if not (r.preset or r.ffn or r.stem_layers or r.model_sets):
+    if not (r.preset or r.ffn or r.ffn_layers or r.model_sets):
         return None, False
     config = get_preset(r.preset) if r.preset else (base or get_preset("tiny"))
-    flags = [f"ffn={r.ffn}"] * bool(r.ffn) + [f"stem_layers={r.stem_layers}"] * bool(r.stem_layers)
+    flags = [f"ffn={r.ffn}"] * bool(r.ffn) + [f"ffn_layers={r.ffn_layers}"] * bool(r.ffn_layers)
     config = config.with_overrides(flags + r.model_sets)  # one change, validated once: the final config counts
     return config, any(item.split("=", 1)[0] == "model.vocab_size" for item in r.model_sets)
 

@@ -42,7 +42,7 @@ def model_config(ffn: str) -> ModelConfig:
         num_key_value_heads=2,
         max_position_embeddings=64,
         ffn=ffn,
-        stem_layers="odd",
+        ffn_layers="odd",
     )
 
 

@@ -23,7 +23,7 @@ FITS = {"ddp": dict(parallel="ddp", table_optim="lazy_adamw"), "fsdp": dict(para
 
 
 def config():
-    return model_config("stem").replace(stem_layers="1", value_embed_layers="all")
+    return model_config("stem").replace(ffn_layers="1", value_embed_layers="all")
 
 
 def _worker(rank: int, world: int, port: int, root, assets) -> None:

@@ -38,7 +38,7 @@ CONFIG = ModelConfig(
     num_attention_heads=2,
     max_position_embeddings=32,
     ffn="stem",
-    stem_layers="odd",
+    ffn_layers="odd",
 )
 HP = dict(lr=3e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
 STEPS, GLOBAL_BATCH, SEQ, MAX_ID, CLIP = 6, 4, 9, 40, 0.5  # ids < MAX_ID: rows 40..60 are never touched
@@ -56,7 +56,7 @@ def schedule(opt):
 
 
 def table_params(model):
-    return {id(t.weight) for t in model.stem_tables().values()}
+    return {id(t.weight) for t in model.token_tables().values()}
 
 
 def reference_run(optimizer_name: str):
@@ -66,7 +66,7 @@ def reference_run(optimizer_name: str):
         tables = use_sparse_table_grads(model)
         opt_t = LazyAdamW(tables, **HP)
     else:
-        tables = [t.weight for t in model.stem_tables().values()]
+        tables = [t.weight for t in model.token_tables().values()]
         opt_t = torch.optim.AdamW(tables, **HP, foreach=False)
     backbone = [p for p in model.parameters() if id(p) not in table_params(model)]
     opt_b = torch.optim.AdamW(backbone, **HP, foreach=False)
@@ -293,7 +293,7 @@ def test_world_of_one_matches_the_model_own_tables():
     assert torch.equal(loss, loss_ref)
     loss_ref.backward()
     loss.backward()
-    for layer, table in ref.stem_tables().items():
+    for layer, table in ref.token_tables().items():
         # Same sums in another order (per unique row first, then coalesced): equal up to rounding.
         got, want = tables.shard(layer).grad.coalesce(), table.weight.grad.coalesce()
         assert torch.equal(got.indices(), want.indices())

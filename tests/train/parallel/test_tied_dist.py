@@ -35,7 +35,7 @@ def tied_config():
         num_key_value_heads=2,
         head_dim=16,
         max_position_embeddings=64,
-        stem_layers=[2],
+        ffn_layers=[2],
     )
 
 

@@ -24,7 +24,7 @@ FITS = {"ddp": dict(parallel="ddp", table_optim="lazy_adamw"), "fsdp": dict(para
 
 
 def config():
-    return model_config("value_embed").replace(num_hidden_layers=3, stem_layers="all", value_embed_tables=2)
+    return model_config("value_embed").replace(num_hidden_layers=3, ffn_layers="all", value_embed_tables=2)
 
 
 def _worker(rank: int, world: int, port: int, root, assets) -> None:

@@ -44,7 +44,7 @@ def test_host_tables_train_bitwise_like_resident(
     same_run(resident, host, tmp_path / "a" / "run", tmp_path / "b" / "run")
     # The tables really live in the host buffers the optimizer steps, not in a device copy.
     assert isinstance(host.optimizers[-1], AsyncTableOptimizer)
-    for i, table in host.model.stem_tables().items():
+    for i, table in host.model.token_tables().items():
         assert table.weight is host.tables.params[i]
     # Device bytes saved: the table plus its optimizer state, counted here from the config.
     v, w = 320, 128

@@ -199,7 +199,7 @@ def tiny_stem(vocab_size: int = 50) -> nn.Module:
         num_attention_heads=2,
         max_position_embeddings=32,
         ffn="stem",
-        stem_layers="odd",
+        ffn_layers="odd",
     )
     return build_model(config, seed=0)
 
@@ -217,7 +217,7 @@ def test_sparse_table_grads_accumulate_over_micro_batches_and_under_autocast():
     assert table.grad.layout == torch.sparse_coo and table.grad.dtype == torch.float32
     touched = torch.unique(ids[:, :-1])
     assert torch.equal(table.grad.coalesce().indices()[0], touched)
-    dense_grad = dense_model.stem_tables()[1].weight.grad
+    dense_grad = dense_model.token_tables()[1].weight.grad
     assert not dense_grad[[r for r in range(50) if r not in touched.tolist()]].any()
     # bf16 autocast changes the numbers slightly; the sparsity pattern and scale must match the fp32 gradient.
     torch.testing.assert_close(table.grad.to_dense(), dense_grad, rtol=0.05, atol=2e-3)

@@ -49,7 +49,7 @@ def tiny(ffn: str = "stem") -> ModelConfig:
         num_key_value_heads=2,
         max_position_embeddings=32,
         ffn=ffn,
-        stem_layers="odd",
+        ffn_layers="odd",
     )
 
 
@@ -112,9 +112,9 @@ def test_a_placement_gives_the_forward_the_model_rows_and_steps_their_gradient(n
     assert torch.equal(got, want)
     # The table gradient reaches the parameters that the last optimizer steps, equal to the resident one's.
     stepped = [p for g in getattr(optimizers[-1], "inner", optimizers[-1]).param_groups for p in g["params"]]
-    for i, table in reference.stem_tables().items():
+    for i, table in reference.token_tables().items():
         owned = {
-            "resident": lambda i: model.stem_tables()[i].weight,
+            "resident": lambda i: model.token_tables()[i].weight,
             "host": lambda i: tables.params[i],
             "row-sharded": lambda i: tables.shard(i),
             "host-sharded": lambda i: tables.shard(i),

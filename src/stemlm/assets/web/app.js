@@ -85,7 +85,11 @@ async function withBusy(button, work) {
 async function loadInfo() {
   const info = await api("/api/info");
   state.info = info;
-  const stem = info.stem_layers.length ? `STEM layers ${info.stem_layers.join(", ")}` : "no STEM layers";
+  // The layers with token tables: "STEM layers" for the STEM kind, else the kind's own name.
+  const tableWord = info.ffn === "stem" ? "STEM" : info.ffn;
+  const stem = info.table_layers.length
+    ? `${tableWord} layers ${info.table_layers.join(", ")}`
+    : `no ${tableWord} table layers`;
   $("model-info").textContent =
     `${info.checkpoint} · ffn=${info.ffn} · ${info.num_layers} layers · ${stem} · vocab ${info.vocab_size} · tables ${info.tables}`;
   for (const s of info.strategies) $("edit-strategy").append(new Option(STRATEGY_WORDS[s][0], s));
@@ -94,7 +98,7 @@ async function loadInfo() {
   for (const p of info.pads) $("edit-pad").append(new Option(PAD_WORDS[p][0], p));
   describeChoices();
   for (const name of info.entities) $("entities").append(new Option(name));
-  for (const layer of info.stem_layers) {
+  for (const layer of info.table_layers) {
     const label = el("label", "check");
     const box = el("input");
     Object.assign(box, { type: "checkbox", checked: true, value: layer, id: `layer-${layer}` });
@@ -296,7 +300,7 @@ function editRequest() {
   return {
     ...sampling(), target: $("edit-target").value, source: $("edit-source").value,
     span: state.span, strategy: $("edit-strategy").value, pad: $("edit-pad").value,
-    rows: $("edit-rows").value, layers: state.info && state.info.stem_layers.length ? layers : null, show_top: 8,
+    rows: $("edit-rows").value, layers: state.info && state.info.table_layers.length ? layers : null, show_top: 8,
   };
 }
 

@@ -1,6 +1,6 @@
 """`dense`: the SwiGLU FFN, `y = down_proj(silu(gate_proj(x)) * up_proj(x))`.
 
-Every layer outside `stem_layers` is dense, whatever `ffn` is; `ffn="dense"` makes all of them so.
+Every layer outside `ffn_layers` is dense, whatever `ffn` is; `ffn="dense"` makes all of them so.
 """
 
 from __future__ import annotations

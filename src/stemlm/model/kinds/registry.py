@@ -1,6 +1,6 @@
 """The kind registry: what the rest of stemlm needs from a per-layer kind, declared once by the kind itself.
 
-A kind is what the layers in `stem_layers` compute at the FFN position (every other layer is dense). Each kind
+A kind is what the layers in `ffn_layers` compute at the FFN position (every other layer is dense). Each kind
 is one module of `stemlm.model.kinds` that defines `KIND = Kind(...)`: its nn.Module, its config fields and
 checks, its lookup tables, its accounting and what else the library asks of it. `all_kinds()` finds the
 modules with `pkgutil`, so adding a file adds a kind; nothing else lists kinds. docs/kinds.md is the recipe.
@@ -10,7 +10,7 @@ Lookup tables belong to a `Family`, which fixes how the library treats them (`FA
 - `token`: rows keyed by the input token id, known before any compute, so offload prefetches them (one
   token-major provider and row cache for every layer); under `--nproc` they are row-sharded over the ranks
   (`stemlm.train.parallel.ShardedTables`); `--tables host` trains them from host memory; positional and global
-  edits swap them; `StemLM.stem_tables()` lists them.
+  edits swap them; `StemLM.token_tables()` lists them.
 - `ngram`: rows keyed by hashed n-gram ids of the input ids (`stemlm.model.ngram`), the same ids in every layer,
   also prefetched (one provider and cache); replicated under `--nproc`; not edited.
 - `memory`: rows keyed by ids that a layer's own top-k picks from the hidden state, so they are fetched on demand
@@ -158,7 +158,9 @@ class Kind:
     ngram: Callable[[Config], tuple[str, int, int | None]] | None = None  # (orders, heads, rows) of n-gram keys
     acts_on_values: bool = False  # its module's `mix_values(v, ctx)` runs on attention's values (before the cache)
     trains_with_tables: tuple[str, ...] = ()  # module parameters that keep learning under `--train tables`
-    stem_saving: bool = False  # a table replaces one of the three SwiGLU projections (the paper's saving applies)
+    replaces_projection: bool = (
+        False  # a table replaces one of the three SwiGLU projections (the paper's saving applies)
+    )
     activation_elements: Callable[[Config], int] | None = None  # FFN values saved per token (memory plan)
     edit_note: str | None = None  # said with every row edit of such a model (what an edit does not change)
     resolved: Callable[[Config], dict[str, Any]] | None = None  # its None defaults resolved (config comparison)

@@ -35,7 +35,7 @@ class StemFFN(nn.Module):
 def count(config: Config, layer_idx: int) -> LayerCount:
     """Two projections (the table replaces the third) and one d_ff row per token; also `stem_gate`'s count."""
     d, f = config.hidden_size, config.intermediate_size
-    return LayerCount({"stem_proj": 2 * d * f, "stem_tables": config.vocab_size * f}, {"stem_proj": 2 * d * f}, f)
+    return LayerCount({"stem_proj": 2 * d * f, "token_tables": config.vocab_size * f}, {"stem_proj": 2 * d * f}, f)
 
 
 KIND = Kind(
@@ -45,8 +45,8 @@ KIND = Kind(
     build=StemFFN,
     count=count,
     tables=(Table("token", "stem_embedding"),),
-    components=("stem_proj", "stem_tables"),
-    table_components=("stem_tables",),
-    stem_saving=True,
+    components=("stem_proj", "token_tables"),
+    table_components=("token_tables",),
+    replaces_projection=True,
     activation_elements=swiglu_activations,
 )

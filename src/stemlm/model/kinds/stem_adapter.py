@@ -52,7 +52,7 @@ def count(config: Config, layer_idx: int) -> LayerCount:
     # the dense SwiGLU kept whole, plus the per-channel gate logits, and the table
     d, f = config.hidden_size, config.intermediate_size
     return LayerCount(
-        {"ffn_dense": 3 * d * f + f, "stem_tables": config.vocab_size * f}, {"ffn_dense": 3 * d * f + f}, f
+        {"ffn_dense": 3 * d * f + f, "token_tables": config.vocab_size * f}, {"ffn_dense": 3 * d * f + f}, f
     )
 
 
@@ -63,7 +63,7 @@ KIND = Kind(
     build=StemAdapterFFN,
     count=count,
     tables=(Table("token", "stem_embedding"),),
-    components=("ffn_dense", "stem_tables"),
-    table_components=("stem_tables",),
+    components=("ffn_dense", "token_tables"),
+    table_components=("token_tables",),
     trains_with_tables=("adapter_gate",),
 )

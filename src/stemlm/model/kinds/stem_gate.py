@@ -36,5 +36,5 @@ KIND = Kind(
     tables=(Table("token", "stem_embedding"),),
     components=stem.KIND.components,
     table_components=stem.KIND.table_components,
-    stem_saving=True,
+    replaces_projection=True,
 )

@@ -48,7 +48,7 @@ class StemNgramFFN(nn.Module):
 def count(config: Config, layer_idx: int) -> LayerCount:
     d, f = config.hidden_size, config.intermediate_size
     layout = ngram_layout(config)
-    params = {"stem_proj": 2 * d * f, "stem_tables": config.vocab_size * f, "ngram_tables": layout.num_rows * f}
+    params = {"stem_proj": 2 * d * f, "token_tables": config.vocab_size * f, "ngram_tables": layout.num_rows * f}
     return LayerCount(params, {"stem_proj": 2 * d * f}, f * (1 + layout.num_keys))  # U[t] + one row a key
 
 
@@ -75,9 +75,9 @@ KIND = Kind(
     ),
     check=check,
     tables=(Table("token", "stem_embedding"), Table("ngram", "ngram_embedding")),
-    components=("stem_proj", "stem_tables", "ngram_tables"),
-    table_components=("stem_tables", "ngram_tables"),
+    components=("stem_proj", "token_tables", "ngram_tables"),
+    table_components=("token_tables", "ngram_tables"),
     ngram=lambda config: (config.stem_ngram_orders, config.stem_ngram_heads, config.stem_ngram_rows),
-    stem_saving=True,
+    replaces_projection=True,
     edit_note=EDIT_NOTE,
 )

@@ -4,7 +4,7 @@ In each selected layer, on the value vectors of attention (before it attends, an
 
     v_t <- λ0 · v_t + λ1 · VE[t]         VE: [vocab_size, kv_heads · head_dim], t the input id; λ learned per layer
 
-As the FFN kind (`ffn="value_embed"`, its layers in `stem_layers`) the layer's FFN stays a dense SwiGLU. Beside
+As the FFN kind (`ffn="value_embed"`, its layers in `ffn_layers`) the layer's FFN stays a dense SwiGLU. Beside
 another FFN kind (`value_embed_layers`, e.g. STEM on the odd layers and value embeddings on "first:3,last:3") the
 mix alone sits at `model.layers.<i>.beside.value_embed` (`ValueEmbedding`); both modules mix through
 `mix_values`, one implementation. `value_embed_tables` = n shares the tables: the j-th selected layer uses table
@@ -34,7 +34,7 @@ NAME = "value_embed"
 
 
 def value_layers(config: Config) -> list[int]:
-    """The layers with value embeddings: `stem_layers` when it is the FFN kind, else `value_embed_layers`."""
+    """The layers with value embeddings: `ffn_layers` when it is the FFN kind, else `value_embed_layers`."""
     return config.special_layers if config.ffn == NAME else config.beside_layers(NAME)
 
 
@@ -115,7 +115,7 @@ def count(config: Config, layer_idx: int) -> LayerCount:
 
 
 def check(config: Config, need) -> None:
-    field = "stem_layers" if config.ffn == NAME else "value_embed_layers"
+    field = "ffn_layers" if config.ffn == NAME else "value_embed_layers"
     layers = len(value_layers(config))
     if config.value_embed_tables is not None and (config.ffn == NAME or layers):
         need(

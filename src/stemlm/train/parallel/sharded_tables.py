@@ -77,7 +77,7 @@ class ShardedTables(nn.Module, TablePlacement):
         super().__init__()
         if reduce not in ("mean", "sum"):
             raise StemlmError(f"reduce must be 'mean' or 'sum', got {reduce!r}")
-        tables = model.stem_tables()
+        tables = model.token_tables()
         if not tables:
             raise StemlmError(f"the model has no token tables to shard (ffn={model.config.ffn} has no `token` table)")
         self.group, self.reduce = group, reduce
@@ -340,7 +340,7 @@ class ShardedTables(nn.Module, TablePlacement):
     def unshard_into(self, model: nn.Module) -> None:
         """Put the full tables back into the model as parameters (collective), e.g. to save_pretrained."""
         full = self.full_tables()
-        for i, table in model.stem_tables().items():
+        for i, table in model.token_tables().items():
             if i in self._hooks:
                 self._hooks.pop(i).remove()
                 del table.weight
@@ -367,7 +367,7 @@ class ShardedTables(nn.Module, TablePlacement):
         tensors as replicas; loading it therefore needs the same N (use the full_* methods to change N).
         """
         tag = f"shard{self.rank}of{self.world_size}"
-        state = {f"stem_tables.{tag}.layer{i}": self.shard(i).detach() for i in self.layers}
+        state = {f"token_tables.{tag}.layer{i}": self.shard(i).detach() for i in self.layers}
         if optimizer is not None:
             tensors, _ = flatten_optimizer_state(optimizer.state_dict())
             state.update({f"table_optim.{tag}.{k}": v for k, v in tensors.items()})
@@ -382,7 +382,7 @@ class ShardedTables(nn.Module, TablePlacement):
         tag = f"shard{self.rank}of{self.world_size}"
         with torch.no_grad():
             for i in self.layers:
-                self.shard(i).copy_(state[f"stem_tables.{tag}.layer{i}"])
+                self.shard(i).copy_(state[f"token_tables.{tag}.layer{i}"])
         if optimizer is not None:
             prefix = f"table_optim.{tag}."
             tensors = {k[len(prefix) :]: v for k, v in state.items() if k.startswith(prefix)}

@@ -59,7 +59,7 @@ class HostTables(LookaheadWorker, TablePlacement):
     name = "host"
 
     def __init__(self, model: nn.Module, device: torch.device) -> None:
-        tables = model.stem_tables()
+        tables = model.token_tables()
         if not tables:
             raise StemlmError(f"--tables host needs a model with token tables (ffn={model.config.ffn} has none)")
         self.device = device

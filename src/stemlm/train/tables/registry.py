@@ -17,7 +17,7 @@ from stemlm.train.tables.placement import TablePlacement
 
 def make_placement(cfg: TrainConfig, model: nn.Module, world: Any) -> TablePlacement:
     """The placement `cfg.tables` asks for in `world`, applied to `model` (a model on the meta device too)."""
-    if world.distributed and model.stem_tables():
+    if world.distributed and model.token_tables():
         if cfg.tables == "host":
             from stemlm.train.parallel.host_shards import HostShardedTables
 
