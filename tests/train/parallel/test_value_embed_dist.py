@@ -1,6 +1,7 @@
-"""`value_embed` on 2 gloo ranks: its value tables are `token` tables, so they are row-sharded over the ranks
-(`ShardedTables`; a shared table is one shard set, under its owner's index) while λ and the backbone go to DDP
-or FSDP2, and the run trains the 1-process model.
+"""Value embeddings on 2 gloo ranks, as the `value_embed` kind and beside STEM (kinds composed per layer): the value
+tables (and STEM's) are `token` tables, so each is row-sharded over the ranks under its own key (`ShardedTables`; a
+shared table is one shard set, under its owner's key) while λ and the backbone go to DDP or FSDP2, and the run
+trains the 1-process model.
 
 Tolerances as in tests/train/parallel/test_lookup_dist.py: the first step's loss agrees to float rounding, later
 steps within 5e-4 (Adam normalises each entry's gradient, whose cross-rank sum is rounded in another order).
@@ -21,10 +22,15 @@ from .conftest import fork_ranks, model_config, train_config
 from .test_train_dist import losses
 
 FITS = {"ddp": dict(parallel="ddp", table_optim="lazy_adamw"), "fsdp": dict(parallel="fsdp", table_optim="adamw")}
-
-
-def config():
-    return model_config("value_embed").replace(num_hidden_layers=3, ffn_layers="all", value_embed_tables=2)
+MODELS = {
+    # the kind: 3 layers sharing 2 value tables (held by layers 0 and 1)
+    "value_embed": lambda: model_config("value_embed").replace(
+        num_hidden_layers=3, ffn_layers="all", value_embed_tables=2
+    ),
+    # beside STEM: STEM on layer 1, value embeddings on both layers
+    "beside_stem": lambda: model_config("stem").replace(ffn_layers="1", value_embed_layers="all"),
+}
+RUNS = [(model, fit) for model in MODELS for fit in FITS]
 
 
 def _worker(rank: int, world: int, port: int, root, assets) -> None:
@@ -34,11 +40,13 @@ def _worker(rank: int, world: int, port: int, root, assets) -> None:
     )
     from stemlm.train.parallel.launch import destroy_distributed
 
-    for name, overrides in FITS.items():
-        trainer = Trainer(config(), train_config(assets, root / "two" / name, **overrides), progress=False)
+    for model, fit in RUNS:
+        trainer = Trainer(
+            MODELS[model](), train_config(assets, root / "two" / model / fit, **FITS[fit]), progress=False
+        )
         trainer.fit()
         shards = {i: list(trainer.tables.shard(i).shape) for i in trainer.tables.layers}
-        (root / f"shards-{name}-{rank}.json").write_text(json.dumps(shards))
+        (root / f"shards-{model}-{fit}-{rank}.json").write_text(json.dumps(shards))
     destroy_distributed()
 
 
@@ -47,22 +55,31 @@ def runs(dist_assets, tmp_path_factory):
     root = tmp_path_factory.mktemp("value_embed_dist")
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("STEMLM_CACHE", str(dist_assets["cache"]))
-        for name, overrides in FITS.items():
-            single = {k: v for k, v in overrides.items() if k != "parallel"}
-            cfg = train_config(dist_assets, root / "one" / name, **single)
-            Trainer(config(), cfg, progress=False).fit()
+        for model, fit in RUNS:
+            single = {k: v for k, v in FITS[fit].items() if k != "parallel"}
+            Trainer(
+                MODELS[model](), train_config(dist_assets, root / "one" / model / fit, **single), progress=False
+            ).fit()
         fork_ranks(_worker, root, dist_assets)
     return root
 
 
+def expected_shards(model: str, rows: int) -> dict[str, list[int]]:
+    cfg = MODELS[model]()
+    value, stem = cfg.kv_heads * cfg.head_size, cfg.intermediate_size
+    if model == "value_embed":
+        return {"0": [rows, value], "1": [rows, value]}
+    # STEM at key 1 (layer 1); the value tables past the 2 layers: keys 4 and 5 (value_embed's slot is 2)
+    return {"1": [rows, stem], "4": [rows, value], "5": [rows, value]}
+
+
 @pytest.mark.dist
-@pytest.mark.parametrize("name", list(FITS))
-def test_two_ranks_row_shard_the_value_tables_and_train_the_one_process_model(runs, name):
-    width = config().kv_heads * config().head_size
+@pytest.mark.parametrize("model, fit", RUNS)
+def test_two_ranks_row_shard_the_token_tables_and_train_the_one_process_model(runs, model, fit):
     for rank, rows in ((0, 167), (1, 166)):  # 333 rows: rank r holds rows r, r + 2, ...
-        shards = json.loads((runs / f"shards-{name}-{rank}.json").read_text())
-        assert shards == {"0": [rows, width], "1": [rows, width]}
-    one, two = losses(runs / "one" / name), losses(runs / "two" / name)
+        shards = json.loads((runs / f"shards-{model}-{fit}-{rank}.json").read_text())
+        assert shards == expected_shards(model, rows)
+    one, two = losses(runs / "one" / model / fit), losses(runs / "two" / model / fit)
     assert len(one) == len(two) == 6
     torch.testing.assert_close(two[0], one[0], rtol=0, atol=2e-6)
     torch.testing.assert_close(two, one, rtol=0, atol=5e-4)
