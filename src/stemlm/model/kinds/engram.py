@@ -155,12 +155,13 @@ def count_branch(config: Config, layer_idx: int) -> LayerCount:
     layout = ngram_layout(config)
     # W_K and W_V (e -> d) and the depthwise conv (d x kernel weights, each one MAC per token)
     proj = 2 * e * d + d * config.engram_kernel
-    biases = 2 * d if is_reference(config) else 0  # b_K and b_V: added, not multiplied (no FLOPs counted)
     params = {
-        "engram_proj": proj + biases,
+        "engram_proj": proj,
         "norms": 3 * d,  # query, key and conv-input norms
         "ngram_tables": layout.rows_of(layer_idx) * (e // layout.num_keys),
     }
+    if is_reference(config):
+        params["engram_bias"] = 2 * d  # b_K and b_V: added per token, not multiplied (no FLOPs counted)
     return LayerCount(params, {"engram_proj": proj}, e)
 
 
@@ -217,8 +218,9 @@ KIND = Kind(
     ),
     check=check,
     tables=(Table("ngram", "engram_embedding"),),
-    components=("ffn_dense", "engram_proj", "ngram_tables"),
+    components=("ffn_dense", "engram_proj", "engram_bias", "ngram_tables"),
     table_components=("ngram_tables",),
+    scalar_components=("engram_bias",),
     ngram=lambda config: (config.engram_orders, config.engram_heads, config.engram_rows),
     ngram_per_layer=lambda config: config.engram_pad_id if is_reference(config) else None,
     acts_on_residual=is_reference,
