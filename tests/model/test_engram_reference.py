@@ -160,14 +160,15 @@ def test_branch_before_attention_equals_the_demo_in_fp64(tiny_config, layout):
     cfg = config(tiny_config, layout)
     model = randomized(build_model(cfg)).to(torch.float64)
     ids = torch.randint(0, 256, (2, 11), generator=torch.Generator().manual_seed(2))
-    calls = {}
+    calls, hooks = {}, []
     for layer in engram_layers(cfg):
-        model.model.layers[layer].register_forward_pre_hook(
-            lambda m, args, i=layer: calls.setdefault(i, {}).update(args=args)
-        )
-        model.model.layers[layer].register_forward_hook(lambda m, args, out, i=layer: calls[i].update(out=out))
+        block = model.model.layers[layer]
+        hooks.append(block.register_forward_pre_hook(lambda m, args, i=layer: calls.update({i: {"args": args}})))
+        hooks.append(block.register_forward_hook(lambda m, args, out, i=layer: calls[i].update(out=out)))
     with torch.no_grad():
         model(ids)
+        for hook in hooks:  # removed, so the re-run of a layer below records nothing over the model's own outputs
+            hook.remove()
         for layer in engram_layers(cfg):
             block, (x, *rest) = model.model.layers[layer], calls[layer]["args"]
             hash_ids = torch.tensor([demo_hash_ids(cfg, row, layer) for row in ids.tolist()])
