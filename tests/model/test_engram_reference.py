@@ -2,7 +2,7 @@
 (`engram_demo_v1.py`, read for its semantics): the hash indices (python integers, the demo's per-layer numpy draw of
 the multipliers, its prime search with one set of taken primes, the pad id before the start, no + 1) exactly, the
 branch and its place before attention to 1e-12 in fp64; KV-cache decoding, left padding, accounting against the
-meta model, save/load, and offload refusing per-layer tables with a one-line error.
+meta model and save/load (offload's refusal: tests/offload).
 
     OMP_NUM_THREADS=1 python -m pytest tests/model/test_engram_reference.py -q
 """
@@ -239,14 +239,6 @@ def test_save_load_keeps_the_variant(tmp_path, tiny_config, layout):
     ids = torch.randint(0, 256, (2, 9), generator=torch.Generator().manual_seed(8))
     with torch.no_grad():
         torch.testing.assert_close(loaded(ids).logits, model(ids).logits, atol=0, rtol=0)
-
-
-def test_offload_refuses_per_layer_tables(tmp_path, tiny_config):
-    from stemlm.offload.families import load_offloaded_model
-
-    save_pretrained(build_model(config(tiny_config, "ffn")), tmp_path / "ckpt")
-    with pytest.raises(StemlmError, match="per layer"):
-        load_offloaded_model(tmp_path / "ckpt", "host")
 
 
 def test_bad_variant_and_pad_id_are_config_errors():
