@@ -44,10 +44,11 @@ torch.save({"logits": logits, "generated": generated, "class": type(model).__mod
 """
 
 
-def tiny(ffn: str) -> ModelConfig:
+def tiny(ffn: str, **extra) -> ModelConfig:
     return ModelConfig(
         vocab_size=8192, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, max_position_embeddings=64, ffn=ffn, ffn_layers="all-but-first", engram_dim=16,
+        **extra,
     )  # fmt: skip
 
 
@@ -61,9 +62,13 @@ def make_eos_reachable(model, prompt: list[int]) -> None:
         model.lm_head.weight[eos] = 50.0 * h / h.norm()
 
 
-@pytest.mark.parametrize("ffn", ["stem", "engram"])
-def test_remote_code_folder_loads_and_generates_without_stemlm(tmp_path, ffn):
-    model = build_model(tiny(ffn), seed=3).eval()
+@pytest.mark.parametrize(
+    ("ffn", "extra"),
+    [("stem", {}), ("engram", {}), ("engram", {"engram_variant": "reference"})],
+    ids=["stem", "engram", "engram-reference"],
+)
+def test_remote_code_folder_loads_and_generates_without_stemlm(tmp_path, ffn, extra):
+    model = build_model(tiny(ffn, **extra), seed=3).eval()
     prompt = [5, 17, 300, 42]
     make_eos_reachable(model, prompt)
     save_pretrained(model, tmp_path / "ckpt", default_tokenizer())

@@ -3,16 +3,18 @@ the model tests, and a cache as large as the table misses exactly once per disti
 
 from __future__ import annotations
 
+import pytest
 import torch
 
+from stemlm.errors import StemlmError
 from stemlm.model import build_model
 from stemlm.model.config import ModelConfig
 from stemlm.offload.ngram_sim import ngram_id_stream, simulate_ngram
 from tests.model.test_lookup_kinds import reference_ngram_ids
 
 
-def test_stream_and_full_cache():
-    config = ModelConfig(
+def small_engram(**extra) -> ModelConfig:
+    return ModelConfig(
         vocab_size=64,
         hidden_size=32,
         intermediate_size=48,
@@ -22,7 +24,12 @@ def test_stream_and_full_cache():
         ffn_layers="1",
         engram_rows=40,
         engram_dim=32,
+        **extra,
     )
+
+
+def test_stream_and_full_cache():
+    config = small_engram()
     tokens = torch.randint(0, 64, (300,), generator=torch.Generator().manual_seed(0)).tolist()
     tokens[100:110] = tokens[0:10]  # a repeated span: its n-grams hit
     stream, keys, rows = ngram_id_stream(config, tokens)
@@ -35,3 +42,8 @@ def test_stream_and_full_cache():
     assert full["misses"] == len(set(stream)) and full["hits"] == distinct_per_step - len(set(stream))
     assert none["hits"] == 0 and none["lookups"] == len(stream)
     assert simulate_ngram(config.replace(ffn="stem"), tokens, [0.1], ["lfu"]) is None
+
+
+def test_per_layer_hashing_is_refused_with_one_line():
+    with pytest.raises(StemlmError, match="per layer"):
+        ngram_id_stream(small_engram(engram_variant="reference"), [1, 2, 3])

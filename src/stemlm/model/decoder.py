@@ -5,7 +5,8 @@ Module names mirror Hugging Face Llama (`model.embed_tokens`, `model.layers.{i}.
 Each layer's `mlp` is the module its kind builds (`stemlm.model.kinds`); a kind that acts on attention's values
 (`Kind.acts_on_values`) gets them through its module's `mix_values(v, ctx)`. Kinds selected beside the FFN kind
 (`ModelConfig.layer_sides`) put their side modules in `model.layers.{i}.beside.<kind>`: on attention's values
-(value embeddings) or added to the FFN output (the Engram branch), as their `Kind.beside` declares.
+(value embeddings), added to the FFN output (the Engram branch) or to the residual stream before attention (the
+reference Engram branch), as their `Kind.beside` declares.
 The model is written for one device; offload, sharding and editing act through the forward's
 `rows={family: provider}` mapping (see `stemlm.model.ffn.TokenContext`) or by wrapping it, never by flags
 inside the layers.
@@ -97,8 +98,11 @@ class DecoderLayer(nn.Module):
             self.beside = nn.ModuleDict({name: side.build(config, layer_idx) for name, side in sides.items()})
         # Names, not modules: whatever replaces `mlp` or a side module later (conversion, loading) is what runs.
         self.acts_on_values = get_kind(config.layer_ffn(layer_idx)).acts_on_values
-        self.value_sides = tuple(name for name, side in sides.items() if side.acts_on == "values")
-        self.ffn_sides = tuple(name for name, side in sides.items() if side.acts_on == "ffn")
+        residual = get_kind(config.layer_ffn(layer_idx)).acts_on_residual
+        self.acts_on_residual = residual is not None and residual(config)
+        self.value_sides = tuple(name for name, side in sides.items() if side.position(config) == "values")
+        self.ffn_sides = tuple(name for name, side in sides.items() if side.position(config) == "ffn")
+        self.residual_sides = tuple(name for name, side in sides.items() if side.position(config) == "residual")
 
     def kind_module(self, side: str | None) -> nn.Module:
         """The module of the layer's FFN kind (side None) or of the kind `side` beside it."""
@@ -112,6 +116,10 @@ class DecoderLayer(nn.Module):
 
     def forward(self, x, rope, mask, cache: KVCache | None, ctx: TokenContext, weights=None) -> torch.Tensor:
         values = partial(self._mix_values, ctx) if self.acts_on_values or self.value_sides else None
+        if self.acts_on_residual:
+            x = x + self.mlp.residual_branch(x, ctx)
+        for name in self.residual_sides:
+            x = x + self.beside[name].residual_branch(x, ctx)
         x = x + self.self_attn(self.input_layernorm(x), rope, mask, cache, values, weights)
         h = self.post_attention_layernorm(x)
         y = self.mlp(h, ctx)

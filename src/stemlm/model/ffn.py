@@ -37,7 +37,8 @@ class TokenContext:
     rows: dict[str, Callable] = field(default_factory=dict)  # family -> external row source; absent = own tables
     aux_losses: list[torch.Tensor] = field(default_factory=list)  # MoE balancing / z-losses, summed by the model
     expert_counts: dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> tokens routed per expert
-    ngram_ids: torch.Tensor | None = None  # [B, T, K] hashed n-gram row ids, computed from the ids before compute
+    # [B, T, K] hashed n-gram row ids, computed from the ids before compute (per-layer hashing: layer -> those ids)
+    ngram_ids: torch.Tensor | dict[int, torch.Tensor] | None = None
     state: dict | None = None  # the decoding state of earlier positions (ids, Engram conv inputs); None: no cache
     past_len: int = 0  # positions already in the cache
     valid: torch.Tensor | None = None  # [B, T] bool, False at left-padding positions; None: all real

@@ -2,7 +2,11 @@
 
 Shared by the model (`stemlm.model.ngram`, which hashes ids into these tables) and the kinds' accounting (which
 counts them from the config alone). A kind with n-gram keys says which of its fields hold the orders, heads and
-rows (`Kind.ngram`).
+rows (`Kind.ngram`) and whether its layers share one hashing (`Kind.ngram_per_layer`).
+
+Shared hashing (stemlm's): every n-gram layer has the same tables, one prime per head reused for every order.
+Per-layer hashing (DeepSeek's Engram demo): every (layer, order, head) gets its own prime, the primes drawn in
+that order as the next prime above the rows that no earlier table took, so no two tables of a model share one.
 """
 
 from __future__ import annotations
@@ -54,6 +58,15 @@ class NgramLayout:
     orders: tuple[int, ...]
     heads: int  # hash heads per order
     sizes: tuple[int, ...]  # one prime table size per (order, head), orders outer
+    # Per-layer hashing: layer -> its own sizes (as `sizes`); empty when every layer has `sizes`.
+    layer_sizes: tuple[tuple[int, tuple[int, ...]], ...] = ()
+    pad_id: int | None = None  # per-layer hashing: the id hashed for a position before the start or padding
+
+    def sizes_of(self, layer_idx: int) -> tuple[int, ...]:
+        return dict(self.layer_sizes).get(layer_idx, self.sizes)
+
+    def rows_of(self, layer_idx: int) -> int:
+        return sum(self.sizes_of(layer_idx))
 
     @property
     def num_keys(self) -> int:
@@ -87,4 +100,28 @@ def ngram_layout(config: Config) -> NgramLayout | None:
     orders, heads, rows = kind.ngram(config)
     orders = parse_orders(orders)
     primes = head_primes(rows or config.vocab_size, heads)
-    return NgramLayout(orders, heads, tuple(p for _ in orders for p in primes))
+    sizes = tuple(p for _ in orders for p in primes)
+    pad_id = None if kind.ngram_per_layer is None else kind.ngram_per_layer(config)
+    if pad_id is None:
+        return NgramLayout(orders, heads, sizes)
+    layers = [i for i in range(config.num_hidden_layers) if kind.name in config.layer_kinds(i)]
+    per_layer = per_layer_primes(rows or config.vocab_size, len(orders), heads, layers)
+    return NgramLayout(orders, heads, per_layer[0][1], per_layer, pad_id)
+
+
+def per_layer_primes(rows: int, orders: int, heads: int, layers: list[int]) -> tuple[tuple[int, tuple[int, ...]], ...]:
+    """The demo's table sizes: for each layer in order and each of its orders, the heads take the next primes
+    >= `rows`, one after the other, skipping every prime an earlier table of the model took."""
+    taken: set[int] = set()
+    out = []
+    for layer in layers:
+        sizes = []
+        for _ in range(orders):
+            candidate = rows
+            for _ in range(heads):
+                while not is_prime(candidate) or candidate in taken:
+                    candidate += 1
+                taken.add(candidate)
+                sizes.append(candidate)
+        out.append((layer, tuple(sizes)))
+    return tuple(out)

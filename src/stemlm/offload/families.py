@@ -106,6 +106,12 @@ def load_offloaded_model(
     families = table_families(model)
     if not families:
         raise StemlmError(f"checkpoint {directory} has no lookup tables to offload; load it with tables='resident'")
+    if "ngram" in families and not model.ngram_hasher.shared:
+        # The shared n-gram store is token-major over one set of ids; per-layer hashing gives each layer its own.
+        raise StemlmError(
+            f"checkpoint {directory} hashes its n-grams per layer (engram_variant=reference): its tables cannot be "
+            "offloaded yet; load it with tables='resident'"
+        )
     files = weight_files(directory)
     entries = checkpoint_entries(files)
     pin = device.type == "cuda"  # staging buffers only; see HostProvider

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 
+from stemlm.errors import StemlmError
 from stemlm.model.config import ModelConfig
 from stemlm.model.ngram import ngram_hasher
 from stemlm.offload.cache import replay_grid
@@ -20,6 +21,10 @@ def ngram_id_stream(config: ModelConfig, tokens: list[int]) -> tuple[list[int], 
     hasher = ngram_hasher(config)
     if hasher is None:
         return [], 0, 0
+    if not hasher.shared:
+        raise StemlmError(
+            "the n-gram cache simulation reads one shared hashing; engram_variant=reference hashes per layer"
+        )
     ids = torch.tensor([tokens], dtype=torch.long)
     keys = hasher.ids(ids, torch.full((1, hasher.context), -1))[0]
     return keys.reshape(-1).tolist(), hasher.num_keys, hasher.num_rows

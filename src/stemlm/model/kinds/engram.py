@@ -14,6 +14,17 @@ through the per-layer seam like every other kind. The hashing is shared by all E
 (offload reads one row per n-gram id for every layer) and the paper's tokenizer compression (merging ids
 that normalise to the same text) is not applied: ids are hashed as they are.
 
+`engram_variant="reference"` is the function of DeepSeek's public demo (`engram_demo_v1.py`) instead: biases on
+W_K and W_V, the query and key norms at machine epsilon (torch's `nn.RMSNorm(eps=None)`), the conv norm at 1e-5,
+the demo's hashing (`stemlm.model.ngram.PerLayerNgramHasher`: multipliers per layer, ids mixed as they are,
+the pad id `engram_pad_id` before the start, a prime per (layer, order, head)), and the branch added to the
+residual stream before the layer's attention, its query the residual stream itself:
+
+    x <- x + v_t + silu( conv( norm_c(v) )_t ),   v_t = g_t · (W_V e_t + b_V),
+    g_t  = sigmoid( ssqrt( <norm_q(x_t), norm_k(W_K e_t + b_K)> / sqrt(d) ) )
+
+The FFN kind then keeps only its dense FFN at the FFN position. docs/kinds.md lists what still differs.
+
 Decoding: the conv needs the conv inputs of the (kernel - 1) · dilation positions before the new ones. They
 are kept, for every position, in the cache's decoding state (`TokenContext.state`, like the keys and values
 of a KV cache), so a cropped cache stays consistent; left-padding positions feed zeros, as a sequence start
@@ -36,6 +47,12 @@ from stemlm.model.ngram import ngram_hasher, ngram_lookup
 from stemlm.model.ngram_layout import check_orders, ngram_layout
 
 NAME = "engram"
+VARIANTS = ("stemlm", "reference")
+REFERENCE_CONV_EPS = 1e-5  # the demo's ShortConv norms take its norm_eps default, not machine epsilon
+
+
+def is_reference(config: Config) -> bool:
+    return config.engram_variant == "reference"
 
 
 class _Branch:
@@ -45,13 +62,15 @@ class _Branch:
     def _init_branch(self, config: Config, layer_idx: int, side: str | None) -> None:
         d, e = config.hidden_size, config.engram_dim
         hasher = ngram_hasher(config)
+        reference = is_reference(config)
         self.layer_idx, self.table_key = layer_idx, table_key(config, layer_idx, side)
-        self.engram_embedding = token_table(hasher.num_rows, e // hasher.num_keys)
-        self.engram_key_proj = nn.Linear(e, d, bias=False)
-        self.engram_value_proj = nn.Linear(e, d, bias=False)
-        self.engram_query_norm = RMSNorm(d, config.rms_norm_eps)
-        self.engram_key_norm = RMSNorm(d, config.rms_norm_eps)
-        self.engram_conv_norm = RMSNorm(d, config.rms_norm_eps)
+        self.engram_embedding = token_table(hasher.num_rows_of(layer_idx), e // hasher.num_keys)
+        self.engram_key_proj = nn.Linear(e, d, bias=reference)
+        self.engram_value_proj = nn.Linear(e, d, bias=reference)
+        gate_eps = None if reference else config.rms_norm_eps  # None: machine epsilon (stemlm.model.attention)
+        self.engram_query_norm = RMSNorm(d, gate_eps)
+        self.engram_key_norm = RMSNorm(d, gate_eps)
+        self.engram_conv_norm = RMSNorm(d, REFERENCE_CONV_EPS if reference else config.rms_norm_eps)
         self.dilation = hasher.context + 1
         self.engram_conv = nn.Conv1d(d, d, config.engram_kernel, groups=d, dilation=self.dilation, bias=False)
         self.context = (config.engram_kernel - 1) * self.dilation  # earlier positions one output reads
@@ -62,12 +81,21 @@ class _Branch:
 
     def add_branch(self, x: torch.Tensor, ctx: TokenContext, out: torch.Tensor) -> torch.Tensor:
         """`out` (the FFN output of the same input `x`) + v_t + silu(conv(norm_c(v))_t)."""
-        memory = ngram_lookup(self.engram_embedding, ctx, self.table_key).flatten(-2).to(x.dtype)  # e_t
+        value = self._gated_value(x, ctx)
+        return out + value + F.silu(self._conv(self.engram_conv_norm(value), ctx))
+
+    def residual_branch(self, x: torch.Tensor, ctx: TokenContext) -> torch.Tensor:
+        """v_t + silu(conv(norm_c(v))_t) of the residual stream `x` (the reference variant, before attention)."""
+        value = self._gated_value(x, ctx)
+        return value + F.silu(self._conv(self.engram_conv_norm(value), ctx))
+
+    def _gated_value(self, x: torch.Tensor, ctx: TokenContext) -> torch.Tensor:
+        """v_t = g_t · W_V e_t, the gate g_t scoring the query `x` against the key of the rows e_t."""
+        memory = ngram_lookup(self.engram_embedding, ctx, self.table_key, self.layer_idx).flatten(-2).to(x.dtype)
         key = self.engram_key_norm(self.engram_key_proj(memory))
         score = (self.engram_query_norm(x) * key).sum(-1, keepdim=True) / math.sqrt(x.shape[-1])
         gate = torch.sigmoid(score.sign() * score.abs().clamp_min(1e-6).sqrt())
-        value = gate * self.engram_value_proj(memory)
-        return out + value + F.silu(self._conv(self.engram_conv_norm(value), ctx))
+        return gate * self.engram_value_proj(memory)
 
     def _conv(self, inputs: torch.Tensor, ctx: TokenContext) -> torch.Tensor:
         """Causal dilated depthwise conv over [B, T, d], continuing the positions kept in the decoding state."""
@@ -89,7 +117,8 @@ class _Branch:
 
 
 class EngramFFN(_Branch, nn.Module):
-    """The FFN kind: a dense SwiGLU plus the branch."""
+    """The FFN kind: a dense SwiGLU plus the branch (the reference variant: the dense SwiGLU alone; the decoder adds
+    `residual_branch` before attention, `Kind.acts_on_residual`)."""
 
     fusable = (("gate_proj", "up_proj"),)  # one product for decoding (stemlm.model.fusion)
 
@@ -100,14 +129,17 @@ class EngramFFN(_Branch, nn.Module):
         self.up_proj = nn.Linear(d, f, bias=False)
         self.down_proj = nn.Linear(f, d, bias=False)
         self._init_branch(config, layer_idx, side=None)
+        self.branch_at_ffn = not is_reference(config)
 
     def forward(self, x: torch.Tensor, ctx: TokenContext) -> torch.Tensor:
         gate, up = self.gate_proj(x), self.up_proj(x)
-        return self.add_branch(x, ctx, self.down_proj(F.silu(gate) * up))
+        dense = self.down_proj(F.silu(gate) * up)
+        return self.add_branch(x, ctx, dense) if self.branch_at_ffn else dense
 
 
 class EngramBranch(_Branch, nn.Module):
-    """Beside another FFN kind: the branch alone, at `model.layers.<i>.beside.engram`, added to the FFN output."""
+    """Beside another FFN kind: the branch alone, at `model.layers.<i>.beside.engram`, added to the FFN output
+    (the reference variant: the decoder adds its `residual_branch` to the residual stream before attention)."""
 
     def __init__(self, config: Config, layer_idx: int) -> None:
         super().__init__()
@@ -126,8 +158,10 @@ def count_branch(config: Config, layer_idx: int) -> LayerCount:
     params = {
         "engram_proj": proj,
         "norms": 3 * d,  # query, key and conv-input norms
-        "ngram_tables": layout.num_rows * (e // layout.num_keys),
+        "ngram_tables": layout.rows_of(layer_idx) * (e // layout.num_keys),
     }
+    if is_reference(config):
+        params["engram_bias"] = 2 * d  # b_K and b_V: added per token, not multiplied (no FLOPs counted)
     return LayerCount(params, {"engram_proj": proj}, e)
 
 
@@ -142,6 +176,13 @@ def check(config: Config, need) -> None:
     if config.beside_layers(NAME) and config.special_layers:
         other = get_kind(config.ffn).ngram is not None
         need(not other, f"engram_layers: the FFN kind {config.ffn} has n-gram keys already (one n-gram kind per model)")
+    need(
+        config.engram_variant in VARIANTS,
+        f"engram_variant must be one of {', '.join(VARIANTS)}, got {config.engram_variant!r}",
+    )
+    if is_reference(config):
+        ok = isinstance(config.engram_pad_id, int) and 0 <= config.engram_pad_id < config.vocab_size
+        need(ok, f"engram_pad_id={config.engram_pad_id!r} must be a token id in [0, vocab_size={config.vocab_size})")
     keys = len(str(config.engram_orders).split(",")) * config.engram_heads
     need(
         config.engram_dim % keys == 0,
@@ -167,11 +208,25 @@ KIND = Kind(
         Field(
             "engram_kernel", "int", 4, "kernel of the causal conv (its dilation is the largest order)", positive=True
         ),
+        Field(
+            "engram_variant",
+            "str",
+            "stemlm",
+            "stemlm: the branch at the FFN position, shared hashing; reference: DeepSeek's demo (docs/kinds.md)",
+        ),
+        Field("engram_pad_id", "int", 2, "reference variant: the id hashed before the sequence start (demo: 2)"),
     ),
     check=check,
     tables=(Table("ngram", "engram_embedding"),),
-    components=("ffn_dense", "engram_proj", "ngram_tables"),
+    components=("ffn_dense", "engram_proj", "engram_bias", "ngram_tables"),
     table_components=("ngram_tables",),
+    scalar_components=("engram_bias",),
     ngram=lambda config: (config.engram_orders, config.engram_heads, config.engram_rows),
-    beside=Beside(build=EngramBranch, count=count_branch, acts_on="ffn"),
+    ngram_per_layer=lambda config: config.engram_pad_id if is_reference(config) else None,
+    acts_on_residual=is_reference,
+    beside=Beside(
+        build=EngramBranch,
+        count=count_branch,
+        acts_on=lambda config: "residual" if is_reference(config) else "ffn",
+    ),
 )

@@ -133,13 +133,19 @@ class Beside:
 
     `build(config, layer_idx)` makes the side module at `model.layers.<i>.beside.<kind>`; it holds the attributes
     the kind's `tables` name. `acts_on` says where it enters the layer: "values" (its `mix_values(v, ctx)` runs on
-    attention's values, as `Kind.acts_on_values`) or "ffn" (its `forward(x, ctx, y)` returns the FFN output `y`
-    plus its branch of the same normalised input `x`). `count` is the side module's accounting, in the kind's
-    components. A side kind is refused on a model whose FFN kind is the same kind."""
+    attention's values, as `Kind.acts_on_values`), "ffn" (its `forward(x, ctx, y)` returns the FFN output `y`
+    plus its branch of the same normalised input `x`) or "residual" (its `residual_branch(x, ctx)` is added to the
+    residual stream `x` before the layer's attention, as `Kind.acts_on_residual`); or a function of the config
+    naming one of them (a kind whose variants enter at different places). `count` is the side module's
+    accounting, in the kind's components. A side kind is refused on a model whose FFN kind is the same kind."""
 
     build: Callable[[Config, int], Any]
     count: Callable[[Config, int], LayerCount]
-    acts_on: str  # "values" or "ffn"
+    acts_on: str | Callable[[Config], str]  # "values", "ffn" or "residual"
+
+    def position(self, config: Config) -> str:
+        """Where the side module enters the layers of `config`: "values", "ffn" or "residual"."""
+        return self.acts_on if isinstance(self.acts_on, str) else self.acts_on(config)
 
 
 @dataclass(frozen=True)
@@ -156,7 +162,13 @@ class Kind:
     table_components: tuple[str, ...] = ()  # those of them that are lookup tables (read a row at a time)
     scalar_components: tuple[str, ...] = ()  # those used per token outside any matmul (no FLOPs counted)
     ngram: Callable[[Config], tuple[str, int, int | None]] | None = None  # (orders, heads, rows) of n-gram keys
+    # The pad id of a config whose n-gram layers hash per layer, as the Engram demo (stemlm.model.ngram_layout);
+    # None (or returning None): one hashing shared by every layer
+    ngram_per_layer: Callable[[Config], int | None] | None = None
     acts_on_values: bool = False  # its module's `mix_values(v, ctx)` runs on attention's values (before the cache)
+    # True for a config where its module's `residual_branch(x, ctx)` is added to the residual stream before the
+    # layer's attention (its forward then computes the rest of the layer's FFN position alone)
+    acts_on_residual: Callable[[Config], bool] | None = None
     trains_with_tables: tuple[str, ...] = ()  # module parameters that keep learning under `--train tables`
     replaces_projection: bool = (
         False  # a table replaces one of the three SwiGLU projections (the paper's saving applies)
