@@ -25,6 +25,7 @@ from stemlm.errors import StemlmError
 from stemlm.model import accounting as acc
 from stemlm.model import build_model
 from stemlm.model.config import ModelConfig
+from stemlm.model.decoder import StemLM
 from stemlm.model.ffn import TokenContext
 
 H, DK, N, K, D = 2, 16, 16, 4, 64
@@ -165,3 +166,18 @@ def test_save_and_load_keep_the_shared_table(tiny_config, tmp_path):
 def test_an_unknown_variant_is_refused(tiny_config):
     with pytest.raises(StemlmError, match="memory_variant='paper' is not one of stemlm, reference"):
         ModelConfig(**{**config(tiny_config).to_dict(), "memory_variant": "paper"})
+
+
+def test_the_multi_process_meta_init_draws_the_same_uniforms(tiny_config):
+    from stemlm.train.parallel.meta_init import init_plan, init_rank_part, materialise
+
+    cfg = config(tiny_config)
+    expected = build_model(cfg, seed=5)
+    with torch.device("meta"):
+        model = StemLM(cfg)
+    plan = init_plan(model)
+    materialise(model, None, torch.device("cpu"))
+    init_rank_part(model, None, plan, seed=5)  # the row-block draws of `stemlm train --nproc`
+    for (name, p), q in zip(model.named_parameters(), expected.parameters(), strict=True):
+        assert torch.equal(p, q), name
+    assert model.model.layers[3].mlp.memory_values is model.model.layers[1].mlp.memory_values
