@@ -18,6 +18,7 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
+from transformers import AutoModelForCausalLM
 
 from stemlm.checkpoint.folder import save_pretrained
 from stemlm.checkpoint.runs import from_pretrained
@@ -161,6 +162,10 @@ def test_save_and_load_keep_the_shared_table(tiny_config, tmp_path):
     ids = torch.randint(0, 256, (1, 10), generator=torch.Generator().manual_seed(7))
     with torch.no_grad():
         torch.testing.assert_close(loaded(ids).logits, model(ids).logits, rtol=0, atol=0)
+    hf = AutoModelForCausalLM.from_pretrained(folder).eval()  # transformers' loader ties the shared table too
+    assert hf.config.memory_variant == "reference"
+    with torch.no_grad():
+        torch.testing.assert_close(hf(ids).logits, model(ids).logits, rtol=0, atol=0)
 
 
 def test_an_unknown_variant_is_refused(tiny_config):
