@@ -186,3 +186,14 @@ def test_the_multi_process_meta_init_draws_the_same_uniforms(tiny_config):
     for (name, p), q in zip(model.named_parameters(), expected.parameters(), strict=True):
         assert torch.equal(p, q), name
     assert model.model.layers[3].mlp.memory_values is model.model.layers[1].mlp.memory_values
+
+
+def test_transformers_init_draws_the_reference_uniforms(tiny_config):
+    from stemlm.hf import StemlmConfig, StemlmForCausalLM
+
+    hf = StemlmForCausalLM(StemlmConfig.from_model_config(config(tiny_config)))  # HF's _init_weights path
+    mlp = hf.stem.model.layers[1].mlp
+    bound = D**-0.5
+    for bias in (mlp.memory_query.bias, mlp.memory_gate.bias, mlp.memory_out.bias):
+        assert 0.8 * bound < bias.abs().max().item() <= bound
+    assert 0.8 * DK**-0.5 < mlp.memory_keys.abs().max().item() <= DK**-0.5
