@@ -28,7 +28,7 @@ from stemlm.model.config import ModelConfig
 from stemlm.model.decoding_state import fill_lookup_context
 from stemlm.model.ffn import EMBED, EmbedRows, Rows, TokenContext, checked_rows, token_table
 from stemlm.model.fused_loss import fused_linear_cross_entropy
-from stemlm.model.kinds.registry import FAMILIES, get_kind, table_key
+from stemlm.model.kinds.registry import FAMILIES, Uniform, get_kind, init_draws, table_key
 from stemlm.model.loss import chunked_cross_entropy, cross_entropy
 from stemlm.model.memory_check import check_fits
 from stemlm.model.ngram import ngram_hasher
@@ -281,7 +281,7 @@ class StemLM(nn.Module):
         """(name, parameter, std) in the order `init_weights` draws them from its generator; std None: ones.
 
         Lookup tables take `table_init`, norms ones, everything else N(0, initializer_range), unless a module's
-        `init_stds()` names its own std for a parameter (None there: ones too).
+        `init_stds()` names its own std for a parameter (None there: ones too; a `Uniform`: that uniform).
 
         stemlm.train.parallel.meta_init replays this order to initialise only one rank's shards to the same values."""
         std = self.config.initializer_range
@@ -312,7 +312,7 @@ class StemLM(nn.Module):
             if std is None:
                 param.fill_(1.0)
             else:
-                _normal_(param, std, generator)
+                _draw_init(param, std, generator)
 
     def tie_weights(self) -> None:
         if self.config.tie_word_embeddings:
@@ -332,9 +332,10 @@ def _tuple_or_none(items: list | None) -> tuple | None:
     return None if items is None else tuple(items)
 
 
-def _normal_(param: torch.Tensor, std: float, generator: torch.Generator) -> None:
+def _draw_init(param: torch.Tensor, std: float | Uniform, generator: torch.Generator) -> None:
     # Drawn on the CPU from one generator so a seed gives the same model on any device.
-    param.copy_(torch.randn(param.shape, generator=generator, dtype=torch.float32).mul_(std).to(param.dtype))
+    draws = init_draws(torch.randn(param.shape, generator=generator, dtype=torch.float32), std)
+    param.copy_(draws.to(param.dtype))
 
 
 def _embeddings_from(model: StemLM, embed_rows: EmbedRows, input_ids: torch.Tensor) -> torch.Tensor:

@@ -23,6 +23,7 @@ from torch import nn
 
 from stemlm.errors import StemlmError
 from stemlm.model.decoder import StemLM, layer_modules
+from stemlm.model.kinds.registry import Uniform
 from stemlm.model.ngram import ngram_hasher
 
 
@@ -127,6 +128,8 @@ def resize_vocabulary(model: StemLM, vocab_size: int) -> StemLM:
         rows = param[start:]
         if std is None:
             rows.fill_(1.0)
+        elif isinstance(std, Uniform):
+            rows.uniform_(-std.bound, std.bound)
         else:
             rows.normal_(0.0, std)
     if hashed:

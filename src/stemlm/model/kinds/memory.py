@@ -14,6 +14,16 @@ h·k]) -> (rows [U, d], positions [N, h·k])`), on the critical path of the forw
 projection, the sub-key scores (every key entry is one MAC per token) and W_gate, W_out. The top-k, the k²
 candidate sums and the weighted EmbeddingBag sum of h·k rows are not matmuls and are not counted (nor does
 FlopCounterMode count them).
+
+`memory_variant` picks between two functions of the same structure:
+- "stemlm" (the default): no biases, every memory layer its own value table, keys N(0, (dk/2)^-½), the query,
+  gate and output projections N(0, initializer_range).
+- "reference": facebookresearch/memory's `lingua/product_key/memory.py` `HashingMemory` with its defaults (the
+  reference read there, written anew): biases on the query (W_q x + b_q), on W_gate and on W_out (its
+  `swilu_projection` and `value_proj`); one value table shared by every memory layer (its `mem_share_values`:
+  the first memory layer holds it, the others read it under that layer's key, `table_owner`); its inits: keys
+  U(±1/√dk), values N(0, d^-½), W_q xavier-uniform, W_gate and W_out N(0, d^-½), each bias U(±1/√fan-in) (the
+  nn.Linear default it keeps). docs/kinds.md lists what still differs.
 """
 
 from __future__ import annotations
@@ -24,7 +34,19 @@ from torch import nn
 
 from stemlm.errors import StemlmError
 from stemlm.model.ffn import TokenContext
-from stemlm.model.kinds.registry import Config, Field, Kind, LayerCount, Table
+from stemlm.model.kinds.registry import Config, Field, Kind, LayerCount, Table, Uniform, table_key
+
+VARIANTS = ("stemlm", "reference")
+
+
+def is_reference(config: Config) -> bool:
+    return config.memory_variant == "reference"
+
+
+def table_owner(config: Config, layer_idx: int) -> int:
+    """The layer whose module holds the value table `layer_idx` reads: the first memory layer under the reference
+    variant (one table for all), else the layer itself."""
+    return config.special_layers[0] if is_reference(config) else layer_idx
 
 
 class MemoryFFN(nn.Module):
@@ -33,18 +55,34 @@ class MemoryFFN(nn.Module):
         self.layer_idx = layer_idx
         d, h, dk, n = config.hidden_size, config.memory_heads, config.memory_key_dim, config.memory_keys
         self.heads, self.num_keys, self.topk = h, n, config.memory_topk
-        self.memory_query = nn.Linear(d, h * dk, bias=False)
+        self.reference = is_reference(config)
+        owner = table_owner(config, layer_idx)
+        self.table_key = table_key(config, owner)  # the key rows are asked for under (the owner's when shared)
+        self.memory_query = nn.Linear(d, h * dk, bias=self.reference)
         # [heads, 2 halves, n keys, dk / 2]; uninitialised here, StemLM.init_weights draws them.
         self.memory_keys = nn.Parameter(torch.empty(h, 2, n, dk // 2))
-        self.memory_values = nn.EmbeddingBag(n * n, d, mode="sum", _weight=torch.empty(n * n, d))
-        self.memory_gate = nn.Linear(d, d, bias=False)
-        self.memory_out = nn.Linear(d, d, bias=False)
+        if owner == layer_idx:  # a sharing layer's table is set by the decoder (the owner's, unregistered here)
+            self.memory_values = nn.EmbeddingBag(n * n, d, mode="sum", _weight=torch.empty(n * n, d))
+        self.memory_gate = nn.Linear(d, d, bias=self.reference)
+        self.memory_out = nn.Linear(d, d, bias=self.reference)
 
-    def init_stds(self) -> dict[int, float]:
-        # Keys ~ 1/sqrt(fan-in) so the scores start O(1); values ~ 1/sqrt(d) as in the PKM reference setup.
+    def init_stds(self) -> dict[int, float | Uniform]:
+        d = self.memory_gate.in_features
+        own = {} if "memory_values" not in self._modules else {id(self.memory_values.weight): d**-0.5}
+        if not self.reference:
+            # Keys ~ 1/sqrt(fan-in) so the scores start O(1); values ~ 1/sqrt(d) as in the PKM reference setup.
+            return {id(self.memory_keys): self.memory_keys.shape[-1] ** -0.5, **own}
+        # The reference's reset_parameters; the biases keep nn.Linear's U(±1/√fan-in), which it leaves in place.
+        query = self.memory_query.weight
         return {
-            id(self.memory_keys): self.memory_keys.shape[-1] ** -0.5,
-            id(self.memory_values.weight): self.memory_values.embedding_dim**-0.5,
+            id(query): Uniform((6 / (query.shape[0] + query.shape[1])) ** 0.5),  # xavier-uniform
+            id(self.memory_query.bias): Uniform(d**-0.5),
+            id(self.memory_keys): Uniform((2 * self.memory_keys.shape[-1]) ** -0.5),  # 1/√dk, dk the whole query
+            **own,
+            id(self.memory_gate.weight): d**-0.5,
+            id(self.memory_gate.bias): Uniform(d**-0.5),
+            id(self.memory_out.weight): d**-0.5,
+            id(self.memory_out.bias): Uniform(d**-0.5),
         }
 
     def select(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -70,7 +108,7 @@ class MemoryFFN(nn.Module):
             weights = weights.to(self.memory_values.weight.dtype)
             memory = self.memory_values(ids, per_sample_weights=weights)
         else:
-            rows, positions = provider(self.layer_idx, ids)
+            rows, positions = provider(self.table_key, ids)
             if tuple(positions.shape) != tuple(ids.shape) or rows.shape[-1] != self.memory_values.embedding_dim:
                 raise StemlmError(
                     f"rows['memory'] returned rows {list(rows.shape)} / positions {list(positions.shape)}"
@@ -90,11 +128,17 @@ def count(config: Config, layer_idx: int) -> LayerCount:
     )
     # query d -> h·dk, the sub-keys (each entry one MAC per token), W_gate and W_out d -> d
     proj = d * h * dk + h * n * dk + 2 * d * d
-    # h·k value rows read per token (distinct in each head; heads may repeat a row)
-    return LayerCount({"memory_proj": proj, "memory_values": n * n * d}, {"memory_proj": proj}, h * k * d)
+    biases = h * dk + 2 * d if is_reference(config) else 0  # added, not multiplied: no FLOPs
+    values = {"memory_values": n * n * d} if table_owner(config, layer_idx) == layer_idx else {}
+    # h·k value rows read per token and layer (distinct in each head; heads may repeat a row), shared table or not
+    return LayerCount({"memory_proj": proj + biases, **values}, {"memory_proj": proj}, h * k * d)
 
 
 def check(config: Config, need) -> None:
+    need(
+        config.memory_variant in VARIANTS,
+        f"memory_variant={config.memory_variant!r} is not one of {', '.join(VARIANTS)}",
+    )
     need(config.memory_key_dim % 2 == 0, f"memory_key_dim={config.memory_key_dim} must be even (two halves)")
     need(
         config.memory_topk <= config.memory_keys,
@@ -113,9 +157,16 @@ KIND = Kind(
         Field("memory_topk", "int", 16, "value rows read per head", positive=True),
         Field("memory_heads", "int", 4, "memory heads", positive=True),
         Field("memory_key_dim", "int", 64, "query width per head (two halves of memory_key_dim / 2)", positive=True),
+        Field(
+            "memory_variant",
+            "str",
+            "stemlm",
+            "stemlm (no biases, a value table per layer) or reference (facebookresearch/memory's: biases, one "
+            "shared value table, its inits)",
+        ),
     ),
     check=check,
-    tables=(Table("memory", "memory_values"),),
+    tables=(Table("memory", "memory_values", owner=table_owner),),
     components=("memory_proj", "memory_values"),
     table_components=("memory_values",),
 )

@@ -29,6 +29,7 @@ two token tables (STEM's and a value table) never share a key.
 
 Every table trains in the table optimizer group (row-sparse
 optimizers switch it to sparse gradients) and takes `table_init` unless its module's `init_stds` says otherwise.
+A module's `init_stds` names a normal's std, None (ones) or a `Uniform` for a parameter (`init_draws`).
 """
 
 from __future__ import annotations
@@ -39,6 +40,8 @@ import pkgutil
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
+
+import torch
 
 from stemlm.errors import StemlmError
 
@@ -114,6 +117,24 @@ class Table:
 
     def owner_of(self, config: Config, layer_idx: int) -> int:
         return layer_idx if self.owner is None else self.owner(config, layer_idx)
+
+
+@dataclass(frozen=True)
+class Uniform:
+    """An init U(-bound, bound), which a module's `init_stds` may name instead of a normal's std (a reference's
+    own init, e.g. the product-key memory's keys and biases)."""
+
+    bound: float
+
+
+def init_draws(normal: torch.Tensor, spec: float | Uniform) -> torch.Tensor:
+    """Standard-normal draws `normal` (changed in place) turned into draws of `spec`: a normal's std, or a
+    `Uniform`, as bound · erf(z / √2), which is uniform on (-bound, bound) for a standard normal z. Every init
+    draws normals from one generator (seeded init, `--nproc`'s meta init in row blocks), so a uniform init
+    consumes the generator as a normal one does and both replay alike."""
+    if isinstance(spec, Uniform):
+        return torch.erf(normal.mul_(2**-0.5)).mul_(spec.bound)
+    return normal.mul_(spec)
 
 
 @dataclass(frozen=True)

@@ -22,6 +22,8 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from stemlm.model.kinds.registry import init_draws
+
 BLOCK_VALUES = 1 << 22  # values drawn per block (16 MiB of fp32)
 
 
@@ -53,15 +55,17 @@ def _row_blocks(rows: int, row_values: int) -> list[tuple[int, int]]:
 
 
 def _draw(shape: tuple[int, ...], std: float, generator: torch.Generator, keep: Callable) -> None:
-    """The draws of `torch.randn(shape, generator).mul_(std)`, handed to `keep(start, stop, values)` by rows."""
+    """The draws of `init_draws(torch.randn(shape, generator), std)` (std: a normal's or a `Uniform`), handed
+    to `keep(start, stop, values)` by rows."""
     if not shape:
-        keep(0, 1, torch.randn((), generator=generator, dtype=torch.float32).mul_(std))
+        keep(0, 1, init_draws(torch.randn((), generator=generator, dtype=torch.float32), std))
         return
     row_values = 1
     for size in shape[1:]:
         row_values *= size
     for start, stop in _row_blocks(shape[0], row_values):
-        keep(start, stop, torch.randn((stop - start, *shape[1:]), generator=generator, dtype=torch.float32).mul_(std))
+        draws = torch.randn((stop - start, *shape[1:]), generator=generator, dtype=torch.float32)
+        keep(start, stop, init_draws(draws, std))
 
 
 def _keep_strided(local: torch.Tensor, rank: int, world: int) -> Callable:

@@ -11,7 +11,8 @@ goes last so it sees the blocks it syncs as they will run). The token tables are
 them. In a world of one process the model itself trains. On several ranks:
 - `ddp`: the backbone replicated (`DistributedDataParallel`); its weights must exist before it copies rank 0's,
   so a meta-built model is materialised first;
-- `fsdp`: `fully_shard` per decoder layer, then the root; under bf16 the weights are all-gathered and used in bf16
+- `fsdp`: `fully_shard` per decoder layer, then the root (a replicated table several layers share, first, as
+  its own unit); under bf16 the weights are all-gathered and used in bf16
   and gradients reduced in fp32 into the fp32 master shards; materialised after sharding (only this rank's shards
   are allocated);
 - with `--train tables` and nothing in the backbone that learns, no wrapper (DDP refuses a module without
@@ -62,6 +63,10 @@ def parallelize(
         bf16 = amp_dtype == torch.bfloat16
         policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else None
         kwargs = {"mp_policy": policy} if policy is not None else {}
+        for table in _tables_read_by_several_layers(model):
+            # Its own unit, gathered whenever a layer calls it and kept until backward (the reference memory's
+            # FSDP plan): inside its owner layer's unit the other layers would find it still sharded.
+            fully_shard(table, mesh=world.mesh, reshard_after_forward=False, **kwargs)
         for layer in model.model.layers:
             fully_shard(layer, mesh=world.mesh, **kwargs)
         fully_shard(model, mesh=world.mesh, **kwargs)
@@ -73,6 +78,22 @@ def parallelize(
     # Gradients live in DDP's buckets (no second copy); the only buffers (RoPE frequencies) are computed
     # identically on every rank, so nothing is broadcast before each forward.
     return DistributedDataParallel(model, device_ids=ids, gradient_as_bucket_view=True, broadcast_buffers=False)
+
+
+def _tables_read_by_several_layers(model: nn.Module) -> list[nn.Module]:
+    """The replicated table modules (n-gram / memory) that layers share (`Table(..., owner=...)`), e.g. the one
+    value table of `memory_variant="reference"`; the token tables, sharded apart, are never in the model here."""
+    from stemlm.model.decoder import layer_modules
+    from stemlm.model.kinds.registry import FAMILIES
+
+    shared: dict[int, nn.Module] = {}
+    for i, layer in enumerate(model.model.layers):
+        for kind, _side, module in layer_modules(model.config, layer, i):
+            for table in kind.tables:
+                if FAMILIES[table.family].nproc == "replicated" and table.owner_of(model.config, i) != i:
+                    held = getattr(module, table.attr)
+                    shared[id(held)] = held
+    return list(shared.values())
 
 
 def _declare_sparse_replicated_tables(model: nn.Module, cfg: TrainConfig) -> None:
