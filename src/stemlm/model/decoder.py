@@ -3,7 +3,7 @@
 Module names mirror Hugging Face Llama (`model.embed_tokens`, `model.layers.{i}.self_attn.q_proj`,
 `model.layers.{i}.mlp.gate_proj`, `model.norm`, `lm_head`), so parameter names are the checkpoint format.
 Each layer's `mlp` is the module its kind builds (`stemlm.model.kinds`); a kind that acts on attention's values
-(`Kind.acts_on_values`) gets them through its module's `mix_values(v, ctx)`. Kinds selected beside the FFN kind
+(`Kind.acts_on_values`) gets them through its module's `mix_values(v, ctx, x)`. Kinds selected beside the FFN kind
 (`ModelConfig.layer_sides`) put their side modules in `model.layers.{i}.beside.<kind>`: on attention's values
 (value embeddings) or added to the FFN output (the Engram branch), as their `Kind.beside` declares.
 The model is written for one device; offload, sharding and editing act through the forward's
@@ -111,20 +111,22 @@ class DecoderLayer(nn.Module):
             self.beside[side] = module
 
     def forward(self, x, rope, mask, cache: KVCache | None, ctx: TokenContext, weights=None) -> torch.Tensor:
-        values = partial(self._mix_values, ctx) if self.acts_on_values or self.value_sides else None
-        x = x + self.self_attn(self.input_layernorm(x), rope, mask, cache, values, weights)
+        attn_input = self.input_layernorm(x)
+        values = partial(self._mix_values, ctx, attn_input) if self.acts_on_values or self.value_sides else None
+        x = x + self.self_attn(attn_input, rope, mask, cache, values, weights)
         h = self.post_attention_layernorm(x)
         y = self.mlp(h, ctx)
         for name in self.ffn_sides:
             y = self.beside[name](h, ctx, y)
         return x + y
 
-    def _mix_values(self, ctx: TokenContext, v: torch.Tensor) -> torch.Tensor:
-        """Attention's values [B, kv_heads, T, head_dim] through the FFN kind's mix, then each side module's."""
+    def _mix_values(self, ctx: TokenContext, attn_input: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """Attention's values [B, kv_heads, T, head_dim] through the FFN kind's mix, then each side module's (which
+        may read the attention input [B, T, hidden], as modded-nanogpt's value gates do)."""
         if self.acts_on_values:
-            v = self.mlp.mix_values(v, ctx)
+            v = self.mlp.mix_values(v, ctx, attn_input)
         for name in self.value_sides:
-            v = self.beside[name].mix_values(v, ctx)
+            v = self.beside[name].mix_values(v, ctx, attn_input)
         return v
 
 

@@ -132,7 +132,7 @@ class Beside:
     """How a kind runs beside the layer's FFN kind, on the layers of its field `<kind>_layers` (default none).
 
     `build(config, layer_idx)` makes the side module at `model.layers.<i>.beside.<kind>`; it holds the attributes
-    the kind's `tables` name. `acts_on` says where it enters the layer: "values" (its `mix_values(v, ctx)` runs on
+    the kind's `tables` name. `acts_on` says where it enters the layer: "values" (its `mix_values(v, ctx, x)` runs on
     attention's values, as `Kind.acts_on_values`) or "ffn" (its `forward(x, ctx, y)` returns the FFN output `y`
     plus its branch of the same normalised input `x`). `count` is the side module's accounting, in the kind's
     components. A side kind is refused on a model whose FFN kind is the same kind."""
@@ -156,7 +156,7 @@ class Kind:
     table_components: tuple[str, ...] = ()  # those of them that are lookup tables (read a row at a time)
     scalar_components: tuple[str, ...] = ()  # those used per token outside any matmul (no FLOPs counted)
     ngram: Callable[[Config], tuple[str, int, int | None]] | None = None  # (orders, heads, rows) of n-gram keys
-    acts_on_values: bool = False  # its module's `mix_values(v, ctx)` runs on attention's values (before the cache)
+    acts_on_values: bool = False  # its module's `mix_values(v, ctx, x)` runs on attention's values (before the cache)
     trains_with_tables: tuple[str, ...] = ()  # module parameters that keep learning under `--train tables`
     replaces_projection: bool = (
         False  # a table replaces one of the three SwiGLU projections (the paper's saving applies)
