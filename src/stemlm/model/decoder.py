@@ -115,7 +115,8 @@ class DecoderLayer(nn.Module):
         values = partial(self._mix_values, ctx, attn_input) if self.acts_on_values or self.value_sides else None
         x = x + self.self_attn(attn_input, rope, mask, cache, values, weights)
         h = self.post_attention_layernorm(x)
-        y = self.mlp(h, ctx)
+        # A module that reads the residual stream (Gemma-3n's per-layer input gate reads the layer's output) says so
+        y = self.mlp(h, ctx, x) if getattr(self.mlp, "reads_residual", False) else self.mlp(h, ctx)
         for name in self.ffn_sides:
             y = self.beside[name](h, ctx, y)
         return x + y
@@ -212,7 +213,7 @@ class StemLM(nn.Module):
                 position_ids = default_position_ids(B, T, past_len, attention_mask, input_ids.device)
             rope = self.model.rotary_emb(position_ids, x.dtype)
         mask = build_attention_mask(T, past_len, attention_mask, input_ids.device)
-        ctx = TokenContext(input_ids=input_ids, rows=providers)
+        ctx = TokenContext(input_ids=input_ids, rows=providers, embeddings=x)
         fill_lookup_context(ctx, self.ngram_hasher, attention_mask, cache, past_len)
         hidden = [] if options.hidden_states else None
         weights = [] if options.attentions else None
