@@ -1,6 +1,7 @@
 """Tests of `value_embed_variant="reference"` (today's modded-nanogpt value embeddings): the forward in fp64 against
 a plain-torch recomputation of the reference's semantics, as the FFN kind and beside STEM; KV-cache decoding against
-the full forward; parameters against the meta model; save/load; the config checks; the start (gates 1).
+the full forward; parameters against the meta model; save/load; the config checks; the start (gates 1, λ0 0.5) on
+every init path.
 
     OMP_NUM_THREADS=1 python -m pytest tests/model/test_value_embed_reference.py -q
 """
@@ -13,8 +14,11 @@ import torch
 from stemlm.checkpoint.folder import save_pretrained
 from stemlm.checkpoint.runs import from_pretrained
 from stemlm.errors import StemlmError
+from stemlm.hf.configuration import StemlmConfig
+from stemlm.hf.modeling import StemlmForCausalLM
 from stemlm.model import build_model
 from stemlm.model.accounting import parameter_counts, total_parameters
+from stemlm.train.parallel.meta_init import init_plan, init_rank_part, materialise
 
 LAYERS = 8  # modded-nanogpt's pattern on 8 layers: None, ve0, ve1, None, None, ve2, ve3, ve4
 SELECTION = "1,2,-3,-2,-1"
@@ -111,12 +115,13 @@ def test_pattern_maps_the_five_tables_to_layers_1_2_and_the_last_three(tiny_conf
     assert [i for i, t in enumerate(reference_pattern(LAYERS)) if t is not None] == [1, 2, 5, 6, 7]
 
 
-def test_starts_with_gates_one_and_lambda_one(tiny_config):
-    model = build_model(config(tiny_config), seed=3)
-    for i in model.config.special_layers:
-        module = model.model.layers[i].mlp
+@pytest.mark.parametrize("beside", [False, True])
+def test_starts_as_the_reference_gates_one_and_lambda_half(tiny_config, beside):
+    model = build_model(config(tiny_config, beside=beside), seed=3)
+    for i in (1, 2, 5, 6, 7):
+        module = (side_module if beside else ffn_module)(model, i)
         assert torch.equal(module.value_gate.weight, torch.zeros(model.config.kv_heads, 12))  # 2·sigmoid(0) = 1
-        assert torch.equal(module.value_lambda.detach(), torch.ones(1))
+        assert torch.equal(module.value_lambda.detach(), torch.tensor([0.5]))
 
 
 @pytest.mark.parametrize("beside", [False, True])
@@ -165,3 +170,17 @@ def test_config_checks(tiny_config):
     # the default stays the stemlm variant, and a model without value embeddings ignores the field
     assert tiny_config("value_embed").value_embed_variant == "stemlm"
     assert tiny_config("stem", value_embed_variant="reference").value_embed_variant == "reference"
+
+
+def test_every_init_path_starts_lambda_at_half(tiny_config):
+    """The meta init of `--nproc` (replaying `init_specs` on one rank) and Hugging Face's init honour the Fill."""
+    cfg = config(tiny_config)
+    built = build_model(cfg, seed=4)
+    meta = build_model(cfg, device="meta")
+    plan = init_plan(meta)
+    materialise(meta, None, torch.device("cpu"))
+    init_rank_part(meta, None, plan, seed=4)
+    for (name, a), (_, b) in zip(built.state_dict().items(), meta.state_dict().items(), strict=True):
+        assert torch.equal(a, b), name
+    hf = StemlmForCausalLM(StemlmConfig.from_model_config(cfg))
+    assert torch.equal(hf.stem.model.layers[1].mlp.value_lambda.detach(), torch.tensor([0.5]))

@@ -27,7 +27,7 @@ from stemlm.model.config import ModelConfig
 from stemlm.model.decoding_state import fill_lookup_context
 from stemlm.model.ffn import EMBED, EmbedRows, Rows, TokenContext, checked_rows, token_table
 from stemlm.model.fused_loss import fused_linear_cross_entropy
-from stemlm.model.kinds.registry import FAMILIES, get_kind, table_key
+from stemlm.model.kinds.registry import FAMILIES, fill_value, get_kind, table_key
 from stemlm.model.loss import chunked_cross_entropy, cross_entropy
 from stemlm.model.memory_check import check_fits
 from stemlm.model.ngram import ngram_hasher
@@ -273,7 +273,8 @@ class StemLM(nn.Module):
         return stds
 
     def init_specs(self) -> list[tuple[str, torch.nn.Parameter, float | None]]:
-        """(name, parameter, std) in the order `init_weights` draws them from its generator; std None: ones.
+        """(name, parameter, std) in the order `init_weights` draws them from its generator; std None: ones (a
+        `registry.Fill`: that value).
 
         Lookup tables take `table_init`, norms ones, everything else N(0, initializer_range), unless a module's
         `init_stds()` names its own std for a parameter (None there: ones too).
@@ -304,8 +305,8 @@ class StemLM(nn.Module):
         generator = torch.Generator(device="cpu")
         generator.manual_seed(0 if seed is None else seed)
         for _, param, std in self.init_specs():
-            if std is None:
-                param.fill_(1.0)
+            if (fill := fill_value(std)) is not None:
+                param.fill_(fill)
             else:
                 _normal_(param, std, generator)
 

@@ -23,6 +23,7 @@ from torch import nn
 
 from stemlm.errors import StemlmError
 from stemlm.model.decoder import StemLM, layer_modules
+from stemlm.model.kinds.registry import fill_value
 from stemlm.model.ngram import ngram_hasher
 
 
@@ -125,8 +126,8 @@ def resize_vocabulary(model: StemLM, vocab_size: int) -> StemLM:
             continue
         std = stds[id(param)]
         rows = param[start:]
-        if std is None:
-            rows.fill_(1.0)
+        if (fill := fill_value(std)) is not None:
+            rows.fill_(fill)
         else:
             rows.normal_(0.0, std)
     if hashed:

@@ -101,6 +101,21 @@ class Field:
 
 
 @dataclass(frozen=True)
+class Fill:
+    """An init that fills a parameter with one value instead of drawing it: a module's `init_stds()` may give one
+    where a std goes (None there is Fill(1.0), ones). modded-nanogpt's λ start at 0.5, for example."""
+
+    value: float
+
+
+def fill_value(std: float | Fill | None) -> float | None:
+    """The value an init spec (`StemLM.init_specs`) fills its parameter with; None where it draws N(0, std²)."""
+    if std is None:
+        return 1.0
+    return std.value if isinstance(std, Fill) else None
+
+
+@dataclass(frozen=True)
 class Table:
     """A lookup table of a kind's module: `module.<attr>` (an nn.Embedding, or an nn.EmbeddingBag), in `family`.
 

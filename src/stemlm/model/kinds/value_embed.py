@@ -26,8 +26,8 @@ L layers is the selection `1,2,-3,-2,-1`), and per kv head a gate on the row:
 
     v_t <- λ0 · v_t + 2·sigmoid(W_g [x_t[:6], VE[t][:6]])_h · VE[t]_h     x_t: the layer's normalised attention input
 
-W_g: [kv_heads, 12], zero at the start (every gate 1); λ0 one scalar per layer (modded-nanogpt's sa_lambdas[0],
-which scales the whole qkv projection there). docs/kinds.md lists what still differs from the reference.
+W_g: [kv_heads, 12], zero at the start (every gate 1); λ0 one scalar per layer starting at 0.5 (modded-nanogpt's
+sa_lambdas[0], which scales the whole qkv projection there). docs/kinds.md lists what still differs from the reference.
 """
 
 from __future__ import annotations
@@ -37,12 +37,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from stemlm.model.ffn import TokenContext, lookup, token_table
-from stemlm.model.kinds.registry import Beside, Config, Field, Kind, LayerCount, Table, table_key
+from stemlm.model.kinds.registry import Beside, Config, Field, Fill, Kind, LayerCount, Table, table_key
 
 NAME = "value_embed"
 VARIANTS = ("stemlm", "reference")
 REFERENCE_TABLES = 5  # modded-nanogpt's value_embeds: 5 tables
 GATE_CHANNELS = 6  # the reference gate reads the first 6 channels of the attention input and of the row
+REFERENCE_LAMBDA_START = 0.5  # modded-nanogpt's sa_lambdas[0] at the start
 
 
 def is_reference(config: Config) -> bool:
@@ -89,10 +90,13 @@ def _add_mix(module: nn.Module, config: Config, layer_idx: int, side: str | None
         module.value_lambda = nn.Parameter(torch.empty(2))  # (λ0, λ1)
 
 
-def _mix_stds(module: nn.Module) -> dict[int, float | None]:
-    """λ start at ones (None); the reference's gate weights start at zero (std 0), as modded-nanogpt's do."""
+def _mix_stds(module: nn.Module) -> dict[int, float | Fill | None]:
+    """λ start at ones (None); the reference's as modded-nanogpt's: λ0 at 0.5 (its sa_lambdas[0]), the gate weights
+    at zero (std 0: every gate starts at 2·sigmoid(0) = 1)."""
     gate = getattr(module, "value_gate", None)
-    return {id(module.value_lambda): None, **({id(gate.weight): 0.0} if gate is not None else {})}
+    if gate is None:
+        return {id(module.value_lambda): None}
+    return {id(module.value_lambda): Fill(REFERENCE_LAMBDA_START), id(gate.weight): 0.0}
 
 
 class ValueEmbedFFN(nn.Module):
