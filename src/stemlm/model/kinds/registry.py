@@ -172,7 +172,8 @@ class Kind:
     scalar_components: tuple[str, ...] = ()  # those used per token outside any matmul (no FLOPs counted)
     ngram: Callable[[Config], tuple[str, int, int | None]] | None = None  # (orders, heads, rows) of n-gram keys
     acts_on_values: bool = False  # its module's `mix_values(v, ctx, x)` runs on attention's values (before the cache)
-    trains_with_tables: tuple[str, ...] = ()  # module parameters that keep learning under `--train tables`
+    # module parameters (or submodules) that keep learning under `--train tables`; a variant may lack one
+    trains_with_tables: tuple[str, ...] = ()
     replaces_projection: bool = (
         False  # a table replaces one of the three SwiGLU projections (the paper's saving applies)
     )

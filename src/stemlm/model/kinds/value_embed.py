@@ -205,6 +205,6 @@ KIND = Kind(
     table_components=("value_tables",),
     scalar_components=("value_mix",),
     acts_on_values=True,
-    trains_with_tables=("value_lambda",),
+    trains_with_tables=("value_lambda", "value_gate"),  # value_gate: the reference variant's
     beside=Beside(build=ValueEmbedding, count=count_mix, acts_on="values"),
 )
