@@ -14,6 +14,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from transformers import AutoModelForCausalLM
 from transformers.models.gemma3n import modeling_gemma3n
 from transformers.models.gemma3n.configuration_gemma3n import Gemma3nTextConfig
 
@@ -195,8 +196,11 @@ def test_save_load(tmp_path, tiny_config):
     loaded = from_pretrained(tmp_path / "ckpt")
     assert loaded.config.ple_variant == "reference"
     ids = torch.randint(0, 256, (2, 9), generator=torch.Generator().manual_seed(8))
+    hf = AutoModelForCausalLM.from_pretrained(tmp_path / "ckpt")
+    assert hf.config.ple_variant == "reference"
     with torch.no_grad():
         assert torch.equal(loaded(ids).logits, model(ids).logits)
+        assert torch.equal(hf(ids).logits, model(ids).logits)
 
 
 def test_config_checks(tiny_config):

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from transformers import AutoModelForCausalLM
 
 from stemlm.checkpoint.folder import save_pretrained
 from stemlm.checkpoint.runs import from_pretrained
@@ -156,8 +157,11 @@ def test_save_load(tmp_path, tiny_config):
     loaded = from_pretrained(tmp_path / "ckpt")
     assert loaded.config.value_embed_variant == "reference"
     ids = torch.randint(0, 256, (2, 9), generator=torch.Generator().manual_seed(8))
+    hf = AutoModelForCausalLM.from_pretrained(tmp_path / "ckpt")
+    assert hf.config.value_embed_variant == "reference"
     with torch.no_grad():
         assert torch.equal(loaded(ids).logits, model(ids).logits)
+        assert torch.equal(hf(ids).logits, model(ids).logits)
 
 
 def test_config_checks(tiny_config):
