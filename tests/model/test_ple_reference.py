@@ -1,7 +1,8 @@
 """Tests of `ple_variant="reference"` (Gemma-3n's per-layer input path) against transformers' Gemma-3n itself: the
 per-layer inputs of `Gemma3nTextModel.project_per_layer_inputs` and the branch a `Gemma3nTextDecoderLayer` adds,
 with weights copied over, to <= 1e-12 in fp64; the whole module against a recomputation of its formula; the
-residual the decoder hands it; KV-cache decoding; parameters against the meta model; save/load; config checks.
+residual the decoder hands it; KV-cache decoding; parameters against the meta model; FLOPs against FlopCounterMode;
+save/load (also through AutoModelForCausalLM); config checks.
 
 Gemma's RMSNorm casts its input to fp32 whatever its dtype; the fp64 comparisons run it in the input's dtype (the
 same formula without that cast), and one comparison runs it unchanged in fp32.
@@ -14,6 +15,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.utils.flop_counter import FlopCounterMode
 from transformers import AutoModelForCausalLM
 from transformers.models.gemma3n import modeling_gemma3n
 from transformers.models.gemma3n.configuration_gemma3n import Gemma3nTextConfig
@@ -22,8 +24,9 @@ from stemlm.checkpoint.folder import save_pretrained
 from stemlm.checkpoint.runs import from_pretrained
 from stemlm.errors import StemlmError
 from stemlm.model import build_model
-from stemlm.model.accounting import parameter_counts, total_parameters
+from stemlm.model.accounting import decode_flops_per_token, parameter_counts, prefill_flops, total_parameters
 from stemlm.model.ffn import TokenContext
+from tests.model.test_accounting import math_attention
 
 LAYERS, P, D = 3, 16, 64
 
@@ -207,3 +210,19 @@ def test_config_checks(tiny_config):
     with pytest.raises(StemlmError, match="ple_variant must be one of stemlm, reference"):
         tiny_config("ple", ple_variant="gemma")
     assert tiny_config("ple").ple_variant == "stemlm"
+
+
+def test_flops_equal_flop_counter(tiny_config, monkeypatch):
+    """The accounting's prefill and decode FLOPs against FlopCounterMode on real forwards (math attention)."""
+    cfg = config(tiny_config, ffn_layers="odd", num_hidden_layers=4)
+    model = build_model(cfg).eval()
+    monkeypatch.setattr(F, "scaled_dot_product_attention", math_attention)
+    ids = torch.randint(0, cfg.vocab_size, (2, 12), generator=torch.Generator().manual_seed(9))
+    with torch.no_grad(), FlopCounterMode(display=False) as counter:
+        model(ids)
+    assert counter.get_total_flops() == prefill_flops(cfg, 12, 2, "full")
+    with torch.no_grad():
+        cache = model(ids[:1, :11], use_cache=True).past_key_values
+        with FlopCounterMode(display=False) as counter:
+            model(ids[:1, 11:], past_key_values=cache)
+    assert counter.get_total_flops() == decode_flops_per_token(cfg, 12)

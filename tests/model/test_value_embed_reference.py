@@ -1,7 +1,7 @@
 """Tests of `value_embed_variant="reference"` (today's modded-nanogpt value embeddings): the forward in fp64 against
 a plain-torch recomputation of the reference's semantics, as the FFN kind and beside STEM; KV-cache decoding against
-the full forward; parameters against the meta model; save/load; the config checks; the start (gates 1, λ0 0.5) on
-every init path.
+the full forward; parameters against the meta model; FLOPs against FlopCounterMode; save/load (also through
+AutoModelForCausalLM); the config checks; the start (gates 1, λ0 0.5) on every init path.
 
     OMP_NUM_THREADS=1 python -m pytest tests/model/test_value_embed_reference.py -q
 """
@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
+from torch.utils.flop_counter import FlopCounterMode
 from transformers import AutoModelForCausalLM
 
 from stemlm.checkpoint.folder import save_pretrained
@@ -18,8 +20,9 @@ from stemlm.errors import StemlmError
 from stemlm.hf.configuration import StemlmConfig
 from stemlm.hf.modeling import StemlmForCausalLM
 from stemlm.model import build_model
-from stemlm.model.accounting import parameter_counts, total_parameters
+from stemlm.model.accounting import decode_flops_per_token, parameter_counts, prefill_flops, total_parameters
 from stemlm.train.parallel.meta_init import init_plan, init_rank_part, materialise
+from tests.model.test_accounting import math_attention
 
 LAYERS = 8  # modded-nanogpt's pattern on 8 layers: None, ve0, ve1, None, None, ve2, ve3, ve4
 SELECTION = "1,2,-3,-2,-1"
@@ -188,3 +191,19 @@ def test_every_init_path_starts_lambda_at_half(tiny_config):
         assert torch.equal(a, b), name
     hf = StemlmForCausalLM(StemlmConfig.from_model_config(cfg))
     assert torch.equal(hf.stem.model.layers[1].mlp.value_lambda.detach(), torch.tensor([0.5]))
+
+
+def test_flops_equal_flop_counter(tiny_config, monkeypatch):
+    """The accounting's prefill and decode FLOPs against FlopCounterMode on real forwards (math attention)."""
+    cfg = config(tiny_config, beside=True)
+    model = build_model(cfg).eval()
+    monkeypatch.setattr(F, "scaled_dot_product_attention", math_attention)
+    ids = torch.randint(0, cfg.vocab_size, (2, 12), generator=torch.Generator().manual_seed(9))
+    with torch.no_grad(), FlopCounterMode(display=False) as counter:
+        model(ids)
+    assert counter.get_total_flops() == prefill_flops(cfg, 12, 2, "full")
+    with torch.no_grad():
+        cache = model(ids[:1, :11], use_cache=True).past_key_values
+        with FlopCounterMode(display=False) as counter:
+            model(ids[:1, 11:], past_key_values=cache)
+    assert counter.get_total_flops() == decode_flops_per_token(cfg, 12)
