@@ -63,7 +63,7 @@ from stemlm.model.attention import KVCache
 from stemlm.model.decoder import DecoderLayer, ForwardOptions, StemLM
 from stemlm.model.decoding_state import reorder_decoding_state
 from stemlm.model.ffn import EMBED
-from stemlm.model.kinds.registry import Uniform, get_kind
+from stemlm.model.kinds.registry import Fill, Uniform, get_kind
 from stemlm.model.resize import resize_vocabulary
 
 
@@ -147,6 +147,8 @@ class StemlmPreTrainedModel(PreTrainedModel):
             std = stds.get(id(param))
             if std is None and id(param) in stds:
                 init.ones_(param)
+            elif isinstance(std, Fill):
+                init.constant_(param, std.value)
             elif isinstance(std, Uniform):
                 init.uniform_(param, -std.bound, std.bound)
             elif std is not None:

@@ -3,7 +3,7 @@
 Module names mirror Hugging Face Llama (`model.embed_tokens`, `model.layers.{i}.self_attn.q_proj`,
 `model.layers.{i}.mlp.gate_proj`, `model.norm`, `lm_head`), so parameter names are the checkpoint format.
 Each layer's `mlp` is the module its kind builds (`stemlm.model.kinds`); a kind that acts on attention's values
-(`Kind.acts_on_values`) gets them through its module's `mix_values(v, ctx)`. Kinds selected beside the FFN kind
+(`Kind.acts_on_values`) gets them through its module's `mix_values(v, ctx, x)`. Kinds selected beside the FFN kind
 (`ModelConfig.layer_sides`) put their side modules in `model.layers.{i}.beside.<kind>`: on attention's values
 (value embeddings), added to the FFN output (the Engram branch) or to the residual stream before attention (the
 reference Engram branch), as their `Kind.beside` declares.
@@ -28,7 +28,7 @@ from stemlm.model.config import ModelConfig
 from stemlm.model.decoding_state import fill_lookup_context
 from stemlm.model.ffn import EMBED, EmbedRows, Rows, TokenContext, checked_rows, token_table
 from stemlm.model.fused_loss import fused_linear_cross_entropy
-from stemlm.model.kinds.registry import FAMILIES, Uniform, get_kind, init_draws, table_key
+from stemlm.model.kinds.registry import FAMILIES, Uniform, fill_value, get_kind, init_draws, table_key
 from stemlm.model.loss import chunked_cross_entropy, cross_entropy
 from stemlm.model.memory_check import check_fits
 from stemlm.model.ngram import ngram_hasher
@@ -115,24 +115,27 @@ class DecoderLayer(nn.Module):
             self.beside[side] = module
 
     def forward(self, x, rope, mask, cache: KVCache | None, ctx: TokenContext, weights=None) -> torch.Tensor:
-        values = partial(self._mix_values, ctx) if self.acts_on_values or self.value_sides else None
         if self.acts_on_residual:
             x = x + self.mlp.residual_branch(x, ctx)
         for name in self.residual_sides:
             x = x + self.beside[name].residual_branch(x, ctx)
-        x = x + self.self_attn(self.input_layernorm(x), rope, mask, cache, values, weights)
+        attn_input = self.input_layernorm(x)
+        values = partial(self._mix_values, ctx, attn_input) if self.acts_on_values or self.value_sides else None
+        x = x + self.self_attn(attn_input, rope, mask, cache, values, weights)
         h = self.post_attention_layernorm(x)
-        y = self.mlp(h, ctx)
+        # A module that reads the residual stream (Gemma-3n's per-layer input gate reads the layer's output) says so
+        y = self.mlp(h, ctx, x) if getattr(self.mlp, "reads_residual", False) else self.mlp(h, ctx)
         for name in self.ffn_sides:
             y = self.beside[name](h, ctx, y)
         return x + y
 
-    def _mix_values(self, ctx: TokenContext, v: torch.Tensor) -> torch.Tensor:
-        """Attention's values [B, kv_heads, T, head_dim] through the FFN kind's mix, then each side module's."""
+    def _mix_values(self, ctx: TokenContext, attn_input: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """Attention's values [B, kv_heads, T, head_dim] through the FFN kind's mix, then each side module's (which
+        may read the attention input [B, T, hidden], as modded-nanogpt's value gates do)."""
         if self.acts_on_values:
-            v = self.mlp.mix_values(v, ctx)
+            v = self.mlp.mix_values(v, ctx, attn_input)
         for name in self.value_sides:
-            v = self.beside[name].mix_values(v, ctx)
+            v = self.beside[name].mix_values(v, ctx, attn_input)
         return v
 
 
@@ -218,7 +221,7 @@ class StemLM(nn.Module):
                 position_ids = default_position_ids(B, T, past_len, attention_mask, input_ids.device)
             rope = self.model.rotary_emb(position_ids, x.dtype)
         mask = build_attention_mask(T, past_len, attention_mask, input_ids.device)
-        ctx = TokenContext(input_ids=input_ids, rows=providers)
+        ctx = TokenContext(input_ids=input_ids, rows=providers, embeddings=x)
         fill_lookup_context(ctx, self.ngram_hasher, attention_mask, cache, past_len)
         hidden = [] if options.hidden_states else None
         weights = [] if options.attentions else None
@@ -278,7 +281,8 @@ class StemLM(nn.Module):
         return stds
 
     def init_specs(self) -> list[tuple[str, torch.nn.Parameter, float | None]]:
-        """(name, parameter, std) in the order `init_weights` draws them from its generator; std None: ones.
+        """(name, parameter, std) in the order `init_weights` draws them from its generator; std None: ones (a
+        `registry.Fill`: that value).
 
         Lookup tables take `table_init`, norms ones, everything else N(0, initializer_range), unless a module's
         `init_stds()` names its own std for a parameter (None there: ones too; a `Uniform`: that uniform).
@@ -309,8 +313,8 @@ class StemLM(nn.Module):
         generator = torch.Generator(device="cpu")
         generator.manual_seed(0 if seed is None else seed)
         for _, param, std in self.init_specs():
-            if std is None:
-                param.fill_(1.0)
+            if (fill := fill_value(std)) is not None:
+                param.fill_(fill)
             else:
                 _draw_init(param, std, generator)
 

@@ -42,6 +42,7 @@ class TokenContext:
     state: dict | None = None  # the decoding state of earlier positions (ids, Engram conv inputs); None: no cache
     past_len: int = 0  # positions already in the cache
     valid: torch.Tensor | None = None  # [B, T] bool, False at left-padding positions; None: all real
+    embeddings: torch.Tensor | None = None  # [B, T, hidden] the input embeddings (PLE's per-layer input reads them)
 
 
 def checked_rows(rows: Rows | None) -> dict[str, Callable]:

@@ -23,7 +23,7 @@ from torch import nn
 
 from stemlm.errors import StemlmError
 from stemlm.model.decoder import StemLM, layer_modules
-from stemlm.model.kinds.registry import Uniform
+from stemlm.model.kinds.registry import Uniform, fill_value
 from stemlm.model.ngram import ngram_hasher
 
 
@@ -126,8 +126,8 @@ def resize_vocabulary(model: StemLM, vocab_size: int) -> StemLM:
             continue
         std = stds[id(param)]
         rows = param[start:]
-        if std is None:
-            rows.fill_(1.0)
+        if (fill := fill_value(std)) is not None:
+            rows.fill_(fill)
         elif isinstance(std, Uniform):
             rows.uniform_(-std.bound, std.bound)
         else:

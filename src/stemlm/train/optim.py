@@ -61,7 +61,9 @@ def freeze_backbone(model: StemLM) -> None:
     keep = {id(p) for p in split_parameters(model)["tables"]}
     for i, layer in enumerate(model.model.layers):
         for kind, _, module in layer_modules(model.config, layer, i):  # the layer's FFN and side modules
-            keep |= {id(getattr(module, name)) for name in kind.trains_with_tables}
+            for name in kind.trains_with_tables:
+                part = getattr(module, name, None)  # a parameter or a submodule; absent in a variant without it
+                keep |= {id(p) for p in part.parameters()} if isinstance(part, nn.Module) else {id(part)} - {id(None)}
     if not keep:
         raise StemlmError("--train tables needs a model with token tables (e.g. one from `stemlm convert`)")
     for param in model.parameters():

@@ -104,6 +104,21 @@ class Field:
 
 
 @dataclass(frozen=True)
+class Fill:
+    """An init that fills a parameter with one value instead of drawing it: a module's `init_stds()` may give one
+    where a std goes (None there is Fill(1.0), ones). modded-nanogpt's λ start at 0.5, for example."""
+
+    value: float
+
+
+def fill_value(std: float | Fill | None) -> float | None:
+    """The value an init spec (`StemLM.init_specs`) fills its parameter with; None where it draws N(0, std²)."""
+    if std is None:
+        return 1.0
+    return std.value if isinstance(std, Fill) else None
+
+
+@dataclass(frozen=True)
 class Table:
     """A lookup table of a kind's module: `module.<attr>` (an nn.Embedding, or an nn.EmbeddingBag), in `family`.
 
@@ -153,7 +168,7 @@ class Beside:
     """How a kind runs beside the layer's FFN kind, on the layers of its field `<kind>_layers` (default none).
 
     `build(config, layer_idx)` makes the side module at `model.layers.<i>.beside.<kind>`; it holds the attributes
-    the kind's `tables` name. `acts_on` says where it enters the layer: "values" (its `mix_values(v, ctx)` runs on
+    the kind's `tables` name. `acts_on` says where it enters the layer: "values" (its `mix_values(v, ctx, x)` runs on
     attention's values, as `Kind.acts_on_values`), "ffn" (its `forward(x, ctx, y)` returns the FFN output `y`
     plus its branch of the same normalised input `x`) or "residual" (its `residual_branch(x, ctx)` is added to the
     residual stream `x` before the layer's attention, as `Kind.acts_on_residual`); or a function of the config
@@ -186,11 +201,12 @@ class Kind:
     # The pad id of a config whose n-gram layers hash per layer, as the Engram demo (stemlm.model.ngram_layout);
     # None (or returning None): one hashing shared by every layer
     ngram_per_layer: Callable[[Config], int | None] | None = None
-    acts_on_values: bool = False  # its module's `mix_values(v, ctx)` runs on attention's values (before the cache)
+    acts_on_values: bool = False  # its module's `mix_values(v, ctx, x)` runs on attention's values (before the cache)
     # True for a config where its module's `residual_branch(x, ctx)` is added to the residual stream before the
     # layer's attention (its forward then computes the rest of the layer's FFN position alone)
     acts_on_residual: Callable[[Config], bool] | None = None
-    trains_with_tables: tuple[str, ...] = ()  # module parameters that keep learning under `--train tables`
+    # module parameters (or submodules) that keep learning under `--train tables`; a variant may lack one
+    trains_with_tables: tuple[str, ...] = ()
     replaces_projection: bool = (
         False  # a table replaces one of the three SwiGLU projections (the paper's saving applies)
     )

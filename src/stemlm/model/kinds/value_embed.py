@@ -19,6 +19,15 @@ From KellerJordan/modded-nanogpt's `train_gpt.py` (the idea read there, written 
 `table_init` like every token table; layers without a table stay plain (modded-nanogpt scales their v by λ0).
 Accounting: the mix is elementwise (no FLOPs counted, as FlopCounterMode counts none); a token reads one row
 per table, so a shared table's row counts once; the two λ per layer are `value_mix` parameters.
+
+`value_embed_variant="reference"` is today's modded-nanogpt instead (its `GPT.forward`): five tables, one for each
+of exactly five selected layers (modded-nanogpt's pattern [None, ve0, ve1, None, ..., None, ve2, ve3, ve4] over its
+L layers is the selection `1,2,-3,-2,-1`), and per kv head a gate on the row:
+
+    v_t <- λ0 · v_t + 2·sigmoid(W_g [x_t[:6], VE[t][:6]])_h · VE[t]_h     x_t: the layer's normalised attention input
+
+W_g: [kv_heads, 12], zero at the start (every gate 1); λ0 one scalar per layer starting at 0.5 (modded-nanogpt's
+sa_lambdas[0], which scales the whole qkv projection there). docs/kinds.md lists what still differs from the reference.
 """
 
 from __future__ import annotations
@@ -28,9 +37,17 @@ import torch.nn.functional as F
 from torch import nn
 
 from stemlm.model.ffn import TokenContext, lookup, token_table
-from stemlm.model.kinds.registry import Beside, Config, Field, Kind, LayerCount, Table, table_key
+from stemlm.model.kinds.registry import Beside, Config, Field, Fill, Kind, LayerCount, Table, table_key
 
 NAME = "value_embed"
+VARIANTS = ("stemlm", "reference")
+REFERENCE_TABLES = 5  # modded-nanogpt's value_embeds: 5 tables
+GATE_CHANNELS = 6  # the reference gate reads the first 6 channels of the attention input and of the row
+REFERENCE_LAMBDA_START = 0.5  # modded-nanogpt's sa_lambdas[0] at the start
+
+
+def is_reference(config: Config) -> bool:
+    return config.value_embed_variant == "reference"
 
 
 def value_layers(config: Config) -> list[int]:
@@ -40,17 +57,23 @@ def value_layers(config: Config) -> list[int]:
 
 def table_owner(config: Config, layer_idx: int) -> int:
     """The layer whose module holds the value table that `layer_idx` reads."""
+    if is_reference(config):
+        return layer_idx  # five distinct tables, none shared
     layers = value_layers(config)
     return layers[layers.index(layer_idx) % (config.value_embed_tables or len(layers))]
 
 
-def mix_values(module: nn.Module, v: torch.Tensor, ctx: TokenContext) -> torch.Tensor:
-    """v: [B, kv_heads, T, head_dim] -> λ0 · v + λ1 · VE[t], same shape (`module`: either module below)."""
+def mix_values(module: nn.Module, v: torch.Tensor, ctx: TokenContext, x: torch.Tensor) -> torch.Tensor:
+    """v: [B, kv_heads, T, head_dim] -> λ0 · v + λ1 · VE[t], same shape (`module`: either module below; the
+    reference variant's `value_gate` makes it λ0 · v + gate · VE[t]). x: the attention input [B, T, hidden]."""
     B, H, T, D = v.shape
-    rows = lookup(module.value_embedding, ctx, module.table_key)  # [B, T, kv_heads · head_dim]
-    ve = rows.to(v.dtype).reshape(B, T, H, D).transpose(1, 2)
+    rows = lookup(module.value_embedding, ctx, module.table_key).to(v.dtype)  # [B, T, kv_heads · head_dim]
     lam = module.value_lambda.to(v.dtype)
-    return lam[0] * v + lam[1] * ve
+    if not hasattr(module, "value_gate"):
+        return lam[0] * v + lam[1] * rows.reshape(B, T, H, D).transpose(1, 2)
+    gate_input = torch.cat([x[..., :GATE_CHANNELS].to(v.dtype), rows[..., :GATE_CHANNELS]], dim=-1)
+    gate = 2 * torch.sigmoid(module.value_gate(gate_input))  # [B, T, kv_heads]: one gate per head
+    return lam[0] * v + (gate[..., None] * rows.reshape(B, T, H, D)).transpose(1, 2)
 
 
 def _add_mix(module: nn.Module, config: Config, layer_idx: int, side: str | None) -> None:
@@ -60,7 +83,20 @@ def _add_mix(module: nn.Module, config: Config, layer_idx: int, side: str | None
     module.table_key = table_key(config, owner, side)
     if owner == layer_idx:
         module.value_embedding = token_table(config.vocab_size, config.kv_heads * config.head_size)
-    module.value_lambda = nn.Parameter(torch.empty(2))  # (λ0, λ1)
+    if is_reference(config):
+        module.value_gate = nn.Linear(2 * GATE_CHANNELS, config.kv_heads, bias=False)
+        module.value_lambda = nn.Parameter(torch.empty(1))  # λ0 (the gate replaces λ1)
+    else:
+        module.value_lambda = nn.Parameter(torch.empty(2))  # (λ0, λ1)
+
+
+def _mix_stds(module: nn.Module) -> dict[int, float | Fill | None]:
+    """λ start at ones (None); the reference's as modded-nanogpt's: λ0 at 0.5 (its sa_lambdas[0]), the gate weights
+    at zero (std 0: every gate starts at 2·sigmoid(0) = 1)."""
+    gate = getattr(module, "value_gate", None)
+    if gate is None:
+        return {id(module.value_lambda): None}
+    return {id(module.value_lambda): Fill(REFERENCE_LAMBDA_START), id(gate.weight): 0.0}
 
 
 class ValueEmbedFFN(nn.Module):
@@ -77,13 +113,13 @@ class ValueEmbedFFN(nn.Module):
         _add_mix(self, config, layer_idx, side=None)
 
     def init_stds(self) -> dict[int, float | None]:
-        return {id(self.value_lambda): None}  # None: ones
+        return _mix_stds(self)
 
     def forward(self, x: torch.Tensor, ctx: TokenContext) -> torch.Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
-    def mix_values(self, v: torch.Tensor, ctx: TokenContext) -> torch.Tensor:
-        return mix_values(self, v, ctx)
+    def mix_values(self, v: torch.Tensor, ctx: TokenContext, x: torch.Tensor) -> torch.Tensor:
+        return mix_values(self, v, ctx, x)
 
 
 class ValueEmbedding(nn.Module):
@@ -94,18 +130,22 @@ class ValueEmbedding(nn.Module):
         _add_mix(self, config, layer_idx, side=NAME)
 
     def init_stds(self) -> dict[int, float | None]:
-        return {id(self.value_lambda): None}  # None: ones
+        return _mix_stds(self)
 
-    def mix_values(self, v: torch.Tensor, ctx: TokenContext) -> torch.Tensor:
-        return mix_values(self, v, ctx)
+    def mix_values(self, v: torch.Tensor, ctx: TokenContext, x: torch.Tensor) -> torch.Tensor:
+        return mix_values(self, v, ctx, x)
 
 
 def count_mix(config: Config, layer_idx: int) -> LayerCount:
-    """The mix alone: two λ, and the table with one row read per token where this layer owns it."""
+    """The mix alone: two λ (the reference: one λ and the gate's [kv_heads, 12] matmul), and the table with one
+    row read per token where this layer owns it."""
     width = config.kv_heads * config.head_size
     owner = table_owner(config, layer_idx) == layer_idx
-    params = {"value_mix": 2, **({"value_tables": config.vocab_size * width} if owner else {})}
-    return LayerCount(params, {}, width if owner else 0)
+    tables = {"value_tables": config.vocab_size * width} if owner else {}
+    if is_reference(config):
+        gate = 2 * GATE_CHANNELS * config.kv_heads
+        return LayerCount({"value_mix": 1, "value_gate": gate, **tables}, {"value_gate": gate}, width)
+    return LayerCount({"value_mix": 2, **tables}, {}, width if owner else 0)
 
 
 def count(config: Config, layer_idx: int) -> LayerCount:
@@ -117,6 +157,20 @@ def count(config: Config, layer_idx: int) -> LayerCount:
 def check(config: Config, need) -> None:
     field = "ffn_layers" if config.ffn == NAME else "value_embed_layers"
     layers = len(value_layers(config))
+    variant = config.value_embed_variant
+    need(variant in VARIANTS, f"value_embed_variant must be one of {', '.join(VARIANTS)}, got {variant!r}")
+    if variant == "reference" and (config.ffn == NAME or layers):
+        need(
+            layers == REFERENCE_TABLES,
+            f"value_embed_variant=reference has {REFERENCE_TABLES} tables, one per layer: {field} selects {layers} "
+            "layers (modded-nanogpt's are 1,2,-3,-2,-1)",
+        )
+        need(config.value_embed_tables is None, "value_embed_tables applies to value_embed_variant=stemlm only")
+        width = config.kv_heads * config.head_size
+        need(
+            min(config.hidden_size, width) >= GATE_CHANNELS,
+            f"value_embed_variant=reference gates on {GATE_CHANNELS} channels of hidden_size and kv_heads·head_dim",
+        )
     if config.value_embed_tables is not None and (config.ffn == NAME or layers):
         need(
             config.value_embed_tables <= layers,
@@ -138,13 +192,19 @@ KIND = Kind(
             "distinct value tables: the j-th selected layer uses table j mod n; None: one per layer",
             positive=True,
         ),
+        Field(
+            "value_embed_variant",
+            "str",
+            "stemlm",
+            "stemlm: v <- λ0·v + λ1·VE[t]; reference: today's modded-nanogpt (5 tables, per-head sigmoid gates)",
+        ),
     ),
     check=check,
     tables=(Table("token", "value_embedding", owner=table_owner),),
-    components=("ffn_dense", "value_tables", "value_mix"),
+    components=("ffn_dense", "value_tables", "value_mix", "value_gate"),
     table_components=("value_tables",),
     scalar_components=("value_mix",),
     acts_on_values=True,
-    trains_with_tables=("value_lambda",),
+    trains_with_tables=("value_lambda", "value_gate"),  # value_gate: the reference variant's
     beside=Beside(build=ValueEmbedding, count=count_mix, acts_on="values"),
 )

@@ -22,7 +22,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from stemlm.model.kinds.registry import init_draws
+from stemlm.model.kinds.registry import fill_value, init_draws
 
 BLOCK_VALUES = 1 << 22  # values drawn per block (16 MiB of fp32)
 
@@ -113,8 +113,8 @@ def init_rank_part(model: nn.Module, tables, plan: list[tuple[str, tuple[int, ..
         else:
             local, offset = _local_and_offset(params[name].detach())
             keep = _keep_block(local, offset)
-        if std is None:
-            local.fill_(1.0)
+        if (fill := fill_value(std)) is not None:
+            local.fill_(fill)
         else:
             _draw(shape, std, generator, keep)
 
