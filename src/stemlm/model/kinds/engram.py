@@ -41,7 +41,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from stemlm.model.attention import RMSNorm
-from stemlm.model.ffn import TokenContext, token_table
+from stemlm.model.ffn import DenseFFN, TokenContext, token_table
 from stemlm.model.kinds.registry import Beside, Config, Field, Kind, LayerCount, Table, get_kind, table_key
 from stemlm.model.ngram import ngram_hasher, ngram_lookup
 from stemlm.model.ngram_layout import check_orders, ngram_layout
@@ -116,18 +116,12 @@ class _Branch:
         return self.engram_conv(full).transpose(1, 2)
 
 
-class EngramFFN(_Branch, nn.Module):
+class EngramFFN(_Branch, DenseFFN):
     """The FFN kind: a dense SwiGLU plus the branch (the reference variant: the dense SwiGLU alone; the decoder adds
     `residual_branch` before attention, `Kind.acts_on_residual`)."""
 
-    fusable = (("gate_proj", "up_proj"),)  # one product for decoding (stemlm.model.fusion)
-
     def __init__(self, config: Config, layer_idx: int) -> None:
-        super().__init__()
-        d, f = config.hidden_size, config.intermediate_size
-        self.gate_proj = nn.Linear(d, f, bias=False)
-        self.up_proj = nn.Linear(d, f, bias=False)
-        self.down_proj = nn.Linear(f, d, bias=False)
+        DenseFFN.__init__(self, config.hidden_size, config.intermediate_size)
         self._init_branch(config, layer_idx, side=None)
         self.branch_at_ffn = not is_reference(config)
 

@@ -46,7 +46,7 @@ class PLEFFN(nn.Module):
         return dense + self.ple_proj(F.silu(ple_gate) * rows.to(x.dtype))
 
 
-class PLEReferenceFFN(nn.Module):
+class PLEReferenceFFN(PLEFFN):
     """Gemma-3n's per-layer input path (the module docstring): its gate reads the layer's output, so `ple_gate`
     shares no input with the dense projections (only those two are fused), and the module reads the residual."""
 
@@ -54,15 +54,8 @@ class PLEReferenceFFN(nn.Module):
     reads_residual = True  # the decoder layer passes its residual stream r: forward(x, ctx, r)
 
     def __init__(self, config: Config, layer_idx: int) -> None:
-        super().__init__()
-        self.layer_idx = layer_idx
+        super().__init__(config, layer_idx)  # PLEFFN's projections and table, in its parameter (= init) order
         d, w = config.hidden_size, config.ple_dim
-        self.gate_proj = nn.Linear(d, config.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(d, config.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(config.intermediate_size, d, bias=False)
-        self.ple_gate = nn.Linear(d, w, bias=False)
-        self.ple_proj = nn.Linear(w, d, bias=False)
-        self.ple_embedding = token_table(config.vocab_size, w)
         self.ple_model_proj = nn.Linear(d, w, bias=False)  # layer l's rows of Gemma's per_layer_model_projection
         self.ple_input_norm = RMSNorm(w, config.rms_norm_eps)  # Gemma's per_layer_projection_norm
         self.ple_post_norm = RMSNorm(d, config.rms_norm_eps)  # Gemma's post_per_layer_input_norm

@@ -33,10 +33,9 @@ sa_lambdas[0], which scales the whole qkv projection there). docs/kinds.md lists
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from stemlm.model.ffn import TokenContext, lookup, token_table
+from stemlm.model.ffn import DenseFFN, TokenContext, lookup, token_table
 from stemlm.model.kinds.registry import Beside, Config, Field, Fill, Kind, LayerCount, Table, table_key
 
 NAME = "value_embed"
@@ -99,24 +98,16 @@ def _mix_stds(module: nn.Module) -> dict[int, float | Fill | None]:
     return {id(module.value_lambda): Fill(REFERENCE_LAMBDA_START), id(gate.weight): 0.0}
 
 
-class ValueEmbedFFN(nn.Module):
-    """The FFN kind: a dense SwiGLU at the FFN position, and `mix_values`, which the layer's attention calls."""
-
-    fusable = (("gate_proj", "up_proj"),)  # one product for decoding (stemlm.model.fusion)
+class ValueEmbedFFN(DenseFFN):
+    """The FFN kind: a dense SwiGLU at the FFN position (its forward), and `mix_values`, which the layer's attention
+    calls."""
 
     def __init__(self, config: Config, layer_idx: int) -> None:
-        super().__init__()
-        d, f = config.hidden_size, config.intermediate_size
-        self.gate_proj = nn.Linear(d, f, bias=False)
-        self.up_proj = nn.Linear(d, f, bias=False)
-        self.down_proj = nn.Linear(f, d, bias=False)
+        super().__init__(config.hidden_size, config.intermediate_size)
         _add_mix(self, config, layer_idx, side=None)
 
     def init_stds(self) -> dict[int, float | None]:
         return _mix_stds(self)
-
-    def forward(self, x: torch.Tensor, ctx: TokenContext) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
     def mix_values(self, v: torch.Tensor, ctx: TokenContext, x: torch.Tensor) -> torch.Tensor:
         return mix_values(self, v, ctx, x)
