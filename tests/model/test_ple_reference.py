@@ -16,16 +16,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch.utils.flop_counter import FlopCounterMode
-from transformers import AutoModelForCausalLM
 from transformers.models.gemma3n import modeling_gemma3n
 from transformers.models.gemma3n.configuration_gemma3n import Gemma3nTextConfig
 
-from stemlm.checkpoint.folder import save_pretrained
-from stemlm.checkpoint.runs import from_pretrained
 from stemlm.errors import StemlmError
 from stemlm.model import build_model
 from stemlm.model.accounting import decode_flops_per_token, parameter_counts, prefill_flops, total_parameters
 from stemlm.model.ffn import TokenContext
+from tests.model.round_trip import assert_round_trip
 from tests.model.test_accounting import math_attention
 
 LAYERS, P, D = 3, 16, 64
@@ -195,15 +193,7 @@ def test_parameters_equal_the_meta_model(tiny_config):
 
 def test_save_load(tmp_path, tiny_config):
     model = randomized(build_model(config(tiny_config)), seed=7, dtype=torch.float32)
-    save_pretrained(model, tmp_path / "ckpt")
-    loaded = from_pretrained(tmp_path / "ckpt")
-    assert loaded.config.ple_variant == "reference"
-    ids = torch.randint(0, 256, (2, 9), generator=torch.Generator().manual_seed(8))
-    hf = AutoModelForCausalLM.from_pretrained(tmp_path / "ckpt")
-    assert hf.config.ple_variant == "reference"
-    with torch.no_grad():
-        assert torch.equal(loaded(ids).logits, model(ids).logits)
-        assert torch.equal(hf(ids).logits, model(ids).logits)
+    assert_round_trip(model, tmp_path / "ckpt", ple_variant="reference")
 
 
 def test_config_checks(tiny_config):

@@ -12,16 +12,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch.utils.flop_counter import FlopCounterMode
-from transformers import AutoModelForCausalLM
 
-from stemlm.checkpoint.folder import save_pretrained
-from stemlm.checkpoint.runs import from_pretrained
 from stemlm.errors import StemlmError
 from stemlm.hf.configuration import StemlmConfig
 from stemlm.hf.modeling import StemlmForCausalLM
 from stemlm.model import build_model
 from stemlm.model.accounting import decode_flops_per_token, parameter_counts, prefill_flops, total_parameters
 from stemlm.train.parallel.meta_init import init_plan, init_rank_part, materialise
+from tests.model.round_trip import assert_round_trip
 from tests.model.test_accounting import math_attention
 
 LAYERS = 8  # modded-nanogpt's pattern on 8 layers: None, ve0, ve1, None, None, ve2, ve3, ve4
@@ -156,15 +154,7 @@ def test_parameters_equal_the_meta_model(tiny_config, beside):
 
 def test_save_load(tmp_path, tiny_config):
     model = randomized(build_model(config(tiny_config)), seed=7).to(torch.float32)
-    save_pretrained(model, tmp_path / "ckpt")
-    loaded = from_pretrained(tmp_path / "ckpt")
-    assert loaded.config.value_embed_variant == "reference"
-    ids = torch.randint(0, 256, (2, 9), generator=torch.Generator().manual_seed(8))
-    hf = AutoModelForCausalLM.from_pretrained(tmp_path / "ckpt")
-    assert hf.config.value_embed_variant == "reference"
-    with torch.no_grad():
-        assert torch.equal(loaded(ids).logits, model(ids).logits)
-        assert torch.equal(hf(ids).logits, model(ids).logits)
+    assert_round_trip(model, tmp_path / "ckpt", value_embed_variant="reference")
 
 
 def test_config_checks(tiny_config):
