@@ -165,8 +165,16 @@ def test_openai_numbers_are_strict(api_url, field, value):
         ({"model": MODEL, "prompt": "a \udfff b"}, "prompt holds a lone surrogate"),
         ({"model": MODEL, "prompt": PROMPT, "stop": ["\ud800"]}, "stop holds a lone surrogate"),
         (
+            {"model": MODEL, "prompt": PROMPT, "edit": {"source": "France", "target": "G\ud800"}},
+            "edit.target",
+        ),
+        (  # the old name, in the messages too
             {"model": MODEL, "prompt": PROMPT, "stem_edit": {"source": "France", "target": "G\ud800"}},
             "stem_edit.target",
+        ),
+        (
+            {"model": MODEL, "prompt": PROMPT, "edit": {"source": "France", "target": "Germany"}, "stem_edit": {}},
+            "give the edit once",
         ),
         ({"model": MODEL, "prompt": PROMPT, "max_tokens": 10**45}, "a 46-digit number"),
     ],
@@ -207,3 +215,12 @@ def test_openai_host_check_reads_addresses(api_url, host, status):
     conn.request("GET", "/v1/models", headers={"Host": host})
     assert conn.getresponse().status == status
     conn.close()
+
+
+def test_openai_edit_and_its_old_name_parse_alike():
+    from stemlm.serve.openai_params import parse_completion
+
+    edit = {"source": "France", "target": "Germany", "rows": "tables", "layers": [1]}
+    new = parse_completion({"model": MODEL, "prompt": PROMPT, "edit": edit}, context=64)
+    old = parse_completion({"model": MODEL, "prompt": PROMPT, "stem_edit": edit}, context=64)
+    assert new.edit == old.edit and new.edit is not None

@@ -94,7 +94,7 @@ def test_edit_applies_to_its_request_only(api, reference):
         out = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=10, temperature=0, extra_body=extra)
         results[name] = out.choices[0].text
 
-    threads = [threading.Thread(target=ask, args=(n, e)) for n, e in (("edit", {"stem_edit": edit}), ("plain", {}))]
+    threads = [threading.Thread(target=ask, args=(n, e)) for n, e in (("edit", {"edit": edit}), ("plain", {}))]
     for t in threads:
         t.start()
     for t in threads:
@@ -107,7 +107,7 @@ def test_edit_applies_to_its_request_only(api, reference):
     [
         ({"frobnicate": 1}, "unknown field 'frobnicate'"),
         ({"temperature": "hot"}, "temperature must be a number"),
-        ({"stem_edit": {"source": "Mars", "target": TARGET}}, "Mars"),
+        ({"edit": {"source": "Mars", "target": TARGET}}, "Mars"),
         ({"n": 2}, "n must be 1"),
         ({"prompt": list(range(300))}, "reads at most 127"),
         ({"max_tokens": 0}, "max_tokens must be between 1 and 128"),
@@ -182,7 +182,7 @@ def test_host_tables_serve_the_same_text(chat_ckpt, reference):
         out = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=10, temperature=0)
         edited = client.completions.create(
             model=MODEL, prompt=PROMPT, max_tokens=10, temperature=0,
-            extra_body={"stem_edit": {"source": SOURCE, "target": TARGET, "strategy": "average"}},
+            extra_body={"stem_edit": {"source": SOURCE, "target": TARGET, "strategy": "average"}},  # edit's old name
         )  # fmt: skip
         metrics = http_request(server.url, "GET", "/metrics").read().decode()
     assert out.choices[0].text == reference(PROMPT, 10)

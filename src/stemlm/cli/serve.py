@@ -5,7 +5,7 @@
     stemlm serve ckpt/tiny-int8 --tables mmap --device cuda --dtype bf16   # int8 rows mapped, bf16 autocast
     curl -s 127.0.0.1:7860/v1/completions -H 'Content-Type: application/json' \\
         -d '{"model": "tiny", "prompt": "The capital of Spain is", "max_tokens": 8, "temperature": 0,
-             "stem_edit": {"source": "Spain", "target": "Germany"}}'
+             "edit": {"source": "Spain", "target": "Germany"}}'
 
 One process loads the checkpoint once and decodes every generation, the page's and the API clients', in one
 continuous batch (`stemlm.serve.served_model`); the page (generate, see STEM contributions, edit entities) works

@@ -8,7 +8,8 @@ OpenAI's error shape. Accepted fields (OpenAI's names and defaults):
     both:        model, max_tokens (16 / chat: up to the context), temperature (1), top_p (1), seed (0),
                  stop (a string or up to 4), stream, stream_options.include_usage, n (1 only), user,
                  presence_penalty / frequency_penalty (0 only), and the extension
-                 stem_edit: {source, target, strategy, rows, layers} (a positional edit, this request only)
+                 edit: {source, target, strategy, rows, layers} (a positional edit, this request only; the old
+                 name stem_edit is accepted too)
     completions: prompt (a string or a list of token ids), logprobs (0..5), echo (false only)
     chat:        messages [{role: system|user|assistant, content: string}], max_completion_tokens,
                  logprobs (bool), top_logprobs (0..20)
@@ -29,7 +30,7 @@ from stemlm.serve.params import shown, valid_text
 MAX_TEXT = 100_000  # characters of one prompt or message
 MAX_STOPS = 4  # OpenAI's limit
 COMMON = {"model", "max_tokens", "temperature", "top_p", "seed", "stop", "stream", "stream_options", "n", "user"}
-COMMON |= {"presence_penalty", "frequency_penalty", "stem_edit"}
+COMMON |= {"presence_penalty", "frequency_penalty", "edit", "stem_edit"}
 COMPLETION = COMMON | {"prompt", "logprobs", "echo"}
 CHAT = COMMON | {"messages", "max_completion_tokens", "logprobs", "top_logprobs"}
 ROLES = ("system", "user", "assistant")
@@ -108,26 +109,29 @@ def _stops(body: dict) -> tuple[str, ...]:
 
 
 def _edit(body: dict) -> EditSpec | None:
-    value = body.get("stem_edit")
+    if "edit" in body and "stem_edit" in body:
+        raise StemlmError("give the edit once: edit (stem_edit is its old name)")
+    key = "edit" if "edit" in body else "stem_edit"
+    value = body.get(key)
     if value is None:
         return None
     if not isinstance(value, dict):
-        raise StemlmError('stem_edit must be an object like {"source": "Spain", "target": "Germany"}')
+        raise StemlmError(f'{key} must be an object like {{"source": "Spain", "target": "Germany"}}')
     unknown = sorted(set(value) - EDIT_FIELDS)
     if unknown:
-        raise StemlmError(f"unknown stem_edit field {unknown[0]!r}; accepted: {', '.join(sorted(EDIT_FIELDS))}")
+        raise StemlmError(f"unknown {key} field {unknown[0]!r}; accepted: {', '.join(sorted(EDIT_FIELDS))}")
     for name in ("source", "target"):
         if not isinstance(value.get(name), str) or not value[name].strip():
-            raise StemlmError(f"stem_edit.{name} must be a non-empty string")
-        _text(value[name], f"stem_edit.{name}")
+            raise StemlmError(f"{key}.{name} must be a non-empty string")
+        _text(value[name], f"{key}.{name}")
     layers = value.get("layers")
     if layers is not None and (
         not isinstance(layers, list) or any(isinstance(i, bool) or not isinstance(i, int) for i in layers)
     ):
-        raise StemlmError("stem_edit.layers must be a list of layer numbers")
+        raise StemlmError(f"{key}.layers must be a list of layer numbers")
     for name in ("strategy", "rows"):
         if name in value and not isinstance(value[name], str):
-            raise StemlmError(f"stem_edit.{name} must be a string")
+            raise StemlmError(f"{key}.{name} must be a string")
     return EditSpec(
         target=value["target"],
         source=value["source"],
