@@ -168,10 +168,13 @@ class BatchEngine:
     def _admit(self, request: Request) -> None:
         try:
             self.engine.start(request, self.capacity)
-            if request.budget == 0:
+            if request.budget == 0 and request.params.prompt_logprobs is None:
                 request.finish("length")
                 return
             logits, cache = self.engine.prefill(request)
+            if request.budget == 0:  # the prompt scored (`prompt_logprobs`), nothing to generate
+                request.finish("length")
+                return
         except Exception as exc:
             self.engine.row_source.drain()
             request.finish("error", str(exc) if isinstance(exc, StemlmError) else f"{type(exc).__name__}: {exc}")

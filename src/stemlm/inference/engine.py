@@ -13,7 +13,9 @@ and the prompt checks live in one place (`Request`, `SamplingParams`) and the fo
 
 - `prefill(request)` runs the prompt (in chunks of `prefill_chunk` tokens when set, the rows of chunk i + 1
   announced before chunk i runs) into a fresh KV cache sized for the request, and returns the last position's
-  logits; the prompt's ids are range-checked there, once. The request's `edit_rows` apply to it alone.
+  logits; the prompt's ids are range-checked there, once. The request's `edit_rows` apply to it alone. A request
+  with `prompt_logprobs` has its prompt scored from the same forwards' logits (`Request.score_prompt`): scoring a
+  text is its prefill, with `max_tokens=0`.
 - `feed(tokens, before)` turns each row's last sampled token into the next forward's [B, 1] ids and announces
   their rows to the row source at once, so that the rows travel while the caller handles the token.
 - `step(ids, cache)` runs that forward (a sampled id is in range by construction: no id check) and returns each
@@ -90,6 +92,8 @@ class Engine:
             if announce and i + 1 < len(chunks):
                 self.row_source.announce(chunks[i + 1], host_chunks[i + 1], [request.prompt_ids[: (i + 1) * size]])
             out = self.model(ids, past_key_values=cache, use_cache=True, rows=rows, options=CHECKED)
+            if request.params.prompt_logprobs is not None:
+                request.score_prompt(out.logits[0], i * size)
         return out.logits[0, -1], cache
 
     def feed(self, tokens: Sequence[int], before: Sequence[Sequence[int]]) -> torch.Tensor:
@@ -128,11 +132,14 @@ class Engine:
         return self._decode(request)
 
     def _decode(self, request: Request) -> Iterator[int]:
-        if request.budget == 0:
+        if request.budget == 0 and request.params.prompt_logprobs is None:
             request.finish("length")
             return
         try:
             logits, cache = self.prefill(request, len(request.prompt_ids) + request.budget)  # no regrowth
+            if request.budget == 0:  # the prompt scored (`prompt_logprobs`), nothing to generate
+                request.finish("length")
+                return
             while True:
                 finished = request.sample(logits)
                 token = request.output_ids[-1]

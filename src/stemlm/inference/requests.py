@@ -10,6 +10,10 @@ request ends with a finish reason:
     "length"     max_tokens (or the context) reached        "stop"       a stop id (eos) or a stop string
     "cancelled"  `BatchEngine.cancel` (client gone, timeout) "error"      the forward raised (message in `error`)
 
+With `prompt_logprobs` set, the prefill's logits (every prompt position's, which the forward computes anyway)
+also score the prompt itself (`score_prompt`): `prompt_logprobs` holds a `TokenEvent` per prompt token, the first
+without a log-probability (nothing precedes it); `max_tokens=0` then scores the prompt without generating.
+
 A request's `edit_rows` (a positional edit's `rows=` mapping, `stemlm.edit.positional.edit_hooks`) apply to its
 prefill only: the edited keys and values then sit in its KV cache and no other request sees them.
 `IncrementalDecoder` turns ids into printable text pieces; `StopText` turns text pieces into output text that
@@ -148,6 +152,7 @@ class Request:
         self.prompt_ids = prompt_list(self.prompt_ids)
         self.done = threading.Event()
         self.cancelled = False
+        self.prompt_logprobs: list[TokenEvent] | None = None  # `score_prompt`'s, when the params ask for them
         self.budget = self.params.max_tokens
         self.generator: torch.Generator | None = None
         self._decoder: IncrementalDecoder | None = None
@@ -204,6 +209,25 @@ class Request:
                     self._emit(TokenEvent(-1, rest))  # id -1: text only (a held-back tail), no new token
             self.finish("length")
         return self.finish_reason is not None
+
+    def score_prompt(self, logits: torch.Tensor, start: int) -> None:
+        """Record the prompt's log-probabilities from one prefill forward's [n, V] logits of prompt positions
+        `start`..`start + n - 1` (position p predicts prompt token p + 1); called for each prefill chunk in order."""
+        k = self.params.prompt_logprobs
+        if start == 0:
+            self.prompt_logprobs = [TokenEvent(self.prompt_ids[0], "")]
+        targets = self.prompt_ids[start + 1 : start + 1 + logits.shape[0]]
+        if not targets:
+            return  # the last position predicts what comes after the prompt: that is sampling's
+        logp = logits[: len(targets)].float().log_softmax(-1)
+        chosen = logp.gather(-1, torch.tensor(targets, device=logp.device)[:, None])[:, 0]
+        top = torch.topk(logp, min(k, logp.shape[-1])) if k else None
+        for row, token in enumerate(targets):
+            event = TokenEvent(token, "", _finite(chosen[row]))
+            if top is not None:
+                pairs = zip(top.values[row], top.indices[row], strict=True)
+                event.top_logprobs = [(int(i), _finite(v)) for v, i in pairs]
+            self.prompt_logprobs.append(event)
 
     def finish(self, reason: str, error: str | None = None) -> None:
         if self.finish_reason is not None:

@@ -3,7 +3,8 @@
 `top_k_filter` / `top_p_filter` / `sample_token` turn one row of logits into a token id with torch ops and a seeded
 `torch.Generator` (argmax when greedy or at temperature 0; otherwise temperature, then top-k, then top-p, then a
 draw). `SamplingParams` is every per-request setting of the decoding engine (`stemlm.inference.engine`): the
-sampling controls, the most new tokens, the seed, stop strings and stop ids (eos), log-probabilities.
+sampling controls, the most new tokens, the seed, stop strings and stop ids (eos), log-probabilities (of the
+sampled tokens, and of the prompt's own tokens for scoring a text).
 """
 
 from __future__ import annotations
@@ -74,6 +75,7 @@ class SamplingParams:
     stop: tuple[str, ...] = ()  # stop strings (need the engine's tokenizer); cut from the text
     stop_ids: tuple[int, ...] = ()  # token ids that end the request and are kept in its output (eos)
     logprobs: int | None = None  # None: no log-probabilities; k >= 0: the chosen token's and the top k
+    prompt_logprobs: int | None = None  # the same for the prompt's own tokens, from the prefill's logits
 
     def check(self) -> None:
         """A one-line `StemlmError` for the first setting out of range."""
@@ -87,6 +89,8 @@ class SamplingParams:
             raise StemlmError(f"max_new_tokens must be >= 0, got {self.max_tokens}")
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
             raise StemlmError(f"logprobs must be between 0 and {MAX_LOGPROBS}, got {self.logprobs}")
+        if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= MAX_LOGPROBS:
+            raise StemlmError(f"prompt_logprobs must be between 0 and {MAX_LOGPROBS}, got {self.prompt_logprobs}")
         if any(not s for s in self.stop):
             raise StemlmError("a stop string is empty")
 

@@ -91,15 +91,22 @@ async def _generate(service: ServedModel, metrics: Metrics, http: Request, chat:
     endpoint = "chat" if chat else "completions"
     loop = asyncio.get_running_loop()
     events: asyncio.Queue = asyncio.Queue()
+    submitted = []
     try:
         body = await _body(http)
         parse = parse_chat if chat else parse_completion
         parsed = parse(body, service.context, service.chat_stop_ids if chat else service.stop_ids)
         if isinstance(body, dict) and body.get("model") not in (None, service.name):
             raise ApiError(404, f"model {body['model']!r} does not exist; this server serves {service.name!r}")
-        request = service.request(parsed, _poster(loop, events))
-        service.loop.submit(request)
+        requests = service.requests(parsed, lambda index: _poster(loop, events, index))
+        places = service.engine.max_waiting
+        if len(requests) > 1 and places is not None and len(requests) > places:  # could never be admitted
+            raise QueueFull(f"{len(requests)} completions do not fit the queue ({places} places); ask for fewer")
+        for request in requests:
+            submitted.append(service.loop.submit(request))
     except (ApiError, StemlmError) as exc:
+        for request in submitted:  # a full queue part-way: the choices already queued are withdrawn
+            service.loop.cancel(request)
         status, kind = 400, "invalid_request_error"
         if isinstance(exc, QueueFull):
             status, kind = 429, "rate_limit_error"
@@ -109,19 +116,20 @@ async def _generate(service: ServedModel, metrics: Metrics, http: Request, chat:
             status, kind = exc.status, exc.kind
         metrics.requests.labels(endpoint, "rejected").inc()
         raise ApiError(status, str(exc).splitlines()[0] if str(exc) else type(exc).__name__, kind) from None
-    metrics.prompt_tokens.inc(len(request.prompt_ids))
-    run = _Run(service, metrics, http, request, events, endpoint)
+    for request in requests[:: parsed.n]:  # each prompt once, as OpenAI counts prompt tokens
+        metrics.prompt_tokens.inc(len(request.prompt_ids))
+    run = _Run(service, metrics, http, parsed, requests, events, endpoint)
     if parsed.stream:
         return StreamingResponse(run.stream(chat, parsed.include_usage), media_type="text/event-stream")
     return await run.complete(chat)
 
 
-def _poster(loop: asyncio.AbstractEventLoop, events: asyncio.Queue):
-    """The engine-thread callback that hands a request's events to its handler on the event loop."""
+def _poster(loop: asyncio.AbstractEventLoop, events: asyncio.Queue, index: int):
+    """The engine-thread callback that hands choice `index`'s events to its handler on the event loop."""
 
     def post(request, event) -> None:
         try:
-            loop.call_soon_threadsafe(events.put_nowait, event)
+            loop.call_soon_threadsafe(events.put_nowait, (index, event))
         except RuntimeError:  # the event loop has closed (the server stopped): nobody is waiting for it
             pass
 
@@ -129,70 +137,86 @@ def _poster(loop: asyncio.AbstractEventLoop, events: asyncio.Queue):
 
 
 class _Run:
-    """One admitted request: its engine events read on the event loop, with timeout and disconnect checks."""
+    """One admitted API request, its choices' engine requests (prompt-major, index = prompt * n + j): their
+    events read on the event loop, with timeout and disconnect checks."""
 
-    def __init__(self, service, metrics, http, request, events, endpoint) -> None:
-        self.service, self.metrics, self.http, self.request, self.events = service, metrics, http, request, events
-        self.endpoint = endpoint
+    def __init__(self, service, metrics, http, parsed, requests, events, endpoint) -> None:
+        self.service, self.metrics, self.http, self.events = service, metrics, http, events
+        self.parsed, self.requests, self.endpoint = parsed, requests, endpoint
         self.id = ("chatcmpl-" if endpoint == "chat" else "cmpl-") + uuid.uuid4().hex[:24]
-        self.start = self.last = self.checked = time.perf_counter()
+        self.start = self.checked = time.perf_counter()
         self.deadline = self.start + service.request_timeout
-        self.tokens = 0
+        self.last = [self.start] * len(requests)  # per choice: when its last token came
+        self.tokens = [0] * len(requests)
+        self.running = len(requests)
+
+    def cancel_all(self) -> None:
+        for request in self.requests:
+            self.service.loop.cancel(request)
 
     async def next_event(self):
-        """The next engine event (None: finished); raises TimeoutError past the deadline (request cancelled)
-        and ClientGone when the client has disconnected (checked every POLL_SECONDS, events or not)."""
-        while True:
+        """The next (choice index, engine event) (None: every choice finished); raises TimeoutError past the
+        deadline (the requests cancelled) and ClientGone when the client has disconnected (checked every
+        POLL_SECONDS, events or not)."""
+        while self.running:
             now = time.perf_counter()
             left = self.deadline - now
             if left <= 0:
-                self.service.loop.cancel(self.request)
+                self.cancel_all()
                 raise TimeoutError
             if now - self.checked >= POLL_SECONDS:
                 self.checked = now
                 if await self.http.is_disconnected():
                     raise ClientGone
             try:
-                event = await asyncio.wait_for(self.events.get(), min(POLL_SECONDS, left))
+                index, event = await asyncio.wait_for(self.events.get(), min(POLL_SECONDS, left))
             except TimeoutError:
                 continue
-            if event is not None and event.token_id >= 0:
+            if event is None:
+                self.running -= 1
+                continue
+            if event.token_id >= 0:
                 now = time.perf_counter()
-                (self.metrics.first_token if self.tokens == 0 else self.metrics.inter_token).observe(now - self.last)
-                self.last, self.tokens = now, self.tokens + 1
-            return event
+                first = self.tokens[index] == 0
+                (self.metrics.first_token if first else self.metrics.inter_token).observe(now - self.last[index])
+                self.last[index], self.tokens[index] = now, self.tokens[index] + 1
+            return index, event
+        return None
 
     def settle(self) -> None:
-        """Count the request once it is over; one still running (client gone, timeout) is cancelled, which
-        frees its slot at the next step."""
-        if not self.request.done.is_set():
-            self.service.loop.cancel(self.request)
-        self.metrics.requests.labels(self.endpoint, self.request.finish_reason or "cancelled").inc()
-        self.metrics.generated_tokens.inc(len(self.request.output_ids))
+        """Count the request once it is over (each choice by its finish reason); choices still running (client
+        gone, timeout) are cancelled, which frees their slots at the next step."""
+        for request in self.requests:
+            if not request.done.is_set():
+                self.service.loop.cancel(request)
+            self.metrics.requests.labels(self.endpoint, request.finish_reason or "cancelled").inc()
+            self.metrics.generated_tokens.inc(len(request.output_ids))
         self.metrics.latency.observe(time.perf_counter() - self.start)
 
     def usage(self) -> dict:
-        prompt, done = len(self.request.prompt_ids), len(self.request.output_ids)
+        """Token counts summed over the choices, each prompt counted once (OpenAI's and vLLM's way with n > 1)."""
+        prompt = sum(len(r.prompt_ids) for r in self.requests[:: self.parsed.n])
+        done = sum(len(r.output_ids) for r in self.requests)
         return {"prompt_tokens": prompt, "completion_tokens": done, "total_tokens": prompt + done}
 
     def head(self, chat: bool, chunk: bool) -> dict:
         kind = ("chat.completion" if chat else "text_completion") + (".chunk" if chat and chunk else "")
         return {"id": self.id, "object": kind, "created": int(time.time()), "model": self.service.name}
 
-    def finish_reason(self) -> str:
+    def finish_reason(self, request) -> str:
         """OpenAI's finish reason ("length" or "stop"); an engine error is a 500, a request the server
         cancelled while its client still waited (shutdown) a 503."""
-        if self.request.finish_reason == "error":
-            raise ApiError(500, f"generation failed: {self.request.error}", "server_error")
-        if self.request.finish_reason == "cancelled":
+        if request.finish_reason == "error":
+            raise ApiError(500, f"generation failed: {request.error}", "server_error")
+        if request.finish_reason == "cancelled":
             raise ApiError(503, "the server stopped before the request finished", "server_error")
-        return self.request.finish_reason
+        return request.finish_reason
 
     async def complete(self, chat: bool):
-        collected = []
+        collected = [[] for _ in self.requests]
         try:
-            while (event := await self.next_event()) is not None:
-                collected.append(event)
+            while (item := await self.next_event()) is not None:
+                collected[item[0]].append(item[1])
         except TimeoutError:
             message = f"the request ran past the server's {self.service.request_timeout:g} s timeout"
             raise ApiError(504, message, "timeout") from None
@@ -200,32 +224,59 @@ class _Run:
             return Response(status_code=499)  # nobody reads it; nginx's code for a closed client connection
         finally:
             self.settle()
-        reason = self.finish_reason()
-        logprobs = _logprobs(self.service.tokenizer, collected, chat, self.request.params.logprobs)
-        text = self.request.text
-        if chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": logprobs}
-        else:
-            choice = {"index": 0, "text": text, "logprobs": logprobs}
-        choice["finish_reason"] = reason
-        return {**self.head(chat, False), "choices": [choice], "usage": self.usage()}
+        reasons = [self.finish_reason(request) for request in self.requests]
+        choices = []
+        for index, (request, events) in enumerate(zip(self.requests, collected, strict=True)):
+            logprobs = _logprobs(self.service.tokenizer, events, chat, request.params.logprobs)
+            if chat:
+                choice = {"index": index, "message": {"role": "assistant", "content": request.text}}
+                choice["logprobs"] = logprobs
+            else:
+                choice = {"index": index, "text": request.text, "logprobs": logprobs}
+                if self.parsed.echo:
+                    self.echo(choice, index)
+            choice["finish_reason"] = reasons[index]
+            choices.append(choice)
+        return {**self.head(chat, False), "choices": choices, "usage": self.usage()}
+
+    def echo(self, choice: dict, index: int) -> None:
+        """Put choice `index`'s prompt before its text and, with logprobs, the prompt tokens' before its own
+        (scored by its prompt's first choice; the first prompt token has none, as in OpenAI's and vLLM's)."""
+        prompt = self.parsed.prompts[index // self.parsed.n]
+        tokenizer, first = self.service.tokenizer, self.requests[index - index % self.parsed.n]
+        choice["text"] = (prompt if isinstance(prompt, str) else tokenizer.decode(prompt)) + choice["text"]
+        if choice["logprobs"] is None:
+            return
+        scored = _logprobs(tokenizer, first.prompt_logprobs or [], False, first.params.prompt_logprobs)
+        scored["token_logprobs"][0], scored["top_logprobs"][0] = None, None
+        merged = {key: scored[key] + choice["logprobs"][key] for key in scored}
+        merged["text_offset"] = _offsets(merged["tokens"])
+        choice["logprobs"] = merged
 
     async def stream(self, chat: bool, include_usage: bool):
-        tokenizer, want = self.service.tokenizer, self.request.params.logprobs
+        tokenizer = self.service.tokenizer
         try:
             if chat:
-                yield _sse({**self.head(chat, True), "choices": [_delta({"role": "assistant", "content": ""})]})
-            while (event := await self.next_event()) is not None:
+                for index in range(len(self.requests)):
+                    start = _delta({"role": "assistant", "content": ""}, index=index)
+                    yield _sse({**self.head(chat, True), "choices": [start]})
+            while (item := await self.next_event()) is not None:
+                index, event = item
+                want = self.requests[index].params.logprobs
                 logprobs = _logprobs(tokenizer, [event], chat, want) if event.token_id >= 0 else None
-                part = _delta({"content": event.text}, logprobs) if chat else _text_choice(event.text, logprobs)
+                if chat:
+                    part = _delta({"content": event.text}, logprobs, index=index)
+                else:
+                    part = _text_choice(event.text, logprobs, index=index)
                 yield _sse({**self.head(chat, True), "choices": [part]})
-            try:
-                reason = self.finish_reason()
-            except ApiError as exc:
-                yield _sse(error_body(exc.message, exc.kind))
-                return
-            last = _delta({}, None, reason) if chat else _text_choice("", None, reason)
-            yield _sse({**self.head(chat, True), "choices": [last]})
+            for index, request in enumerate(self.requests):
+                try:
+                    reason = self.finish_reason(request)
+                except ApiError as exc:
+                    yield _sse(error_body(exc.message, exc.kind))
+                    return
+                last = _delta({}, None, reason, index) if chat else _text_choice("", None, reason, index)
+                yield _sse({**self.head(chat, True), "choices": [last]})
             if include_usage:
                 yield _sse({**self.head(chat, True), "choices": [], "usage": self.usage()})
             yield "data: [DONE]\n\n"
@@ -242,12 +293,21 @@ def _sse(data: dict) -> str:
     return f"data: {json.dumps(data)}\n\n"
 
 
-def _delta(delta: dict, logprobs=None, finish_reason=None) -> dict:
-    return {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
+def _delta(delta: dict, logprobs=None, finish_reason=None, index: int = 0) -> dict:
+    return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
 
 
-def _text_choice(text: str, logprobs=None, finish_reason=None) -> dict:
-    return {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
+def _text_choice(text: str, logprobs=None, finish_reason=None, index: int = 0) -> dict:
+    return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
+
+
+def _offsets(tokens: list[str]) -> list[int]:
+    """Each token's character offset in the text the tokens concatenate to."""
+    offsets, at = [], 0
+    for token in tokens:
+        offsets.append(at)
+        at += len(token)
+    return offsets
 
 
 def _logprobs(tokenizer, events, chat: bool, wanted):
@@ -268,7 +328,6 @@ def _logprobs(tokenizer, events, chat: bool, wanted):
         ]
         return {"content": content}
     tokens = [piece(e.token_id) for e in events]
-    offsets = [sum(len(t) for t in tokens[:k]) for k in range(len(tokens))]
     top = [{piece(i): lp for i, lp in e.top_logprobs or []} for e in events]
     logprobs = [e.logprob for e in events]
-    return {"tokens": tokens, "token_logprobs": logprobs, "top_logprobs": top, "text_offset": offsets}
+    return {"tokens": tokens, "token_logprobs": logprobs, "top_logprobs": top, "text_offset": _offsets(tokens)}

@@ -1,4 +1,4 @@
-"""Strict parsing of OpenAI completion and chat requests into a prompt, sampling settings and an edit.
+"""Strict parsing of OpenAI completion and chat requests into prompts, sampling settings and an edit.
 
 Every field is checked for type and range (numbers strictly, texts for lone surrogates: `stemlm.serve.params`)
 and an unknown field is refused, so a client never silently gets
@@ -6,19 +6,23 @@ other behaviour than it asked for; each error is one line (`StemlmError`) that t
 OpenAI's error shape. Accepted fields (OpenAI's names and defaults):
 
     both:        model, max_tokens (16 / chat: up to the context), temperature (1), top_p (1), seed (0),
-                 stop (a string or up to 4), stream, stream_options.include_usage, n (1 only), user,
-                 presence_penalty / frequency_penalty (0 only), and the extension
+                 stop (a string or up to 4), stream, stream_options.include_usage, n (1..16 choices per prompt),
+                 user, presence_penalty / frequency_penalty (0 only), and the extension
                  edit: {source, target, strategy, rows, layers} (a positional edit, this request only; the old
                  name stem_edit is accepted too)
-    completions: prompt (a string or a list of token ids), logprobs (0..5), echo (false only)
+    completions: prompt (a string, a list of token ids, or a list of either: several prompts), logprobs (0..5),
+                 echo (the prompt before the completion; with logprobs, the prompt tokens' too, the first null;
+                 max_tokens may then be 0: scoring a prompt; not with stream)
     chat:        messages [{role: system|user|assistant, content: string}], max_completion_tokens,
                  logprobs (bool), top_logprobs (0..20)
+
+A request asks for at most MAX_CHOICES completions in all (prompts x n).
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from stemlm.choices import edit_row_kind
@@ -29,6 +33,8 @@ from stemlm.serve.params import shown, valid_text
 
 MAX_TEXT = 100_000  # characters of one prompt or message
 MAX_STOPS = 4  # OpenAI's limit
+MAX_N = 16  # completions per prompt
+MAX_CHOICES = 64  # completions per request (prompts x n): the engine's default waiting queue
 COMMON = {"model", "max_tokens", "temperature", "top_p", "seed", "stop", "stream", "stream_options", "n", "user"}
 COMMON |= {"presence_penalty", "frequency_penalty", "edit", "stem_edit"}
 COMPLETION = COMMON | {"prompt", "logprobs", "echo"}
@@ -39,12 +45,18 @@ EDIT_FIELDS = {"source", "target", "strategy", "rows", "layers"}
 
 @dataclass
 class ParsedRequest:
-    prompt: str | list[int]  # text (completions, or the rendered chat) or token ids
+    prompts: list[str | list[int]]  # each text (completions, or the rendered chat) or token ids
     messages: list[dict[str, str]] | None  # chat only, still to be rendered with the checkpoint's template
     params: SamplingParams
     stream: bool
     include_usage: bool
     edit: EditSpec | None
+    n: int = 1  # completions per prompt; choice index = prompt index * n + j
+    echo: bool = False  # completions: the prompt's text (and with logprobs its tokens') before each completion
+
+    @property
+    def choices(self) -> int:
+        return len(self.prompts) * self.n
 
 
 def _check_fields(body: Any, allowed: set[str]) -> dict:
@@ -141,9 +153,9 @@ def _edit(body: dict) -> EditSpec | None:
     )
 
 
-def _common(body: dict, max_tokens_name: str, default_max: int, context: int, stop_ids, logprobs) -> dict:
-    if body.get("n") not in (None, 1) or isinstance(body.get("n"), bool):
-        raise StemlmError(f"n must be 1 (one completion per request), got {shown(body['n'])}")
+def _common(
+    body: dict, max_tokens_name: str, default_max: int, context: int, stop_ids, logprobs, *, min_tokens: int = 1
+) -> dict:
     for name in ("presence_penalty", "frequency_penalty"):
         if _number(body, name, 0.0, -2.0, 2.0) != 0.0:
             raise StemlmError(f"{name} is not supported (only 0)")
@@ -155,7 +167,7 @@ def _common(body: dict, max_tokens_name: str, default_max: int, context: int, st
     if options is not None and (not isinstance(options, dict) or set(options) - {"include_usage"}):
         raise StemlmError('stream_options must be an object like {"include_usage": true}')
     params = SamplingParams(
-        max_tokens=_integer(body, max_tokens_name, default_max, 1, context),
+        max_tokens=_integer(body, max_tokens_name, default_max, min_tokens, context),
         temperature=_number(body, "temperature", 1.0, 0.0, 2.0),
         top_p=_number(body, "top_p", 1.0, 0.0, 1.0, open_low=True),
         seed=_integer(body, "seed", 0, 0, 2**63 - 1),
@@ -168,25 +180,56 @@ def _common(body: dict, max_tokens_name: str, default_max: int, context: int, st
         stream=_boolean(body, "stream", False),
         include_usage=_boolean(options or {}, "include_usage", False),
         edit=_edit(body),
+        n=_integer(body, "n", 1, 1, MAX_N),
     )
+
+
+def _prompts(value: Any) -> list[str | list[int]]:
+    """The prompts of a completions body: one string or list of token ids, or a non-empty list of either."""
+    ids = lambda v: isinstance(v, list) and v and all(isinstance(i, int) and not isinstance(i, bool) for i in v)
+    if isinstance(value, str):
+        return [_text(value, "prompt")]
+    if ids(value):
+        return [list(value)]
+    if value is None:
+        raise StemlmError("missing field 'prompt' (a string, a list of token ids, or a list of either)")
+    if not isinstance(value, list):
+        raise StemlmError(f"prompt must be a string, a list of token ids, or a list of either, got {shown(value)}")
+    if not value:
+        raise StemlmError("prompt is an empty list; give at least one prompt")
+    if len(value) > MAX_CHOICES:
+        raise StemlmError(f"prompt holds {len(value)} prompts; this server takes at most {MAX_CHOICES} a request")
+    prompts = []
+    for i, item in enumerate(value):
+        if isinstance(item, str):
+            prompts.append(_text(item, f"prompt[{i}]"))
+        elif ids(item):
+            prompts.append(list(item))
+        else:
+            raise StemlmError(f"prompt[{i}] must be a string or a non-empty list of token ids")
+    return prompts
 
 
 def parse_completion(body: Any, context: int, stop_ids=()) -> ParsedRequest:
     """A /v1/completions body; `context`: the model's positions (bounds max_tokens); `stop_ids`: eos."""
     body = _check_fields(body, COMPLETION)
-    if _boolean(body, "echo", False):
-        raise StemlmError("echo is not supported")
-    prompt = body.get("prompt")
-    if isinstance(prompt, list) and prompt and all(isinstance(i, int) and not isinstance(i, bool) for i in prompt):
-        prompt = list(prompt)
-    elif isinstance(prompt, str):
-        prompt = _text(prompt, "prompt")
-    elif isinstance(prompt, list):
-        raise StemlmError("prompt must be one string or one list of token ids (send one request per prompt)")
-    else:
-        raise StemlmError("missing field 'prompt' (a string or a list of token ids)")
+    echo = _boolean(body, "echo", False)
+    prompts = _prompts(body.get("prompt"))
     logprobs = _integer(body, "logprobs", None, 0, 5)
-    return ParsedRequest(prompt, None, **_common(body, "max_tokens", 16, context, stop_ids, logprobs))
+    parsed = ParsedRequest(
+        prompts, None, **_common(body, "max_tokens", 16, context, stop_ids, logprobs, min_tokens=0 if echo else 1)
+    )
+    if echo and parsed.stream:
+        raise StemlmError("echo is not supported with stream; send stream: false")
+    if parsed.choices > MAX_CHOICES:
+        raise StemlmError(
+            f"this request asks for {parsed.choices} completions ({len(prompts)} prompts x n={parsed.n}); "
+            f"this server takes at most {MAX_CHOICES}"
+        )
+    parsed.echo = echo
+    if echo and logprobs is not None:  # the prompt's tokens scored by the prefill that generation runs anyway
+        parsed.params = replace(parsed.params, prompt_logprobs=logprobs)
+    return parsed
 
 
 def parse_chat(body: Any, context: int, stop_ids=()) -> ParsedRequest:
@@ -208,4 +251,4 @@ def parse_chat(body: Any, context: int, stop_ids=()) -> ParsedRequest:
     elif body.get("top_logprobs") is not None:
         raise StemlmError("top_logprobs needs logprobs: true")
     name = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
-    return ParsedRequest("", clean, **_common(body, name, context, context, stop_ids, logprobs))
+    return ParsedRequest([""], clean, **_common(body, name, context, context, stop_ids, logprobs))

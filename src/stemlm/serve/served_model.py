@@ -5,22 +5,25 @@
 `Request` of one continuous-batching engine (`stemlm.inference.batching`) running the decoding engine on one
 thread, so requests from the page and from API clients decode in the same batch and share one row cache.
 
-- prompts: an API request's prompt text (or a chat rendered with the checkpoint's template) encoded, end-of-text
-  (and the template's end of turn) as stop ids (`request`);
+- prompts: an API request's prompt texts (or a chat rendered with the checkpoint's template) encoded, end-of-text
+  (and the template's end of turn) as stop ids; one engine request per choice (`requests`: prompts x n);
+- the model id API clients send: `name`, by default the checkpoint folder's name, or the run's when loaded
+  from a run folder (not its newest step's, `step-000300`);
 - edits: a positional edit is that request's prefill rows (`edit_rows`), built on `view()`, a model whose tables
   can be read: the served model, or with `--tables host` the resident view of the host tables
   (`views.resident_view`); the batch keeps the shared row cache;
 - analysis and the page's before/after comparison run on `view_model`, the view under the served autocast.
 
     served = ServedModel.load("runs/tiny", InferenceOptions(tables="host"), slots=16, max_queue=64)
-    request = served.submit(parse_completion(body, served.context), on_event=print)
-    request.done.wait(); served.close()
+    requests = served.submit(parse_completion(body, served.context))    # one per choice (prompts x n)
+    requests[0].done.wait(); served.close()
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 
 from stemlm.errors import StemlmError
@@ -88,6 +91,8 @@ class ServedModel:
         from stemlm.inference.load import load_inference
 
         folder = resolve_checkpoint(ckpt)
+        if folder != Path(ckpt) and settings.get("name") is None:
+            settings["name"] = Path(ckpt).resolve().name  # a run folder: the run's name, not its newest step's
         loaded = load_inference(folder, options)
         try:
             return cls(loaded, folder, **settings)
@@ -104,16 +109,16 @@ class ServedModel:
     def edit_rows(self, ids: list[int], spec: EditSpec) -> Rows | None:
         return edit_rows(self.view(), self.tokenizer, ids, spec)
 
-    def prompt_ids(self, parsed: ParsedRequest) -> list[int]:
-        """The prompt's token ids: given ids as they are, text encoded, a chat rendered with the template first."""
-        if isinstance(parsed.prompt, list):
+    def prompt_ids(self, parsed: ParsedRequest, prompt: str | list[int]) -> list[int]:
+        """One prompt's token ids: given ids as they are, text encoded, a chat rendered with the template first."""
+        if isinstance(prompt, list):
             vocab = self.model.config.vocab_size
-            bad = [i for i in parsed.prompt if not 0 <= i < vocab]
+            bad = [i for i in prompt if not 0 <= i < vocab]
             if bad:
                 raise StemlmError(f"prompt token id {bad[0]} is out of range for vocab_size {vocab}")
-            ids = parsed.prompt
+            ids = prompt
         else:
-            text = parsed.prompt
+            text = prompt
             if parsed.messages is not None:
                 if self.chat is None:
                     raise StemlmError(
@@ -128,14 +133,26 @@ class ServedModel:
             raise StemlmError(f"the prompt has {len(ids)} tokens; this model reads at most {self.context - 1}")
         return ids
 
-    def request(self, parsed: ParsedRequest, on_event: Callable | None = None) -> Request:
-        """The engine request of a parsed API body (not yet submitted); raises `StemlmError` for a bad one."""
-        ids = self.prompt_ids(parsed)
-        rows = None if parsed.edit is None else self.edit_rows(ids, parsed.edit)
-        return Request(ids, parsed.params, on_event=on_event, edit_rows=rows)
+    def requests(self, parsed: ParsedRequest, on_event: Callable[[int], Callable] | None = None) -> list[Request]:
+        """The engine requests of a parsed API body (not yet submitted), one per choice in OpenAI's order
+        (prompt-major: choice i * n + j is prompt i's j-th); `on_event(index)` gives choice `index`'s callback.
+        Choice j samples with seed + j, so a seeded request's n choices differ (greedy ones are equal), and only
+        each prompt's first choice scores the prompt (`prompt_logprobs`): the others would repeat it.
+        Raises `StemlmError` for a bad prompt."""
+        out = []
+        for prompt in parsed.prompts:
+            ids = self.prompt_ids(parsed, prompt)
+            for j in range(parsed.n):
+                params = parsed.params
+                if j:
+                    params = replace(params, seed=(params.seed + j) % 2**63, prompt_logprobs=None)
+                rows = None if parsed.edit is None else self.edit_rows(ids, parsed.edit)
+                callback = None if on_event is None else on_event(len(out))
+                out.append(Request(ids, params, on_event=callback, edit_rows=rows))
+        return out
 
-    def submit(self, parsed: ParsedRequest, on_event: Callable | None = None) -> Request:
-        return self.loop.submit(self.request(parsed, on_event))
+    def submit(self, parsed: ParsedRequest, on_event: Callable[[int], Callable] | None = None) -> list[Request]:
+        return [self.loop.submit(request) for request in self.requests(parsed, on_event)]
 
     def cache_report(self) -> dict | None:
         """Row-cache statistics and memory figures with host / mmap tables (None when resident)."""
