@@ -159,7 +159,7 @@ def _common(
     for name in ("presence_penalty", "frequency_penalty"):
         if _number(body, name, 0.0, -2.0, 2.0) != 0.0:
             raise StemlmError(f"{name} is not supported (only 0)")
-    if "model" in body and not isinstance(body["model"], str):
+    if body.get("model") is not None and not isinstance(body["model"], str):  # null: the served one (vLLM)
         raise StemlmError("model must be a string")
     if "user" in body:
         _text(body["user"], "user")
