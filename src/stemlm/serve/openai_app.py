@@ -4,6 +4,9 @@
 
 Routes: `GET /v1/models`, `POST /v1/completions`, `POST /v1/chat/completions` (streamed as server-sent events
 with `"stream": true`, ending in `data: [DONE]`), `GET /metrics` (Prometheus text), `GET /health`.
+A body's choices (its prompts x `n`) are one engine request each, decoded together in the batch and answered
+in OpenAI's order (index = prompt * n + j; streamed chunks carry their index); `echo` puts each prompt, and with
+`logprobs` its tokens' log-probabilities (scored by the prefill), before its completion.
 Errors come in OpenAI's shape `{"error": {"message", "type", "param", "code"}}` with one line of message:
 400 for a bad body (`stemlm.serve.openai_params`), 404 for another model name, 413 for a body over 1 MiB
 (read no further than that, announced or chunked),
