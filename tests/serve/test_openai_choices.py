@@ -134,3 +134,15 @@ def test_a_run_folder_is_served_under_the_runs_name(chat_ckpt, tmp_path):
     finally:
         pg.close()
     assert [m["id"] for m in models["data"]] == ["my-run"] and answer["model"] == "my-run"
+
+
+def test_lm_evals_generate_payload(api, chat_ckpt, reference):
+    """lm-eval's generate_until request: batched token-id prompts, stop strings plus the eos text, a seed."""
+    server, _ = api
+    tok = load_checkpoint(chat_ckpt)[1]
+    prompts = [tok.encode(text, add_special_tokens=False).ids for text in (PROMPT, OTHER)]
+    stop = ["\n\n", "<|endoftext|>"]
+    body = {"model": MODEL, "prompt": prompts, "max_tokens": 8, "temperature": 0, "stop": stop, "seed": 1234}
+    out = json.loads(http_request(server.url, "POST", "/v1/completions", body).read())
+    expected = [min((reference(ids, 8).split(s)[0] for s in stop), key=len) for ids in prompts]
+    assert [c["text"] for c in sorted(out["choices"], key=lambda c: c["index"])] == expected
