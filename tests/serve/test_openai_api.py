@@ -115,7 +115,7 @@ def test_edit_applies_to_its_request_only(api, reference):
         ({"prompt": [PROMPT, 3]}, "prompt[1] must be a string or a non-empty list of token ids"),
         ({"prompt": [PROMPT, []]}, "prompt[1] must be a string or a non-empty list of token ids"),
         ({"prompt": list(range(300))}, "reads at most 127"),
-        ({"prompt": [PROMPT, list(range(300))]}, "reads at most 127"),
+        ({"prompt": [PROMPT, list(range(300))]}, "prompt[1]: the prompt has 300 tokens; this model reads at most 127"),
         ({"max_tokens": 0}, "max_tokens must be between 1 and 128"),
         ({"echo": True, "max_tokens": -1}, "max_tokens must be between 0 and 128"),
         ({"echo": True, "logprobs": 6}, "logprobs must be between 0 and 5"),

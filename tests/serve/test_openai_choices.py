@@ -83,6 +83,13 @@ def test_chat_n(api, reference):
     out = client.chat.completions.create(model=MODEL, messages=messages, n=2, max_tokens=4, temperature=0)
     assert [c.index for c in out.choices] == [0, 1]
     assert out.choices[0].message.content == out.choices[1].message.content
+    texts = {}
+    for chunk in client.chat.completions.create(
+        model=MODEL, messages=messages, n=2, max_tokens=4, temperature=0, stream=True
+    ):
+        for choice in chunk.choices:
+            texts[choice.index] = texts.get(choice.index, "") + (choice.delta.content or "")
+    assert texts == {0: out.choices[0].message.content, 1: out.choices[1].message.content}
 
 
 def test_echo_with_max_tokens_zero_scores_the_prompt(api, chat_ckpt, scored):
@@ -98,6 +105,8 @@ def test_echo_with_max_tokens_zero_scores_the_prompt(api, chat_ckpt, scored):
     assert [list(t) for t in choice.logprobs.top_logprobs[1:]] == [[tok.decode([i]) for i in row] for row in top]
     assert choice.logprobs.text_offset == [len("".join(choice.logprobs.tokens[:k])) for k in range(len(ids))]
     assert (out.usage.prompt_tokens, out.usage.completion_tokens) == (len(ids), 0)
+    twice = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=0, echo=True, logprobs=2, n=2)
+    assert twice.choices[0].logprobs == twice.choices[1].logprobs == choice.logprobs  # scored once, shared
 
 
 def test_lm_evals_payload_echoes_ids_then_the_generated_token(api, chat_ckpt, scored, reference):

@@ -140,8 +140,11 @@ class ServedModel:
         each prompt's first choice scores the prompt (`prompt_logprobs`): the others would repeat it.
         Raises `StemlmError` for a bad prompt."""
         out = []
-        for prompt in parsed.prompts:
-            ids = self.prompt_ids(parsed, prompt)
+        for i, prompt in enumerate(parsed.prompts):
+            try:
+                ids = self.prompt_ids(parsed, prompt)
+            except StemlmError as exc:
+                raise StemlmError(f"prompt[{i}]: {exc}" if len(parsed.prompts) > 1 else str(exc)) from None
             for j in range(parsed.n):
                 params = parsed.params
                 if j:
