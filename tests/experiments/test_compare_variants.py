@@ -97,6 +97,11 @@ def test_the_report_labels_rows_by_arm():
         for s, d in ((0, 0.5), (1, 0.25))
     ]
     assert per_seed[1]["diff"]["flops"]["engram-reference-engram"]["heldout_loss"] == pytest.approx(0.25)
+    with_dense = {"dense-3steps": _row("dense", 4.5), "engram-3steps": _row("engram", 4.0)}
+    with_dense["engram-reference-3steps"] = _row("e", 4.25)
+    diffs = seed_entry(0, {"flops": {"dense": 3, "engram": 3, "engram-reference": 3}}, with_dense)["diff"]["flops"]
+    assert list(diffs) == ["engram-dense", "engram-reference-dense", "engram-reference-engram"]
+    assert diffs["engram-reference-engram"]["heldout_loss"] == pytest.approx(0.25)
     report = {
         "per_seed": per_seed,
         "summary": summarize_seeds([{k: v for k, v in s.items() if k != "seed"} for s in per_seed]),

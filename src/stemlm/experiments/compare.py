@@ -484,7 +484,8 @@ def planned_flops(cfg: CompareConfig, configs: dict[str, ModelConfig], plans: di
 
 
 def seed_entry(seed: int, plans: dict[str, dict[str, int]], done: dict[str, dict]) -> dict[str, Any]:
-    """One `per_seed` entry: the report row of every kind per match, and each kind minus the reference."""
+    """One `per_seed` entry: the report row of every kind per match, each kind minus the reference, and each
+    variant arm minus its kind's default arm (`engram-reference-engram`) when both ran."""
     entry: dict[str, Any] = {"seed": seed, "diff": {}}
     for match, steps in plans.items():
         rows = {k: json.loads(json.dumps(summarize_kind(done[f"{k}-{n}steps"]))) for k, n in steps.items()}
@@ -497,6 +498,13 @@ def seed_entry(seed: int, plans: dict[str, dict[str, int]], done: dict[str, dict
             for k in rows
             if k != ref
         }
+        for arm in rows:  # a variant arm beside its kind's default arm: their paired difference as well
+            kind = split_arm(arm)[0]
+            if kind != arm and kind in rows and kind != ref:
+                entry["diff"][match][f"{arm}-{kind}"] = {
+                    m: _minus(rows[arm][m], rows[kind][m])
+                    for m in ("heldout_loss", "heldout_bpb", "mean_accuracy", "niah")
+                }
     return entry
 
 
