@@ -2,6 +2,7 @@
 
     stemlm experiment compare --kinds dense,stem,moe,hash_moe,ple --budget 300 --out runs/compare
     stemlm experiment compare --quick --seeds 2 --kinds dense,stem --json    # reduced budget, no lr sweep
+    stemlm experiment compare --quick --layers 6 --kinds dense,engram,value_embed --variants default,reference
     stemlm experiment compare --preset tiny --budget 2000 --device auto      # scale-up path (GPU)
 
 1. Data (per seed): one mixture for every kind (OUT/seed<s>/data/train.jsonl): a slice of the embedded corpus's
@@ -194,7 +195,7 @@ def arm_config(base: ModelConfig, arm: str) -> ModelConfig:
     try:
         return config.replace(**{_variant_field(kind): variant, **VARIANT_SETTINGS.get(arm, {})})
     except (ValueError, StemlmError) as err:
-        raise StemlmError(f"--kinds {arm}: {err}") from None
+        raise StemlmError(f"arm {arm} ({_variant_field(kind)}={variant}): {err}") from None
 
 
 def parse_budget(text: str) -> tuple[str, float]:
