@@ -16,11 +16,10 @@ from stemlm.checkpoint.folder import save_pretrained
 from stemlm.checkpoint.runs import from_pretrained
 from stemlm.cli.main import main
 from stemlm.data.tokenizer import default_tokenizer
-from stemlm.errors import StemlmError
 from stemlm.inference.offloaded import OffloadedLM, forced_decode
 from stemlm.model import build_model
 from stemlm.model.config import ModelConfig
-from stemlm.offload.families import load_offloaded_model, table_families
+from stemlm.offload.families import table_families
 
 SMALL = dict(memory_keys=16, memory_topk=4, memory_heads=2, memory_key_dim=16, engram_dim=32, engram_heads=2)
 PROMPT = torch.randint(0, 256, (30,), generator=torch.Generator().manual_seed(0)).tolist()
@@ -117,22 +116,3 @@ def test_serve_resident_view_reads_every_family(folder):
         view = resident_view(lm)  # the host tables as the model's own parameters, no copy
         assert not any(p.is_meta for p in view.parameters())
         torch.testing.assert_close(view(ids).logits, from_pretrained(path)(ids).logits, atol=1e-6, rtol=0)
-
-
-def test_per_layer_ngram_tables_are_refused_with_one_line(tmp_path):
-    """engram_variant=reference hashes per layer: the one token-major n-gram store does not apply (docs/kinds.md)."""
-    config = ModelConfig(
-        vocab_size=256,
-        hidden_size=64,
-        intermediate_size=96,
-        num_hidden_layers=3,
-        num_attention_heads=4,
-        ffn="engram",
-        ffn_layers="1,2",
-        engram_variant="reference",
-        **SMALL,
-    )
-    folder = save_pretrained(build_model(config, seed=0), tmp_path / "ckpt")
-    for tables in ("host", "mmap"):
-        with pytest.raises(StemlmError, match="per layer"):
-            load_offloaded_model(folder, tables)

@@ -2,6 +2,7 @@
 
     stemlm experiment compare --kinds dense,stem,moe,hash_moe,ple --budget 300 --out runs/compare
     stemlm experiment compare --quick --seeds 2 --kinds dense,stem --json    # reduced budget, no lr sweep
+    stemlm experiment compare --quick --layers 6 --kinds dense,engram,value_embed --variants default,reference
     stemlm experiment compare --preset tiny --budget 2000 --device auto      # scale-up path (GPU)
 
 1. Data (per seed): one mixture for every kind (OUT/seed<s>/data/train.jsonl): a slice of the embedded corpus's
@@ -12,7 +13,10 @@
    matched tokens: every kind trains the reference's steps (same tokens per step). A kind whose step count is
    the same under both is trained once.
 3. Kinds: every kind of the registry (`stemlm.model.kinds`, i.e. `stemlm.model.config.FFN_KINDS`), plus the controls
-   in `VARIANTS` (`dense_embed`: dense with its token embedding at the STEM tables' lr multiplier and weight decay).
+   in `VARIANTS` (`dense_embed`: dense with its token embedding at the STEM tables' lr multiplier and weight decay),
+   plus a kind's model variant as an arm of its own: `engram-reference` is `engram` with `engram_variant=reference`
+   (any kind with a `<kind>_variant` field; `--variants reference` adds one after each such kind listed). An arm's
+   name is its label in every table, plot and file name.
 4. Tuning: each kind gets the same lr sweep (`lr_sweep`, 3 values) at the FLOP-matched budget on `sweep_seed`
    (never a final seed), scored by the trainer's held-out loss (10% of the mixture's documents: the
    validation split); the best lr is used for every final seed and the sweep is kept in the results.
@@ -49,6 +53,10 @@ from stemlm.model.config import FFN_KINDS, ModelConfig
 # Controls trained like a kind: name -> (FFN kind, TrainConfig overrides). Add a control here.
 VARIANTS: dict[str, tuple[str, dict]] = {"dense_embed": ("dense", {"embed_like_tables": True})}
 
+# Model settings a variant arm needs beyond `<kind>_variant=<variant>`: modded-nanogpt's value embeddings are five
+# tables on exactly the layers 1,2,-3,-2,-1 (so that arm needs a backbone of at least 6 layers).
+VARIANT_SETTINGS: dict[str, dict[str, str]] = {"value_embed-reference": {"ffn_layers": "1,2,-3,-2,-1"}}
+
 
 @dataclass
 class CompareConfig:
@@ -57,6 +65,12 @@ class CompareConfig:
         ("dense", "stem", "moe", "hash_moe", "ple"),
         f"kinds to compare, from {', '.join((*FFN_KINDS, *VARIANTS))}",
         metavar="K1,K2",
+    )
+    variants: tuple[str, ...] = setting(
+        (),
+        "model variants run as arms of their own beside each kind's default: 'reference' adds <kind>-reference "
+        "after each listed kind with a <kind>_variant setting ('default': the kind itself)",
+        metavar="V1,V2",
     )
     budget: str = setting(  # steps of the reference kind, or training FLOPs (see parse_budget)
         "200", "steps of the reference kind (dense, else the first), or training FLOPs if >= 1e9", metavar="STEPS|FLOPS"
@@ -119,7 +133,8 @@ class CompareConfig:
 
     def digest(self) -> str:
         """What a run's result depends on besides its kind, steps, lr and seed (which name its file)."""
-        fields = {k: v for k, v in asdict(self).items() if k not in ("out", "kinds", "workers", "seeds", "match")}
+        skip = ("out", "kinds", "variants", "workers", "seeds", "match")
+        fields = {k: v for k, v in asdict(self).items() if k not in skip}
         return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:16]
 
 
@@ -141,6 +156,48 @@ def kind_names() -> tuple[str, ...]:
     return (*FFN_KINDS, *VARIANTS)
 
 
+def _variant_field(kind: str) -> str | None:
+    """The config field that picks `kind`'s variant (`engram_variant`), or None for a kind without variants."""
+    from stemlm.model.kinds.registry import get_kind
+
+    name = f"{kind}_variant"
+    return name if kind in FFN_KINDS and any(f.name == name for f in get_kind(kind).fields) else None
+
+
+def split_arm(arm: str) -> tuple[str, str | None]:
+    """`engram-reference` -> ("engram", "reference"); a plain kind or control -> (arm, None)."""
+    if arm in kind_names():
+        return arm, None
+    kind, _, variant = arm.partition("-")
+    if variant and _variant_field(kind):
+        return kind, variant
+    choices = ", ".join((*kind_names(), *(f"{k}-<variant>" for k in FFN_KINDS if _variant_field(k))))
+    raise StemlmError(f"unknown kind {arm!r}; choose from {choices}")
+
+
+def arms(cfg: CompareConfig) -> tuple[str, ...]:
+    """The runs' labels: `cfg.kinds`, each followed by its `<kind>-<variant>` arm for every `cfg.variants` but
+    "default" (the kind itself)."""
+    out: list[str] = []
+    for kind in cfg.kinds:
+        out.append(kind)
+        if _variant_field(kind):
+            out += [f"{kind}-{v}" for v in cfg.variants if v != "default" and f"{kind}-{v}" not in cfg.kinds]
+    return tuple(out)
+
+
+def arm_config(base: ModelConfig, arm: str) -> ModelConfig:
+    """The shared backbone with the arm's FFN kind, and its variant (and what that variant needs) when it names one."""
+    kind, variant = split_arm(arm)
+    config = base.replace(ffn=VARIANTS.get(kind, (kind,))[0])
+    if variant is None:
+        return config
+    try:
+        return config.replace(**{_variant_field(kind): variant, **VARIANT_SETTINGS.get(arm, {})})
+    except (ValueError, StemlmError) as err:
+        raise StemlmError(f"arm {arm} ({_variant_field(kind)}={variant}): {err}") from None
+
+
 def parse_budget(text: str) -> tuple[str, float]:
     """("steps", n) or ("flops", x): a `steps` / `flops` suffix decides; else values >= 1e9 are FLOPs."""
     raw = str(text).strip().lower().replace("_", "")
@@ -159,9 +216,11 @@ def model_configs(cfg: CompareConfig, tokenizer) -> dict[str, ModelConfig]:
     """One config per kind: the shared backbone with `ffn=<kind>` (vocabulary fitted to the tokenizer)."""
     from stemlm.train import fit_vocab
 
-    unknown = [k for k in cfg.kinds if k not in kind_names()]
+    unknown = [k for k in cfg.kinds if k not in kind_names() and "-" not in k]
     if unknown or not cfg.kinds:
         raise StemlmError(f"unknown kind(s) {', '.join(unknown) or '(none)'}; choose from {', '.join(kind_names())}")
+    for arm in cfg.kinds:
+        split_arm(arm)
     if len(set(cfg.kinds)) != len(cfg.kinds):
         raise StemlmError(f"--kinds lists a kind twice: {','.join(cfg.kinds)}")
     shape = {}
@@ -183,7 +242,8 @@ def model_configs(cfg: CompareConfig, tokenizer) -> dict[str, ModelConfig]:
         ffn="stem",
     )
     base = base.replace(**shape).with_overrides(list(cfg.model_overrides))
-    return {kind: fit_vocab(base, tokenizer).replace(ffn=VARIANTS.get(kind, (kind,))[0]) for kind in cfg.kinds}
+    base = fit_vocab(base, tokenizer)
+    return {arm: arm_config(base, arm) for arm in arms(cfg)}
 
 
 def matches(cfg: CompareConfig) -> list[str]:
@@ -353,7 +413,7 @@ def run_jobs(cfg: CompareConfig, seed: int, runs: dict[str, tuple], folder: Path
             "lr": lr,
             "seed": seed,
             "evaluate": evaluate,
-            "overrides": VARIANTS.get(kind, (kind, {}))[1],
+            "overrides": VARIANTS.get(split_arm(kind)[0], (kind, {}))[1],
             "cfg": asdict(scfg),
             "digest": scfg.digest(),
             "data": str(folder / "data" / "train.jsonl"),
@@ -393,7 +453,7 @@ def run_jobs(cfg: CompareConfig, seed: int, runs: dict[str, tuple], folder: Path
 def lr_sweep(cfg: CompareConfig, configs, steps: dict[str, int], out: Path, tokenizer, log) -> dict[str, Any]:
     """Every kind at every lr of `cfg.lr_sweep` on `sweep_seed` at `steps`; best = lowest validation loss."""
     runs = {
-        f"{kind}-lr{lr:g}": (kind, configs[kind], steps[kind], lr, False) for kind in cfg.kinds for lr in cfg.lr_sweep
+        f"{kind}-lr{lr:g}": (kind, configs[kind], steps[kind], lr, False) for kind in configs for lr in cfg.lr_sweep
     }
     done = run_jobs(cfg, cfg.sweep_seed, runs, out, tokenizer, log)
     trials = {
@@ -401,7 +461,7 @@ def lr_sweep(cfg: CompareConfig, configs, steps: dict[str, int], out: Path, toke
             f"{lr:g}": {"lr": lr, "heldout_loss": done[f"{kind}-lr{lr:g}"]["fit"]["heldout_loss"]}
             for lr in cfg.lr_sweep
         }
-        for kind in cfg.kinds
+        for kind in configs
     }
     best = {k: min(t.values(), key=lambda r: r["heldout_loss"])["lr"] for k, t in trials.items()}
     criterion = "trainer held-out loss (10% of the mixture's documents: the validation split)"
@@ -420,12 +480,13 @@ def planned_flops(cfg: CompareConfig, configs: dict[str, ModelConfig], plans: di
         for k, n in p.items()
     }
     first = next(iter(plans.values()))
-    sweep = sum(per_run[(k, first[k])] for k in cfg.kinds) * len(cfg.lr_sweep)
+    sweep = sum(per_run[(k, first[k])] for k in configs) * len(cfg.lr_sweep)
     return cfg.seeds * sum(per_run.values()) + sweep
 
 
 def seed_entry(seed: int, plans: dict[str, dict[str, int]], done: dict[str, dict]) -> dict[str, Any]:
-    """One `per_seed` entry: the report row of every kind per match, and each kind minus the reference."""
+    """One `per_seed` entry: the report row of every kind per match, each kind minus the reference, and each
+    variant arm minus its kind's default arm (`engram-reference-engram`) when both ran."""
     entry: dict[str, Any] = {"seed": seed, "diff": {}}
     for match, steps in plans.items():
         rows = {k: json.loads(json.dumps(summarize_kind(done[f"{k}-{n}steps"]))) for k, n in steps.items()}
@@ -438,6 +499,13 @@ def seed_entry(seed: int, plans: dict[str, dict[str, int]], done: dict[str, dict
             for k in rows
             if k != ref
         }
+        for arm in rows:  # a variant arm beside its kind's default arm: their paired difference as well
+            kind = split_arm(arm)[0]
+            if kind != arm and kind in rows and kind != ref:
+                entry["diff"][match][f"{arm}-{kind}"] = {
+                    m: _minus(rows[arm][m], rows[kind][m])
+                    for m in ("heldout_loss", "heldout_bpb", "mean_accuracy", "niah")
+                }
     return entry
 
 
@@ -466,9 +534,9 @@ def run_compare(cfg: CompareConfig, log: ExperimentLog) -> dict[str, Any]:
     log(f"compare: steps per kind {plans} (budget {cfg.budget}), {cfg.seeds} seed(s)")
     log(f"compare: planned training FLOPs {planned_flops(cfg, configs, plans):.3g} (every seed and the sweep)")
     sweep = lr_sweep(cfg, configs, next(iter(plans.values())), out / "sweep", tokenizer, log) if cfg.lr_sweep else None
-    lrs = {k: sweep["best"][k] if sweep else cfg.lr for k in cfg.kinds}
+    lrs = {k: sweep["best"][k] if sweep else cfg.lr for k in configs}
     runs = {
-        f"{k}-{steps[k]}steps": (k, configs[k], steps[k], lrs[k], True) for steps in plans.values() for k in cfg.kinds
+        f"{k}-{steps[k]}steps": (k, configs[k], steps[k], lrs[k], True) for steps in plans.values() for k in configs
     }
     per_seed, raw = [], []
     with log.bar(cfg.seeds, desc="seeds", unit="seed") as bar:

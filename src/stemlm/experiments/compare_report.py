@@ -99,7 +99,8 @@ def results_table(report: dict, match: str) -> str:
 
 
 def diff_table(report: dict, match: str) -> str:
-    """Paired per-seed differences to the reference kind, with how many seeds agree in sign."""
+    """Paired per-seed differences to the reference kind (and of each variant arm to its default arm), with how
+    many seeds agree in sign."""
     rows = []
     for name in report["per_seed"][0]["diff"][match]:
         row = [name]

@@ -29,7 +29,7 @@ from stemlm.inference.rows import RowSource
 from stemlm.model.decoder import StemLM
 from stemlm.offload.cache import CacheStats, RowCache, resolve_capacity
 from stemlm.offload.families import OffloadProviders, load_offloaded_model
-from stemlm.offload.lookup_rows import LookupRows, MemoryFetcher
+from stemlm.offload.lookup_rows import LayerPipelines, LookupRows, MemoryFetcher
 from stemlm.offload.prefetch import RowPipeline
 from stemlm.offload.providers import TableProvider, device_parameter_bytes
 from stemlm.runtime import DEVICE, table_placement
@@ -67,14 +67,20 @@ class OffloadedLM:
         ngram_cache: RowCache | None = None,
         memory_caches: dict[int, RowCache] | None = None,
         providers: OffloadProviders | None = None,
+        ngram_layer_caches: dict[int, RowCache] | None = None,
     ) -> None:
         """`provider` / `cache`: the token tables; `ngram_cache` / `memory_caches`: the other families (see
-        `stemlm.offload.families`), whose providers `providers` lists."""
+        `stemlm.offload.families`), whose providers `providers` lists; `ngram_layer_caches`: the n-gram tables
+        of per-layer hashing, one cache per table key (instead of `ngram_cache`)."""
         self.model, self.provider, self.cache, self.prefill_chunk = model, provider, cache, prefill_chunk
         self.providers = providers or OffloadProviders(token=provider)
         self.ngram_cache, self.memory_caches = ngram_cache, memory_caches or {}
+        self.ngram_layer_caches = ngram_layer_caches or {}
         token = RowPipeline(cache, background=background) if cache is not None else None
         ngram = RowPipeline(ngram_cache, background=background) if ngram_cache is not None else None
+        if self.ngram_layer_caches:
+            pipelines = {k: RowPipeline(c, background=background) for k, c in self.ngram_layer_caches.items()}
+            ngram = LayerPipelines(model, pipelines)
         memory = MemoryFetcher(self.memory_caches) if self.memory_caches else None
         self.rows = LookupRows(model, token, ngram, memory)  # the row source of every forward
 
@@ -103,6 +109,7 @@ class OffloadedLM:
         model.eval()
         caches: dict[str, RowCache | None] = {"token": None, "ngram": None}
         memory: dict[int, RowCache] = {}
+        ngram_layers: dict[int, RowCache] = {}
         if table_placement(tables) != DEVICE:
             if cache_rows is None and cache_fraction is None:
                 cache_fraction = DEFAULT_CACHE_FRACTION
@@ -121,6 +128,7 @@ class OffloadedLM:
             if providers.ngram is not None:
                 caches["ngram"] = cache_for(providers.ngram)
             memory = {i: cache_for(p) for i, p in providers.memory.items()}
+            ngram_layers = {i: cache_for(p) for i, p in providers.ngram_layers.items()}
         return cls(
             model,
             providers.token,
@@ -130,6 +138,7 @@ class OffloadedLM:
             ngram_cache=caches["ngram"],
             memory_caches=memory,
             providers=providers,
+            ngram_layer_caches=ngram_layers,
         )
 
     def inference_model(self, amp: torch.dtype = torch.float32) -> InferenceModel:
@@ -151,8 +160,9 @@ class OffloadedLM:
         return None if self.cache is None else self.cache.stats
 
     def family_caches(self) -> dict[str, RowCache]:
-        """Every row cache by family name: token, ngram, memory.<layer>."""
+        """Every row cache by family name: token, ngram, ngram.<key> (per-layer hashing), memory.<layer>."""
         named = {"token": self.cache, "ngram": self.ngram_cache}
+        named.update({f"ngram.{i}": c for i, c in self.ngram_layer_caches.items()})
         named.update({f"memory.{i}": c for i, c in self.memory_caches.items()})
         return {name: cache for name, cache in named.items() if cache is not None}
 

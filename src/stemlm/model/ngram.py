@@ -18,7 +18,7 @@ the STEM token tables), and the ids depend on the input ids alone, so they are k
 per layer (numpy's default_rng seeded with seed + 10007 · layer, as the demo draws them), the ids are mixed as they
 are (no + 1), a position before the start (or a padding position) is the pad id, and every (layer, order, head)
 has its own prime table size (`stemlm.model.ngram_layout.per_layer_primes`). Its `ids` are per layer (a dict), so
-offload's one token-major n-gram store does not apply to it.
+offload keeps a store and row cache per n-gram table for it (`stemlm.offload.families`), not one token-major store.
 """
 
 from __future__ import annotations

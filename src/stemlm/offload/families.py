@@ -6,6 +6,10 @@ A kind declares which family each of its tables is in; the family decides how it
 - `ngram` (the hashed n-gram tables of `stem_ngram` / `engram`): every n-gram layer of a model looks up the
   same row ids (the hash is shared), so they too form one token-major provider over Σ prime sizes rows, with
   their own hot-row cache; the ids depend on the input ids alone, so each step's rows are prefetched.
+  Per-layer hashing (`engram_variant=reference`: every layer its own multipliers and prime table sizes) gives
+  each n-gram layer other ids and another row count, so there each n-gram table is a provider and cache of its
+  own (`OffloadProviders.ngram_layers`, by table key); its ids are still known from the input ids, so they are
+  prefetched too, one pipeline per layer (`stemlm.offload.lookup_rows.LayerPipelines`).
 - `memory` (product-key memory values): their ids come out of the layer's own top-k, so nothing can be
   fetched before the layer runs and every layer reads different ids: one provider and cache per layer,
   fetched on demand on the critical path of the forward (see `stemlm.offload.lookup_rows`).
@@ -46,10 +50,12 @@ class OffloadProviders:
     token: TableProvider | None = None
     ngram: TableProvider | None = None
     memory: dict[int, TableProvider] = field(default_factory=dict)
+    ngram_layers: dict[int, TableProvider] = field(default_factory=dict)  # per-layer hashing: table key -> provider
 
     def all(self) -> dict[str, TableProvider]:
-        """Every provider by a display name: token, ngram, memory.<layer>."""
-        named = {"token": self.token, "ngram": self.ngram, **{f"memory.{i}": p for i, p in self.memory.items()}}
+        """Every provider by a display name: token, ngram, ngram.<key> (per-layer hashing), memory.<layer>."""
+        named = {"token": self.token, "ngram": self.ngram, **{f"ngram.{i}": p for i, p in self.ngram_layers.items()}}
+        named |= {f"memory.{i}": p for i, p in self.memory.items()}
         return {name: p for name, p in named.items() if p is not None}
 
 
@@ -106,12 +112,13 @@ def load_offloaded_model(
     families = table_families(model)
     if not families:
         raise StemlmError(f"checkpoint {directory} has no lookup tables to offload; load it with tables='resident'")
-    if "ngram" in families and not model.ngram_hasher.shared:
-        # The shared n-gram store is token-major over one set of ids; per-layer hashing gives each layer its own.
-        raise StemlmError(
-            f"checkpoint {directory} hashes its n-grams per layer (engram_variant=reference): its tables cannot be "
-            "offloaded yet; load it with tables='resident'"
-        )
+    # The shared n-gram store is token-major over one set of ids; per-layer hashing gives each layer its own ids
+    # (and row count), so its tables are stored and cached one per layer, as the memory values are.
+    ngram_per_layer = "ngram" in families and not model.ngram_hasher.shared
+
+    def per_layer(family: str) -> bool:
+        return FAMILIES[family].cache == "per-layer" or (family == "ngram" and ngram_per_layer)
+
     files = weight_files(directory)
     entries = checkpoint_entries(files)
     pin = device.type == "cuda"  # staging buffers only; see HostProvider
@@ -134,14 +141,17 @@ def load_offloaded_model(
             return CompactProvider(sources, want, out_dtype=dtype or torch.float32, pin=pin)
         return CompactMmapProvider(sources, out_dtype=dtype or torch.float32, pin=pin)
 
-    shared = {f: provider(names, layout) for f, names in families.items() if FAMILIES[f].cache == "shared"}
-    per_layer = {
+    shared = {f: provider(names, layout) for f, names in families.items() if not per_layer(f)}
+    layered = {
         f: {i: provider({i: name}, "token") for i, name in names.items()}
         for f, names in families.items()
-        if FAMILIES[f].cache == "per-layer"
+        if per_layer(f)
     }
     providers = OffloadProviders(
-        token=shared.get("token"), ngram=shared.get("ngram"), memory=per_layer.get("memory", {})
+        token=shared.get("token"),
+        ngram=shared.get("ngram"),
+        memory=layered.get("memory", {}),
+        ngram_layers=layered.get("ngram", {}),
     )
     skip = {name for layer_names in families.values() for name in layer_names.values()}
     skip |= {name + SCALE_SUFFIX for name in compact}

@@ -7,7 +7,9 @@ forward's `rows={family: provider}` mapping, and the engine announces each forwa
 - token rows: a `RowPipeline` over the token-table cache, requested with the forward's ids;
 - n-gram rows: a second `RowPipeline` over the n-gram cache. `announce` hashes each row's ids with the ids
   before them (`before`, from the engine, which knows every sequence) into exactly the n-gram ids the model
-  will compute, so their rows are prefetched like token rows;
+  will compute, so their rows are prefetched like token rows. Per-layer hashing (`engram_variant=reference`)
+  gives every n-gram layer its own ids and table: `LayerPipelines`, one pipeline per table, each announced
+  with its layer's ids;
 - memory rows: `MemoryFetcher`, which fetches a memory layer's value rows when the layer has computed its
   top-k ids. That read sits on the critical path: it costs a device->host copy of the ids (a sync on CUDA),
   the cache planning and the host gather of the misses before the layer can continue, once per memory layer
@@ -24,6 +26,7 @@ from collections.abc import Sequence
 import torch
 
 from stemlm.model.decoder import StemLM
+from stemlm.model.kinds.registry import key_layer
 from stemlm.offload.cache import RowCache
 from stemlm.offload.prefetch import RowPipeline
 
@@ -49,6 +52,31 @@ class MemoryFetcher:
         return step.rows, positions.view(ids.shape)
 
 
+class LayerPipelines:
+    """The `ngram` row provider `(key, ids) -> rows` of per-layer hashing: one `RowPipeline` (and cache) per
+    n-gram table, by table key; `request` takes the hasher's ids per layer."""
+
+    def __init__(self, model: StemLM, pipelines: dict[int, RowPipeline]) -> None:
+        self.pipelines = pipelines
+        # one n-gram table per layer (one n-gram kind per model): the layer's ids go to that table's pipeline
+        self.key_of_layer = {key_layer(model.config, key): key for key in pipelines}
+
+    def request(self, ids_by_layer: dict[int, torch.Tensor], device: torch.device) -> None:
+        for layer, ids in ids_by_layer.items():
+            self.pipelines[self.key_of_layer[layer]].request(ids.to(device), ids)
+
+    def __call__(self, key: int, ids: torch.Tensor) -> torch.Tensor:
+        return self.pipelines[key](key, ids)
+
+    def drain(self) -> None:
+        for pipeline in self.pipelines.values():
+            pipeline.drain()
+
+    def close(self) -> None:
+        for pipeline in self.pipelines.values():
+            pipeline.close()
+
+
 class LookupRows:
     """Every offloaded family's provider for one model; `announce` each forward's ids, in forward order."""
 
@@ -56,7 +84,7 @@ class LookupRows:
         self,
         model: StemLM,
         token: RowPipeline | None = None,
-        ngram: RowPipeline | None = None,
+        ngram: RowPipeline | LayerPipelines | None = None,
         memory: MemoryFetcher | None = None,
     ) -> None:
         self.hasher = model.ngram_hasher
@@ -80,7 +108,10 @@ class LookupRows:
                 if tail:
                     prev[b, context - len(tail) :] = torch.tensor(tail)
             keys = self.hasher.ids(host, prev)
-            self.ngram.request(keys.to(ids.device), keys)  # the forward's own ids match these by value
+            if isinstance(keys, dict):  # per-layer hashing: each table its own ids
+                self.ngram.request(keys, ids.device)
+            else:
+                self.ngram.request(keys.to(ids.device), keys)  # the forward's own ids match these by value
 
     def providers(self) -> dict:
         """The forward's `rows=` mapping: a provider per offloaded family."""

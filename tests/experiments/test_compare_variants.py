@@ -1,0 +1,138 @@
+"""A kind's model variant as an arm of its own in `stemlm experiment compare`: `--kinds engram-reference` or
+`--variants reference` (one `<kind>-reference` arm after each listed kind that has a `<kind>_variant` setting),
+configured with the variant (and the layers it needs), labelled by its arm name in the rows and tables, and
+trained as that variant by a compare run.
+
+    OMP_NUM_THREADS=1 python -m pytest tests/experiments/test_compare_variants.py -q
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from stemlm.cli.main import build_parser, main
+from stemlm.data.corpus import embedded_texts
+from stemlm.data.tokenizer import default_tokenizer
+from stemlm.errors import StemlmError
+from stemlm.experiments.compare import CompareConfig, arms, model_configs, plan_steps, run_kind, seed_entry
+from stemlm.experiments.compare_report import ACC_TASKS, diff_table, results_table
+
+TOK = default_tokenizer()
+SMALL = dict(
+    hidden_size=32,
+    intermediate_size=48,
+    num_hidden_layers=6,  # value_embed's reference needs the five layers 1,2,-3,-2,-1
+    num_attention_heads=2,
+    max_position_embeddings=128,
+    seq_len=32,
+    batch_size=4,
+)
+
+
+def test_variants_add_a_reference_arm_after_each_kind_that_has_one():
+    cfg = CompareConfig(kinds=("dense", "engram", "memory", "value_embed", "stem"), variants=("default", "reference"))
+    want = ("dense", "engram", "engram-reference", "memory", "memory-reference", "value_embed")
+    assert arms(cfg) == (*want, "value_embed-reference", "stem")
+    listed = CompareConfig(kinds=("engram", "engram-reference"), variants=("reference",))
+    assert arms(listed) == ("engram", "engram-reference")  # named in --kinds already: not added twice
+
+
+def test_an_arm_is_its_kind_with_the_variant_set():
+    cfg = CompareConfig(kinds=("dense", "engram", "memory", "value_embed"), variants=("reference",), **SMALL)
+    configs = model_configs(cfg, TOK)
+    for kind in ("engram", "memory", "value_embed"):
+        default, reference = configs[kind], configs[f"{kind}-reference"]
+        assert default.ffn == reference.ffn == kind
+        assert getattr(default, f"{kind}_variant") == "stemlm" and getattr(reference, f"{kind}_variant") == "reference"
+    assert configs["engram-reference"].special_layers == configs["engram"].special_layers == [1, 3, 5]
+    assert configs["value_embed-reference"].special_layers == [1, 2, 3, 4, 5]
+    assert configs["dense"].hidden_size == configs["memory-reference"].hidden_size == 32  # one backbone
+    steps = plan_steps(cfg, configs, "flops")
+    assert set(steps) == set(configs) and steps["dense"] == 200
+
+
+def test_bad_arms_are_one_line_errors(tmp_path, capsys):
+    with pytest.raises(StemlmError, match="unknown kind 'dense-reference'"):
+        model_configs(CompareConfig(kinds=("dense-reference",), **SMALL), TOK)  # dense has no variants
+    with pytest.raises(
+        StemlmError, match=r"arm engram-bogus \(engram_variant=bogus\): invalid config: engram_variant must be one of"
+    ):
+        model_configs(CompareConfig(kinds=("engram-bogus",), **SMALL), TOK)
+    four = {**SMALL, "num_hidden_layers": 4}
+    with pytest.raises(StemlmError, match="arm value_embed-reference .*lists a layer twice"):
+        model_configs(CompareConfig(kinds=("value_embed",), variants=("reference",), **four), TOK)
+    args = ["experiment", "compare", "--kinds", "dense,engram", "--variants", "nope", "--out", str(tmp_path / "c")]
+    assert main(args) == 2
+    err = capsys.readouterr().err.strip()
+    assert "engram-nope" in err and "\n" not in err
+    parsed = build_parser().parse_args(["experiment", "compare", "--variants", "default,reference"])
+    assert parsed.variants == ("default", "reference")
+
+
+def _row(kind, loss):
+    return {
+        "kind": kind,
+        "lr": 3e-3,
+        "table_lr": 3e-2,
+        "embed_lr": 3e-3,
+        "tokens": 384,
+        "params_total": 10,
+        "params_active": 5,
+        "train_flops_per_token": 1.0,
+        "steps": 3,
+        "train_flops": 1e15,
+        "heldout": {"loss": loss, "bits_per_byte": 1.5},
+        "tasks": {t: {"acc": 0.25} for t in ACC_TASKS},
+        "niah": {"by_length": {"64": 0.0}, "accuracy": 0.0},
+        "fit": {"loss_spikes": 0, "tokens_per_s": 1000.0},
+    }
+
+
+def test_the_report_labels_rows_by_arm():
+    from stemlm.experiments.stats import summarize_seeds
+
+    steps = {"flops": {"engram": 3, "engram-reference": 3}}
+    per_seed = [
+        seed_entry(s, steps, {"engram-3steps": _row("engram", 4.0), "engram-reference-3steps": _row("e", 4.0 + d)})
+        for s, d in ((0, 0.5), (1, 0.25))
+    ]
+    assert per_seed[1]["diff"]["flops"]["engram-reference-engram"]["heldout_loss"] == pytest.approx(0.25)
+    with_dense = {"dense-3steps": _row("dense", 4.5), "engram-3steps": _row("engram", 4.0)}
+    with_dense["engram-reference-3steps"] = _row("e", 4.25)
+    diffs = seed_entry(0, {"flops": {"dense": 3, "engram": 3, "engram-reference": 3}}, with_dense)["diff"]["flops"]
+    assert list(diffs) == ["engram-dense", "engram-reference-dense", "engram-reference-engram"]
+    assert diffs["engram-reference-engram"]["heldout_loss"] == pytest.approx(0.25)
+    report = {
+        "per_seed": per_seed,
+        "summary": summarize_seeds([{k: v for k, v in s.items() if k != "seed"} for s in per_seed]),
+    }
+    table = results_table(report, "flops")
+    assert "| engram-reference | 4.375 ±" in table and "(4.500 / 4.250)" in table
+    assert "| engram-reference-engram | 0.375 ±" in diff_table(report, "flops")
+
+
+def test_a_compare_run_trains_the_named_variant(tmp_path):
+    data = tmp_path / "train.txt"
+    data.write_text("\n\n".join(embedded_texts("train")[:40]))
+    cfg = CompareConfig(kinds=("engram-reference",), **SMALL)
+    config = model_configs(cfg, TOK)["engram-reference"]
+    job = {
+        "kind": "engram-reference",
+        "model": config.to_dict(),
+        "steps": 2,
+        "lr": 3e-3,
+        "seed": 0,
+        "evaluate": False,
+        "overrides": {},
+        "cfg": dataclasses.asdict(cfg),
+        "digest": cfg.digest(),
+        "run_dir": str(tmp_path / "run"),
+        "data": str(data),
+    }
+    result = run_kind(job, None)
+    assert result["kind"] == "engram-reference" and result["model"]["engram_variant"] == "reference"
+    assert result["fit"]["steps"] == 2 and result["table_lr"] is not None
+    # the arms are not part of a run's digest: adding --variants keeps the default arms' finished runs
+    assert CompareConfig(variants=("reference",)).digest() == CompareConfig().digest()
