@@ -71,3 +71,15 @@ def test_per_layer_ngram_tables_offloaded_equal_resident(tmp_path, shape, tables
     assert len(set(sizes.values())) == len(keys)  # each layer's own prime sizes: tables of different lengths
     for k in keys:
         assert caches[f"ngram.{k}"]["lookups"] > 0
+
+
+@pytest.mark.parametrize("shape", sorted(SHAPES))
+def test_serve_resident_view_reads_the_per_layer_tables(tmp_path, shape):
+    from stemlm.serve.views import resident_view
+
+    folder, model = checkpoint(tmp_path / "ckpt", SHAPES[shape])
+    ids = torch.tensor([PROMPT])
+    with OffloadedLM.load(folder, "host", cache_fraction=0.05) as lm, torch.no_grad():
+        view = resident_view(lm)  # each per-layer store mapped onto its own table, no copy
+        assert not any(p.is_meta for p in view.parameters())
+        torch.testing.assert_close(view(ids).logits, model(ids).logits, atol=1e-6, rtol=0)

@@ -44,7 +44,7 @@ def shared_copy(model: StemLM, replace: dict[str, torch.Tensor]) -> StemLM:
 
 def resident_view(lm: OffloadedLM) -> StemLM:
     """The offloaded model with its tables read straight from the host providers (CPU device only): token
-    tables, and the n-gram tables and memory values of the lookup kinds."""
+    tables, and the n-gram tables (shared or per layer) and memory values of the lookup kinds."""
     providers = lm.providers
     kinds = {p.kind for p in providers.all().values()}
     if kinds != {"host"}:
@@ -64,9 +64,12 @@ def resident_view(lm: OffloadedLM) -> StemLM:
         )
     families = table_families(lm.model)
     tables = {}
-    for family, provider in (("token", providers.token), ("ngram", providers.ngram)):
-        for layer, name in families.get(family, {}).items():
-            tables[name] = _host_table(provider, layer)
+    for layer, name in families.get("token", {}).items():
+        tables[name] = _host_table(providers.token, layer)
+    for layer, name in families.get("ngram", {}).items():
+        # Per-layer hashing (engram_variant=reference) keeps one store per layer; shared ids keep one for all.
+        own = providers.ngram_layers.get(layer)
+        tables[name] = _host_table(own if own is not None else providers.ngram, layer)
     for layer, name in families.get("memory", {}).items():
         tables[name] = _host_table(providers.memory[layer], layer)
     return shared_copy(lm.model, tables)
