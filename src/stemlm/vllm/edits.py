@@ -7,7 +7,7 @@ positions of this one request are swapped for other tokens' rows. vLLM's engine 
 one flat batch through a model that is told nothing per request beyond positions and the KV cache, so the model
 cannot tell which rows to swap for whom; and vLLM's OpenAI server accepts unknown fields and ignores them (a log
 line), which would answer the unedited completion as if it were the edited one. This middleware makes that a
-clear error instead. A global edit is a different checkpoint (`stemlm edit ... --out DIR`): serve that folder.
+clear error instead. A global edit is a different checkpoint (`stemlm edit CKPT ... --save OUT`): serve that folder.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ EDIT_FIELDS = ("edit", "stem_edit")
 PATHS = ("/v1/completions", "/v1/chat/completions")
 MESSAGE = (
     "per-request edits ({field}) are not supported by vLLM: its batched model step has no per-request row swap. "
-    "Serve an edited checkpoint (stemlm edit ... --out DIR) or use stemlm serve for per-request edits"
+    "Serve an edited checkpoint (stemlm edit CKPT ... --save OUT) or use stemlm serve for per-request edits"
 )
 
 

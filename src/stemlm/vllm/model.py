@@ -52,6 +52,7 @@ from vllm.model_executor.model_loader.weight_utils import default_weight_loader,
 from vllm.model_executor.models.interfaces import SupportsPP
 from vllm.model_executor.models.utils import (
     AutoWeightsLoader,
+    extract_layer_index,
     make_empty_intermediate_tensors_factory,
     make_layers,
     maybe_prefix,
@@ -149,7 +150,7 @@ class StemlmAttention(nn.Module):
 class StemlmDecoderLayer(nn.Module):
     def __init__(self, config: ModelConfig, vllm_config: VllmConfig, prefix: str) -> None:
         super().__init__()
-        layer_idx = int(prefix.rsplit(".", 1)[1])
+        layer_idx = extract_layer_index(prefix)
         self.self_attn = StemlmAttention(config, vllm_config, f"{prefix}.self_attn")
         d, f = config.hidden_size, config.intermediate_size
         if config.layer_ffn(layer_idx) == "stem":
