@@ -22,7 +22,7 @@ Tables in host memory are vLLM's UVA weight offload selected by name (`cpu_offlo
 `cpu_offload_params={"stem_embedding"}`): each layer's table moves to pinned host memory and the device keeps a UVA
 view of it, so the lookup reads only the rows of the step's tokens over PCIe (docs/vllm.md).
 
-Kinds other than dense and STEM are refused at load with the reason (`unsupported_kinds`).
+Kinds other than dense and STEM are refused at load with the reason (`stemlm.vllm.kinds`), and so is `--quantization`.
 """
 
 from __future__ import annotations
@@ -181,6 +181,10 @@ class StemlmModel(nn.Module):
     def __init__(self, *, vllm_config: VllmConfig, prefix: str = "") -> None:
         super().__init__()
         config = check_servable(vllm_config.model_config.hf_config)
+        if vllm_config.quant_config is not None:  # the layers take none, so it would be silently ignored
+            raise ValueError(
+                "stemlm's vLLM plugin serves unquantised weights only (fp32, bf16, fp16): drop --quantization"
+            )
         self.has_tables = bool(config.special_layers) and config.ffn == "stem"
         pp = get_pp_group()
         if pp.is_first_rank or (config.tie_word_embeddings and pp.is_last_rank):
