@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from stemlm.checkpoint.folder import save_pretrained
+from stemlm.cli.main import main
 from stemlm.data.tokenizer import default_tokenizer
 from stemlm.inference.generate import generate
 from stemlm.model import build_model
@@ -41,9 +42,12 @@ def stemlm_greedy(folder: Path, prompts=PROMPTS, new: int = NEW_TOKENS) -> list[
 
 @pytest.fixture(scope="session")
 def checkpoints(tmp_path_factory) -> dict[str, Path]:
-    """{"dense": folder, "stem": folder}: tiny models with random weights, saved as `stemlm train` saves them."""
+    """{"dense": folder, "stem": folder}: tiny models with random weights, saved as `stemlm train` saves them; and
+    "stem-export": the STEM one through `stemlm export --remote-code` (its config.json then has an auto_map too)."""
     root = tmp_path_factory.mktemp("vllm")
-    return {
+    folders = {
         ffn: save_pretrained(build_model(tiny_config(ffn), seed=1).eval(), root / ffn, tokenizer=default_tokenizer())
         for ffn in ("dense", "stem")
     }
+    assert main(["export", str(folders["stem"]), "--out", str(root / "stem-export"), "--remote-code"]) == 0
+    return {**folders, "stem-export": root / "stem-export"}

@@ -1,5 +1,7 @@
 """vLLM's greedy tokens equal `stemlm generate --greedy` for tiny dense and STEM checkpoints, prompt by prompt and
-as one batch; the STEM engine runs with its tables selected for vLLM's UVA host offload (`cpu_offload_params`).
+as one batch. The dense engine loads the folder as stemlm saved it; the STEM engine loads the folder
+`stemlm export --remote-code` wrote from it, with its tables selected for vLLM's UVA host offload
+(`cpu_offload_params`).
 
 One engine per checkpoint for the whole module (a start is tens of seconds on a CPU). On a CPU the offload is a
 no-op (vLLM leaves parameters that are in host memory already where they are), so the STEM engine checks that the
@@ -24,7 +26,7 @@ HOST_TABLES = dict(cpu_offload_gb=1, cpu_offload_params={"stem_embedding"})
 def engine(request, checkpoints):
     kind = request.param
     llm = vllm.LLM(
-        model=str(checkpoints[kind]),
+        model=str(checkpoints["stem-export" if kind == "stem" else kind]),
         dtype="float32",  # stemlm's tokens are fp32's: the comparison is exact only in the same precision
         max_model_len=256,
         max_num_seqs=8,
