@@ -14,6 +14,7 @@ from stemlm.experiments.compare import CompareConfig, model_configs, parse_budge
 from stemlm.experiments.compare_report import ACC_TASKS, summarize_kind
 from stemlm.experiments.contract import resolve_options
 from stemlm.model.accounting import prefill_flops
+from tests.experiments.compare_results import result_row
 
 TOK = default_tokenizer()
 SMALL = dict(
@@ -95,22 +96,7 @@ def test_cli_bad_input_is_one_line_exit_2(tmp_path, capsys):
 
 
 def _fake(kind, acc, flops):
-    return {
-        "kind": kind,
-        "lr": 3e-3,
-        "table_lr": 3e-2 if kind == "stem" else None,
-        "embed_lr": 3e-3,
-        "tokens": 384,
-        "params_total": 10,
-        "params_active": 5,
-        "train_flops_per_token": 1.0,
-        "steps": 3,
-        "train_flops": flops,
-        "heldout": {"loss": 4.0, "bits_per_byte": 1.5},
-        "tasks": {t: {"acc": acc} for t in ACC_TASKS},
-        "niah": {"by_length": {"64": 0.5}, "accuracy": 0.5},
-        "fit": {"loss_spikes": 1, "tokens_per_s": 1000.0},
-    }
+    return result_row(kind, acc=acc, flops=flops, table_lr=3e-2 if kind == "stem" else None, niah=0.5, spikes=1)
 
 
 def test_summary_rows_and_seed_entry():

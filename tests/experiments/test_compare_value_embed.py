@@ -7,14 +7,10 @@ trained by a compare run with the tables' lr.
 
 from __future__ import annotations
 
-import dataclasses
-
 from stemlm.cli.main import main
-from stemlm.data.corpus import embedded_texts
-from stemlm.data.tokenizer import default_tokenizer
-from stemlm.experiments.compare import CompareConfig, kind_names, model_configs, plan_steps, run_kind
+from stemlm.experiments.compare import CompareConfig, kind_names, model_configs, plan_steps
+from tests.experiments.compare_results import TOK, train_two_steps
 
-TOK = default_tokenizer()
 SMALL = dict(
     hidden_size=32,
     intermediate_size=48,
@@ -38,23 +34,7 @@ def test_value_embed_is_a_compare_kind_matched_by_flops(tmp_path, capsys):
 
 
 def test_a_compare_run_trains_value_embed_with_the_table_lr(tmp_path):
-    data = tmp_path / "train.txt"
-    data.write_text("\n\n".join(embedded_texts("train")[:40]))
     cfg = CompareConfig(kinds=("value_embed",), **SMALL)
-    config = model_configs(cfg, TOK)["value_embed"]
-    job = {
-        "kind": "value_embed",
-        "model": config.to_dict(),
-        "steps": 2,
-        "lr": 3e-3,
-        "seed": 0,
-        "evaluate": False,
-        "overrides": {},
-        "cfg": dataclasses.asdict(cfg),
-        "digest": cfg.digest(),
-        "run_dir": str(tmp_path / "run"),
-        "data": str(data),
-    }
-    result = run_kind(job, None)
+    result = train_two_steps(cfg, "value_embed", tmp_path)
     assert result["fit"]["steps"] == 2 and result["table_lr"] is not None
     assert result["params_total"] > result["params_active"]  # the value table is not active per token

@@ -8,18 +8,14 @@ trained as that variant by a compare run.
 
 from __future__ import annotations
 
-import dataclasses
-
 import pytest
 
 from stemlm.cli.main import build_parser, main
-from stemlm.data.corpus import embedded_texts
-from stemlm.data.tokenizer import default_tokenizer
 from stemlm.errors import StemlmError
-from stemlm.experiments.compare import CompareConfig, arms, model_configs, plan_steps, run_kind, seed_entry
-from stemlm.experiments.compare_report import ACC_TASKS, diff_table, results_table
+from stemlm.experiments.compare import CompareConfig, arms, model_configs, plan_steps, seed_entry
+from stemlm.experiments.compare_report import diff_table, results_table
+from tests.experiments.compare_results import TOK, result_row, train_two_steps
 
-TOK = default_tokenizer()
 SMALL = dict(
     hidden_size=32,
     intermediate_size=48,
@@ -71,36 +67,19 @@ def test_bad_arms_are_one_line_errors(tmp_path, capsys):
     assert parsed.variants == ("default", "reference")
 
 
-def _row(kind, loss):
-    return {
-        "kind": kind,
-        "lr": 3e-3,
-        "table_lr": 3e-2,
-        "embed_lr": 3e-3,
-        "tokens": 384,
-        "params_total": 10,
-        "params_active": 5,
-        "train_flops_per_token": 1.0,
-        "steps": 3,
-        "train_flops": 1e15,
-        "heldout": {"loss": loss, "bits_per_byte": 1.5},
-        "tasks": {t: {"acc": 0.25} for t in ACC_TASKS},
-        "niah": {"by_length": {"64": 0.0}, "accuracy": 0.0},
-        "fit": {"loss_spikes": 0, "tokens_per_s": 1000.0},
-    }
-
-
 def test_the_report_labels_rows_by_arm():
     from stemlm.experiments.stats import summarize_seeds
 
     steps = {"flops": {"engram": 3, "engram-reference": 3}}
     per_seed = [
-        seed_entry(s, steps, {"engram-3steps": _row("engram", 4.0), "engram-reference-3steps": _row("e", 4.0 + d)})
+        seed_entry(
+            s, steps, {"engram-3steps": result_row("engram", 4.0), "engram-reference-3steps": result_row("e", 4.0 + d)}
+        )
         for s, d in ((0, 0.5), (1, 0.25))
     ]
     assert per_seed[1]["diff"]["flops"]["engram-reference-engram"]["heldout_loss"] == pytest.approx(0.25)
-    with_dense = {"dense-3steps": _row("dense", 4.5), "engram-3steps": _row("engram", 4.0)}
-    with_dense["engram-reference-3steps"] = _row("e", 4.25)
+    with_dense = {"dense-3steps": result_row("dense", 4.5), "engram-3steps": result_row("engram", 4.0)}
+    with_dense["engram-reference-3steps"] = result_row("e", 4.25)
     diffs = seed_entry(0, {"flops": {"dense": 3, "engram": 3, "engram-reference": 3}}, with_dense)["diff"]["flops"]
     assert list(diffs) == ["engram-dense", "engram-reference-dense", "engram-reference-engram"]
     assert diffs["engram-reference-engram"]["heldout_loss"] == pytest.approx(0.25)
@@ -114,24 +93,8 @@ def test_the_report_labels_rows_by_arm():
 
 
 def test_a_compare_run_trains_the_named_variant(tmp_path):
-    data = tmp_path / "train.txt"
-    data.write_text("\n\n".join(embedded_texts("train")[:40]))
     cfg = CompareConfig(kinds=("engram-reference",), **SMALL)
-    config = model_configs(cfg, TOK)["engram-reference"]
-    job = {
-        "kind": "engram-reference",
-        "model": config.to_dict(),
-        "steps": 2,
-        "lr": 3e-3,
-        "seed": 0,
-        "evaluate": False,
-        "overrides": {},
-        "cfg": dataclasses.asdict(cfg),
-        "digest": cfg.digest(),
-        "run_dir": str(tmp_path / "run"),
-        "data": str(data),
-    }
-    result = run_kind(job, None)
+    result = train_two_steps(cfg, "engram-reference", tmp_path)
     assert result["kind"] == "engram-reference" and result["model"]["engram_variant"] == "reference"
     assert result["fit"]["steps"] == 2 and result["table_lr"] is not None
     # the arms are not part of a run's digest: adding --variants keeps the default arms' finished runs

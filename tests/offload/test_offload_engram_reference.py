@@ -13,9 +13,8 @@ import torch
 
 from stemlm.checkpoint.folder import save_pretrained
 from stemlm.inference.offloaded import OffloadedLM, forced_decode
-from stemlm.model import build_model
-from stemlm.model.config import ModelConfig
 from stemlm.model.kinds.registry import table_key
+from tests.offload.test_offload_reference_variants import small_model
 
 PROMPT = torch.randint(0, 256, (20,), generator=torch.Generator().manual_seed(0)).tolist()
 CHUNK, NEW = 8, 8
@@ -27,16 +26,7 @@ SHAPES = {
 
 
 def checkpoint(folder, fields):
-    config = ModelConfig(
-        vocab_size=256,
-        hidden_size=64,
-        intermediate_size=96,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=96,
-        **fields,
-    )
-    model = build_model(config, seed=0)
+    model = small_model(fields)
     with torch.no_grad():  # large n-gram rows and value projections, so the rows matter to the output
         for t in model.lookup_tables()["ngram"].values():
             t.weight.normal_(0, 2.0, generator=torch.Generator().manual_seed(1))

@@ -25,7 +25,8 @@ VARIANTS = {
 }
 
 
-def checkpoint(folder, fields):
+def small_model(fields):
+    """A small model of `fields`' kind and variant (shared with the Engram reference's offload tests)."""
     config = ModelConfig(
         vocab_size=256,
         hidden_size=64,
@@ -35,7 +36,11 @@ def checkpoint(folder, fields):
         max_position_embeddings=96,
         **fields,
     )
-    model = build_model(config, seed=0)
+    return build_model(config, seed=0)
+
+
+def checkpoint(folder, fields):
+    model = small_model(fields)
     with torch.no_grad():  # large rows and nonzero gates, so the tables matter to the output
         for t in model.token_tables().values():
             t.weight.normal_(0, 0.5, generator=torch.Generator().manual_seed(1))
