@@ -31,7 +31,7 @@ LAYERS = [
     ("evaluation",),
     ("train",),  # the trainer, train/tables (row-sparse optimizers, host tables), train/parallel (torch.distributed)
     ("experiments",),
-    ("serve",),
+    ("serve", "vllm"),  # stemlm's own server; the vLLM plugin (imported by vLLM only)
     ("cli",),
 ]
 LAYER_OF = {name: rank for rank, names in enumerate(LAYERS) for name in names}

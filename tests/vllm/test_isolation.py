@@ -34,13 +34,13 @@ def test_importing_stemlm_and_its_cli_loads_no_vllm():
 def test_pyproject_declares_the_extra_and_the_entry_point():
     tomllib = pytest.importorskip("tomllib")  # Python 3.11+
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
-    assert project["entry-points"]["vllm.general_plugins"] == {"stemlm": "stemlm.vllm:register"}
+    assert project["entry-points"]["vllm.general_plugins"] == {"stemlm": "stemlm.vllm.plugin:register"}
     assert any(r.startswith("vllm") for r in project["optional-dependencies"]["vllm"])
 
 
 def test_register_adds_the_architecture_to_vllm():
     vllm = pytest.importorskip("vllm")
-    from stemlm.vllm import ARCHITECTURES, register
+    from stemlm.vllm.plugin import ARCHITECTURES, register
 
     register()
     register()  # vLLM calls it once per process it starts; twice is harmless
