@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from stemlm.checkpoint.runs import trained_fact_countries
 from stemlm.data import TokenDataset, get_tokenizer
 from stemlm.data.fact_mix import fact_repeats, fact_texts
 from stemlm.data.worlds.facts import MIX_TEMPLATES, TEMPLATES, fact_prompts
@@ -101,4 +102,6 @@ def test_train_command_reports_fact_recall(monkeypatch, tmp_path, capsys):
     assert facts["train_templates"]["prompts"] == prompts and 0 <= facts["train_templates"]["recall"] <= 1
     assert report["heldout_eval"]["window"] == 32 and report["run_dir_bytes"] > 0
     run_config = json.loads((tmp_path / "run" / "run_config.json").read_text())
-    assert run_config["train"]["fact_fraction"] == 0.3
+    assert run_config["train"]["fact_fraction"] == TrainConfig().fact_fraction
+    # `stemlm eval edits --countries auto` reads them back from the checkpoint
+    assert trained_fact_countries(tmp_path / "run") == list(FACT_COUNTRIES)

@@ -153,12 +153,19 @@ def run_eval(args) -> int:
     for one in each:
         print(*([f"{one['checkpoint']}:"] if len(each) > 1 else []), format_edit_table(one["variants"]), sep="\n")
     for variant, summary in results.get("paraphrase_moved", {}).items():
-        lo, hi = summary["ci95"]
-        print(
-            f"paraphrases moved, {variant}, over {summary['n']} checkpoints: mean {summary['mean']:.3f}, 95% interval "
-            f"[{lo:.3f}, {hi:.3f}] (per checkpoint {', '.join(f'{r:.3f}' for r in summary['rates'])})"
-        )
+        print(f"paraphrases moved, {variant}: {_over_checkpoints_text(summary)}")
     return 0
+
+
+def _over_checkpoints_text(summary: dict) -> str:
+    def number(x):
+        return "-" if x is None else f"{x:.3f}"
+
+    lo, hi = summary["ci95"]
+    return (
+        f"mean {number(summary['mean'])}, 95% interval [{number(lo)}, {number(hi)}] over {summary['n']} checkpoints "
+        f"knowing a paraphrase (each: {', '.join(map(number, summary['rates'])) or '-'})"
+    )
 
 
 def over_checkpoints(each: list[dict]) -> dict:

@@ -44,16 +44,18 @@ RELATIONS = tuple(TEMPLATES)
 
 # More training phrasings for the fact mix of `stemlm train` only (stemlm.data.fact_mix; the experiments keep
 # TEMPLATES' training split): a small model answers phrasings it never saw when each fact is trained in several
-# unlike ones (subject first and last, question and list forms), as Allen-Zhu & Li's knowledge augmentation
-# found. None of them contains a held-out template (tests/data/worlds/test_facts.py).
+# unlike ones (subject first and last; question, list and sentence forms; other nouns for the capital), as
+# Allen-Zhu & Li's knowledge augmentation found. Measured on the default run (docs/results.md "The default run"):
+# held-out-phrasing recall 0.83 with the four training templates alone, 0.96 with these (seed 0). None of them
+# contains a held-out template (tests/data/worlds/test_facts.py).
 MIX_TEMPLATES: dict[str, list[str]] = {
     "capital": [
         "Q: What is the capital of {s}? A:",
         "{s} has its capital in",
         "{s}, capital city:",
         "In {s}, the capital is",
-        "Name the capital of {s}:",
-        "Ask anyone in {s} for its capital and they will say",
+        "The national capital of {s} is",
+        "The chief city of {s} is",
     ],
 }
 
