@@ -198,6 +198,7 @@ def test_eval_edits_over_several_checkpoints_and_chosen_countries(
     for variant, summary in out["paraphrase_moved"].items():
         rates = [r["variants"][variant]["paraphrase_moved"]["rate"] for r in out["checkpoints"]]
         assert summary["rates"] == [r for r in rates if r is not None] and summary["n"] == len(summary["rates"])
+        assert all(x is None or 0.0 <= x <= 1.0 for x in summary["ci95"])  # a rate's interval stays in [0, 1]
     assert main(argv) == 0
     text = capsys.readouterr().out
     assert f"{stem}:" in text and "paraphrases moved" in text

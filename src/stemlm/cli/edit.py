@@ -170,14 +170,17 @@ def _over_checkpoints_text(summary: dict) -> str:
 
 def over_checkpoints(each: list[dict]) -> dict:
     """variant -> the paraphrase-moved rates of several checkpoints (seeds) with their mean and 95% t interval
-    (stemlm.experiments.stats.mean_ci95); checkpoints where the model knows no paraphrase are left out."""
+    (stemlm.experiments.stats.mean_ci95, clipped to [0, 1]: a rate); checkpoints where the model knows no
+    paraphrase are left out."""
     from stemlm.experiments.stats import mean_ci95
 
     out = {}
     for variant in each[0]["variants"]:
         rates = [r["variants"][variant]["paraphrase_moved"]["rate"] for r in each if variant in r["variants"]]
         rates = [r for r in rates if r is not None]
-        out[variant] = {**mean_ci95(rates), "rates": rates}
+        summary = mean_ci95(rates)
+        summary["ci95"] = [None if x is None else min(1.0, max(0.0, x)) for x in summary["ci95"]]
+        out[variant] = {**summary, "rates": rates}
     return out
 
 
