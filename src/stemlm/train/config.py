@@ -136,7 +136,7 @@ class TrainConfig:
     )
     # the fact world mixed into the embedded corpus (not into --data): statements of fact_relations about the
     # countries of fact_region make up fact_fraction of the training tokens (stemlm.data.fact_mix); 0: none
-    fact_fraction: float = 0.5
+    fact_fraction: float = 0.8
     fact_region: str = "Europe"
     # a few countries instead of the whole region, so each statement is seen often enough at the default budget
     # to be learnt (53 European countries got ~23 exposures each in 200 steps and were not); []: all of fact_region
@@ -160,7 +160,7 @@ class TrainConfig:
     grad_accum: int = setting(1, "micro-batches per optimizer step (default {default})", section="optimizer")
     # --- schedule: linear warm-up, then cosine to min_lr_ratio * peak ---
     steps: int = setting(200, "optimizer steps (default {default})", section="optimizer")
-    lr: float = setting(2e-3, "peak learning rate of the backbone (default {default})", section="optimizer")
+    lr: float = setting(1.2e-3, "peak learning rate of the backbone (default {default})", section="optimizer")
     warmup: int | None = setting(
         None, "linear warm-up steps before the cosine decay (default 10%% of --steps)", section="optimizer"
     )
