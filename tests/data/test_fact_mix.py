@@ -5,9 +5,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from stemlm.checkpoint.runs import trained_fact_countries
 from stemlm.data import TokenDataset, get_tokenizer
 from stemlm.data.fact_mix import fact_repeats, fact_texts
-from stemlm.data.worlds.facts import fact_prompts
+from stemlm.data.worlds.facts import MIX_TEMPLATES, TEMPLATES, fact_prompts
 from stemlm.errors import StemlmError
 from stemlm.train import data as data_mod
 from stemlm.train.config import FACT_COUNTRIES, TrainConfig
@@ -23,12 +24,14 @@ def _cache(tmp_path, monkeypatch):
 def test_fact_tokens_make_up_the_requested_fraction():
     tok = get_tokenizer("default")
     corpus = TokenDataset.from_texts(CORPUS, tok)
-    docs = fact_texts(corpus.num_tokens, tok, 0.25, "Europe", ["capital"], seed=0)
+    # The default run's 12 countries: one repeat of their statements is small beside the corpus, so whole repeats
+    # can meet the fraction (all of Europe's, 10 phrasings each, is 9k tokens a repeat).
+    docs = fact_texts(corpus.num_tokens, tok, 0.25, list(FACT_COUNTRIES), ["capital"], seed=0)
     mixed = TokenDataset.from_texts(CORPUS + docs, tok)
     fact_tokens = mixed.num_tokens - corpus.num_tokens
     assert abs(fact_tokens / mixed.num_tokens - 0.25) < 0.01
-    # Independent check of the content: every statement of the European capitals, equally often.
-    statements = [p.prompt + p.answer + "." for p in fact_prompts("train", ("capital",), region="Europe")]
+    # Independent check of the content: every statement of those capitals, equally often.
+    statements = [p.prompt + p.answer + "." for p in fact_prompts("train", ("capital",), FACT_COUNTRIES, mix=True)]
     lines = [line for doc in docs for line in doc.split("\n")]
     repeats = len(lines) // len(statements)
     assert sorted(lines) == sorted(statements * repeats) and repeats > 1
@@ -39,9 +42,10 @@ def test_named_countries_select_the_statements():
     tok = get_tokenizer("default")
     docs = fact_texts(20_000, tok, 0.3, ["Spain", "Germany"], ["capital"], seed=0)
     lines = {line for doc in docs for line in doc.split("\n")}
-    pair = fact_prompts("train", ("capital",), region=["Spain", "Germany"])
+    pair = fact_prompts("train", ("capital",), region=["Spain", "Germany"], mix=True)
     assert lines == {p.prompt + p.answer + "." for p in pair}
-    assert "The capital of Germany is Berlin." in lines and len(lines) == 8
+    assert "The capital of Germany is Berlin." in lines and "Germany has its capital in Berlin." in lines
+    assert len(lines) == 2 * (len(TEMPLATES["capital"][0]) + len(MIX_TEMPLATES["capital"]))
     with pytest.raises(StemlmError, match="unknown country 'Atlantis'"):
         fact_texts(1000, tok, 0.2, ["Spain", "Atlantis"], ["capital"], seed=0)
     assert TrainConfig().fact_selection() == list(FACT_COUNTRIES)
@@ -98,4 +102,6 @@ def test_train_command_reports_fact_recall(monkeypatch, tmp_path, capsys):
     assert facts["train_templates"]["prompts"] == prompts and 0 <= facts["train_templates"]["recall"] <= 1
     assert report["heldout_eval"]["window"] == 32 and report["run_dir_bytes"] > 0
     run_config = json.loads((tmp_path / "run" / "run_config.json").read_text())
-    assert run_config["train"]["fact_fraction"] == 0.3
+    assert run_config["train"]["fact_fraction"] == TrainConfig().fact_fraction
+    # `stemlm eval edits --countries auto` reads them back from the checkpoint
+    assert trained_fact_countries(tmp_path / "run") == list(FACT_COUNTRIES)

@@ -181,3 +181,26 @@ def test_eval_edits_table_and_errors(checkpoints, capsys):
     assert "unknown relation" in capsys.readouterr().err
     assert main(["eval", "edits", dense, "--variants", "stem", "--records", "1"]) == 2
     assert "no STEM tables" in capsys.readouterr().err
+
+
+def test_eval_edits_over_several_checkpoints_and_chosen_countries(
+    checkpoints, edit_model, fact_tokenizer, tmp_path, capsys
+):
+    stem, _ = checkpoints
+    other = tmp_path / "stem-seed1"
+    save_pretrained(edit_model(seed=1), other, tokenizer=fact_tokenizer)
+    argv = ["eval", "edits", stem, str(other), "--countries", "Spain,Germany,France", "--fluency-tokens", "0"]
+    out = _json(capsys, [*argv, "--json"])
+    assert [r["checkpoint"] for r in out["checkpoints"]] == [stem, str(other)]
+    for one in out["checkpoints"]:
+        assert one["countries"] == ["Spain", "Germany", "France"]
+        assert all(v["records"] == 3 for v in one["variants"].values())
+    for variant, summary in out["paraphrase_moved"].items():
+        rates = [r["variants"][variant]["paraphrase_moved"]["rate"] for r in out["checkpoints"]]
+        assert summary["rates"] == [r for r in rates if r is not None] and summary["n"] == len(summary["rates"])
+        assert all(x is None or 0.0 <= x <= 1.0 for x in summary["ci95"])  # a rate's interval stays in [0, 1]
+    assert main(argv) == 0
+    text = capsys.readouterr().out
+    assert f"{stem}:" in text and "paraphrases moved" in text
+    assert main(["eval", "edits", stem, "--countries", "Spain,Atlantis"]) == 2
+    assert "unknown country 'Atlantis'" in capsys.readouterr().err

@@ -125,6 +125,19 @@ def test_record_metrics_match_independent_scores(edit_model, fact_tokenizer, mod
         assert row["erased"] == (not gt)
         _, known = _per_token_logprob(model, prompt, true, None)
         assert row["known"] == known
+        knows_moves = []  # the paraphrase test, phrasing by phrasing: answered before, moved after
+        for text in rec.paraphrase_prompts:
+            ids = fact_tokenizer.encode(text).ids
+            _, knows = _per_token_logprob(model, ids, true, None)
+            at = make_edit(model, fact_tokenizer, ids, rec.subject, rec.target_subject)
+            _, moves = _per_token_logprob(model, ids, new, at)
+            knows_moves.append((knows, knows and moves))
+        assert row["paraphrases_known"] == sum(k for k, _ in knows_moves)
+        assert row["paraphrases_moved"] == sum(m for _, m in knows_moves)
+    moved = result["paraphrase_moved"]
+    assert moved["known"] == sum(r["paraphrases_known"] for r in result["details"])
+    assert moved["moved"] == sum(r["paraphrases_moved"] for r in result["details"])
+    assert moved["rate"] == (moved["moved"] / moved["known"] if moved["known"] else None)
     assert result["records"] == 2
     sets = set(result["all_records"])
     assert sets == (

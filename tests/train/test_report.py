@@ -56,3 +56,18 @@ def test_compute_line_gives_each_clock_beside_its_own_peak():
     both = render_report({**BASE, "compute": compute | cpu}).splitlines()[1]
     assert both.startswith("compute: 12.0 model GFLOP/s = 25% of 48.0 GFLOP/s (wall clock), 30.0 per CPU-second = ")
     assert "75% of 40.0 (process CPU time); peaks:" in both
+
+
+def test_model_line_gives_the_run_training_compute():
+    accounting = {
+        "ffn": "stem",
+        "special_layers": [1, 3],
+        "parameters_total": 19_794_176,
+        "table_parameters": 12_582_912,
+        "parameters_active_per_token": 7_211_264,
+        "training_flops_per_token": 31_463_424.0,
+    }
+    line = render_report({**BASE, "accounting": accounting}).splitlines()[1]
+    # 31.46 MFLOPs/token x 20,480 tokens = 0.644 TFLOP
+    assert line.endswith("31.5 MFLOPs/token to train, 0.64 TFLOP over its 20,480 tokens")
+    assert line.startswith("model: ffn stem in layers [1,3]; 19,794,176 parameters (12,582,912 in tables)")

@@ -198,6 +198,18 @@ def training_window(path: str | Path) -> int | None:
     return window if isinstance(window, int) and window > 0 else None
 
 
+def trained_fact_countries(path: str | Path) -> list[str] | str | None:
+    """The fact-world countries the run of a CKPT argument mixed into its training text (a list of names, or a
+    region name: `TrainConfig.fact_selection`), or None when it mixed none or has no trainer state."""
+    folder = resolve_checkpoint(path)
+    try:
+        train = json.loads((folder / "trainer_state.json").read_text())["config"]["train"]
+        mixed = train.get("data") is None and train.get("fact_fraction", 0) > 0
+        return (list(train.get("fact_countries") or []) or train["fact_region"]) if mixed else None
+    except (OSError, json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError, AttributeError):
+        return None
+
+
 def folder_bytes(path: str | Path) -> int:
     """Bytes of every file under `path` (a run folder's size on disk, as `du --apparent-size` counts it)."""
     return sum(f.stat().st_size for f in Path(path).rglob("*") if f.is_file())

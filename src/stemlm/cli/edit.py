@@ -142,15 +142,46 @@ def run_eval(args) -> int:
         check_file_target(args.out, force=args.force)  # before the (long) evaluation
     settings = {k: getattr(args, k) for k in ("strategy", "pad", "mode", "fluency_tokens", "fluency_records")}
     log = functools.partial(print, file=sys.stderr)
-    given = {k: getattr(args, k) for k in ("seed", "layers", "variants", "dense")}
-    results = evaluate_checkpoint_edits(args.ckpt, args.relation, args.records, log=log, **given, **settings)
+    given = {k: getattr(args, k) for k in ("seed", "layers", "variants", "dense", "countries")}
+    each = [evaluate_checkpoint_edits(c, args.relation, args.records, log=log, **given, **settings) for c in args.ckpt]
+    results = each[0] if len(each) == 1 else {"checkpoints": each, "paraphrase_moved": over_checkpoints(each)}
     if args.out:
         write_output_file(args.out, json.dumps(results, indent=2) + "\n", force=args.force)
     if args.json:
         print_json(results)
-    else:
-        print(format_edit_table(results["variants"]))
+        return 0
+    for one in each:
+        print(*([f"{one['checkpoint']}:"] if len(each) > 1 else []), format_edit_table(one["variants"]), sep="\n")
+    for variant, summary in results.get("paraphrase_moved", {}).items():
+        print(f"paraphrases moved, {variant}: {_over_checkpoints_text(summary)}")
     return 0
+
+
+def _over_checkpoints_text(summary: dict) -> str:
+    def number(x):
+        return "-" if x is None else f"{x:.3f}"
+
+    lo, hi = summary["ci95"]
+    return (
+        f"mean {number(summary['mean'])}, 95% interval [{number(lo)}, {number(hi)}] over {summary['n']} checkpoints "
+        f"knowing a paraphrase (each: {', '.join(map(number, summary['rates'])) or '-'})"
+    )
+
+
+def over_checkpoints(each: list[dict]) -> dict:
+    """variant -> the paraphrase-moved rates of several checkpoints (seeds) with their mean and 95% t interval
+    (stemlm.experiments.stats.mean_ci95, clipped to [0, 1]: a rate); checkpoints where the model knows no
+    paraphrase are left out."""
+    from stemlm.experiments.stats import mean_ci95
+
+    out = {}
+    for variant in each[0]["variants"]:
+        rates = [r["variants"][variant]["paraphrase_moved"]["rate"] for r in each if variant in r["variants"]]
+        rates = [r for r in rates if r is not None]
+        summary = mean_ci95(rates)
+        summary["ci95"] = [None if x is None else min(1.0, max(0.0, x)) for x in summary["ci95"]]
+        out[variant] = {**summary, "rates": rates}
+    return out
 
 
 def register_eval(subparsers) -> None:
@@ -162,7 +193,19 @@ def register_eval(subparsers) -> None:
         "world, for STEM rows, embedding rows and both: each figure beside its unedited value and chance level, "
         "over the records the model knows (their number is shown).",
     )
-    p.add_argument("ckpt", metavar="CKPT", help="checkpoint folder, or run folder (uses its newest checkpoint)")
+    p.add_argument(
+        "ckpt",
+        metavar="CKPT",
+        nargs="+",
+        help="checkpoint folder, or run folder (uses its newest checkpoint); several (one per seed): also the "
+        "paraphrase-moved rate's mean and 95%% interval over them",
+    )
+    p.add_argument(
+        "--countries",
+        default="auto",
+        help="subjects and targets of the records: all, a comma list of countries, or auto (the countries the "
+        "run mixed into its training text; all for other checkpoints) (default auto)",
+    )
     p.add_argument("--records", type=int, default=50, help="number of edit records (default 50; 0 = all)")
     p.add_argument("--relation", default="capital", help="fact relation: capital, language, currency or region")
     p.add_argument("--seed", type=int, default=0, help="seed that picks the records and their targets")

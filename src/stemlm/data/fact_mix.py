@@ -1,6 +1,7 @@
 """Mixing the country fact world (`stemlm.data.worlds.facts`) into the training text of the embedded corpus.
 
-`stemlm train` on the embedded corpus adds templated fact statements ("The capital of Spain is Madrid.") so
+`stemlm train` on the embedded corpus adds templated fact statements ("The capital of Spain is Madrid.", in the
+training templates and the mix's extra phrasings, `MIX_TEMPLATES`) so
 that the model it trains can learn some facts, which is what `stemlm edit` needs to show anything: a row swap
 can only move a fact the model holds (at the default budget it has not learned them yet; see docs/results.md).
 The statements of `relations` for the countries of `region` (a region name or a list of countries) are
@@ -40,10 +41,10 @@ def fact_texts(
     from stemlm.data.worlds.facts import fact_documents
 
     try:
-        one = fact_documents(repeats=1, seed=seed, relations=tuple(relations), region=region)
+        one = fact_documents(repeats=1, seed=seed, relations=tuple(relations), region=region, mix=True)
     except (KeyError, ValueError) as exc:  # an unknown relation or region names itself
         raise StemlmError(f"cannot build the fact mix: {exc.args[0]}") from None
     # A shard ends every document with a separator token: count it, so the fraction is of the real token stream.
     per_repeat = sum(len(e.ids) for e in tokenizer.encode_batch(one, add_special_tokens=False)) + len(one)
     repeats = fact_repeats(corpus_tokens, per_repeat, fraction)
-    return fact_documents(repeats, seed=seed, relations=tuple(relations), region=region)
+    return fact_documents(repeats, seed=seed, relations=tuple(relations), region=region, mix=True)

@@ -17,6 +17,8 @@ probe below is scored twice on the same text, edited and unedited:
   nothing leaks, whatever the model knows);
 - `neighborhood`, global mode only (a global edit changes the source tokens everywhere, so other subjects
   asked on their own are what it can break): the same three figures;
+- `paraphrase_moved`: of the held-out phrasings the unedited model answers with the true object, the share
+  the edit moves to the new object (greedy), counted per phrasing over every record;
 - fluency: the n-gram entropy of a greedy generation from the edit prompt (ROME's measure: 2/3 bigram +
   4/3 trigram entropy in bits over words, averaged), beside the unedited model's.
 
@@ -248,7 +250,15 @@ def _record_row(record: EditRecord, queries: list[Query], edited: list[Score], p
             m.setdefault("kept_greedy", []).append((eg_greedy, ug_greedy, None))
             m.setdefault("own_beats_new", []).append((eg > eb, ug > ub, 0.5))
             m.setdefault("unchanged", []).append((eg_argmax == ug_argmax, True, None))
-    row: dict = {"subject": record.subject, "target_subject": record.target_subject}
+    # The paraphrase test: held-out phrasings the unedited model answers with the true object, and of those the
+    # ones the edit moves to the new object (greedy both ways); known per phrasing, not per record.
+    paraphrases = [(plain[2 * k + 1][1], edited[2 * k][1]) for k, q in enumerate(queries) if q.kind == "heldout"]
+    row: dict = {
+        "subject": record.subject,
+        "target_subject": record.target_subject,
+        "paraphrases_known": sum(known for known, _ in paraphrases),
+        "paraphrases_moved": sum(known and moved for known, moved in paraphrases),
+    }
     for kind, metrics in sums.items():
         for name, values in metrics.items():
             chances = [c for _, _, c in values if c is not None]
@@ -304,6 +314,15 @@ def summarize_sets(per_record: list[dict]) -> dict:
     return out
 
 
+def paraphrase_moved(per_record: list[dict]) -> dict:
+    """{"known", "moved", "rate"}: over every record's held-out phrasings that the unedited model answers with
+    the true object (whether or not it knows the edit prompt), the share whose greedy answer the edit makes the
+    new object; rate None when the model knows none."""
+    known = sum(r["paraphrases_known"] for r in per_record)
+    moved = sum(r["paraphrases_moved"] for r in per_record)
+    return {"known": known, "moved": moved, "rate": moved / known if known else None}
+
+
 def summarize(per_record: list[dict]) -> dict:
     """Summary of per-record rows: counts, the sets over known records and over all records, erased,
     margins and fluency (means over known records; `all_records` keeps every record)."""
@@ -319,6 +338,7 @@ def summarize(per_record: list[dict]) -> dict:
             "unedited": _mean([r["unedited_margin"] for r in known]),
         },
         "all_records": summarize_sets(per_record),
+        "paraphrase_moved": paraphrase_moved(per_record),
     }
     fluent = [r for r in per_record if "fluency" in r]
     if fluent:
@@ -416,22 +436,35 @@ def evaluate_checkpoint_edits(
     layers=None,
     variants="auto",
     dense=None,
+    countries: str = "auto",
     log=print,
     **kw,
 ) -> dict:
     """`stemlm eval edits`: `records` edit records of `relation` (0: all) evaluated on CKPT for each row kind of
     `variants` (`edit_variants`), and on a `dense` checkpoint's embedding rows as the control when given; `kw` are
-    `evaluate_edits`'s settings (strategy, pad, mode, fluency)."""
+    `evaluate_edits`'s settings (strategy, pad, mode, fluency). `countries` picks the records' subjects and
+    targets: all, a comma list of countries, or auto (the countries CKPT's run mixed into its training text, so
+    the default run is scored on the facts it was taught; all for any other checkpoint)."""
+    from stemlm.checkpoint.runs import trained_fact_countries
     from stemlm.data.worlds.facts import edit_records
     from stemlm.edit.session import load_for_edit, parse_layers
 
-    chosen = edit_records(relation, records or None, seed=seed)
+    if countries == "auto":
+        region = trained_fact_countries(ckpt)
+    elif countries == "all":
+        region = None
+    else:
+        region = [c.strip() for c in countries.split(",") if c.strip()]
+    try:
+        chosen = edit_records(relation, records or None, seed=seed, region=region)
+    except ValueError as exc:  # an unknown country or region names itself
+        raise StemlmError(f"--countries {countries!r}: {exc}") from None
     model, tokenizer = load_for_edit(ckpt)
     table_layers = parse_layers(layers, model)
     if kw.get("fluency_records", 0) < 0:
         raise StemlmError(f"--fluency-records must be >= 0, got {kw['fluency_records']}")
     kinds = edit_variants(variants, model)
-    results = {"checkpoint": ckpt, "relation": relation, "seed": seed}
+    results = {"checkpoint": ckpt, "relation": relation, "seed": seed, "countries": region or "all"}
     results["variants"] = evaluate_variants(model, tokenizer, chosen, kinds, layers=table_layers, log=log, **kw)
     if dense is not None:
         log(f"evaluating the dense control {dense} (embedding rows) ...")

@@ -38,6 +38,8 @@ LEGEND = {
     "kept": "the probe's own answer is still its exact greedy continuation",
     "unchanged": "the argmax along the probe's answer is identical to the unedited model's on the same text "
     "(1.0 when nothing leaks; unedited value 1 by definition)",
+    "paraphrases moved": "of the held-out phrasings (over every record) the unedited model answers with the true "
+    "object, the share the edit makes answer the new object (greedy): rate (moved/known)",
     "erased": "known records whose edit prompt no longer continues greedily with the true object",
     "fluency": "n-gram entropy (bits) of a greedy generation from the edit prompt",
 }
@@ -50,6 +52,12 @@ def _pair(entry: dict | None) -> str:
     return f"{entry['edited']:.2f} ({unedited:.2f})" if unedited is not None else f"{entry['edited']:.2f}"
 
 
+def _moved(entry: dict | None) -> str:
+    if not entry or entry.get("rate") is None:
+        return "-"
+    return f"{entry['rate']:.2f} ({entry['moved']}/{entry['known']})"
+
+
 def _columns(summaries: dict[str, dict]) -> list[tuple[str, str, str]]:
     present = {s for summary in summaries.values() for s in (*summary.get("sets", {}), *summary.get("all_records", {}))}
     return [c for c in COLUMNS if c[0] in present]
@@ -58,7 +66,7 @@ def _columns(summaries: dict[str, dict]) -> list[tuple[str, str, str]]:
 def format_edit_table(summaries: dict[str, dict]) -> str:
     """A markdown table (one row per variant, cells "edited (unedited)"), a chance line and the legend."""
     cols = _columns(summaries)
-    header = ["variant", "known / records", *(h for _, _, h in cols), "erased", "fluency"]
+    header = ["variant", "known / records", *(h for _, _, h in cols), "paraphrases moved", "erased", "fluency"]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for name, s in summaries.items():
         sets = s.get("sets", {})
@@ -67,7 +75,7 @@ def format_edit_table(summaries: dict[str, dict]) -> str:
         lines.append(
             f"| {name} | {s['known']} / {s['records']} | "
             + " | ".join(cells)
-            + f" | {erased} | "
+            + f" | {_moved(s.get('paraphrase_moved'))} | {erased} | "
             + _pair(s.get("fluency"))
             + " |"
         )

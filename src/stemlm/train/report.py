@@ -104,7 +104,8 @@ def render_report(r: dict[str, Any]) -> str:
         lines.append(
             f"model: ffn {a['ffn']} in layers [{layers}]; {a['parameters_total']:,} parameters "
             f"({a['table_parameters']:,} in tables), {a['parameters_active_per_token']:,} active per token, "
-            f"{a['training_flops_per_token'] / 1e6:.1f} MFLOPs/token to train"
+            f"{a['training_flops_per_token'] / 1e6:.1f} MFLOPs/token to train, "
+            f"{a['training_flops_per_token'] * r['tokens_seen'] / 1e12:.2f} TFLOP over its {r['tokens_seen']:,} tokens"
         )
     c = r.get("compute")
     if c:

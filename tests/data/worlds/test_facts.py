@@ -20,6 +20,20 @@ def test_heldout_templates_are_disjoint_from_training_templates():
     assert train and heldout and not train & heldout
 
 
+def test_no_training_phrasing_of_the_mix_contains_a_heldout_one():
+    # The paraphrase test (held-out recall, `stemlm eval edits`' paraphrases moved) is only a test of phrasings the
+    # model never read: no training template, the fact mix's extra ones included, holds a held-out template.
+    for relation, (train, heldout) in facts.TEMPLATES.items():
+        for phrasing in (*train, *facts.MIX_TEMPLATES.get(relation, [])):
+            assert not any(h.split("{s}")[0] in phrasing and h.split("{s}")[1] in phrasing for h in heldout)
+            assert phrasing not in heldout
+    mixed = {p.prompt.replace(p.subject, "{s}") for p in facts.fact_prompts("train", mix=True)}
+    assert set(facts.MIX_TEMPLATES["capital"]) <= mixed
+    text = "\n".join(facts.fact_documents(repeats=1, seed=3, mix=True))
+    assert "Spain has its capital in Madrid." in text
+    assert not any(p.prompt in text for p in facts.fact_prompts("heldout"))
+
+
 def test_documents_contain_every_training_statement_and_no_heldout_prompt():
     docs = facts.fact_documents(repeats=1, seed=3)
     lines = {line for doc in docs for line in doc.split("\n")}

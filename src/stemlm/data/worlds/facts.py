@@ -42,6 +42,23 @@ TEMPLATES: dict[str, tuple[list[str], list[str]]] = {
 }
 RELATIONS = tuple(TEMPLATES)
 
+# More training phrasings for the fact mix of `stemlm train` only (stemlm.data.fact_mix; the experiments keep
+# TEMPLATES' training split): a small model answers phrasings it never saw when each fact is trained in several
+# unlike ones (subject first and last; question, list and sentence forms; other nouns for the capital), as
+# Allen-Zhu & Li's knowledge augmentation found. Measured on the default run (docs/results.md "The default run"):
+# held-out-phrasing recall 0.83 with the four training templates alone, 0.96 with these (seed 0). None of them
+# contains a held-out template (tests/data/worlds/test_facts.py).
+MIX_TEMPLATES: dict[str, list[str]] = {
+    "capital": [
+        "Q: What is the capital of {s}? A:",
+        "{s} has its capital in",
+        "{s}, capital city:",
+        "In {s}, the capital is",
+        "The national capital of {s} is",
+        "The chief city of {s} is",
+    ],
+}
+
 
 @dataclass(frozen=True)
 class Country:
@@ -140,9 +157,13 @@ def countries_in(region: str | Sequence[str] | None = None) -> tuple[Country, ..
 
 
 def fact_prompts(
-    split: str = "train", relations: tuple[str, ...] = RELATIONS, region: str | Sequence[str] | None = None
+    split: str = "train",
+    relations: tuple[str, ...] = RELATIONS,
+    region: str | Sequence[str] | None = None,
+    mix: bool = False,
 ) -> list[FactPrompt]:
-    """Every (country, relation, template) prompt of the chosen template split ("train" or "heldout")."""
+    """Every (country, relation, template) prompt of the chosen template split ("train" or "heldout"); `mix`
+    adds the fact mix's extra training phrasings (`MIX_TEMPLATES`) to the training split."""
     if split not in ("train", "heldout"):
         raise ValueError(f"split must be 'train' or 'heldout', got {split!r}")
     prompts = []
@@ -152,6 +173,8 @@ def fact_prompts(
             if answer is None:
                 continue
             templates = TEMPLATES[relation][0 if split == "train" else 1]
+            if mix and split == "train":
+                templates = templates + MIX_TEMPLATES.get(relation, [])
             prompts += [FactPrompt(c.name, relation, t.format(s=c.name), f" {answer}") for t in templates]
     return prompts
 
@@ -162,23 +185,31 @@ def fact_documents(
     seed: int = 0,
     relations: tuple[str, ...] = RELATIONS,
     region: str | Sequence[str] | None = None,
+    mix: bool = False,
 ) -> list[str]:
-    """Training text: every training-template statement of `relations` `repeats` times, shuffled into documents."""
-    statements = [p.prompt + p.answer + "." for p in fact_prompts("train", relations, region)] * repeats
+    """Training text: every training-template statement of `relations` `repeats` times, shuffled into documents
+    (`mix`: with the fact mix's extra phrasings, `MIX_TEMPLATES`)."""
+    statements = [p.prompt + p.answer + "." for p in fact_prompts("train", relations, region, mix)] * repeats
     random.Random(seed).shuffle(statements)
     return ["\n".join(statements[i : i + lines_per_document]) for i in range(0, len(statements), lines_per_document)]
 
 
 def edit_records(
-    relation: str = "capital", num_records: int | None = None, num_neighbors: int = 5, seed: int = 0
+    relation: str = "capital",
+    num_records: int | None = None,
+    num_neighbors: int = 5,
+    seed: int = 0,
+    region: str | Sequence[str] | None = None,
 ) -> list[EditRecord]:
-    """Pairs (subject, target_subject) with different objects for `relation`, CounterFact style.
+    """Pairs (subject, target_subject) with different objects for `relation`, CounterFact style, subjects,
+    targets and neighbours all from `region` (`countries_in`: a region, a list of countries, None for all; a
+    model trained on a few countries' facts is scored on edits among those, whose rows hold a fact to move).
 
     The edit prompt is the first training template, `train_prompts` the other training templates,
     `paraphrase_prompts` the held-out templates only; `portability` asks the other relations (first training
     template) where subject and target differ; `choices` counts each relation's distinct objects."""
     rng = random.Random(seed)
-    countries = [c for c in load_countries() if c.fact(relation) is not None]
+    countries = [c for c in countries_in(region) if c.fact(relation) is not None]
     choices = {r: len({c.fact(r) for c in load_countries()} - {None}) for r in RELATIONS}
     train_t, heldout_t = TEMPLATES[relation]
     records = []
