@@ -4,9 +4,9 @@ Installed with the `vllm` extra (`pip install 'stemlm[vllm]'`); vLLM finds `stem
 `vllm.general_plugins` entry point in pyproject.toml and calls it in every process it starts. Nothing else in
 stemlm imports this package, so `import stemlm` never imports vLLM.
 
-- `stemlm.vllm.plugin.register`: the config class for model_type "stemlm" (`stemlm.hf.StemlmConfig`, so vLLM reads config.json) and
-  the architecture `StemlmForCausalLM` in vLLM's model registry, by its import path (vLLM imports it when a model
-  asks for it).
+- `stemlm.vllm.plugin.register`: the config class for model_type "stemlm" (`stemlm.hf.StemlmConfig`, so vLLM
+  reads config.json) and the architecture `StemlmForCausalLM` in vLLM's model registry, by its import path (vLLM
+  imports it when a model asks for it).
 - `stemlm.vllm.model`: the model in vLLM's layers (dense and STEM; `stemlm.vllm.kinds` says why others are refused).
 - `stemlm.vllm.edits`: an ASGI middleware for `vllm serve --middleware` that refuses stemlm's per-request `edit`.
 
