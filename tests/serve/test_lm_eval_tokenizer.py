@@ -27,3 +27,19 @@ def test_a_folder_without_a_tokenizer_is_refused(tmp_path):
     (tmp_path / "ckpt" / "config.json").write_text("{}")
     with pytest.raises(StemlmError, match="has no tokenizer.json"):
         write_lm_eval_tokenizer(tmp_path / "ckpt", tmp_path / "tok")
+
+
+def test_an_existing_folder_it_did_not_write_is_refused_and_kept(stem_ckpt, tmp_path):
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "notes.txt").write_text("keep")
+    with pytest.raises(StemlmError):
+        write_lm_eval_tokenizer(stem_ckpt, tmp_path / "mine")
+    assert (tmp_path / "mine" / "notes.txt").read_text() == "keep"
+    with pytest.raises(StemlmError):  # the checkpoint's own folder: its tokenizer.json must not be replaced
+        write_lm_eval_tokenizer(stem_ckpt, stem_ckpt)
+    first = write_lm_eval_tokenizer(stem_ckpt, tmp_path / "tok")
+    with pytest.raises(StemlmError):
+        write_lm_eval_tokenizer(stem_ckpt, first)  # its own earlier output too, without force
+    assert write_lm_eval_tokenizer(stem_ckpt, first, force=True) == first
+    with pytest.raises(StemlmError):  # force never replaces a folder it did not write
+        write_lm_eval_tokenizer(stem_ckpt, tmp_path / "mine", force=True)

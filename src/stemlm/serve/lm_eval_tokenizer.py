@@ -21,12 +21,14 @@ from stemlm.errors import StemlmError
 EOT_TOKEN = "<|endoftext|>"
 
 
-def write_lm_eval_tokenizer(checkpoint: str | Path, folder: str | Path) -> Path:
+def write_lm_eval_tokenizer(checkpoint: str | Path, folder: str | Path, *, force: bool = False) -> Path:
     """Write `folder`/tokenizer.json and tokenizer_config.json: CKPT's tokenizer (a checkpoint or run folder) whose
-    special tokens put `<|endoftext|>` before every text; returns `folder`."""
+    special tokens put `<|endoftext|>` before every text; returns `folder`. An existing non-empty `folder` is
+    refused with a one-line error; `force` replaces it only if this function wrote it."""
     from tokenizers import Tokenizer, processors
 
     from stemlm.checkpoint.runs import resolve_checkpoint
+    from stemlm.checkpoint.safe_write import AtomicFolder
 
     source = resolve_checkpoint(checkpoint) / "tokenizer.json"
     if not source.is_file():
@@ -38,9 +40,10 @@ def write_lm_eval_tokenizer(checkpoint: str | Path, folder: str | Path) -> Path:
     tokenizer.post_processor = processors.TemplateProcessing(
         single=f"{EOT_TOKEN} $A", pair=f"{EOT_TOKEN} $A $B", special_tokens=[(EOT_TOKEN, eot)]
     )
-    folder = Path(folder)
-    folder.mkdir(parents=True, exist_ok=True)
-    tokenizer.save(str(folder / "tokenizer.json"))
     config = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": EOT_TOKEN, "eos_token": EOT_TOKEN}
-    (folder / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
-    return folder
+    # Atomic and guarded like every stemlm output: never into an existing folder it did not write (the
+    # checkpoint's own folder included), never through a symlink.
+    with AtomicFolder(folder, producer="lm-eval-tokenizer", sources=[source.parent], force=force, flag="folder") as tmp:
+        tokenizer.save(str(tmp / "tokenizer.json"))
+        (tmp / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
+    return Path(folder)
