@@ -43,6 +43,7 @@ from typing import TYPE_CHECKING, Any
 from stemlm.choices import (
     COMPUTE_DTYPES,
     DEVICES,
+    FACT_LAYOUTS,
     KEEP_OPTIMIZER_STATE,
     PARALLEL_MODES,
     RECIPES,
@@ -143,6 +144,10 @@ class TrainConfig:
     # to be learnt (53 European countries got ~23 exposures each in 200 steps and were not); []: all of fact_region
     fact_countries: list[str] = field(default_factory=lambda: list(FACT_COUNTRIES))
     fact_relations: list[str] = field(default_factory=lambda: ["capital"])
+    # lines: each statement a line of its own spread evenly through the corpus, so every batch mixes facts and
+    # text alike (whole fact documents made the batch loss swing and the spike check fire); documents: 64
+    # statements a document, what runs before this field trained with (stemlm.data.fact_mix)
+    fact_layout: str = "lines"
     # window sampling: epoch = every aligned window once per epoch in a seeded order (stemlm.data.stream.permute);
     # uniform = any start, with replacement; auto = epoch for prepared shards, uniform for text and the embedded
     # corpus (what every published figure of those, the default run's included, was measured with)
@@ -395,6 +400,10 @@ class TrainConfig:
             self.keep_optimizer_state in KEEP_OPTIMIZER_STATE,
             f"keep_optimizer_state must be one of {', '.join(KEEP_OPTIMIZER_STATE)}, got {self.keep_optimizer_state!r}",
         )
+        need(
+            self.fact_layout in FACT_LAYOUTS,
+            f"fact_layout must be one of {', '.join(FACT_LAYOUTS)}, got {self.fact_layout!r}",
+        )
         need(self.sampling in SAMPLING, f"sampling must be one of {', '.join(SAMPLING)}, got {self.sampling!r}")
         need(self.recipe in RECIPES, f"recipe must be one of {', '.join(RECIPES)}, got {self.recipe!r}")
         need(
@@ -432,6 +441,16 @@ class TrainConfig:
     def with_overrides(self, overrides: dict[str, Any] | list[str]) -> TrainConfig:
         """Apply overrides: a dict of typed values, or `key=value` strings (a `train.` prefix is allowed)."""
         return apply_overrides(self, overrides, prefix="train.", label="training config key")
+
+
+# Fields a saved run config may predate, each at the value such a run trained with (not today's default).
+PREDATED_FIELDS = {"fact_fraction": 0.0, "fact_layout": "documents"}
+
+
+def saved_defaults(train: dict[str, Any]) -> dict[str, Any]:
+    """The fields that `train` (the "train" section of a saved run config) predates, at what its run trained with:
+    a resume and the rebuild of a run's data fill them in before `TrainConfig.from_dict`."""
+    return {name: value for name, value in PREDATED_FIELDS.items() if name not in train}
 
 
 def table_lr_fields(text: str) -> dict[str, Any]:
