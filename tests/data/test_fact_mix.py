@@ -27,7 +27,7 @@ def fact_lines(texts: list[str]) -> list[str]:
     return [line for text in texts for line in text.split("\n") if line and "universally" not in line]
 
 
-@pytest.mark.parametrize("layout", ["lines", "documents"])
+@pytest.mark.parametrize("layout", ["batches", "lines", "documents"])
 def test_fact_tokens_make_up_the_requested_fraction(layout):
     tok = get_tokenizer("default")
     corpus = TokenDataset.from_texts(CORPUS, tok)
@@ -53,7 +53,9 @@ def test_lines_layout_puts_facts_in_every_window():
     fact tokens, and their share stays near the fraction (whole fact documents leave most windows without any)."""
     tok = get_tokenizer("default")
     corpus = TokenDataset.from_texts(VERSE, tok)
-    texts = mixed_texts(VERSE, tok, 0.3, list(FACT_COUNTRIES), ["capital"], 0, corpus_tokens=corpus.num_tokens)
+    texts = mixed_texts(
+        VERSE, tok, 0.3, list(FACT_COUNTRIES), ["capital"], 0, corpus_tokens=corpus.num_tokens, layout="lines"
+    )
     flags = []  # per token: 1 inside a fact statement
     for text in texts:
         for line in text.split("\n"):
@@ -73,7 +75,7 @@ def test_interleave_keeps_the_corpus_and_spreads_statements_by_characters():
 
 def test_named_countries_select_the_statements():
     tok = get_tokenizer("default")
-    texts = mixed_texts(["x"], tok, 0.3, ["Spain", "Germany"], ["capital"], 0, corpus_tokens=20_000)
+    texts = mixed_texts(["x"], tok, 0.3, ["Spain", "Germany"], ["capital"], 0, corpus_tokens=20_000, layout="lines")
     lines = set(texts[0].split("\n")) - {"x"}
     pair = fact_prompts("train", ("capital",), region=["Spain", "Germany"], mix=True)
     assert lines == {p.prompt + p.answer + "." for p in pair}
@@ -81,7 +83,7 @@ def test_named_countries_select_the_statements():
     assert len(lines) == 2 * (len(TEMPLATES["capital"][0]) + len(MIX_TEMPLATES["capital"]))
     with pytest.raises(StemlmError, match="unknown country 'Atlantis'"):
         mixed_texts(["x"], tok, 0.2, ["Spain", "Atlantis"], ["capital"], 0, corpus_tokens=1000)
-    with pytest.raises(StemlmError, match="fact layout must be one of lines, documents"):
+    with pytest.raises(StemlmError, match="fact layout must be one of batches, lines, documents"):
         mixed_texts(["x"], tok, 0.2, ["Spain"], ["capital"], 0, corpus_tokens=1000, layout="paragraphs")
     assert TrainConfig().fact_selection() == list(FACT_COUNTRIES)
     assert TrainConfig(fact_countries=[]).fact_selection() == "Europe"
@@ -112,6 +114,11 @@ def test_trainer_mixes_facts_into_the_embedded_corpus_only(monkeypatch, tmp_path
     mixed_train, mixed_held = data_mod.load_datasets(TrainConfig(fact_fraction=0.2), tok)
     assert abs((mixed_train.num_tokens - plain_train.num_tokens) / mixed_train.num_tokens - 0.2) < 0.02
     assert np.array_equal(np.asarray(mixed_held.tokens), np.asarray(plain_held.tokens))  # held-out is text only
+    # the default layout: the fact documents follow the corpus's tokens, and batches draw 20% of rows from them
+    assert mixed_train.strata == (plain_train.num_tokens, 0.2) and plain_train.strata is None
+    assert np.array_equal(np.asarray(mixed_train.tokens[: plain_train.num_tokens]), np.asarray(plain_train.tokens))
+    lines, _ = data_mod.load_datasets(TrainConfig(fact_fraction=0.2, fact_layout="lines"), tok)
+    assert lines.strata is None and lines.num_tokens == pytest.approx(mixed_train.num_tokens, rel=0.02)
     (tmp_path / "notes.txt").write_text("Some text of the user's own. " * 200)
     user = TrainConfig(fact_fraction=0.2, data=[str(tmp_path)])
     user_train, _ = data_mod.load_datasets(user, tok)

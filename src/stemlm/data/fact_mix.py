@@ -7,17 +7,20 @@ statements of `relations` for the countries of `region` (a region name or a list
 until they make up `fraction` of the training tokens (the corpus stays the rest). Held-out data is untouched:
 held-out loss stays natural text.
 
-Two layouts (`TrainConfig.fact_layout`):
-- `lines` (the default): each statement is a line of its own, spread evenly through the corpus text by
-  character offset, so every training window holds about `fraction` fact tokens and every batch's loss mixes
-  the two kinds of text in the same proportion (with whole fact documents the batch loss swung between fact
-  batches and corpus batches, and the trainer's spike check fired on a healthy run: docs/results.md).
-- `documents`: statements shuffled into documents of 64 lines beside the corpus documents (runs made before
-  2026-12-06; their run_config.json has no `fact_layout` and resumes with this one).
+Three layouts (`TrainConfig.fact_layout`, `stemlm.choices.FACT_LAYOUTS`):
+- `batches` (the default): the statements shuffled into documents of 64 lines after the corpus documents, and
+  every training batch drawn with its share of windows from them (`TokenDataset.strata`, set by
+  `stemlm.train.data`): each batch's loss mixes facts and text in the same proportion (with windows drawn from
+  anywhere a batch held mostly facts or mostly text, its loss swung, and the trainer's spike check fired on
+  a healthy run: docs/results.md), and the corpus windows stay whole text.
+- `lines`: each statement a line of its own, spread evenly through the corpus text by character offset, so
+  every window holds about `fraction` fact tokens (the corpus then never reads uninterrupted).
+- `documents`: the `batches` text with windows drawn from anywhere (runs made before 2026-12-06; their
+  run_config.json has no `fact_layout` and resumes with this one).
 
     from stemlm.data.fact_mix import mixed_texts
     texts = mixed_texts(corpus_texts, tokenizer, fraction=0.3, region=["Spain", "Germany"], relations=["capital"],
-                        seed=0, layout="lines")
+                        seed=0, corpus_tokens=1_000_000, layout="batches")
 """
 
 from __future__ import annotations
@@ -91,7 +94,7 @@ def mixed_texts(
     seed: int,
     *,
     corpus_tokens: int,
-    layout: str = "lines",
+    layout: str = "batches",
 ) -> list[str]:
     """The training texts: the corpus with the fact statements mixed in by `layout` (`FACT_LAYOUTS`), the
     statements `fraction` of the tokens beside the corpus's `corpus_tokens`."""

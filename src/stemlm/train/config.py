@@ -138,16 +138,17 @@ class TrainConfig:
     )
     # the fact world mixed into the embedded corpus (not into --data): statements of fact_relations about the
     # countries of fact_region make up fact_fraction of the training tokens (stemlm.data.fact_mix); 0: none
-    fact_fraction: float = 0.8
+    fact_fraction: float = 0.5
     fact_region: str = "Europe"
     # a few countries instead of the whole region, so each statement is seen often enough at the default budget
     # to be learnt (53 European countries got ~23 exposures each in 200 steps and were not); []: all of fact_region
     fact_countries: list[str] = field(default_factory=lambda: list(FACT_COUNTRIES))
     fact_relations: list[str] = field(default_factory=lambda: ["capital"])
-    # lines: each statement a line of its own spread evenly through the corpus, so every batch mixes facts and
-    # text alike (whole fact documents made the batch loss swing and the spike check fire); documents: 64
-    # statements a document, what runs before this field trained with (stemlm.data.fact_mix)
-    fact_layout: str = "lines"
+    # batches: fact documents after the corpus, every batch holding fact_fraction of its windows from them, so
+    # each batch mixes facts and text alike (windows drawn from anywhere made the batch loss swing and the spike
+    # check fire on a healthy run); lines: a statement a line spread through the corpus; documents: windows from
+    # anywhere, what runs before this field trained with (stemlm.data.fact_mix)
+    fact_layout: str = "batches"
     # window sampling: epoch = every aligned window once per epoch in a seeded order (stemlm.data.stream.permute);
     # uniform = any start, with replacement; auto = epoch for prepared shards, uniform for text and the embedded
     # corpus (what every published figure of those, the default run's included, was measured with)

@@ -87,7 +87,9 @@ def load_datasets(cfg: TrainConfig, tok: Tokenizer) -> tuple[Any, Any]:
                 corpus_tokens=train.num_tokens,
                 layout=cfg.fact_layout,
             )
-            train = TokenDataset.from_texts(texts, tok, separator=cfg.separator)
+            corpus_tokens, train = train.num_tokens, TokenDataset.from_texts(texts, tok, separator=cfg.separator)
+            if cfg.fact_layout == "batches":  # the fact documents follow the corpus's tokens: a stratum each
+                train.strata = (corpus_tokens, cfg.fact_fraction)
         heldout = TokenDataset.from_texts(heldout_texts, tok, separator=cfg.separator) if heldout_texts else None
         train.sampling = sampling
     if heldout is not None and heldout.num_tokens < cfg.seq_len + 1:
@@ -103,7 +105,8 @@ def load_datasets_distributed(cfg: TrainConfig, tok: Tokenizer, is_main: bool) -
     if is_main:
         try:
             train, heldout = load_datasets(cfg, tok)
-            message = [{"paths": [d.path if d is not None else None for d in (train, heldout)]}]
+            paths = [d.path if d is not None else None for d in (train, heldout)]
+            message = [{"paths": paths, "strata": getattr(train, "strata", None)}]
         except (StemlmError, OSError) as exc:
             message = [{"error": str(exc)}]
     dist.broadcast_object_list(message, src=0)
@@ -118,6 +121,7 @@ def load_datasets_distributed(cfg: TrainConfig, tok: Tokenizer, is_main: bool) -
     train_path, heldout_path = message[0]["paths"]
     train = TokenDataset.from_file(train_path)
     train.sampling = resolve_sampling(cfg)
+    train.strata = tuple(message[0]["strata"]) if message[0]["strata"] else None
     return train, TokenDataset.from_file(heldout_path) if heldout_path else None
 
 
