@@ -125,5 +125,6 @@ def test_tiny_builds_and_runs():
 
 
 def test_unknown_preset_lists_the_known_ones():
-    with pytest.raises(StemlmError, match="unknown preset 'paper-7b'; available: tiny, tiny-dense, tiny-odd, tiny-odd-dense, paper-350m"):
+    known = "available: tiny, tiny-dense, tiny-odd, tiny-odd-dense, paper-350m"
+    with pytest.raises(StemlmError, match=f"unknown preset 'paper-7b'; {known}"):
         get_preset("paper-7b")
