@@ -9,7 +9,8 @@ files are written to a temporary name and renamed, so an interrupted run leaves 
 batches of an uninterrupted one: with `sampling="uniform"` (the default) starts drawn uniformly with replacement
 from an RNG seeded by (seed, step), or, where `strata` is set (the fact world's documents after the corpus), with
 a fixed share of every batch's rows from the tail (`stratified_starts`); with `sampling="epoch"` every aligned
-window of seq_len + 1 tokens once per epoch, in the seeded Feistel order of prepared shards (`stemlm.data.stream.epoch_windows`, one implementation).
+window of seq_len + 1 tokens once per epoch, in the seeded Feistel order of prepared shards
+(`stemlm.data.stream.epoch_windows`, one implementation).
 `iter_eval_windows` walks fixed, non-overlapping windows for held-out evaluation.
 """
 
