@@ -12,7 +12,7 @@ Choices documented here rather than in code comments elsewhere:
   official code does not exempt (`recipe="official"` decays them: stemlm.train.recipes, docs/recipe.md).
 - the lookup tables (every table of `model.lookup_tables()`) form their own optimizer with their own peak lr
   (`table_lr`, or `lr * table_lr_scale`) and weight decay `table_wd`, following the same warm-up + cosine
-  shape. Defaults lr x10, wd 0, by measurement: `tiny` (STEM in layers 1, 3), 150 steps of 8 x 256 tokens,
+  shape. Defaults lr x10, wd 0, by measurement: `tiny-odd` (STEM in layers 1, 3), 150 steps of 8 x 256 tokens,
   backbone lr 2e-3 / wd 0.1, held-out loss over 32k tokens: table lr x1 5.626 (wd 0.1) / 5.627 (wd 0);
   x10 5.431 (wd 0) / 5.430 (wd 0.1): the lr matters (-0.20 nats), the table weight decay does not at this
   length (one run each; PAPER.md's prototype also found x10 with wd 0 slightly better).
