@@ -91,4 +91,4 @@ def test_a_saved_config_trains_on_as_it_was_written():
     assert saved_defaults({}) == {"fact_fraction": 0.0, "fact_layout": "documents"}
     assert saved_defaults({"fact_fraction": 0.8}) == {"fact_layout": "documents"}
     assert saved_defaults(TrainConfig().to_dict()) == {}
-    assert TrainConfig().fact_layout == "lines"
+    assert TrainConfig().fact_layout == "batches"
