@@ -21,16 +21,16 @@ Choices documented here rather than in code comments elsewhere:
   this default run's budget and at the knowledge experiment's: `benchmarks/table_optim_seeds.py --budget
   main|knowledge` (README "Row-sparse tables"; lower on every seed measured); its state is one float per row
   instead of 2 x d_ff, and its step is the cheaper one.
-- defaults size `stemlm train` to 6.44 TFLOP of training (stemlm's accounting: 31.5 MFLOPs/token x 204,800
-  tokens), a third of the earlier default's 19.8 (300 steps x 8 x 256, 30% facts, lr 2e-3): 200 steps x 8 x 128
-  tokens at lr 1.2e-3, 80% of them the fact world's capital statements for 12 well-known European countries
-  (`fact_fraction`, `fact_countries`) in ten phrasings (`stemlm.data.worlds.facts.MIX_TEMPLATES`), so that the
-  default model knows facts a row-swap edit can move. Chosen by measurement (docs/results.md "The default run"
-  logs every configuration tried): at the same compute, 400 x 4 x 128 and 100 x 16 x 128 recalled less; four
-  phrasings recalled 0.83 of the held-out phrasings on seed 0, ten 0.96; 50% facts at lr 2e-3 recalled 0.54 on
-  seed 2, 80% at 1.2e-3 1.00 (lr 3e-3: 0.12). The cost: held-out corpus loss about 6.2 (5.18 before), since
-  the corpus is a fifth of fewer tokens. The earlier default's notes: all 53 European countries at 20% over 200
-  steps of 8 x 256 (~23 exposures per statement) gave recall 0.04; 12 countries at 20% gave 0.48.
+- defaults size `stemlm train` to 5.96 TFLOP of training (stemlm's accounting: 29.1 MFLOPs/token x 204,800
+  tokens): the `tiny` preset (STEM in every layer) for 200 steps x 8 x 128 tokens at lr 1.2e-3, half of them
+  the fact world's capital statements for 12 well-known European countries (`fact_fraction`, `fact_countries`)
+  in ten phrasings (`stemlm.data.worlds.facts.MIX_TEMPLATES`), in fact documents from which every batch draws
+  half of its windows (`fact_layout`), so that a swap of table rows alone moves what the default model recalls
+  (the README's edit). Chosen by measurement (docs/results.md "The default run" logs every configuration tried
+  and the curve of fact share against edit, recall and corpus loss): 30% facts left the model unsure of the
+  capitals (P(Madrid) about 0.5) and the edit short of 10x its runner-up; windows drawn from anywhere (the
+  earlier layout) made the batch loss swing between fact batches and corpus batches, and the spike check fired
+  on healthy runs.
 """
 
 from __future__ import annotations
