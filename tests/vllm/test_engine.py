@@ -10,15 +10,12 @@ option is accepted and changes nothing; the GPU line of benchmarks/gpu_check.sh 
 
 from __future__ import annotations
 
-import os
-
 import pytest
 
 from tests.vllm.conftest import NEW_TOKENS, PROMPTS, stemlm_greedy
 
 vllm = pytest.importorskip("vllm")
 
-os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB of KV cache: the default takes a share of all memory
 HOST_TABLES = dict(cpu_offload_gb=1, cpu_offload_params={"stem_embedding"})
 
 
@@ -28,6 +25,7 @@ def engine(request, checkpoints):
     llm = vllm.LLM(
         model=str(checkpoints["stem-export" if kind == "stem" else kind]),
         dtype="float32",  # stemlm's tokens are fp32's: the comparison is exact only in the same precision
+        kv_cache_memory_bytes=2**30,  # vLLM's CPU default reserves a share of all the machine's memory
         max_model_len=256,
         max_num_seqs=8,
         enforce_eager=True,
