@@ -2,7 +2,7 @@
 stemlm's Engram and the demo's (reference) Engram, whose hashed ids and causal conv read earlier positions of each
 request from the plugin's slot stores (stemlm.vllm.history).
 
-The engine is made to exercise every way an earlier position is found: blocks of 16 slots (a decode crosses a
+The engine is made to exercise every way an earlier position is found: blocks of 32 slots (a decode crosses a
 block), at most 16 tokens a step (a 40-token prompt is prefilled in chunks, each reading the chunk before), four
 prompts in one batch (prefills and decodes of several requests in one flattened step), and the same prompts again
 (vLLM's prefix cache reuses their blocks, and with them the slots the plugin wrote). The n-gram tables are selected
@@ -19,14 +19,14 @@ vllm = pytest.importorskip("vllm")
 
 LONG = [(7 * i + 3) % 500 + 100 for i in range(40)]
 NGRAM_PROMPTS = [*PROMPTS, LONG]
-NEW_TOKENS = 24  # the 9-token prompt decodes past its first block of 16
+NEW_TOKENS = 24  # the 9-token prompt decodes past its first block of 32 (vLLM CPU's smallest)
 
 
 @pytest.fixture(scope="module", params=["stem_ngram", "engram", "engram-reference"])
 def engine(request, ngram_checkpoints):
     llm = vllm.LLM(
         model=str(ngram_checkpoints[request.param]), dtype="float32", kv_cache_memory_bytes=2**28,
-        max_model_len=256, max_num_seqs=8, block_size=16, max_num_batched_tokens=16, enforce_eager=True,
+        max_model_len=256, max_num_seqs=8, block_size=32, max_num_batched_tokens=16, enforce_eager=True,
         cpu_offload_gb=1, cpu_offload_params={"ngram_embedding", "engram_embedding"},
     )  # fmt: skip
     yield request.param, llm
