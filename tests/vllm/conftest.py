@@ -62,6 +62,15 @@ def stemlm_greedy(folder: Path, prompts=PROMPTS, new: int = NEW_TOKENS) -> list[
     return [generate(model, p, new, greedy=True) for p in prompts]
 
 
+def vllm_greedy(llm, prompts, new: int = NEW_TOKENS) -> list[list[int]]:
+    """The greedy tokens of a `vllm.LLM` for token-id prompts, in one `generate` call (one batch)."""
+    import vllm
+
+    params = vllm.SamplingParams(temperature=0, max_tokens=new, ignore_eos=True)
+    prompts = [vllm.inputs.TokensPrompt(prompt_token_ids=p) for p in prompts]
+    return [list(out.outputs[0].token_ids) for out in llm.generate(prompts, params, use_tqdm=False)]
+
+
 @pytest.fixture(scope="session")
 def checkpoints(tmp_path_factory) -> dict[str, Path]:
     """{"dense": folder, "stem": folder}: tiny models with random weights, saved as `stemlm train` saves them; and

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.vllm.conftest import NEW_TOKENS, PROMPTS, stemlm_greedy
+from tests.vllm.conftest import PROMPTS, stemlm_greedy, vllm_greedy
 
 vllm = pytest.importorskip("vllm")
 
@@ -33,12 +33,6 @@ def engine(request, checkpoints):
     )
     yield kind, llm
     llm.llm_engine.engine_core.shutdown()
-
-
-def vllm_greedy(llm, prompts) -> list[list[int]]:
-    params = vllm.SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
-    prompts = [vllm.inputs.TokensPrompt(prompt_token_ids=p) for p in prompts]
-    return [list(out.outputs[0].token_ids) for out in llm.generate(prompts, params, use_tqdm=False)]
 
 
 def test_greedy_tokens_equal_stemlm_prompt_by_prompt(engine, checkpoints):

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.vllm.conftest import PROMPTS, stemlm_greedy
+from tests.vllm.conftest import PROMPTS, stemlm_greedy, vllm_greedy
 
 vllm = pytest.importorskip("vllm")
 
@@ -33,14 +33,8 @@ def engine(request, ngram_checkpoints):
     llm.llm_engine.engine_core.shutdown()
 
 
-def vllm_greedy(llm, prompts) -> list[list[int]]:
-    params = vllm.SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
-    prompts = [vllm.inputs.TokensPrompt(prompt_token_ids=p) for p in prompts]
-    return [list(out.outputs[0].token_ids) for out in llm.generate(prompts, params, use_tqdm=False)]
-
-
 def test_greedy_tokens_equal_stemlm_prompt_by_prompt_then_in_one_batch(engine, ngram_checkpoints):
     name, llm = engine
     expected = stemlm_greedy(ngram_checkpoints[name], NGRAM_PROMPTS, NEW_TOKENS)
-    assert [vllm_greedy(llm, [p])[0] for p in NGRAM_PROMPTS] == expected
-    assert vllm_greedy(llm, NGRAM_PROMPTS) == expected  # the prefix cache now holds these prompts' blocks
+    assert [vllm_greedy(llm, [p], NEW_TOKENS)[0] for p in NGRAM_PROMPTS] == expected
+    assert vllm_greedy(llm, NGRAM_PROMPTS, NEW_TOKENS) == expected  # the prefix cache now holds these prompts' blocks
