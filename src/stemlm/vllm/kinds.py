@@ -49,8 +49,8 @@ def dtype_note(recorded, served) -> str | None:
     name = str(recorded).removeprefix("torch.")
     return (
         f"stemlm: serving in {str(served).removeprefix('torch.')}, but the checkpoint computes in {name} "
-        f"(config.json torch_dtype): greedy tokens can differ from `stemlm generate`'s; pass --dtype {name} "
-        "for the same tokens"
+        "(its weights' dtype, config.json torch_dtype): greedy tokens can differ from `stemlm generate`'s; "
+        f"pass --dtype {name} for the same tokens"
     )
 
 

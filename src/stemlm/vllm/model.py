@@ -160,7 +160,8 @@ class StemlmModel(nn.Module):
         super().__init__()
         hf_config = vllm_config.model_config.hf_config
         config = check_servable(hf_config)
-        note = dtype_note(getattr(hf_config, "dtype", None), vllm_config.model_config.dtype)
+        # a folder written before torch_dtype was recorded holds fp32 weights: stemlm saved nothing else
+        note = dtype_note(getattr(hf_config, "dtype", None) or torch.float32, vllm_config.model_config.dtype)
         if note:
             logger.warning(note)
         if vllm_config.quant_config is not None:  # the layers take none, so it would be silently ignored
