@@ -34,11 +34,13 @@ def tiny_config(ffn: str, **fields) -> ModelConfig:
     )  # fmt: skip
 
 
-# The n-gram kinds, as served: n-gram STEM with bigrams and trigrams, stemlm's Engram, the demo's Engram
+# The n-gram kinds, as served: n-gram STEM with bigrams and trigrams, stemlm's Engram, the demo's Engram, and
+# Engram's branch beside the FFN of every layer of a STEM model
 NGRAM_MODELS = {
     "stem_ngram": dict(ffn="stem_ngram", stem_ngram_orders="2,3", ffn_layers="all"),
     "engram": dict(ffn="engram", engram_dim=64),
     "engram-reference": dict(ffn="engram", engram_dim=64, engram_variant="reference"),
+    "stem+engram": dict(ffn="stem", engram_dim=64, engram_layers="all"),  # the branch beside dense and STEM layers
 }
 
 

@@ -43,9 +43,13 @@ def test_a_stem_layer_with_no_selected_layers_is_a_dense_model():
 
 
 @pytest.mark.parametrize("side", [kind.name for kind in beside_kinds()])
-def test_a_kind_beside_the_ffn_is_refused(side):
-    with pytest.raises(ValueError, match=f"layers; not {side}: it runs beside another kind's FFN here"):
-        check_servable(hf_config(ffn="stem", **{f"{side}_layers": "0"}))
+def test_a_kind_beside_the_ffn_is_served_or_refused_as_it_declares(side):
+    config = hf_config(ffn="stem", engram_dim=64, **{f"{side}_layers": "0"})
+    if get_kind(side).vllm_unserved is None:
+        assert check_servable(config).beside_layers(side) == [0]
+    else:
+        with pytest.raises(ValueError, match=f"layers; not {side} \\({side}_layers\\): fits vLLM's step"):
+            check_servable(config)
 
 
 def test_int8_tables_are_refused_bf16_tables_load():

@@ -1,6 +1,6 @@
 """vLLM's greedy tokens equal `stemlm generate --greedy` for the n-gram kinds: n-gram STEM (orders 2 and 3),
-stemlm's Engram and the demo's (reference) Engram, whose hashed ids and causal conv read earlier positions of each
-request from the plugin's slot stores (stemlm.vllm.history).
+stemlm's Engram, the demo's (reference) Engram, and Engram's branch beside a STEM model's layers: their hashed ids
+and causal convs read earlier positions of each request from the plugin's slot stores (stemlm.vllm.history).
 
 The engine is made to exercise every way an earlier position is found: blocks of 32 slots (a decode crosses a
 block), at most 16 tokens a step (a 40-token prompt is prefilled in chunks, each reading the chunk before), four
@@ -22,7 +22,7 @@ NGRAM_PROMPTS = [*PROMPTS, LONG]
 NEW_TOKENS = 24  # the 9-token prompt decodes past its first block of 32 (vLLM CPU's smallest)
 
 
-@pytest.fixture(scope="module", params=["stem_ngram", "engram", "engram-reference"])
+@pytest.fixture(scope="module", params=["stem_ngram", "engram", "engram-reference", "stem+engram"])
 def engine(request, ngram_checkpoints):
     llm = vllm.LLM(
         model=str(ngram_checkpoints[request.param]), dtype="float32", kv_cache_memory_bytes=2**28,

@@ -26,7 +26,7 @@ from vllm.model_executor.utils import set_weight_attrs
 
 from stemlm.model.config import ModelConfig
 from stemlm.model.ffn import TokenContext
-from stemlm.model.kinds.engram import EngramBranch, is_reference
+from stemlm.model.kinds.engram import EngramBranch
 from stemlm.model.ngram import ngram_hasher
 from stemlm.vllm.history import Lookback, SlotStore
 
@@ -136,22 +136,18 @@ class EngramBranchStep(EngramBranch):
 
 
 class EngramMLP(DenseMLP):
-    """Engram: the dense SwiGLU plus the branch of the same input (stemlm's variant), or the dense SwiGLU alone
-    (the reference variant, whose branch the decoder layer adds to the residual stream before attention). The
-    branch's parameters sit beside gate/up/down as in the checkpoint (`mlp.engram_*`)."""
+    """The Engram FFN kind's module: the dense SwiGLU, with its branch's parameters registered beside gate/up/down
+    (`mlp.engram_*`, the checkpoint's names). The decoder layer applies the branch (`step`), after the SwiGLU
+    (stemlm's variant) or to the residual stream before attention (the reference variant), as it applies a branch
+    running beside another kind (`beside.engram`)."""
 
     def __init__(self, config: ModelConfig, layer_idx: int, prefix: str) -> None:
         super().__init__(config.hidden_size, config.intermediate_size, prefix)
-        branch = EngramBranchStep(config, layer_idx)
-        self.branch_at_ffn = not is_reference(config)
-        for name, module in branch.named_children():  # registered here, so the names are the checkpoint's
+        step = EngramBranchStep(config, layer_idx)
+        for name, module in step.named_children():  # registered here, so the names are the checkpoint's
             setattr(self, name, module)
-        self._branch = [branch]  # a plain list: the branch's modules are this module's, registered once
-        self.conv_context = branch.context  # earlier positions its conv reads
+        self._step = [step]  # a plain list: its modules are this module's, registered once
 
-    def forward(self, x: torch.Tensor, tokens: Tokens) -> torch.Tensor:
-        y = super().forward(x, tokens)
-        return self._branch[0].branch(x, tokens, y) if self.branch_at_ffn else y
-
-    def residual_branch(self, x: torch.Tensor, tokens: Tokens) -> torch.Tensor:
-        return self._branch[0].branch(x, tokens)
+    @property
+    def step(self) -> EngramBranchStep:
+        return self._step[0]

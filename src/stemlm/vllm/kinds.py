@@ -1,9 +1,8 @@
 """Which stemlm checkpoints the vLLM plugin serves, and why the others are refused (one line each, at load).
 
 Served: every layer of a kind that declares no `vllm_unserved` reason (`stemlm.model.kinds.registry.Kind`: dense,
-STEM, n-gram STEM and Engram), at the FFN position; a kind running beside the FFN (`engram_layers`,
-`value_embed_layers`) is refused. Plain or Llama-3 RoPE, tables stored in fp32 or bf16. The refusals name the
-reason the kind declares; docs/vllm.md has the same table.
+STEM, n-gram STEM and Engram), at the FFN position or beside it (Engram's `engram_layers`). Plain or Llama-3 RoPE,
+tables stored in fp32 or bf16. The refusals name the reason the kind declares; docs/vllm.md has the same table.
 This module imports no vLLM, so the reasons are testable where vLLM is not installed.
 """
 
@@ -11,8 +10,6 @@ from __future__ import annotations
 
 from stemlm.model.config import ModelConfig
 from stemlm.model.kinds.registry import all_kinds, get_kind
-
-BESIDE = "it runs beside another kind's FFN here ({field}), which the plugin has no vLLM module for yet"
 
 
 def served_kinds() -> tuple[str, ...]:
@@ -29,8 +26,10 @@ def check_servable(hf_config) -> ModelConfig:
         if reason is not None:
             raise ValueError(f"stemlm's vLLM plugin serves {served} layers; not {name}: {reason}")
     for name in sorted({side for i in range(config.num_hidden_layers) for side in config.layer_sides(i)}):
-        reason = BESIDE.format(field=get_kind(name).layers_field)
-        raise ValueError(f"stemlm's vLLM plugin serves {served} layers; not {name}: {reason}")
+        reason = get_kind(name).vllm_unserved
+        if reason is not None:
+            field = get_kind(name).layers_field
+            raise ValueError(f"stemlm's vLLM plugin serves {served} layers; not {name} ({field}): {reason}")
     storage = getattr(hf_config, "stemlm_table_storage", None)
     if storage and storage.get("dtype") == "int8":
         raise ValueError(

@@ -62,8 +62,10 @@ from vllm.sequence import IntermediateTensors
 
 from stemlm.model.config import ModelConfig
 from stemlm.model.kinds.engram import is_reference
+from stemlm.model.kinds.registry import get_kind
 from stemlm.model.ngram import ngram_hasher
-from stemlm.vllm.ffn import DenseMLP, EngramMLP, StemMLP, StemNgramMLP, Tokens
+from stemlm.model.ngram_layout import ngram_kind
+from stemlm.vllm.ffn import DenseMLP, EngramBranchStep, EngramMLP, StemMLP, StemNgramMLP, Tokens
 from stemlm.vllm.history import SlotStore, lookback
 from stemlm.vllm.kinds import check_servable, dtype_note, rope_parameters
 
@@ -123,15 +125,20 @@ class StemlmDecoderLayer(nn.Module):
             self.mlp = EngramMLP(config, layer_idx, f"{prefix}.mlp")
         else:
             self.mlp = DenseMLP(d, f, f"{prefix}.mlp")
-        # the reference Engram adds its branch to the residual stream before attention (stemlm's decoder layer)
-        self.branch_on_residual = kind == "engram" and is_reference(config)
+        # the layer's Engram branch, of its FFN kind or beside another kind (`engram_layers`; one per layer), added
+        # to the FFN output (stemlm's variant) or to the residual stream before attention (the reference variant)
+        self.engram: list[EngramBranchStep] = [self.mlp.step] if kind == "engram" else []
+        if "engram" in config.layer_sides(layer_idx):
+            self.beside = nn.ModuleDict({"engram": EngramBranchStep(config, layer_idx)})
+            self.engram = [self.beside["engram"]]
+        self.engram_on_residual = bool(self.engram) and is_reference(config)
         self.input_layernorm = RMSNorm(d, eps=config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(d, eps=config.rms_norm_eps)
 
     def forward(self, positions, hidden, residual, tokens: Tokens):
-        if self.branch_on_residual:  # the stream whole (x), plus the branch of x, then the unfused norm
+        if self.engram_on_residual:  # the stream whole (x), plus the branch of x, then the unfused norm
             x = hidden if residual is None else hidden + residual
-            residual = x + self.mlp.residual_branch(x, tokens)
+            residual = x + self.engram[0].branch(x, tokens)
             hidden = self.input_layernorm(residual)
         elif residual is None:
             residual, hidden = hidden, self.input_layernorm(hidden)
@@ -139,7 +146,10 @@ class StemlmDecoderLayer(nn.Module):
             hidden, residual = self.input_layernorm(hidden, residual)
         hidden = self.self_attn(positions, hidden)
         hidden, residual = self.post_attention_layernorm(hidden, residual)
-        return self.mlp(hidden, tokens), residual
+        out = self.mlp(hidden, tokens)
+        if self.engram and not self.engram_on_residual:
+            out = self.engram[0].branch(hidden, tokens, out)
+        return out, residual
 
 
 def reads_history(vllm_config: VllmConfig) -> bool:
@@ -168,12 +178,13 @@ class StemlmModel(nn.Module):
             raise ValueError(
                 "stemlm's vLLM plugin serves unquantised weights only (fp32, bf16, fp16): drop --quantization"
             )
-        self.reads_ids = bool(config.special_layers) and config.ffn != "dense"
+        kinds = {get_kind(name) for i in range(config.num_hidden_layers) for name in config.layer_kinds(i)}
+        self.reads_ids = any(kind.reads_input_ids() for kind in kinds)
         self.hasher = ngram_hasher(config)
         if self.hasher is not None and current_platform.is_cuda_alike() and not vllm_config.model_config.enforce_eager:
             raise ValueError(
-                f"a {config.ffn} model reads earlier positions through host-side indexing each step, which CUDA "
-                "graphs would freeze: pass --enforce-eager"
+                f"a model with {ngram_kind(config).name} layers reads earlier positions through host-side indexing "
+                "each step, which CUDA graphs would freeze: pass --enforce-eager"
             )
         self.block_size = vllm_config.cache_config.block_size
         pp = get_pp_group()
@@ -186,8 +197,8 @@ class StemlmModel(nn.Module):
         )
         if self.hasher is not None:
             # positions back a step reads: the n-grams' ids, and the Engram convs' (kernel - 1) · dilation inputs
-            convs = [layer.mlp.conv_context for layer in islice(self.layers, self.start_layer, self.end_layer)
-                     if isinstance(layer.mlp, EngramMLP)]  # fmt: skip
+            layers = islice(self.layers, self.start_layer, self.end_layer)
+            convs = [branch.context for layer in layers for branch in layer.engram]
             self.depth = max([self.hasher.context, *convs])
             self.seen_ids = SlotStore((), torch.long, -1)  # the input id of every kept position, by KV slot
         if pp.is_last_rank:
@@ -216,7 +227,7 @@ class StemlmModel(nn.Module):
     def forward(self, input_ids, positions, intermediate_tensors=None, inputs_embeds=None):
         if input_ids is None and self.reads_ids:
             raise ValueError(
-                "a STEM model reads its tables by input token id at every layer: it cannot run from prompt "
+                "this model reads tables by input token id (STEM, n-gram keys): it cannot run from prompt "
                 "embeddings alone (inputs_embeds without input_ids)"
             )
         tokens = self.step_tokens(input_ids, positions)
