@@ -10,15 +10,12 @@ option is accepted and changes nothing; the GPU line of benchmarks/gpu_check.sh 
 
 from __future__ import annotations
 
-import os
-
 import pytest
 
-from tests.vllm.conftest import NEW_TOKENS, PROMPTS, stemlm_greedy
+from tests.vllm.conftest import PROMPTS, stemlm_greedy, vllm_greedy
 
 vllm = pytest.importorskip("vllm")
 
-os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB of KV cache: the default takes a share of all memory
 HOST_TABLES = dict(cpu_offload_gb=1, cpu_offload_params={"stem_embedding"})
 
 
@@ -28,6 +25,7 @@ def engine(request, checkpoints):
     llm = vllm.LLM(
         model=str(checkpoints["stem-export" if kind == "stem" else kind]),
         dtype="float32",  # stemlm's tokens are fp32's: the comparison is exact only in the same precision
+        kv_cache_memory_bytes=2**30,  # vLLM's CPU default reserves a share of all the machine's memory
         max_model_len=256,
         max_num_seqs=8,
         enforce_eager=True,
@@ -35,12 +33,6 @@ def engine(request, checkpoints):
     )
     yield kind, llm
     llm.llm_engine.engine_core.shutdown()
-
-
-def vllm_greedy(llm, prompts) -> list[list[int]]:
-    params = vllm.SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
-    prompts = [vllm.inputs.TokensPrompt(prompt_token_ids=p) for p in prompts]
-    return [list(out.outputs[0].token_ids) for out in llm.generate(prompts, params, use_tqdm=False)]
 
 
 def test_greedy_tokens_equal_stemlm_prompt_by_prompt(engine, checkpoints):

@@ -49,6 +49,7 @@ if TYPE_CHECKING:  # the model imports this module to save itself; the format ne
     from stemlm.model.decoder import StemLM
 
 DEFAULT_MAX_SHARD_BYTES = 4 * 1024**3
+EMBED_NAME = "model.embed_tokens.weight"  # every model has it; its dtype is the weights' (tables may be stored apart)
 
 
 def write_json(path: Path, obj) -> None:
@@ -82,8 +83,9 @@ def write_model_files(
     model: StemLM, folder: Path, tokenizer=None, max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES
 ) -> None:
     """Write config, weights (sharded when large) and tokenizer into an existing folder (not atomic by itself)."""
-    write_model_config(model.config, folder, tokenizer)
-    shards = _shards(model_state_for_saving(model), max_shard_bytes)
+    state = model_state_for_saving(model)
+    write_model_config(model.config, folder, tokenizer, state[EMBED_NAME].dtype)
+    shards = _shards(state, max_shard_bytes)
     if len(shards) == 1:
         save_file(shards[0], str(folder / WEIGHTS_NAME), metadata={"format": "pt"})
     else:
@@ -97,13 +99,15 @@ def write_model_files(
         write_json(folder / INDEX_NAME, {"metadata": {"total_size": total}, "weight_map": weight_map})
 
 
-def write_model_config(config: ModelConfig, folder: Path, tokenizer=None) -> None:
-    """config.json (and tokenizer.json) of a model folder; the weights are written by the caller."""
+def write_model_config(config: ModelConfig, folder: Path, tokenizer=None, dtype: torch.dtype = torch.float32) -> None:
+    """config.json (and tokenizer.json) of a model folder; the weights are written by the caller. `dtype` is the
+    one the model computes in (its weights'; stemlm trains and generates in fp32), recorded as `torch_dtype` for
+    the readers that pick a precision from the folder (transformers, vLLM: docs/vllm.md)."""
     if tokenizer is not None and tokenizer.get_vocab_size() > config.vocab_size:
         raise StemlmError(
             f"tokenizer has {tokenizer.get_vocab_size()} tokens but the model's vocab_size is {config.vocab_size}"
         )
-    write_json(folder / CONFIG_NAME, config.to_hf_dict())
+    write_json(folder / CONFIG_NAME, {**config.to_hf_dict(), "torch_dtype": str(dtype).removeprefix("torch.")})
     if tokenizer is not None:
         write_tokenizer_files(tokenizer, folder, config.max_position_embeddings)
 

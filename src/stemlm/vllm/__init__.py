@@ -7,7 +7,8 @@ stemlm imports this package, so `import stemlm` never imports vLLM.
 - `stemlm.vllm.plugin.register`: the config class for model_type "stemlm" (`stemlm.hf.StemlmConfig`, so vLLM
   reads config.json) and the architecture `StemlmForCausalLM` in vLLM's model registry, by its import path (vLLM
   imports it when a model asks for it).
-- `stemlm.vllm.model`: the model in vLLM's layers (dense and STEM; `stemlm.vllm.kinds` says why others are refused).
+- `stemlm.vllm.model`: the model in vLLM's layers; `stemlm.vllm.ffn` its FFN kinds (dense, STEM, n-gram STEM, Engram),
+  `stemlm.vllm.history` the earlier positions the n-gram kinds read, `stemlm.vllm.kinds` why other kinds are refused.
 - `stemlm.vllm.edits`: an ASGI middleware for `vllm serve --middleware` that refuses stemlm's per-request `edit`.
 
 docs/vllm.md: install, the command, what maps onto vLLM and what does not, tables in host memory.

@@ -27,4 +27,5 @@ KIND = Kind(
     count=count,
     components=("ffn_dense",),
     activation_elements=swiglu_activations,
+    vllm_unserved=None,
 )

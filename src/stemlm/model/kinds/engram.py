@@ -223,4 +223,5 @@ KIND = Kind(
         count=count_branch,
         acts_on=lambda config: "residual" if is_reference(config) else "ffn",
     ),
+    vllm_unserved=None,
 )

@@ -67,4 +67,7 @@ KIND = Kind(
     fields=(NUM_EXPERTS, MOE_INTERMEDIATE_SIZE),
     components=("moe_experts",),
     routes_by_id=True,
+    vllm_unserved=(
+        "fits vLLM's step (FusedMoE with experts read from a fixed id -> expert map) but has no module there yet"
+    ),
 )

@@ -169,4 +169,8 @@ KIND = Kind(
     tables=(Table("memory", "memory_values", owner=table_owner),),
     components=("memory_proj", "memory_values"),
     table_components=("memory_values",),
+    vllm_unserved=(
+        "fits vLLM's step (a per-token top-k over product keys and a weighted sum of value rows) but has "
+        "no module there yet"
+    ),
 )

@@ -98,4 +98,5 @@ KIND = Kind(
     check=check,
     components=("moe_router", "moe_experts", "moe_shared"),
     resolved=lambda config: {"moe_intermediate_size": expert_size(config)},
+    vllm_unserved="fits vLLM's step (its FusedMoE with a softmax top-k router) but has no module there yet",
 )

@@ -114,4 +114,8 @@ KIND = Kind(
     tables=(Table("token", "ple_embedding"),),
     components=("ffn_dense", "ple_proj", "ple_tables"),
     table_components=("ple_tables",),
+    vllm_unserved=(
+        "fits vLLM's step (a narrow token-indexed table gated by the hidden state, as vLLM's Gemma-3n "
+        "has) but has no module there yet"
+    ),
 )

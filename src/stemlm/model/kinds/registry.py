@@ -215,6 +215,9 @@ class Kind:
     resolved: Callable[[Config], dict[str, Any]] | None = None  # its None defaults resolved (config comparison)
     routes_by_id: bool = False  # reads `ctx.input_ids` without a table (hash layers: the id picks the expert)
     beside: Beside | None = None  # it can also run beside another kind's FFN (its side module), see `Beside`
+    # stemlm's vLLM plugin (stemlm.vllm, docs/vllm.md): None where it serves the kind; otherwise why it does not
+    # (what the kind needs of vLLM's step), said in one line when vLLM is asked to load such a model
+    vllm_unserved: str | None = "the plugin has no vLLM module for it yet"
 
     @property
     def layers_field(self) -> str:

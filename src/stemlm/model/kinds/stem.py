@@ -49,4 +49,5 @@ KIND = Kind(
     table_components=("token_tables",),
     replaces_projection=True,
     activation_elements=swiglu_activations,
+    vllm_unserved=None,
 )

@@ -66,4 +66,8 @@ KIND = Kind(
     components=("ffn_dense", "token_tables"),
     table_components=("token_tables",),
     trains_with_tables=("adapter_gate",),
+    vllm_unserved=(
+        "fits vLLM's step (STEM's lookup blended with a dense up-projection by a learned per-channel "
+        "gate) but has no module there yet"
+    ),
 )

@@ -37,4 +37,7 @@ KIND = Kind(
     components=stem.KIND.components,
     table_components=stem.KIND.table_components,
     replaces_projection=True,
+    vllm_unserved=(
+        "fits vLLM's step (a token-indexed lookup like STEM's: the gate's rows) but has no module there yet"
+    ),
 )

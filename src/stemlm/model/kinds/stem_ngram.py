@@ -80,4 +80,5 @@ KIND = Kind(
     ngram=lambda config: (config.stem_ngram_orders, config.stem_ngram_heads, config.stem_ngram_rows),
     replaces_projection=True,
     edit_note=EDIT_NOTE,
+    vllm_unserved=None,
 )

@@ -198,4 +198,8 @@ KIND = Kind(
     acts_on_values=True,
     trains_with_tables=("value_lambda", "value_gate"),  # value_gate: the reference variant's
     beside=Beside(build=ValueEmbedding, count=count_mix, acts_on="values"),
+    vllm_unserved=(
+        "fits vLLM's step (token-indexed rows mixed into attention's values before the KV cache keeps "
+        "them) but has no module there yet"
+    ),
 )
