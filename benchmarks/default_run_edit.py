@@ -87,7 +87,8 @@ def mean_ci(values: list[float]) -> tuple[float, float, float]:
     from stemlm.experiments.stats import mean_ci95
 
     ci = mean_ci95(values)
-    return ci["mean"], ci.get("low", math.nan), ci.get("high", math.nan)
+    low, high = ci["ci95"]
+    return ci["mean"], low, high
 
 
 def main(argv: list[str] | None = None) -> int:
