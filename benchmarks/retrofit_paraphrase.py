@@ -10,13 +10,14 @@ in memory from the dense checkpoint (`stemlm.convert.retrofit.retrofit`; calib r
     python benchmarks/retrofit_paraphrase.py "0:embed;0:normed;0:calib"
     python benchmarks/retrofit_paraphrase.py scan        # how COUNTRIES was found (`convert --stem-layers 0`)
 
-Each config prints `RESULT <layers>:<init> known K first-token moved M`; `scan` prints, for every capital
+Each config prints `RESULT config=<layers>:<init> known=K pairs=P moved=M` (`--all-countries` pairs all 12,
+known or not: a model that knows none still makes every edit); `scan` prints, for every capital
 template of the fact world, how many of its 248 countries the layer-0 retrofit answers, and which.
 """
 
 from __future__ import annotations
 
-import sys
+import argparse
 
 import torch
 
@@ -44,10 +45,7 @@ def scan(ckpt: str) -> None:
 
 
 @torch.no_grad()
-def main(configs: str, ckpt: str = "ckpt/smollm2") -> None:
-    torch.set_num_threads(2)
-    if configs == "scan":
-        return scan(ckpt)
+def measure(ckpt: str, configs: str, all_countries: bool) -> None:
     dense, tok = load_checkpoint(ckpt)
     dense.eval()
     for cfg in configs.split(";"):
@@ -56,19 +54,33 @@ def main(configs: str, ckpt: str = "ckpt/smollm2") -> None:
         model = retrofit(dense, layers, init, ids).eval()
         items = [(encode(tok, PHRASING.format(s=c)), encode(tok, " " + country(c).capital)) for c in COUNTRIES]
         known = [c for c, s in zip(COUNTRIES, score_items(model, items), strict=True) if s[1]]
+        pairs = COUNTRIES if all_countries else known
         moved = 0
-        for k, src in enumerate(known):
-            tgt = known[(k + 1) % len(known)]
+        for k, src in enumerate(pairs):
+            tgt = pairs[(k + 1) % len(pairs)]
             prompt = encode(tok, PHRASING.format(s=src))
             edit = make_edit(model, tok, prompt, src, tgt, rows="tables")
             probs = edited_forward(model, torch.tensor([prompt]), edit).logits[0, -1].float().softmax(-1)
             top = probs.topk(3)
             moved += int(top.indices[0]) == encode(tok, " " + country(tgt).capital)[0]
-            pairs = zip(top.values, top.indices, strict=True)
-            shown = " ".join(f"{tok.decode([int(i)])!r}:{float(v):.2f}" for v, i in pairs)
+            shown = " ".join(f"{tok.decode([int(i)])!r}:{float(v):.2f}" for v, i in zip(*top, strict=True))
             print(f"  {cfg} {src}->{tgt}: {shown}", flush=True)
-        print(f"RESULT {cfg} known {len(known)} first-token moved {moved}", flush=True)
+        print(f"RESULT config={cfg} known={len(known)} pairs={len(pairs)} moved={moved}", flush=True)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("configs", help='retrofits to measure, "layers:init;..." (e.g. "0:embed;0:calib"), or scan')
+    parser.add_argument("--ckpt", default="ckpt/smollm2", help="the dense checkpoint (default ckpt/smollm2)")
+    parser.add_argument("--threads", type=int, default=2, help="torch threads (default 2)")
+    parser.add_argument("--all-countries", action="store_true", help="pair all 12 countries, known or not")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    if args.configs == "scan":
+        scan(args.ckpt)
+    else:
+        measure(args.ckpt, args.configs, args.all_countries)
 
 
 if __name__ == "__main__":
-    main(*sys.argv[1:])
+    main()
