@@ -75,10 +75,15 @@ def edit(run: Path, rows: str) -> dict[str, float]:
     return {"p": p, "runner_up": runner, "ratio": p / runner, "answer": out["after"]["completion"]}
 
 
-def dense_steps(stem_report: dict[str, Any], extra: list[str]) -> int:
-    """Steps of the dense control whose training FLOPs equal the STEM run's (stemlm's own accounting)."""
-    info = stemlm("info", "--preset", "tiny", "--ffn", "dense", "--seq-len", "128")
-    dense_per_token = info["flops"]["training_per_token"]
+def dense_steps(run: Path, stem_report: dict[str, Any]) -> int:
+    """Steps of the dense control whose training FLOPs equal the STEM run's (stemlm's own accounting of the run's
+    model with every FFN dense, at the run's sequence length)."""
+    from stemlm.model.accounting import summarize
+    from stemlm.model.config import ModelConfig
+
+    config = ModelConfig.from_dict(json.loads((Path(stem_report["checkpoint"]) / "config.json").read_text()))
+    seq_len = json.loads((run / "run_config.json").read_text())["train"]["seq_len"]
+    dense_per_token = summarize(config.replace(ffn="dense"), seq_len)["flops"]["training_per_token"]
     stem_flops = stem_report["accounting"]["training_flops_per_token"] * stem_report["tokens_seen"]
     return math.floor(stem_flops / (dense_per_token * stem_report["tokens_seen"] / stem_report["steps"]))
 
@@ -103,7 +108,7 @@ def main(argv: list[str] | None = None) -> int:
         row = {"report": report, **{rows: edit(out / f"stem-seed{seed}", rows) for rows in ROWS}}
         runs["stem"][seed] = row
         if args.dense:
-            steps = dense_steps(report, extra)
+            steps = dense_steps(out / f"stem-seed{seed}", report)
             dense = train(out / f"dense-seed{seed}", seed, [*extra, "--ffn", "dense", "--steps", str(steps)])
             runs["dense"][seed] = {"report": dense, "embed": edit(out / f"dense-seed{seed}", "embed")}
     stem_runs = [str(out / f"stem-seed{s}") for s in seeds]
@@ -156,7 +161,10 @@ def summarize(runs: dict[str, Any], edits: dict[str, Any], dense_edits: dict[str
             summary["eval_edits"][f"{name}/{rows_kind}"] = {
                 "paraphrase_moved": moved,
                 "counts": [(v["paraphrase_moved"]["moved"], v["paraphrase_moved"]["known"]) for v in per],
-                "locality_other": [v["sets"]["locality_other"]["kept_greedy"]["edited"] for v in per],
+                # None where the model knows no record (nothing edited to probe locality after)
+                "locality_other": [
+                    v["sets"].get("locality_other", {}).get("kept_greedy", {}).get("edited") for v in per
+                ],
                 "by_length": [v["paraphrase_moved"].get("by_length") for v in per],
             }
     stem = {r["seed"]: r for r in rows if r["arm"] == "stem"}
@@ -189,7 +197,7 @@ def print_summary(summary: dict[str, Any]) -> None:
     stem = [r for r in summary["runs"] if r["arm"] == "stem"]
     ratios = [r["edit"]["tables"]["ratio"] for r in stem]
     moved = summary["eval_edits"]["stem/tables"]["paraphrase_moved"]
-    locality = summary["eval_edits"]["stem/tables"]["locality_other"]
+    locality = [x for x in summary["eval_edits"]["stem/tables"]["locality_other"] if x is not None] or [float("nan")]
     print(
         f"RESULT seeds={len(stem)} tables_ratio_min={min(ratios):.2f} "
         f"tables_berlin={sum(x >= 10 for x in ratios)}/{len(stem)} paraphrase_tables={moved['mean']:.3f} "
