@@ -445,16 +445,11 @@ def evaluate_checkpoint_edits(
     `evaluate_edits`'s settings (strategy, pad, mode, fluency). `countries` picks the records' subjects and
     targets: all, a comma list of countries, or auto (the countries CKPT's run mixed into its training text, so
     the default run is scored on the facts it was taught; all for any other checkpoint)."""
-    from stemlm.checkpoint.runs import trained_fact_countries
     from stemlm.data.worlds.facts import edit_records
+    from stemlm.edit.eval_checks import record_countries
     from stemlm.edit.session import load_for_edit, parse_layers
 
-    if countries == "auto":
-        region = trained_fact_countries(ckpt)
-    elif countries == "all":
-        region = None
-    else:
-        region = [c.strip() for c in countries.split(",") if c.strip()]
+    region = record_countries(countries, ckpt)
     try:
         chosen = edit_records(relation, records or None, seed=seed, region=region)
     except ValueError as exc:  # an unknown country or region names itself

@@ -44,6 +44,7 @@ class EditOptions:
 
     def checked(self) -> EditOptions:
         """These options, or a one-line error for a request that cannot be made (before anything is loaded)."""
+        from stemlm.edit.eval_checks import check_pad
         from stemlm.edit.spans import check_distinct
 
         if self.inject is None and self.source is None:
@@ -57,6 +58,7 @@ class EditOptions:
             raise StemlmError('a positional edit needs --prompt, e.g. --prompt "Country: Spain. Capital:"')
         if self.source is not None:
             check_distinct(self.source, self.target)
+        check_pad(self.strategy, self.pad)
         return self
 
 

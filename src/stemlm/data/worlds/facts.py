@@ -148,6 +148,9 @@ def countries_in(region: str | Sequence[str] | None = None) -> tuple[Country, ..
         unknown = [name for name in region if name not in by_name]
         if unknown or not region:
             raise ValueError(f"unknown country {unknown[0]!r} in the fact world" if unknown else "no country named")
+        twice = sorted({name for name in region if list(region).count(name) > 1})
+        if twice:
+            raise ValueError(f"{', '.join(twice)} named twice; name each country once")
         return tuple(by_name[name] for name in region)
     found = tuple(c for c in load_countries() if (c.region or "").lower() == region.lower())
     if not found:
@@ -209,7 +212,12 @@ def edit_records(
     `paraphrase_prompts` the held-out templates only; `portability` asks the other relations (first training
     template) where subject and target differ; `choices` counts each relation's distinct objects."""
     rng = random.Random(seed)
+    if relation not in TEMPLATES:
+        raise ValueError(f"unknown relation {relation!r}; known: {', '.join(RELATIONS)}")
     countries = [c for c in countries_in(region) if c.fact(relation) is not None]
+    if len({c.fact(relation) for c in countries}) < 2:  # a record's target must answer differently
+        given = ", ".join(f"{c.name} ({c.fact(relation)})" for c in countries[:4]) or "none with one"
+        raise ValueError(f"edit records need two countries whose {relation} differs; these have one: {given}")
     choices = {r: len({c.fact(r) for c in load_countries()} - {None}) for r in RELATIONS}
     train_t, heldout_t = TEMPLATES[relation]
     records = []
