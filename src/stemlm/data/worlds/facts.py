@@ -159,6 +159,35 @@ def countries_in(region: str | Sequence[str] | None = None) -> tuple[Country, ..
     return found
 
 
+def check_fact_mix(region: str, countries: Sequence[str], relations: Sequence[str]) -> None:
+    """Raise ValueError unless the fact mix's settings (`TrainConfig.fact_region`, `fact_countries`,
+    `fact_relations`) name a fact world: relations known, at least one, each once; the region one of the data's
+    (or all); the countries known, each once, and in the region (named countries replace the region's list, so one
+    outside it means the two settings disagree)."""
+    if not relations:
+        raise ValueError(f"fact_relations is empty; name at least one of {', '.join(RELATIONS)}")
+    unknown = [r for r in relations if r not in TEMPLATES]
+    if unknown:
+        raise ValueError(f"fact_relations: unknown relation {unknown[0]!r}; known: {', '.join(RELATIONS)}")
+    twice = sorted({r for r in relations if list(relations).count(r) > 1})
+    if twice:
+        raise ValueError(f"fact_relations names {', '.join(twice)} twice")
+    try:
+        in_region = countries_in(region)
+    except ValueError as exc:
+        raise ValueError(f"fact_region: {exc}") from None
+    try:
+        chosen = countries_in(list(countries)) if countries else ()
+    except ValueError as exc:
+        raise ValueError(f"fact_countries: {exc}") from None
+    outside = [c.name for c in chosen if c not in in_region]
+    if outside:
+        raise ValueError(
+            f"fact_countries {', '.join(outside[:3])} not in fact_region {region!r}: set train.fact_region to theirs "
+            "(or all), or train.fact_countries= (empty) for every country of the region"
+        )
+
+
 def fact_prompts(
     split: str = "train",
     relations: tuple[str, ...] = RELATIONS,
