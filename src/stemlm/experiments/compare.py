@@ -192,10 +192,12 @@ def arm_config(base: ModelConfig, arm: str) -> ModelConfig:
     config = base.replace(ffn=VARIANTS.get(kind, (kind,))[0])
     if variant is None:
         return config
+    settings = {_variant_field(kind): variant, **VARIANT_SETTINGS.get(arm, {})}
     try:
-        return config.replace(**{_variant_field(kind): variant, **VARIANT_SETTINGS.get(arm, {})})
+        return config.replace(**settings)
     except (ValueError, StemlmError) as err:
-        raise StemlmError(f"arm {arm} ({_variant_field(kind)}={variant}): {err}") from None
+        given = ", ".join(f"{k}={v}" for k, v in settings.items())
+        raise StemlmError(f"arm {arm} ({given}, on {config.num_hidden_layers} layers): {err}") from None
 
 
 def parse_budget(text: str) -> tuple[str, float]:
@@ -561,7 +563,11 @@ def run_compare(cfg: CompareConfig, log: ExperimentLog) -> dict[str, Any]:
 
 
 def run_command(cfg: CompareConfig, log: ExperimentLog) -> dict:
-    """`stemlm experiment compare`: an unknown preset fails before any data is written."""
+    """`stemlm experiment compare`: bad options (`compare_checks`) and an unknown preset fail before any data is
+    written."""
+    from stemlm.experiments.compare_checks import check_compare
+
+    check_compare(cfg)
     if cfg.preset:
         from stemlm.model.presets import get_preset
 
