@@ -26,17 +26,24 @@ def check_pad(strategy: str, pad: str | None) -> None:
 
 
 def meta_model(ckpt: str):
-    """(checkpoint folder, the model of CKPT on the meta device): its config read, no weight loaded."""
+    """(checkpoint folder, the model of CKPT on the meta device): its config and tokenizer read (the tokenizer must
+    fit the rows, as loading checks), no weight loaded."""
     import torch
+    from tokenizers import Tokenizer
 
     from stemlm.checkpoint.folder import TOKENIZER_NAME, load_config
-    from stemlm.checkpoint.runs import resolve_checkpoint
+    from stemlm.checkpoint.runs import check_tokenizer_fits, resolve_checkpoint
     from stemlm.model.decoder import StemLM
 
     folder = resolve_checkpoint(ckpt)
     if not (folder / TOKENIZER_NAME).is_file():
         raise StemlmError(f"{ckpt} has no {TOKENIZER_NAME}; editing needs the tokenizer the model was trained with")
     config = load_config(folder)
+    try:
+        tokens = Tokenizer.from_file(str(folder / TOKENIZER_NAME)).get_vocab_size()
+    except Exception as exc:  # tokenizers raises a bare Exception on malformed files
+        raise StemlmError(f"cannot read {folder / TOKENIZER_NAME}: {str(exc).splitlines()[0]}") from None
+    check_tokenizer_fits(tokens, config.vocab_size, folder)
     with torch.device("meta"):
         return folder, StemLM(config)
 

@@ -85,6 +85,11 @@ def check_same_facts(train: dict[str, Any], overrides: dict[str, Any], run_dir: 
     """Refuse a resume that changes the run's fact mix (`fact_*`): its statements are part of the training data the
     run's windows are drawn from, so the resumed run would not continue the same one."""
     changed = sorted(k for k, v in overrides.items() if k.startswith("fact_") and v != train.get(k))
+    if changed and train.get("data") is not None:
+        raise StemlmError(
+            f"--set train.{changed[0]} has no effect on run {run_dir}: it trains on --data, and the fact world is "
+            "mixed into the embedded corpus only; drop the setting"
+        )
     if changed:
         name = changed[0]
         raise StemlmError(
