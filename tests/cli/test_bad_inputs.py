@@ -293,6 +293,10 @@ CASES = [
     (["eval", "edits", "{ck}", "--countries", ""], "--countries '' names no country"),
     (["eval", "edits", "{ck}", "--countries", ","], "names no country"),
     (["eval", "edits", "{ck}", "--countries", "Atlantis"], "unknown country 'Atlantis'"),
+    (
+        ["eval", "edits", "{ck}", "--countries", "spain,France"],
+        "unknown country 'spain' in the fact world (names are exact: Spain)",
+    ),
     (["eval", "edits", "{ck}", "--countries", "France,Germany", "--relation", "currency"], "whose currency differs"),
     (["eval", "edits", "{ck}", "--countries", "France,Germany", "--relation", "region"], "whose region differs"),
     (["eval", "edits", "{factrun}"], "(auto: the countries"),
@@ -363,6 +367,44 @@ CASES = [
     # --- experiment and data ---
     (["experiment", "knowledge", "--set", "bogus=1"], "bogus"),
     (["experiment", "knowledge", "--steps", "0", "--out", "{outdir}"], "steps"),
+    (["experiment", "knowledge", "--quick", "--set", "relations=", "--out", "{outdir}"], "relations is empty"),
+    (
+        ["experiment", "knowledge", "--quick", "--set", "relations=bogus", "--out", "{outdir}"],
+        "relations: unknown relation 'bogus'",
+    ),
+    (
+        ["experiment", "knowledge", "--quick", "--set", "relations=capital,capital", "--out", "{outdir}"],
+        "relations names capital twice",
+    ),
+    (
+        ["experiment", "knowledge", "--quick", "--set", "edit_relation=bogus", "--out", "{outdir}"],
+        "edit_relation: unknown relation 'bogus'",
+    ),
+    (
+        ["experiment", "knowledge", "--quick", "--set", "edit_relation=language", "--out", "{outdir}"],
+        "not among the trained relations (capital)",
+    ),
+    (
+        ["experiment", "knowledge", "--quick", "--set", "fact_repeats=0", "--out", "{outdir}"],
+        "fact_repeats must be a positive integer",
+    ),
+    (
+        ["experiment", "knowledge", "--quick", "--set", "arms=dense", "--out", "{outdir}"],
+        "arms must include dense and stem",
+    ),
+    (["experiment", "knowledge", "--quick", "--records", "-1", "--out", "{outdir}"], "--records must be >= 0"),
+    (
+        ["experiment", "knowledge", "--quick", "--set", "vocab_size=10", "--out", "{outdir}"],
+        "vocab_size 10 is too small",
+    ),
+    (
+        ["experiment", "knowledge", "--quick", "--set", "stem_layers=9", "--out", "{outdir}"],
+        "layer index 9 is out of range",
+    ),
+    (
+        ["experiment", "knowledge", "--quick", "--set", "seq_len=0", "--out", "{outdir}"],
+        "seq_len must be a positive integer",
+    ),
     (["experiment", "compare", "--kinds", "dense,bogus", "--out", "{outdir}"], "bogus"),
     (["experiment", "compare", "--budget", "abc", "--out", "{outdir}"], "budget"),
     (["experiment", "knowledge", "--quick", "--out", "{full}"], "not an experiment folder"),

@@ -147,7 +147,11 @@ def countries_in(region: str | Sequence[str] | None = None) -> tuple[Country, ..
         by_name = {c.name: c for c in load_countries()}
         unknown = [name for name in region if name not in by_name]
         if unknown or not region:
-            raise ValueError(f"unknown country {unknown[0]!r} in the fact world" if unknown else "no country named")
+            close = [c.name for c in load_countries() if unknown and c.name.lower() == unknown[0].lower()]
+            hint = f" (names are exact: {close[0]})" if close else ""
+            raise ValueError(
+                f"unknown country {unknown[0]!r} in the fact world{hint}" if unknown else "no country named"
+            )
         twice = sorted({name for name in region if list(region).count(name) > 1})
         if twice:
             raise ValueError(f"{', '.join(twice)} named twice; name each country once")
@@ -159,19 +163,24 @@ def countries_in(region: str | Sequence[str] | None = None) -> tuple[Country, ..
     return found
 
 
+def check_relations(relations: Sequence[str], name: str) -> None:
+    """Raise ValueError unless `relations` (the setting `name`) are known, at least one, and each named once."""
+    if not relations:
+        raise ValueError(f"{name} is empty; name at least one of {', '.join(RELATIONS)}")
+    unknown = [r for r in relations if r not in TEMPLATES]
+    if unknown:
+        raise ValueError(f"{name}: unknown relation {unknown[0]!r}; known: {', '.join(RELATIONS)}")
+    twice = sorted({r for r in relations if list(relations).count(r) > 1})
+    if twice:
+        raise ValueError(f"{name} names {', '.join(twice)} twice")
+
+
 def check_fact_mix(region: str, countries: Sequence[str], relations: Sequence[str]) -> None:
     """Raise ValueError unless the fact mix's settings (`TrainConfig.fact_region`, `fact_countries`,
     `fact_relations`) name a fact world: relations known, at least one, each once; the region one of the data's
     (or all); the countries known, each once, and in the region (named countries replace the region's list, so one
     outside it means the two settings disagree)."""
-    if not relations:
-        raise ValueError(f"fact_relations is empty; name at least one of {', '.join(RELATIONS)}")
-    unknown = [r for r in relations if r not in TEMPLATES]
-    if unknown:
-        raise ValueError(f"fact_relations: unknown relation {unknown[0]!r}; known: {', '.join(RELATIONS)}")
-    twice = sorted({r for r in relations if list(relations).count(r) > 1})
-    if twice:
-        raise ValueError(f"fact_relations names {', '.join(twice)} twice")
+    check_relations(relations, "fact_relations")
     try:
         in_region = countries_in(region)
     except ValueError as exc:
