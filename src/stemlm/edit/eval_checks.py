@@ -16,14 +16,6 @@ from pathlib import Path
 
 from stemlm.errors import StemlmError
 
-PADDING_STRATEGIES = ("left_pad", "right_pad")  # the strategies that place pad rows (stemlm.edit.spans.align)
-
-
-def check_pad(strategy: str, pad: str | None) -> None:
-    """A `--pad` row only with a strategy that pads (`stemlm edit` and `eval edits` alike)."""
-    if pad is not None and strategy not in PADDING_STRATEGIES:
-        raise StemlmError(f"--pad {pad} applies to --strategy {' or '.join(PADDING_STRATEGIES)}, not {strategy}")
-
 
 def meta_model(ckpt: str):
     """(checkpoint folder, the model of CKPT on the meta device): its config and tokenizer read (the tokenizer must
@@ -48,23 +40,10 @@ def meta_model(ckpt: str):
         return folder, StemLM(config)
 
 
-def record_countries(countries: str, ckpt: str) -> list[str] | str | None:
-    """The region `--countries` names for CKPT: None (all), a list of countries, or the run's own (auto)."""
-    from stemlm.checkpoint.runs import trained_fact_countries
-
-    if countries == "auto":
-        return trained_fact_countries(ckpt)
-    if countries.strip().lower() == "all":
-        return None
-    names = [c.strip() for c in countries.split(",") if c.strip()]
-    if not names:
-        raise StemlmError(f"--countries {countries!r} names no country; give all, auto or a comma list of countries")
-    return names
-
-
 def check_records(relation: str, countries: str, ckpt: str, seed: int) -> None:
     """The countries of CKPT's records make at least one edit record of `relation`."""
     from stemlm.data.worlds.facts import edit_records
+    from stemlm.edit.evaluate import record_countries
 
     region = record_countries(countries, ckpt)
     try:
@@ -120,6 +99,7 @@ def check_edit_eval(
     """Raise a one-line StemlmError for anything `stemlm eval edits` would refuse or get wrong (module docstring)."""
     from stemlm.checkpoint.safe_write import check_file_target
     from stemlm.data.worlds.facts import RELATIONS
+    from stemlm.edit.spans import check_pad
 
     if relation not in RELATIONS:
         raise StemlmError(f"unknown relation {relation!r}; choose one of {', '.join(RELATIONS)}")

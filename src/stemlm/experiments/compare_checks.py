@@ -13,16 +13,23 @@ from __future__ import annotations
 import math
 
 from stemlm.errors import StemlmError
+from stemlm.model.config import FFN_KINDS
 
 # Counts that must be at least 1 (`passkey_docs` and `fact_repeats` may be 0: that part of the mixture is left out).
 POSITIVE = ("seeds", "workers", "corpus_chars", "ppl_tokens", "niah_samples", "niah_digits", "seq_len", "batch_size")
 ARM_FIELDS = ("ffn", "vocab_size")  # decided per arm (its kind) and by the tokenizer
 
 
+def variant_field(kind: str) -> str | None:
+    """The config field that picks `kind`'s variant (`engram_variant`), or None for a kind without variants."""
+    from stemlm.model.kinds.registry import get_kind
+
+    name = f"{kind}_variant"
+    return name if kind in FFN_KINDS and any(f.name == name for f in get_kind(kind).fields) else None
+
+
 def check_compare(cfg) -> None:
     """Raise a one-line StemlmError for an option `stemlm experiment compare` would refuse later or get wrong."""
-    from stemlm.experiments.compare import _variant_field
-    from stemlm.model.config import FFN_KINDS
     from stemlm.runtime import check_device
     from stemlm.train.config import TrainConfig
 
@@ -56,8 +63,8 @@ def check_compare(cfg) -> None:
     if twice:
         raise StemlmError(f"--variants names {', '.join(twice)} twice")
     extra = [v for v in cfg.variants if v != "default"]
-    if extra and not any(_variant_field(kind) for kind in cfg.kinds):
-        with_variants = ", ".join(k for k in FFN_KINDS if _variant_field(k))
+    if extra and not any(variant_field(kind) for kind in cfg.kinds):
+        with_variants = ", ".join(k for k in FFN_KINDS if variant_field(k))
         raise StemlmError(
             f"--variants {','.join(cfg.variants)}: no kind in --kinds {','.join(cfg.kinds)} has variants, so it would "
             f"add no arm; list a kind that has ({with_variants})"
