@@ -58,7 +58,11 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--preset", default="tiny", help="model preset (default tiny: V 8192, STEM in layers 1 and 3)")
+    p.add_argument(
+        "--preset",
+        default="tiny",
+        help="model preset (default tiny: V 8192, STEM in every layer; tiny-odd: layers 1 and 3)",
+    )
     p.add_argument(
         "--set",
         dest="overrides",

@@ -1,6 +1,6 @@
 """Table bytes per step: the vocabulary-row-sharded tables against the official d_ff-split all-to-all.
 
-Two gloo processes train the `tiny` preset (V 8192, d_ff 768, STEM in layers 1 and 3) with `ShardedTables`
+Two gloo processes train the `tiny` preset (V 8192, d_ff 768, STEM in every layer) with `ShardedTables`
 and `lazy_adamw` on a global batch of B x S Zipfian token ids (exponent 1), each rank taking half. The bytes
 each rank sends to the other are measured by the tables' `CommCounter` (ids, rows forward, row gradients
 backward, split counts). The official scheme splits every table along d_ff over the P ranks, all-gathers the

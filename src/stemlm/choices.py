@@ -17,6 +17,10 @@ TABLE_DTYPES = ("fp32", *COMPACT_TABLE_DTYPES)
 DEVICES = ("auto", "cpu", "cuda")  # a training run's device; auto: cuda when available
 PARALLEL_MODES = ("ddp", "fsdp")  # the backbone of a multi-process run: replicated, or sharded per layer (FSDP2)
 RECIPES = ("stemlm", "official")  # the update's rules around the model (stemlm.train.recipes)
+# How the fact world's statements join the embedded corpus (stemlm.data.fact_mix): 64 to a document after the
+# corpus with every batch holding its share of fact windows; a line each spread through the text; or 64 to a
+# document drawn like any other text (runs made before the field existed).
+FACT_LAYOUTS = ("batches", "lines", "documents")
 SAMPLING = ("auto", "epoch", "uniform")  # training window order (stemlm.train.config: TrainConfig.sampling)
 TRAINABLE = ("all", "tables")  # the parameters that learn: all, or only the token tables
 KEEP_OPTIMIZER_STATE = ("newest", "all")  # the checkpoints that keep their optimizer state

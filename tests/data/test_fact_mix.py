@@ -7,13 +7,14 @@ import pytest
 
 from stemlm.checkpoint.runs import trained_fact_countries
 from stemlm.data import TokenDataset, get_tokenizer
-from stemlm.data.fact_mix import fact_repeats, fact_texts
+from stemlm.data.fact_mix import fact_repeats, interleave_lines, mixed_texts
 from stemlm.data.worlds.facts import MIX_TEMPLATES, TEMPLATES, fact_prompts
 from stemlm.errors import StemlmError
 from stemlm.train import data as data_mod
 from stemlm.train.config import FACT_COUNTRIES, TrainConfig
 
 CORPUS = ["It is a truth universally acknowledged. " * 400] * 40  # ~130k tokens
+VERSE = ["It is a truth universally acknowledged,\nthat a single man in possession\n" * 100] * 40  # short lines
 
 
 @pytest.fixture(autouse=True)
@@ -21,33 +22,69 @@ def _cache(tmp_path, monkeypatch):
     monkeypatch.setenv("STEMLM_CACHE", str(tmp_path / "cache"))
 
 
-def test_fact_tokens_make_up_the_requested_fraction():
+def fact_lines(texts: list[str]) -> list[str]:
+    """The lines of `texts` that are not corpus text (every corpus line of CORPUS is the same sentence)."""
+    return [line for text in texts for line in text.split("\n") if line and "universally" not in line]
+
+
+@pytest.mark.parametrize("layout", ["batches", "lines", "documents"])
+def test_fact_tokens_make_up_the_requested_fraction(layout):
     tok = get_tokenizer("default")
     corpus = TokenDataset.from_texts(CORPUS, tok)
     # The default run's 12 countries: one repeat of their statements is small beside the corpus, so whole repeats
     # can meet the fraction (all of Europe's, 10 phrasings each, is 9k tokens a repeat).
-    docs = fact_texts(corpus.num_tokens, tok, 0.25, list(FACT_COUNTRIES), ["capital"], seed=0)
-    mixed = TokenDataset.from_texts(CORPUS + docs, tok)
+    texts = mixed_texts(
+        CORPUS, tok, 0.25, list(FACT_COUNTRIES), ["capital"], 0, corpus_tokens=corpus.num_tokens, layout=layout
+    )
+    mixed = TokenDataset.from_texts(texts, tok)
     fact_tokens = mixed.num_tokens - corpus.num_tokens
     assert abs(fact_tokens / mixed.num_tokens - 0.25) < 0.01
     # Independent check of the content: every statement of those capitals, equally often.
     statements = [p.prompt + p.answer + "." for p in fact_prompts("train", ("capital",), FACT_COUNTRIES, mix=True)]
-    lines = [line for doc in docs for line in doc.split("\n")]
+    lines = fact_lines(texts)
     repeats = len(lines) // len(statements)
     assert sorted(lines) == sorted(statements * repeats) and repeats > 1
     assert "The capital of Spain is Madrid." in lines and all("Chile" not in line for line in lines)
+    assert len(texts) == len(CORPUS) + (0 if layout == "lines" else -(-len(lines) // 64))
+
+
+def test_lines_layout_puts_facts_in_every_window():
+    """Each statement a line of its own, spread evenly: every 128-token window of the mixed stream holds some
+    fact tokens, and their share stays near the fraction (whole fact documents leave most windows without any)."""
+    tok = get_tokenizer("default")
+    corpus = TokenDataset.from_texts(VERSE, tok)
+    texts = mixed_texts(
+        VERSE, tok, 0.3, list(FACT_COUNTRIES), ["capital"], 0, corpus_tokens=corpus.num_tokens, layout="lines"
+    )
+    flags = []  # per token: 1 inside a fact statement
+    for text in texts:
+        for line in text.split("\n"):
+            fact = "universally" not in line and "single man" not in line
+            flags += [int(fact)] * len(tok.encode(line + "\n").ids)
+    shares = [sum(flags[i : i + 128]) / 128 for i in range(0, len(flags) - 128, 128)]
+    assert min(shares) > 0.1 and max(shares) < 0.5 and abs(sum(shares) / len(shares) - 0.3) < 0.03
+
+
+def test_interleave_keeps_the_corpus_and_spreads_statements_by_characters():
+    texts = ["a\nb\nc\nd", "e\nf\ng\nh"]
+    out = interleave_lines(texts, ["S1", "S2", "S3", "S4"])
+    assert [[x for x in t.split("\n") if not x.startswith("S")] for t in out] == [t.split("\n") for t in texts]
+    assert out == ["a\nS1\nb\nc\nS2\nd", "e\nS3\nf\ng\nS4\nh"]  # one statement every 4 characters of 16
+    assert interleave_lines(texts, []) == texts
 
 
 def test_named_countries_select_the_statements():
     tok = get_tokenizer("default")
-    docs = fact_texts(20_000, tok, 0.3, ["Spain", "Germany"], ["capital"], seed=0)
-    lines = {line for doc in docs for line in doc.split("\n")}
+    texts = mixed_texts(["x"], tok, 0.3, ["Spain", "Germany"], ["capital"], 0, corpus_tokens=20_000, layout="lines")
+    lines = set(texts[0].split("\n")) - {"x"}
     pair = fact_prompts("train", ("capital",), region=["Spain", "Germany"], mix=True)
     assert lines == {p.prompt + p.answer + "." for p in pair}
     assert "The capital of Germany is Berlin." in lines and "Germany has its capital in Berlin." in lines
     assert len(lines) == 2 * (len(TEMPLATES["capital"][0]) + len(MIX_TEMPLATES["capital"]))
     with pytest.raises(StemlmError, match="unknown country 'Atlantis'"):
-        fact_texts(1000, tok, 0.2, ["Spain", "Atlantis"], ["capital"], seed=0)
+        mixed_texts(["x"], tok, 0.2, ["Spain", "Atlantis"], ["capital"], 0, corpus_tokens=1000)
+    with pytest.raises(StemlmError, match="fact layout must be one of batches, lines, documents"):
+        mixed_texts(["x"], tok, 0.2, ["Spain"], ["capital"], 0, corpus_tokens=1000, layout="paragraphs")
     assert TrainConfig().fact_selection() == list(FACT_COUNTRIES)
     assert TrainConfig(fact_countries=[]).fact_selection() == "Europe"
 
@@ -62,7 +99,7 @@ def test_repeats_follow_the_fraction():
 def test_region_and_fraction_are_checked():
     tok = get_tokenizer("default")
     with pytest.raises(StemlmError, match="no country in region 'Atlantis'"):
-        fact_texts(1000, tok, 0.2, "Atlantis", ["capital"], seed=0)
+        mixed_texts(["x"], tok, 0.2, "Atlantis", ["capital"], 0, corpus_tokens=1000)
     with pytest.raises(StemlmError, match="fact_fraction must lie in"):
         TrainConfig(fact_fraction=1.0)
 
@@ -77,6 +114,11 @@ def test_trainer_mixes_facts_into_the_embedded_corpus_only(monkeypatch, tmp_path
     mixed_train, mixed_held = data_mod.load_datasets(TrainConfig(fact_fraction=0.2), tok)
     assert abs((mixed_train.num_tokens - plain_train.num_tokens) / mixed_train.num_tokens - 0.2) < 0.02
     assert np.array_equal(np.asarray(mixed_held.tokens), np.asarray(plain_held.tokens))  # held-out is text only
+    # the default layout: the fact documents follow the corpus's tokens, and batches draw 20% of rows from them
+    assert mixed_train.strata == (plain_train.num_tokens, 0.2) and plain_train.strata is None
+    assert np.array_equal(np.asarray(mixed_train.tokens[: plain_train.num_tokens]), np.asarray(plain_train.tokens))
+    lines, _ = data_mod.load_datasets(TrainConfig(fact_fraction=0.2, fact_layout="lines"), tok)
+    assert lines.strata is None and lines.num_tokens == pytest.approx(mixed_train.num_tokens, rel=0.02)
     (tmp_path / "notes.txt").write_text("Some text of the user's own. " * 200)
     user = TrainConfig(fact_fraction=0.2, data=[str(tmp_path)])
     user_train, _ = data_mod.load_datasets(user, tok)

@@ -119,3 +119,24 @@ def test_sampling_choice_per_data_kind(tmp_path):
         resolve_sampling(TrainConfig(data=[str(tmp_path)], sampling="uniform"))
     with pytest.raises(StemlmError, match="sampling must be one of"):
         TrainConfig(sampling="shuffled")
+
+
+def test_stratified_batches_hold_their_share_of_tail_windows():
+    """With `strata` (split, share) every batch draws its quota of windows from tokens[split:] and the rest from
+    before it: quotas differ by at most one row between batches and add up to the share over any run of them."""
+    tokens = np.concatenate([np.zeros(5000, dtype=np.uint16), np.ones(2000, dtype=np.uint16)])  # corpus 0, facts 1
+    data = TokenDataset(tokens)
+    data.strata = (5000, 0.3)
+    quotas = []
+    for step in range(50):
+        x, y = data.sample_batch(8, 16, seed=1, step=step)
+        window = torch.cat([x, y[:, -1:]], 1)
+        assert all(row.unique().numel() == 1 for row in window)  # no window crosses the split
+        quotas.append(int(window[:, 0].sum()))
+        assert torch.equal(x, data.sample_batch(8, 16, seed=1, step=step)[0])  # still a function of (seed, step)
+        assert torch.equal(x[2:4], data.sample_batch(8, 16, seed=1, step=step, rows=slice(2, 4))[0])
+    assert set(quotas) == {2, 3} and sum(quotas) == round(0.3 * 8 * 50)
+    data.strata = (5000, 0.99)
+    with pytest.raises(StemlmError, match="stratified windows need"):
+        data.strata = (10, 0.5)
+        data.sample_batch(8, 16, seed=1, step=0)

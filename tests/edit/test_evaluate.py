@@ -138,6 +138,15 @@ def test_record_metrics_match_independent_scores(edit_model, fact_tokenizer, mod
     assert moved["known"] == sum(r["paraphrases_known"] for r in result["details"])
     assert moved["moved"] == sum(r["paraphrases_moved"] for r in result["details"])
     assert moved["rate"] == (moved["moved"] / moved["known"] if moved["known"] else None)
+    for rec, row in zip(_records(), result["details"], strict=True):  # the name lengths, counted here by hand
+        src = len(fact_tokenizer.encode(" " + rec.subject).ids)
+        tgt = len(fact_tokenizer.encode(" " + rec.target_subject).ids)
+        assert row["lengths"] == {-1: "shorter_target", 0: "equal", 1: "longer_target"}[(tgt > src) - (tgt < src)]
+    for group, entry in moved["by_length"].items():
+        rows = [r for r in result["details"] if r["lengths"] == group]
+        assert rows and entry["known"] == sum(r["paraphrases_known"] for r in rows)
+        assert entry["moved"] == sum(r["paraphrases_moved"] for r in rows)
+    assert sum(e["known"] for e in moved["by_length"].values()) == moved["known"]
     assert result["records"] == 2
     sets = set(result["all_records"])
     assert sets == (

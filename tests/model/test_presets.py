@@ -97,7 +97,10 @@ def test_every_preset_names_its_source(name):
 
 
 def test_tiny_is_unchanged():
-    # the main run and every README figure use it: d 256, 4 layers, d_ff 768, vocab 8192, STEM in layers 1 and 3
+    # the main run and every README figure use it: d 256, 4 layers, d_ff 768, vocab 8192, STEM in every layer;
+    # tiny-odd is the earlier tiny (STEM in layers 1 and 3), which older figures in docs/results.md name
+    assert get_preset("tiny-odd") == get_preset("tiny").replace(ffn_layers="odd")
+    assert get_preset("tiny").special_layers == [0, 1, 2, 3] and get_preset("tiny-odd").special_layers == [1, 3]
     assert get_preset("tiny") == ModelConfig(
         vocab_size=8192,
         hidden_size=256,
@@ -107,7 +110,7 @@ def test_tiny_is_unchanged():
         num_key_value_heads=4,
         max_position_embeddings=1024,
         ffn="stem",
-        ffn_layers="odd",
+        ffn_layers="all",
     )
 
 
@@ -122,5 +125,6 @@ def test_tiny_builds_and_runs():
 
 
 def test_unknown_preset_lists_the_known_ones():
-    with pytest.raises(StemlmError, match="unknown preset 'paper-7b'; available: tiny, tiny-dense, paper-350m"):
+    known = "available: tiny, tiny-dense, tiny-odd, tiny-odd-dense, paper-350m"
+    with pytest.raises(StemlmError, match=f"unknown preset 'paper-7b'; {known}"):
         get_preset("paper-7b")

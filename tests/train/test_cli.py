@@ -141,9 +141,9 @@ def test_host_tables_report(tmp_path, small, capsys):
         [*small, "--out", str(tmp_path / "run"), "--tables", "host", "--table-optim", "lazy_adamw"], capsys
     )
     assert code == 0
-    # Layer 1 of 2 is STEM ("odd"): one 320 x 128 fp32 table, its two lazy_adamw moments and int64 row steps.
-    table = 320 * 128 * 4
-    saved = table + 2 * table + 320 * 8
+    # Both layers are STEM (tiny: "all"): two 320 x 128 fp32 tables, their two lazy_adamw moments and int64 row steps.
+    table = 2 * 320 * 128 * 4
+    saved = table + 2 * table + 2 * 320 * 8
     assert f"tables in host memory: {saved / 2**20:,.1f} MiB kept off the cpu ({table / 2**20:,.1f} MiB tables" in out
     assert "model GFLOP/s = " in out and " per CPU-second = " in out  # a CPU run: both clocks
     assert "the best plain matmul at the model's shapes, measured now in the same clock" in out

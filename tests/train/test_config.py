@@ -81,3 +81,14 @@ def test_table_lr_as_a_number_or_a_multiple():
     assert table_lr_fields("x4") == {"table_lr": None, "table_lr_scale": 4.0}
     with pytest.raises(StemlmError, match="--table-lr 'fast'"):
         table_lr_fields("fast")
+
+
+def test_a_saved_config_trains_on_as_it_was_written():
+    """A run config written before a field existed resumes with what that run trained with, not today's default:
+    no fact mix before `fact_fraction`, whole fact documents before `fact_layout`."""
+    from stemlm.train.config import saved_defaults
+
+    assert saved_defaults({}) == {"fact_fraction": 0.0, "fact_layout": "documents"}
+    assert saved_defaults({"fact_fraction": 0.8}) == {"fact_layout": "documents"}
+    assert saved_defaults(TrainConfig().to_dict()) == {}
+    assert TrainConfig().fact_layout == "batches"

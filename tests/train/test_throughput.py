@@ -40,7 +40,7 @@ def test_a_clock_too_coarse_for_one_matmul_gives_no_peak(monkeypatch):
 def tiny_training_flops(seq: int) -> float:
     """Training FLOPs per token, independently: 3 x forward; forward = 2 x matmul weights + causal attention scores."""
     d, f, V, L = 256, 768, 8192, 4
-    weights = L * 4 * d * d + 2 * (2 * d * f) + 2 * (3 * d * f) + d * V  # STEM in layers 1, 3: gate + down only
+    weights = L * 4 * d * d + L * (2 * d * f) + d * V  # STEM in every layer: gate + down only
     scores = L * 4 * d * (seq + 1) / 2
     return 3 * (2 * weights + scores)
 

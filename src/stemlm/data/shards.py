@@ -7,14 +7,17 @@ texts, the separator and the tokenizer's JSON, so a changed corpus or tokenizer 
 files are written to a temporary name and renamed, so an interrupted run leaves no half-written shard.
 `TokenDataset.sample_batch` picks windows from (seed, step) alone, so a run resumed at step k sees exactly the
 batches of an uninterrupted one: with `sampling="uniform"` (the default) starts drawn uniformly with replacement
-from an RNG seeded by (seed, step); with `sampling="epoch"` every aligned window of seq_len + 1 tokens once per
-epoch, in the seeded Feistel order of prepared shards (`stemlm.data.stream.epoch_windows`, one implementation).
+from an RNG seeded by (seed, step), or, where `strata` is set (the fact world's documents after the corpus), with
+a fixed share of every batch's rows from the tail (`stratified_starts`); with `sampling="epoch"` every aligned
+window of seq_len + 1 tokens once per epoch, in the seeded Feistel order of prepared shards
+(`stemlm.data.stream.epoch_windows`, one implementation).
 `iter_eval_windows` walks fixed, non-overlapping windows for held-out evaluation.
 """
 
 from __future__ import annotations
 
 import hashlib
+import math
 import os
 from collections.abc import Iterator
 from pathlib import Path
@@ -78,6 +81,25 @@ def build_shard(
 SAMPLINGS = ("uniform", "epoch")
 
 
+def stratified_starts(
+    rng: np.random.Generator, num_tokens: int, seq_len: int, batch_size: int, step: int, split: int, share: float
+) -> np.ndarray:
+    """Window starts of batch `step` with its quota of rows in tokens[split:] and the rest in tokens[:split].
+
+    The quota is the whole part of `share` x batch_size, carried from batch to batch (round((step + 1) x share x
+    batch_size) - round(step x share x batch_size)), so every batch holds the same mix up to one row and any run
+    of batches holds exactly its share; the tail's rows come first. A window stays inside its stratum."""
+    if not (seq_len < split <= num_tokens - seq_len - 1 and 0 < share < 1):
+        raise StemlmError(
+            f"stratified windows need both strata longer than one window of {seq_len} tokens and a share in (0, 1); "
+            f"got split {split} of {num_tokens} tokens, share {share}"
+        )
+    quota = math.floor((step + 1) * share * batch_size + 0.5) - math.floor(step * share * batch_size + 0.5)
+    tail = rng.integers(split, num_tokens - seq_len, size=quota)
+    head = rng.integers(0, split - seq_len, size=batch_size - quota)
+    return np.concatenate([tail, head])
+
+
 class TokenDataset:
     """A flat memory-mapped token array with seeded window sampling for training and evaluation.
 
@@ -92,6 +114,9 @@ class TokenDataset:
         self.path = path
         self.from_cache = from_cache
         self.sampling = sampling
+        # (split, share): uniform windows drawn so that `share` of every batch's rows start in tokens[split:]
+        # and the rest end before `split` (`stratified_starts`); None: from anywhere.
+        self.strata: tuple[int, float] | None = None
 
     @classmethod
     def from_texts(
@@ -161,7 +186,10 @@ class TokenDataset:
                 f"data, but the dataset has {self.num_tokens}; lower the batch size or seq_len, or add data"
             )
         rng = np.random.default_rng([seed, step])
-        starts = rng.integers(0, self.num_tokens - seq_len, size=batch_size)
+        if self.strata is None:
+            starts = rng.integers(0, self.num_tokens - seq_len, size=batch_size)
+        else:
+            starts = stratified_starts(rng, self.num_tokens, seq_len, batch_size, step, *self.strata)
         return self._windows(starts if rows is None else starts[rows], seq_len)
 
     def num_eval_windows(self, seq_len: int) -> int:

@@ -18,7 +18,9 @@ probe below is scored twice on the same text, edited and unedited:
 - `neighborhood`, global mode only (a global edit changes the source tokens everywhere, so other subjects
   asked on their own are what it can break): the same three figures;
 - `paraphrase_moved`: of the held-out phrasings the unedited model answers with the true object, the share
-  the edit moves to the new object (greedy), counted per phrasing over every record;
+  the edit moves to the new object (greedy), counted per phrasing over every record, and the same split by
+  how the target's name compares with the source's in tokens (`by_length`: equal, longer, shorter), since a
+  name of another length cannot take the target's rows one to one;
 - fluency: the n-gram entropy of a greedy generation from the edit prompt (ROME's measure: 2/3 bigram +
   4/3 trigram entropy in bits over words, averaged), beside the unedited model's.
 
@@ -139,6 +141,15 @@ class _Editor:
             tgt = entity_ids(tokenizer, record.target_subject, vocab_size=vocab)
             plan = align(len(src), tgt, strategy, pad, tokenizer_eot(tokenizer))
             self.global_hooks = global_edit_hooks(model, src, plan, layers=layers, rows=rows)
+
+    def lengths(self) -> str:
+        """How the target's name compares with the source's in tokens (as they read after a space): `equal`,
+        `longer_target` (rows subset or averaged onto the source's positions) or `shorter_target` (padded or
+        copied)."""
+        vocab = self.model.config.vocab_size
+        src = len(entity_ids(self.tokenizer, self.record.subject, vocab_size=vocab))
+        tgt = len(entity_ids(self.tokenizer, self.record.target_subject, vocab_size=vocab))
+        return "equal" if src == tgt else "longer_target" if tgt > src else "shorter_target"
 
     def edit(self, span: list[int]) -> PositionalEdit:
         rec = self.record
@@ -314,13 +325,18 @@ def summarize_sets(per_record: list[dict]) -> dict:
     return out
 
 
-def paraphrase_moved(per_record: list[dict]) -> dict:
+def paraphrase_moved(per_record: list[dict], by_length: bool = True) -> dict:
     """{"known", "moved", "rate"}: over every record's held-out phrasings that the unedited model answers with
     the true object (whether or not it knows the edit prompt), the share whose greedy answer the edit makes the
-    new object; rate None when the model knows none."""
+    new object; rate None when the model knows none. `by_length`: the same per token-length relation of target
+    and source name (`_Editor.lengths`: equal, longer_target, shorter_target), where the records say it."""
     known = sum(r["paraphrases_known"] for r in per_record)
     moved = sum(r["paraphrases_moved"] for r in per_record)
-    return {"known": known, "moved": moved, "rate": moved / known if known else None}
+    out: dict = {"known": known, "moved": moved, "rate": moved / known if known else None}
+    if by_length and any("lengths" in r for r in per_record):
+        groups = sorted({r["lengths"] for r in per_record})
+        out["by_length"] = {g: paraphrase_moved([r for r in per_record if r["lengths"] == g], False) for g in groups}
+    return out
 
 
 def summarize(per_record: list[dict]) -> dict:
@@ -381,7 +397,8 @@ def evaluate_edits(
     edited = _score_edited(model, editors, queries, batch_rows)
     plain = _score_unedited(model, [_items(qs) for qs in queries], cache, batch_rows)
     per_record = [
-        _record_row(e.record, qs, ed, pl) for e, qs, ed, pl in zip(editors, queries, edited, plain, strict=True)
+        _record_row(e.record, qs, ed, pl) | {"lengths": e.lengths()}
+        for e, qs, ed, pl in zip(editors, queries, edited, plain, strict=True)
     ]
     if fluency_tokens:
         for k, (e, qs, row) in enumerate(zip(editors, queries, per_record, strict=True)):

@@ -58,6 +58,11 @@ def _moved(entry: dict | None) -> str:
     return f"{entry['rate']:.2f} ({entry['moved']}/{entry['known']})"
 
 
+def _split(summary: dict) -> bool:
+    """Whether the summary's paraphrase rate has a split by name length with more than one group."""
+    return len((summary.get("paraphrase_moved") or {}).get("by_length") or {}) > 1
+
+
 def _columns(summaries: dict[str, dict]) -> list[tuple[str, str, str]]:
     present = {s for summary in summaries.values() for s in (*summary.get("sets", {}), *summary.get("all_records", {}))}
     return [c for c in COLUMNS if c[0] in present]
@@ -85,6 +90,13 @@ def format_edit_table(summaries: dict[str, dict]) -> str:
         values = [v for v in values if v is not None]
         if values:
             chance.append(f"{kind} new greedy {values[0]:.3g}")
+    by_length = {name: s["paraphrase_moved"]["by_length"] for name, s in summaries.items() if _split(s)}
+    if by_length:
+        lines += ["", "Paraphrases moved by the target name's length against the source's, in tokens:"]
+        lines += [
+            f"- {name}: " + ", ".join(f"{g} {_moved(e)}" for g, e in groups.items())
+            for name, groups in by_length.items()
+        ]
     unknown = [name for name, s in summaries.items() if not s["known"]]
     if unknown:
         lines += [

@@ -12,7 +12,7 @@ Choices documented here rather than in code comments elsewhere:
   official code does not exempt (`recipe="official"` decays them: stemlm.train.recipes, docs/recipe.md).
 - the lookup tables (every table of `model.lookup_tables()`) form their own optimizer with their own peak lr
   (`table_lr`, or `lr * table_lr_scale`) and weight decay `table_wd`, following the same warm-up + cosine
-  shape. Defaults lr x10, wd 0, by measurement: `tiny` (STEM in layers 1, 3), 150 steps of 8 x 256 tokens,
+  shape. Defaults lr x10, wd 0, by measurement: `tiny-odd` (STEM in layers 1, 3), 150 steps of 8 x 256 tokens,
   backbone lr 2e-3 / wd 0.1, held-out loss over 32k tokens: table lr x1 5.626 (wd 0.1) / 5.627 (wd 0);
   x10 5.431 (wd 0) / 5.430 (wd 0.1): the lr matters (-0.20 nats), the table weight decay does not at this
   length (one run each; PAPER.md's prototype also found x10 with wd 0 slightly better).
@@ -43,6 +43,7 @@ from typing import TYPE_CHECKING, Any
 from stemlm.choices import (
     COMPUTE_DTYPES,
     DEVICES,
+    FACT_LAYOUTS,
     KEEP_OPTIMIZER_STATE,
     PARALLEL_MODES,
     RECIPES,
@@ -137,12 +138,17 @@ class TrainConfig:
     )
     # the fact world mixed into the embedded corpus (not into --data): statements of fact_relations about the
     # countries of fact_region make up fact_fraction of the training tokens (stemlm.data.fact_mix); 0: none
-    fact_fraction: float = 0.8
+    fact_fraction: float = 0.5
     fact_region: str = "Europe"
     # a few countries instead of the whole region, so each statement is seen often enough at the default budget
     # to be learnt (53 European countries got ~23 exposures each in 200 steps and were not); []: all of fact_region
     fact_countries: list[str] = field(default_factory=lambda: list(FACT_COUNTRIES))
     fact_relations: list[str] = field(default_factory=lambda: ["capital"])
+    # batches: fact documents after the corpus, every batch holding fact_fraction of its windows from them, so
+    # each batch mixes facts and text alike (windows drawn from anywhere made the batch loss swing and the spike
+    # check fire on a healthy run); lines: a statement a line spread through the corpus; documents: windows from
+    # anywhere, what runs before this field trained with (stemlm.data.fact_mix)
+    fact_layout: str = "batches"
     # window sampling: epoch = every aligned window once per epoch in a seeded order (stemlm.data.stream.permute);
     # uniform = any start, with replacement; auto = epoch for prepared shards, uniform for text and the embedded
     # corpus (what every published figure of those, the default run's included, was measured with)
@@ -396,6 +402,10 @@ class TrainConfig:
             self.keep_optimizer_state in KEEP_OPTIMIZER_STATE,
             f"keep_optimizer_state must be one of {', '.join(KEEP_OPTIMIZER_STATE)}, got {self.keep_optimizer_state!r}",
         )
+        need(
+            self.fact_layout in FACT_LAYOUTS,
+            f"fact_layout must be one of {', '.join(FACT_LAYOUTS)}, got {self.fact_layout!r}",
+        )
         need(self.sampling in SAMPLING, f"sampling must be one of {', '.join(SAMPLING)}, got {self.sampling!r}")
         need(self.recipe in RECIPES, f"recipe must be one of {', '.join(RECIPES)}, got {self.recipe!r}")
         need(
@@ -433,6 +443,16 @@ class TrainConfig:
     def with_overrides(self, overrides: dict[str, Any] | list[str]) -> TrainConfig:
         """Apply overrides: a dict of typed values, or `key=value` strings (a `train.` prefix is allowed)."""
         return apply_overrides(self, overrides, prefix="train.", label="training config key")
+
+
+# Fields a saved run config may predate, each at the value such a run trained with (not today's default).
+PREDATED_FIELDS = {"fact_fraction": 0.0, "fact_layout": "documents"}
+
+
+def saved_defaults(train: dict[str, Any]) -> dict[str, Any]:
+    """The fields that `train` (the "train" section of a saved run config) predates, at what its run trained with:
+    a resume and the rebuild of a run's data fill them in before `TrainConfig.from_dict`."""
+    return {name: value for name, value in PREDATED_FIELDS.items() if name not in train}
 
 
 def table_lr_fields(text: str) -> dict[str, Any]:

@@ -22,7 +22,7 @@ from tokenizers import Tokenizer
 
 from stemlm.checkpoint.folder import TOKENIZER_NAME
 from stemlm.errors import StemlmError
-from stemlm.train.config import TrainConfig
+from stemlm.train.config import TrainConfig, saved_defaults
 
 
 def prepared_folder(cfg: TrainConfig) -> Path | None:
@@ -75,11 +75,21 @@ def load_datasets(cfg: TrainConfig, tok: Tokenizer) -> tuple[Any, Any]:
         train_texts, heldout_texts = load_corpus(cfg.data)
         train = TokenDataset.from_texts(train_texts, tok, separator=cfg.separator)
         if cfg.data is None and cfg.fact_fraction > 0:  # the embedded corpus gets the fact world mixed in
-            from stemlm.data.fact_mix import fact_texts
+            from stemlm.data.fact_mix import mixed_texts
 
-            countries = cfg.fact_selection()
-            facts = fact_texts(train.num_tokens, tok, cfg.fact_fraction, countries, cfg.fact_relations, cfg.seed)
-            train = TokenDataset.from_texts(train_texts + facts, tok, separator=cfg.separator)
+            texts = mixed_texts(
+                train_texts,
+                tok,
+                cfg.fact_fraction,
+                cfg.fact_selection(),
+                cfg.fact_relations,
+                cfg.seed,
+                corpus_tokens=train.num_tokens,
+                layout=cfg.fact_layout,
+            )
+            corpus_tokens, train = train.num_tokens, TokenDataset.from_texts(texts, tok, separator=cfg.separator)
+            if cfg.fact_layout == "batches":  # the fact documents follow the corpus's tokens: a stratum each
+                train.strata = (corpus_tokens, cfg.fact_fraction)
         heldout = TokenDataset.from_texts(heldout_texts, tok, separator=cfg.separator) if heldout_texts else None
         train.sampling = sampling
     if heldout is not None and heldout.num_tokens < cfg.seq_len + 1:
@@ -95,7 +105,8 @@ def load_datasets_distributed(cfg: TrainConfig, tok: Tokenizer, is_main: bool) -
     if is_main:
         try:
             train, heldout = load_datasets(cfg, tok)
-            message = [{"paths": [d.path if d is not None else None for d in (train, heldout)]}]
+            paths = [d.path if d is not None else None for d in (train, heldout)]
+            message = [{"paths": paths, "strata": getattr(train, "strata", None)}]
         except (StemlmError, OSError) as exc:
             message = [{"error": str(exc)}]
     dist.broadcast_object_list(message, src=0)
@@ -110,6 +121,7 @@ def load_datasets_distributed(cfg: TrainConfig, tok: Tokenizer, is_main: bool) -
     train_path, heldout_path = message[0]["paths"]
     train = TokenDataset.from_file(train_path)
     train.sampling = resolve_sampling(cfg)
+    train.strata = tuple(message[0]["strata"]) if message[0]["strata"] else None
     return train, TokenDataset.from_file(heldout_path) if heldout_path else None
 
 
@@ -124,7 +136,8 @@ def training_token_ids(run: str | Path, tok: Tokenizer) -> set[int] | None:
     import numpy as np
 
     try:
-        cfg = TrainConfig.from_dict(json.loads((Path(run) / "run_config.json").read_text())["train"])
+        saved = json.loads((Path(run) / "run_config.json").read_text())["train"]
+        cfg = TrainConfig.from_dict({**saved, **saved_defaults(saved)})
         if cfg.data is not None:
             return None
         train, _ = load_datasets(cfg, tok)

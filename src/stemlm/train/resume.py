@@ -24,7 +24,7 @@ from stemlm.checkpoint.folder import TOKENIZER_NAME
 from stemlm.checkpoint.runs import CHECKPOINTS_DIR, resolve_checkpoint
 from stemlm.data.tokenizer import tokenizer_digest
 from stemlm.errors import StemlmError
-from stemlm.train.config import TrainConfig
+from stemlm.train.config import TrainConfig, saved_defaults
 from stemlm.train.guard import check_run_links
 from stemlm.train.recipes import check_same_recipe
 from stemlm.train.state import OPTIMIZER_NAME, read_resumable_state
@@ -58,7 +58,7 @@ def resume_setup(
     # The training config the checkpoint was written under (it includes earlier resumes' overrides).
     state = read_resumable_state(ckpt)
     train = state["config"]["train"]
-    train.setdefault("fact_fraction", 0.0)  # written before the fact mix existed: it trained without one
+    train.update(saved_defaults(train))  # fields the checkpoint predates: what it trained with
     check_same_recipe(train.get("recipe", "stemlm"), overrides, run_dir)
     if "seed" in overrides and "seed" in train and overrides["seed"] != train["seed"]:
         raise StemlmError(

@@ -220,6 +220,18 @@ def fact_prompts(
     return prompts
 
 
+def shuffled_statements(prompts: Sequence[FactPrompt], repeats: int, seed: int) -> list[str]:
+    """Every prompt's statement ("The capital of Spain is Madrid.") `repeats` times, in a seeded shuffle."""
+    statements = [p.prompt + p.answer + "." for p in prompts] * repeats
+    random.Random(seed).shuffle(statements)
+    return statements
+
+
+def as_documents(statements: Sequence[str], lines_per_document: int = 64) -> list[str]:
+    """`statements` as documents of `lines_per_document` lines each, in order."""
+    return ["\n".join(statements[i : i + lines_per_document]) for i in range(0, len(statements), lines_per_document)]
+
+
 def fact_documents(
     repeats: int = 20,
     lines_per_document: int = 64,
@@ -230,9 +242,8 @@ def fact_documents(
 ) -> list[str]:
     """Training text: every training-template statement of `relations` `repeats` times, shuffled into documents
     (`mix`: with the fact mix's extra phrasings, `MIX_TEMPLATES`)."""
-    statements = [p.prompt + p.answer + "." for p in fact_prompts("train", relations, region, mix)] * repeats
-    random.Random(seed).shuffle(statements)
-    return ["\n".join(statements[i : i + lines_per_document]) for i in range(0, len(statements), lines_per_document)]
+    statements = shuffled_statements(fact_prompts("train", relations, region, mix), repeats, seed)
+    return as_documents(statements, lines_per_document)
 
 
 def edit_records(
