@@ -337,6 +337,8 @@ CASES = [
     (["eval", "edits", "{run}", "--out", "{run}/checkpoints/step-000001/r.json"], "which this command reads"),
     (["eval", "edits", "{ck}", "--dense", "{dense}", "--out", "{dense}/r.json"], "which this command reads"),
     (["eval", "edits", "{ck}", "--force"], "--force applies to --out"),
+    (["eval", "edits", "{run}", "--out", "{run}/run_config.json", "--force"], "not an earlier `eval edits` result"),
+    (["eval", "edits", "{ck}", "--out", "{text}", "--force"], "--force replaces only such a file"),
     (["eval", "lm", "{ck}", "--tasks", "no_such_task"], "no_such_task"),
     (["eval", "lm", "{ck}", "--out", "{file}"], "exists"),
     # --- analyze ---

@@ -6,7 +6,8 @@ record (a name twice, one country, or countries that share the relation's object
 as a run folder and its own newest checkpoint), a `--dense` control that is not a dense model or is one of the
 checkpoints, row variants the model cannot edit or named twice, `--layers` that are no table layers of every
 checkpoint or select nothing (only embedding rows evaluated), `--pad` with a strategy that pads nothing, `--force`
-without `--out`, and an `--out` that could not be written (under a file, inside a checkpoint read) or exists.
+without `--out`, and an `--out` that could not be written (under a file, inside a checkpoint read), exists without
+`--force`, or exists and is not an earlier `eval edits` result (what `--force` may replace).
 `evaluate_checkpoint_edits` then does the work.
 """
 
@@ -139,3 +140,16 @@ def check_edit_eval(
             )
     if out is not None:
         check_file_target(out, force=force, sources=tuple(seen))  # the checkpoint folders read (a run's own: fine)
+        if Path(out).exists() and not is_edit_results(Path(out)):
+            raise StemlmError(f"--out {out} is not an earlier `eval edits` result; --force replaces only such a file")
+
+
+def is_edit_results(path: Path) -> bool:
+    """Whether `path` holds what `eval edits --out` writes: one checkpoint's results or several checkpoints'."""
+    import json
+
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False
+    return isinstance(data, dict) and ({"checkpoint", "relation", "variants"} <= set(data) or "checkpoints" in data)
