@@ -4,7 +4,9 @@ changes nothing on disk (the whole workspace, folders included, is hashed before
 Cases run in-process through `stemlm.cli.main.main(argv)` on a tiny workspace built once: a STEM and a dense
 checkpoint with the default tokenizer, a run folder, a checkpoint whose tokenizer does not fit its rows, a damaged
 one, files and folders to be refused as outputs. Placeholders in an argv: {ck} {dense} {run} {ws} {nope} {file}
-{full} {bin} {text} {tokdir} {smalltok} {corrupt} {legacy} {outdir}. API cases at the end assert StemlmError.
+{full} {bin} {text} {tokdir} {smalltok} {corrupt} {legacy} {outdir} {factrun} (a run that mixed in one country's
+facts). API cases at the end assert StemlmError. The newest surfaces (`eval edits`, the fact-world settings,
+`experiment compare --variants`) are tried argument by argument and in the combinations that must agree.
 """
 
 from __future__ import annotations
@@ -76,6 +78,12 @@ def ws(tmp_path_factory) -> Path:
     shutil.copy(flip, root / "shardextra" / "dcp" / "shard-00003-model-00001-of-00001.safetensors")
     trunc = root / "shardtrunc" / "dcp" / "shard-00001-model-00002-of-00002.safetensors"
     trunc.write_bytes(trunc.read_bytes()[:-64])
+    # A run whose trainer state says it mixed in the facts of one country (what `eval edits --countries auto` reads).
+    save_pretrained(build_model(tiny()), root / "factrun" / "checkpoints" / "step-000001", tokenizer=tok)
+    (root / "factrun" / "run_config.json").write_text("{}")
+    train = {"data": None, "fact_fraction": 0.8, "fact_region": "Europe", "fact_countries": ["Spain"]}
+    state = {"step": 1, "config": {"train": train}}
+    (root / "factrun" / "checkpoints" / "step-000001" / "trainer_state.json").write_text(json.dumps(state))
     (root / "cwd").mkdir()
     return root
 
@@ -101,6 +109,7 @@ def fill(argv: list[str], ws: Path) -> list[str]:
         shardflip=ws / "shardflip",
         shardextra=ws / "shardextra",
         shardtrunc=ws / "shardtrunc",
+        factrun=ws / "factrun",
     )
     return [a.format(**{k: str(v) for k, v in names.items()}) for a in argv]
 
@@ -166,6 +175,26 @@ CASES = [
     (["train", "--sampling", "shuffled"], "argument --sampling: invalid choice: 'shuffled'"),
     (["train", "--recipe", "official", "--table-optim", "rowwise_adagrad"], "dense AdamW"),
     (["train", "--recipe", "official", "--ffn", "moe"], "no init or optimizer rule for moe's"),
+    # the fact world mixed into the embedded corpus: every setting, and with --data (where it would do nothing)
+    (["train", "--set", "train.fact_relations="], "fact_relations is empty"),
+    (["train", "--set", "train.fact_relations=bogus"], "fact_relations: unknown relation 'bogus'"),
+    (["train", "--set", "train.fact_relations=capital,capital"], "fact_relations names capital twice"),
+    (["train", "--set", "train.fact_region=Mars"], "fact_region: no country in region 'Mars'"),
+    (["train", "--set", "train.fact_region="], "fact_region: no country in region ''"),
+    (["train", "--set", "train.fact_region=Asia"], "not in fact_region 'Asia'"),
+    (["train", "--set", "train.fact_countries=Atlantis"], "fact_countries: unknown country 'Atlantis'"),
+    (["train", "--set", "train.fact_countries=Spain,Spain"], "Spain named twice"),
+    (["train", "--set", "train.fact_countries=Japan"], "fact_countries Japan not in fact_region 'Europe'"),
+    (["train", "--set", "train.fact_fraction=1"], "fact_fraction must lie in [0, 1)"),
+    (["train", "--set", "train.fact_fraction=-0.5"], "fact_fraction must lie in [0, 1)"),
+    (["train", "--set", "train.fact_fraction=nan"], "fact_fraction must lie in [0, 1)"),
+    (["train", "--set", "train.fact_fraction=abc"], "'fact_fraction' expects a number"),
+    (
+        ["train", "--data", "{text}", "--set", "train.fact_fraction=0.5"],
+        "train.fact_fraction has no effect with --data",
+    ),
+    (["train", "--data", "{text}", "--set", "train.fact_countries=Spain"], "has no effect with --data"),
+    (["train", "--init-from", "{ck}", "--data", "{text}", "--set", "train.fact_region=all"], "no effect with --data"),
     # --- tokenizer ---
     (["tokenizer"], "required"),
     (["tokenizer", "train", "--out", "{ck}"], "model checkpoint folder"),
@@ -234,6 +263,11 @@ CASES = [
     (["edit", "{ck}", "--prompt", P, "--source", "Spain", "--target", "Germany", "--layers", "9"], "out of range"),
     (["edit", "{ck}", "--prompt", P, "--source", "Spain", "--target", "Germany", "--strategy", "x"], "invalid choice"),
     (["edit", "{ck}", "--prompt", P, "--source", "Atlantis", "--target", "Germany"], "Atlantis"),
+    (["edit", "{ck}", "--prompt", P, "--source", "Spain", "--target", "Germany", "--layers", "-9"], "index -9 is out"),
+    (
+        ["edit", "{ck}", "--prompt", P, "--source", "Spain", "--target", "Germany", "--pad", "zero"],
+        "--pad zero applies",
+    ),
     # --- eval ---
     (["eval", "ppl", "{nope}"], "does not exist"),
     (["eval", "ppl", "{ck}", "--batch-size", "0"], "batch_size"),
@@ -253,6 +287,58 @@ CASES = [
     (["eval", "niah-data", "--out", "{ws}/n.jsonl", "--num", "0"], "num"),
     (["eval", "edits", "{ck}", "--records", "-1"], "records"),
     (["eval", "edits", "{ck}", "--out", "{file}"], "exists"),
+    # eval edits: every argument, and the combinations that must agree (all refused before a weight is read)
+    (["eval", "edits", "{ck}", "--countries", "Spain,Spain"], "Spain named twice"),
+    (["eval", "edits", "{ck}", "--countries", "Spain"], "edit records need two countries whose capital differs"),
+    (["eval", "edits", "{ck}", "--countries", ""], "--countries '' names no country"),
+    (["eval", "edits", "{ck}", "--countries", ","], "names no country"),
+    (["eval", "edits", "{ck}", "--countries", "Atlantis"], "unknown country 'Atlantis'"),
+    (
+        ["eval", "edits", "{ck}", "--countries", "spain,France"],
+        "unknown country 'spain' in the fact world (names are exact: Spain)",
+    ),
+    (["eval", "edits", "{ck}", "--countries", "France,Germany", "--relation", "currency"], "whose currency differs"),
+    (["eval", "edits", "{ck}", "--countries", "France,Germany", "--relation", "region"], "whose region differs"),
+    (["eval", "edits", "{factrun}"], "(auto: the countries"),
+    (["eval", "edits", "{ck}", "--relation", "bogus"], "unknown relation 'bogus'"),
+    (["eval", "edits", "{ck}", "--relation", "Capital"], "unknown relation 'Capital'"),
+    (["eval", "edits", "{ck}", "--records", "x"], "argument --records: invalid int value: 'x'"),
+    (["eval", "edits", "{ck}", "--fluency-tokens", "-1"], "--fluency-tokens must be >= 0"),
+    (["eval", "edits", "{ck}", "--fluency-records", "-1"], "--fluency-records must be >= 0"),
+    (["eval", "edits", "{ck}", "--variants", "bogus"], "unknown variant 'bogus'"),
+    (["eval", "edits", "{ck}", "--variants", ""], "names no row kind"),
+    (["eval", "edits", "{ck}", "--variants", "stem,tables"], "names tables twice"),
+    (["eval", "edits", "{dense}", "--variants", "tables"], "has no STEM tables"),
+    (["eval", "edits", "{dense}", "--variants", "both"], "has no STEM tables"),
+    (["eval", "edits", "{dense}", "--layers", "1"], "embedding rows only"),
+    (["eval", "edits", "{ck}", "--variants", "embed", "--layers", "1"], "embedding rows only"),
+    (["eval", "edits", "{ck}", "--layers", "-9"], "layer index -9 is out of range"),
+    (["eval", "edits", "{ck}", "--layers", "0"], "layer 0 is not a STEM layer"),
+    (["eval", "edits", "{ck}", "--layers", "abc"], "bad layer spec 'abc'"),
+    (["eval", "edits", "{ck}", "--layers", "1,1"], "lists a layer twice"),
+    (["eval", "edits", "{ck}", "--mode", "bogus"], "invalid choice"),
+    (["eval", "edits", "{ck}", "--strategy", "bogus"], "invalid choice"),
+    (["eval", "edits", "{ck}", "--pad", "zero"], "--pad zero applies to --strategy left_pad or right_pad, not auto"),
+    (["eval", "edits", "{ck}", "--pad", "eot", "--strategy", "copy"], "not copy"),
+    (["eval", "edits", "{ck}", "{ck}"], "is given twice"),
+    (["eval", "edits", "{run}", "{run}/checkpoints/step-000001"], "are one checkpoint"),
+    (["eval", "edits", "{ck}", "{nope}"], "does not exist"),
+    (["eval", "edits", "{ck}", "{smalltok}"], "tokenizer"),
+    (["eval", "edits", "{ck}", "{tokdir}"], "neither a checkpoint folder"),
+    (["eval", "edits", "{ck}", "--dense", "{nope}"], "does not exist"),
+    (["eval", "edits", "{ck}", "--dense", "{file}"], "is a file"),
+    (["eval", "edits", "{ck}", "--dense", "{ck}"], "is also given as CKPT"),
+    (["eval", "edits", "{dense}", "--dense", "{dense}"], "is also given as CKPT"),
+    (["eval", "edits", "{dense}", "--dense", "{ck}"], "is not a dense model (ffn=stem)"),
+    (["eval", "edits", "{ck}", "--dense", "{run}"], "is not a dense model"),
+    (["eval", "edits", "{ck}", "--out", "{outdir}"], "is a folder"),
+    (["eval", "edits", "{ck}", "--out", "{file}/r.json"], "is a file, so nothing can be written under it"),
+    (["eval", "edits", "{ck}", "--out", "{ck}/config.json", "--force"], "which this command reads"),
+    (["eval", "edits", "{run}", "--out", "{run}/checkpoints/step-000001/r.json"], "which this command reads"),
+    (["eval", "edits", "{ck}", "--dense", "{dense}", "--out", "{dense}/r.json"], "which this command reads"),
+    (["eval", "edits", "{ck}", "--force"], "--force applies to --out"),
+    (["eval", "edits", "{run}", "--out", "{run}/run_config.json", "--force"], "not an earlier `eval edits` result"),
+    (["eval", "edits", "{ck}", "--out", "{text}", "--force"], "--force replaces only such a file"),
     (["eval", "lm", "{ck}", "--tasks", "no_such_task"], "no_such_task"),
     (["eval", "lm", "{ck}", "--out", "{file}"], "exists"),
     # --- analyze ---
@@ -283,11 +369,129 @@ CASES = [
     # --- experiment and data ---
     (["experiment", "knowledge", "--set", "bogus=1"], "bogus"),
     (["experiment", "knowledge", "--steps", "0", "--out", "{outdir}"], "steps"),
+    (["experiment", "knowledge", "--quick", "--set", "relations=", "--out", "{outdir}"], "relations is empty"),
+    (
+        ["experiment", "knowledge", "--quick", "--set", "relations=bogus", "--out", "{outdir}"],
+        "relations: unknown relation 'bogus'",
+    ),
+    (
+        ["experiment", "knowledge", "--quick", "--set", "relations=capital,capital", "--out", "{outdir}"],
+        "relations names capital twice",
+    ),
+    (
+        ["experiment", "knowledge", "--quick", "--set", "edit_relation=bogus", "--out", "{outdir}"],
+        "edit_relation: unknown relation 'bogus'",
+    ),
+    (
+        ["experiment", "knowledge", "--quick", "--set", "edit_relation=language", "--out", "{outdir}"],
+        "not among the trained relations (capital)",
+    ),
+    (
+        ["experiment", "knowledge", "--quick", "--set", "fact_repeats=0", "--out", "{outdir}"],
+        "fact_repeats must be a positive integer",
+    ),
+    (
+        ["experiment", "knowledge", "--quick", "--set", "arms=dense", "--out", "{outdir}"],
+        "arms must include dense and stem",
+    ),
+    (["experiment", "knowledge", "--quick", "--records", "-1", "--out", "{outdir}"], "--records must be >= 0"),
+    (
+        ["experiment", "knowledge", "--quick", "--set", "vocab_size=10", "--out", "{outdir}"],
+        "vocab_size 10 is too small",
+    ),
+    (
+        ["experiment", "knowledge", "--quick", "--set", "stem_layers=9", "--out", "{outdir}"],
+        "layer index 9 is out of range",
+    ),
+    (
+        ["experiment", "knowledge", "--quick", "--set", "seq_len=0", "--out", "{outdir}"],
+        "seq_len must be a positive integer",
+    ),
     (["experiment", "compare", "--kinds", "dense,bogus", "--out", "{outdir}"], "bogus"),
     (["experiment", "compare", "--budget", "abc", "--out", "{outdir}"], "budget"),
     (["experiment", "knowledge", "--quick", "--out", "{full}"], "not an experiment folder"),
     (["experiment", "compare", "--quick", "--out", "{file}"], "not a folder"),
     (["experiment", "bio", "--quick", "--out", "{full}"], "not an experiment folder"),
+    # experiment compare: variants against --kinds, what each arm decides, every option (refused before writing)
+    (
+        ["experiment", "compare", "--kinds", "engram", "--set", "engram_variant=reference", "--out", "{outdir}"],
+        "each arm sets engram_variant itself",
+    ),
+    (
+        ["experiment", "compare", "--kinds", "engram-reference", "--set", "engram_variant=stemlm", "--out", "{outdir}"],
+        "sets engram_variant itself",
+    ),
+    (
+        ["experiment", "compare", "--kinds", "ple", "--set", "model.ple_variant=reference", "--out", "{outdir}"],
+        "each arm sets ple_variant itself",
+    ),
+    (["experiment", "compare", "--set", "ffn=moe", "--out", "{outdir}"], "each arm sets ffn itself"),
+    (["experiment", "compare", "--set", "vocab_size=100", "--out", "{outdir}"], "each arm sets vocab_size itself"),
+    (
+        ["experiment", "compare", "--kinds", "dense,stem", "--variants", "reference", "--out", "{outdir}"],
+        "no kind in --kinds dense,stem has variants",
+    ),
+    (
+        ["experiment", "compare", "--kinds", "dense_embed,moe", "--variants", "reference", "--out", "{outdir}"],
+        "so it would add no arm",
+    ),
+    (
+        ["experiment", "compare", "--kinds", "engram", "--variants", "reference,reference", "--out", "{outdir}"],
+        "--variants names reference twice",
+    ),
+    (
+        ["experiment", "compare", "--kinds", "engram", "--variants", "bogus", "--out", "{outdir}"],
+        "engram_variant must be one of stemlm, reference",
+    ),
+    (["experiment", "compare", "--kinds", "dense-reference", "--out", "{outdir}"], "unknown kind 'dense-reference'"),
+    (
+        ["experiment", "compare", "--kinds", "engram-bogus", "--out", "{outdir}"],
+        "arm engram-bogus (engram_variant=bogus",
+    ),
+    (["experiment", "compare", "--kinds", "engram,engram", "--out", "{outdir}"], "lists a kind twice"),
+    (
+        ["experiment", "compare", "--kinds", "value_embed", "--variants", "reference", "--out", "{outdir}"],
+        "ffn_layers=1,2,-3,-2,-1, on 4 layers",
+    ),
+    (["experiment", "compare", "--seeds", "0", "--out", "{outdir}"], "seeds must be a positive integer"),
+    (["experiment", "compare", "--workers", "0", "--out", "{outdir}"], "workers must be a positive integer"),
+    (["experiment", "compare", "--lr", "0", "--out", "{outdir}"], "lr must be a positive number"),
+    (["experiment", "compare", "--lr", "nan", "--out", "{outdir}"], "lr must be a positive number"),
+    (["experiment", "compare", "--lr-sweep", "0,1", "--out", "{outdir}"], "learning rates must be positive"),
+    (["experiment", "compare", "--budget", "0", "--out", "{outdir}"], "--budget must be positive"),
+    (["experiment", "compare", "--budget", "nan", "--out", "{outdir}"], "--budget must be positive"),
+    (["experiment", "compare", "--corpus-chars", "0", "--out", "{outdir}"], "corpus_chars must be a positive integer"),
+    (["experiment", "compare", "--fact-repeats", "-1", "--out", "{outdir}"], "fact_repeats must be >= 0"),
+    (["experiment", "compare", "--passkey-docs", "-1", "--out", "{outdir}"], "passkey_docs must be >= 0"),
+    (
+        ["experiment", "compare", "--eval-limit", "0", "--out", "{outdir}"],
+        "eval_limit must be a positive integer or none",
+    ),
+    (["experiment", "compare", "--ppl-tokens", "0", "--out", "{outdir}"], "ppl_tokens must be a positive integer"),
+    (["experiment", "compare", "--niah-lengths", "0", "--out", "{outdir}"], "niah_lengths must be positive"),
+    (
+        ["experiment", "compare", "--niah-lengths", "1024", "--out", "{outdir}"],
+        "NIAH length 1024 exceeds max_position_embeddings=512",
+    ),
+    (["experiment", "compare", "--niah-samples", "0", "--out", "{outdir}"], "niah_samples must be a positive integer"),
+    (["experiment", "compare", "--seq-len", "0", "--out", "{outdir}"], "seq_len must be a positive integer"),
+    (
+        ["experiment", "compare", "--seq-len", "1024", "--out", "{outdir}"],
+        "seq_len 1024 exceeds max_position_embeddings=512",
+    ),
+    (["experiment", "compare", "--batch-size", "0", "--out", "{outdir}"], "batch_size must be a positive integer"),
+    (["experiment", "compare", "--layers", "0", "--out", "{outdir}"], "num_hidden_layers must be a positive integer"),
+    (["experiment", "compare", "--hidden-size", "7", "--out", "{outdir}"], "does not divide hidden_size=7"),
+    (["experiment", "compare", "--ffn-layers", "9", "--out", "{outdir}"], "layer index 9 is out of range"),
+    (["experiment", "compare", "--device", "cuda", "--out", "{outdir}"], "no CUDA device"),
+    (["experiment", "compare", "--match", "bogus", "--out", "{outdir}"], "invalid choice"),
+    (
+        ["experiment", "compare", "--seed", "999", "--seeds", "3", "--out", "{outdir}"],
+        "sweep_seed 1000 is one of the final seeds",
+    ),
+    (["experiment", "compare", "--preset", "nope", "--out", "{outdir}"], "unknown preset 'nope'"),
+    (["experiment", "compare", "--set", "bogus=1", "--out", "{outdir}"], "unknown config key 'bogus'"),
+    (["experiment", "compare", "--out", "{full}"], "not an experiment folder"),
     (["data", "prepare", "{nope}", "--out", "{ws}/shards"], "does-not-exist"),
     (["data", "prepare", "{text}", "--out", "{full}"], "already exists"),
     (["data", "prepare", "{text}", "--out", "{file}"], "already exists"),
@@ -342,10 +546,13 @@ def test_a_missing_extra_is_one_line_naming_it(ws, capsys, monkeypatch):
 def _api_cases(ws: Path):
     from stemlm.checkpoint.runs import load_checkpoint
     from stemlm.convert.driver import convert_checkpoint
+    from stemlm.edit.evaluate import evaluate_checkpoint_edits
+    from stemlm.experiments.compare import CompareConfig, run_command
+    from stemlm.experiments.contract import ExperimentLog
     from stemlm.inference.generate import generate
     from stemlm.train.config import TrainConfig
 
-    model = build_model(tiny())
+    model, log = build_model(tiny()), ExperimentLog()
     return [
         lambda: ModelConfig(rope_theta=float("inf")),
         lambda: ModelConfig(hidden_size=0),
@@ -359,10 +566,24 @@ def _api_cases(ws: Path):
         lambda: load_checkpoint(ws / "nope"),
         lambda: generate(model, [1, 2], 3, temperature=float("nan")),
         lambda: generate(model, [1, 2], 3, temperature=float("inf")),
+        lambda: TrainConfig(fact_relations=[]),
+        lambda: TrainConfig(fact_region="Mars"),
+        lambda: TrainConfig(fact_countries=["Spain", "Spain"]),
+        lambda: evaluate_checkpoint_edits(str(ws / "ck"), "capital", 2, seed=0, countries="Spain,Spain"),
+        lambda: evaluate_checkpoint_edits(str(ws / "ck"), "capital", 2, seed=0, countries="Spain"),
+        lambda: run_command(CompareConfig(kinds=("dense",), variants=("reference",), out=str(ws / "x")), log),
+        lambda: run_command(CompareConfig(kinds=("engram",), model_overrides=["engram_variant=reference"]), log),
     ]
 
 
-@pytest.mark.parametrize("index", range(12))
+API_CASES = 19
+
+
+def test_the_api_case_count():
+    assert len(_api_cases(Path("."))) == API_CASES
+
+
+@pytest.mark.parametrize("index", range(API_CASES))
 def test_api_bad_input_raises_stemlm_error(ws, index):
     before = tree(ws)
     with pytest.raises(StemlmError):

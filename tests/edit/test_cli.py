@@ -169,6 +169,9 @@ def test_eval_edits_json_with_dense_control(checkpoints, capsys, tmp_path):
         assert summary["records"] == 2 and 0 <= summary["known"] <= 2 and 0.0 <= train["edited"] <= 1.0
         assert {"heldout", "locality_other", "locality_same"} <= set(summary["all_records"])
     assert json.loads((tmp_path / "r.json").read_text()) == out
+    again = ["eval", "edits", stem, "--records", "1", "--fluency-tokens", "0", "--out", str(tmp_path / "r.json")]
+    assert main([*again, "--force"]) == 0  # --force replaces an earlier result
+    assert json.loads((tmp_path / "r.json").read_text())["variants"]["tables"]["records"] == 1
 
 
 def test_eval_edits_table_and_errors(checkpoints, capsys):

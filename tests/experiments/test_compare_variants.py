@@ -53,11 +53,12 @@ def test_bad_arms_are_one_line_errors(tmp_path, capsys):
     with pytest.raises(StemlmError, match="unknown kind 'dense-reference'"):
         model_configs(CompareConfig(kinds=("dense-reference",), **SMALL), TOK)  # dense has no variants
     with pytest.raises(
-        StemlmError, match=r"arm engram-bogus \(engram_variant=bogus\): invalid config: engram_variant must be one of"
+        StemlmError, match=r"arm engram-bogus \(engram_variant=bogus, on 6 layers\): invalid config: engram_variant"
     ):
         model_configs(CompareConfig(kinds=("engram-bogus",), **SMALL), TOK)
     four = {**SMALL, "num_hidden_layers": 4}
-    with pytest.raises(StemlmError, match="arm value_embed-reference .*lists a layer twice"):
+    message = "arm value_embed-reference .*ffn_layers=1,2,-3,-2,-1, on 4 layers.*lists a layer twice"
+    with pytest.raises(StemlmError, match=message):
         model_configs(CompareConfig(kinds=("value_embed",), variants=("reference",), **four), TOK)
     args = ["experiment", "compare", "--kinds", "dense,engram", "--variants", "nope", "--out", str(tmp_path / "c")]
     assert main(args) == 2

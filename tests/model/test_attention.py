@@ -31,10 +31,32 @@ def test_rmsnorm_computes_fp64_in_fp64_and_half_types_in_fp32():
     x = torch.randn(5, 64, dtype=torch.float64)
     expected = norm.weight * x / torch.sqrt((x * x).sum(-1, keepdim=True) / 64 + 1e-6)
     assert (norm(x) - expected).abs().max() < 1e-14  # fp32 arithmetic would be ~1e-7 off
-    half = RMSNorm(64, eps=1e-6)
+    half = RMSNorm(64, eps=1e-6)  # fp32 weight, bf16 input: the whole product in fp32, the result fp32
     xb = torch.randn(5, 64).to(torch.bfloat16)
-    through_fp32 = (xb.float() * torch.rsqrt(xb.float().pow(2).mean(-1, keepdim=True) + 1e-6)).to(torch.bfloat16)
+    through_fp32 = xb.float() * torch.rsqrt(xb.float().pow(2).mean(-1, keepdim=True) + 1e-6)
+    assert half(xb).dtype == torch.float32
     assert torch.equal(half(xb), half.weight * through_fp32)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("eps", [1e-5, None])
+def test_half_precision_rmsnorm_equals_torchs(dtype, eps):
+    """A bf16 / fp16 norm (weight and input in that dtype) is torch.nn.RMSNorm's: computed in fp32, weight included,
+    and rounded once; rounding the normalised x before the weight as well put bf16 up to an ulp (3e-2) off."""
+    generator = torch.Generator().manual_seed(0)
+    x = (torch.randn(64, 256, generator=generator) * 3).to(dtype)
+    weight = (torch.randn(256, generator=generator) * 2).to(dtype)
+    ours, theirs = RMSNorm(256, eps=eps).to(dtype), torch.nn.RMSNorm(256, eps=eps).to(dtype)
+    with torch.no_grad():
+        ours.weight.copy_(weight)
+        theirs.weight.copy_(weight)
+    got, expected = ours(x), theirs(x)
+    assert got.dtype == dtype
+    assert torch.equal(got, expected)
+    exact = x.double() * (x.double().pow(2).mean(-1, keepdim=True) + (eps or torch.finfo(torch.float32).eps)) ** -0.5
+    exact = exact * weight.double()
+    info = torch.finfo(dtype)  # within an ulp of the exact value (subnormals: of the smallest normal)
+    torch.testing.assert_close(got.double(), exact, rtol=info.eps, atol=info.tiny)
 
 
 def test_rope_is_a_rotation_of_half_split_pairs():

@@ -4,7 +4,8 @@ with weights copied over, to <= 1e-12 in fp64; the whole module against a recomp
 residual the decoder hands it; KV-cache decoding; parameters against the meta model; FLOPs against FlopCounterMode;
 save/load (also through AutoModelForCausalLM); config checks.
 
-Gemma's RMSNorm casts its input to fp32 whatever its dtype; the fp64 comparisons run it in the input's dtype (the
+Gemma-3n is built with its own config defaults (its RMSNorm eps 1e-6, not stemlm's rms_norm_eps). Gemma's RMSNorm
+casts its input to fp32 whatever its dtype; the fp64 comparisons run it in the input's dtype (the
 same formula without that cast), and one comparison runs it unchanged in fp32.
 
     OMP_NUM_THREADS=1 python -m pytest tests/model/test_ple_reference.py -q
@@ -43,7 +44,7 @@ def randomized(model, seed=0, dtype=torch.float64):
     return model.eval()
 
 
-def gemma(dtype, eps):
+def gemma(dtype):
     cfg = Gemma3nTextConfig(
         vocab_size=256,
         vocab_size_per_layer_input=256,
@@ -60,7 +61,6 @@ def gemma(dtype, eps):
         num_kv_shared_layers=0,
         layer_types=["full_attention"] * LAYERS,
         activation_sparsity_pattern=[0.0] * LAYERS,
-        rms_norm_eps=eps,
     )
     cfg._attn_implementation = "eager"
     torch.manual_seed(0)
@@ -100,7 +100,7 @@ def copy_from_gemma(module, reference, layer):
 
 
 def test_per_layer_inputs_and_branch_equal_gemma3n_in_fp64(tiny_config, in_dtype_norm):
-    reference = gemma(torch.float64, tiny_config("ple").rms_norm_eps)
+    reference = gemma(torch.float64)
     model = build_model(config(tiny_config)).to(torch.float64).eval()
     ids = torch.randint(0, 256, (2, 7), generator=torch.Generator().manual_seed(2))
     embeds = reference.embed_tokens(ids)  # Gemma's scaled input embeddings, handed to both sides
@@ -131,7 +131,7 @@ def test_per_layer_inputs_and_branch_equal_gemma3n_in_fp64(tiny_config, in_dtype
 
 def test_per_layer_inputs_equal_gemma3n_unchanged_in_fp32(tiny_config):
     """Gemma's own norm (fp32 always) against stemlm's in fp32: equal to float rounding."""
-    reference = gemma(torch.float32, tiny_config("ple").rms_norm_eps)
+    reference = gemma(torch.float32)
     model = build_model(config(tiny_config)).eval()
     ids = torch.randint(0, 256, (2, 7), generator=torch.Generator().manual_seed(2))
     embeds = reference.embed_tokens(ids)
@@ -150,7 +150,8 @@ def rms(x, weight, eps):
 
 def test_module_equals_its_formula_and_reads_the_residual(tiny_config):
     model = randomized(build_model(config(tiny_config, ffn_layers="1")))
-    eps = model.config.rms_norm_eps
+    eps = 1e-6  # Gemma-3n's, whatever the backbone's rms_norm_eps
+    assert model.config.rms_norm_eps != eps
     ids = torch.randint(0, 256, (2, 6), generator=torch.Generator().manual_seed(4))
     seen = {}
     layer = model.model.layers[1]

@@ -1,8 +1,8 @@
 """Bad input to `stemlm train` in one process: a refused run or resume is one line, exit 2, and writes nothing.
 
-The resume cases here are the ones a launcher cannot see without reading weights (NaN / Inf in a checkpoint,
-another model's optimizer state), the symlinks of a run folder, a pointer leading out of the run, and the
-refusals that used to rewrite run_config.json first. Workspace: `tests/train/bad_run_workspace.py`.
+The resume cases here are a changed fact mix, the ones a launcher cannot see without reading weights (NaN / Inf
+in a checkpoint, another model's optimizer state), the symlinks of a run folder, a pointer leading out of the run,
+and the refusals that used to rewrite run_config.json first. Workspace: `tests/train/bad_run_workspace.py`.
 """
 
 from __future__ import annotations
@@ -47,6 +47,10 @@ CASES = [
     (["train", "--resume", "{run}", "--steps", "4", "--tokenizer", "default"], "tokenizer differs from the run's"),
     (["train", "--resume", "{run}", "--steps", "4", "--table-optim", "lazy_adamw"], "was RowwiseAdagrad"),
     (["train", "--resume", "{run}", "--steps", "4", "--data", "{ws}/binary.dat"], "looks binary"),
+    # a changed fact mix is named (it used to be blamed on --data); this run trains on --data, where it does nothing
+    (["train", "--resume", "{run}", "--steps", "4", "--set", "train.fact_fraction=0.3"], "fact_fraction has no effect"),
+    (["train", "--resume", "{run}", "--steps", "4", "--set", "train.fact_countries=Spain"], "the fact world is mixed"),
+    ([*FRESH, "--set", "train.fact_region=all"], "train.fact_region has no effect with --data"),
     ([*FRESH, "--parallel", "fsdp"], "--parallel fsdp needs --nproc N > 1"),
     ([*FRESH, "--rdzv-endpoint", "node0:29500"], "--rdzv-endpoint is for --nnodes > 1"),
     ([*FRESH, "--allow-nonfinite"], "--allow-nonfinite applies to --resume"),
@@ -144,3 +148,22 @@ def test_a_refused_resume_leaves_run_config_as_it_was(ws, tmp_path, capsys):
     before = (run / "run_config.json").read_bytes()
     refuse(resume(run, "--eval-every", "1"), "holds NaN or Inf", capsys, tmp_path)
     assert (run / "run_config.json").read_bytes() == before
+
+
+@pytest.mark.parametrize(
+    ("setting", "message"),
+    [
+        ("train.fact_fraction=0.3", "; it cannot resume with fact_fraction=0.3 (the fact statements"),
+        ("train.fact_countries=Spain,France", "it cannot resume with fact_countries=['Spain', 'France']"),
+        ("train.fact_region=all", "it cannot resume with fact_region='all'"),
+    ],
+)
+def test_a_changed_fact_mix_is_named_on_resume(ws, tmp_path, capsys, setting, message):
+    # The run as if it had trained on the embedded corpus with its fact mix (the trainer state says so).
+    run = copy_run(ws, tmp_path)
+    path = run / STEP / "trainer_state.json"
+    state = json.loads(path.read_text())
+    state["config"]["train"]["data"] = None
+    path.write_text(json.dumps(state))
+    line = refuse(resume(run, "--set", setting), message, capsys, tmp_path)
+    assert "--data" not in line

@@ -317,11 +317,20 @@ def remove_leftovers(folder: Path, patterns: Iterable[str]) -> None:
 
 
 # ----- single output files (eval --out FILE and the like) -----
-def check_file_target(path: str | Path, *, force: bool = False, flag: str = "--out") -> None:
-    """Raise unless a command may write the file `path`: never a folder, an existing file only with `force`."""
+def check_file_target(path: str | Path, *, force: bool = False, flag: str = "--out", sources: tuple = ()) -> None:
+    """Raise unless a command may write the file `path`: never a folder, never under a file, never inside one of
+    the folders it reads (`sources`: a checkpoint's own files are not results, --force or not), an existing file
+    only with `force`."""
     path = Path(path)
     if path.is_dir():
         raise StemlmError(f"{flag} {path} is a folder; pass a file path")
+    blocker = next((p for p in path.parents if p.exists()), None)
+    if blocker is not None and not blocker.is_dir():
+        raise StemlmError(f"{flag} {path}: {blocker} is a file, so nothing can be written under it")
+    target = path.resolve()
+    for source in sources:
+        if target.is_relative_to(Path(source).resolve()):
+            raise StemlmError(f"{flag} {path} is inside {source}, which this command reads; write it elsewhere")
     if path.exists() and not force:
         raise StemlmError(f"{flag} {path} already exists; choose another path or pass --force to replace it")
 

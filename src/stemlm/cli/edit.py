@@ -21,7 +21,6 @@ import sys
 
 from stemlm.choices import EDIT_MODES, EDIT_ROWS, edit_row_kind
 from stemlm.cli.common import add_json_flag, print_json
-from stemlm.errors import StemlmError
 
 
 def run(args) -> int:
@@ -129,17 +128,14 @@ def register(subparsers) -> None:
 def run_eval(args) -> int:
     import json
 
-    from stemlm.checkpoint.safe_write import check_file_target, write_output_file
-    from stemlm.data.worlds.facts import RELATIONS
+    from stemlm.checkpoint.safe_write import write_output_file
+    from stemlm.edit.eval_checks import check_edit_eval
     from stemlm.edit.evaluate import evaluate_checkpoint_edits
     from stemlm.edit.report import format_edit_table
 
-    if args.relation not in RELATIONS:
-        raise StemlmError(f"unknown relation {args.relation!r}; choose one of {', '.join(RELATIONS)}")
-    if args.records < 0:
-        raise StemlmError(f"--records must be >= 0 (0 = all), got {args.records}")
-    if args.out:
-        check_file_target(args.out, force=args.force)  # before the (long) evaluation
+    names = ("relation", "records", "countries", "seed", "variants", "layers", "dense", "strategy", "pad")
+    names += ("fluency_tokens", "fluency_records", "out", "force")
+    check_edit_eval(args.ckpt, **{k: getattr(args, k) for k in names})  # everything, before the (long) evaluation
     settings = {k: getattr(args, k) for k in ("strategy", "pad", "mode", "fluency_tokens", "fluency_records")}
     log = functools.partial(print, file=sys.stderr)
     given = {k: getattr(args, k) for k in ("seed", "layers", "variants", "dense", "countries")}

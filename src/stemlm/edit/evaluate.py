@@ -444,6 +444,20 @@ def evaluate_variants(model, tokenizer, records, variants: list[str], *, layers=
     return results
 
 
+def record_countries(countries: str, ckpt: str) -> list[str] | str | None:
+    """The region `--countries` names for CKPT: None (all), a list of countries, or the run's own (auto)."""
+    from stemlm.checkpoint.runs import trained_fact_countries
+
+    if countries == "auto":
+        return trained_fact_countries(ckpt)
+    if countries.strip().lower() == "all":
+        return None
+    names = [c.strip() for c in countries.split(",") if c.strip()]
+    if not names:
+        raise StemlmError(f"--countries {countries!r} names no country; give all, auto or a comma list of countries")
+    return names
+
+
 def evaluate_checkpoint_edits(
     ckpt: str,
     relation: str,
@@ -462,16 +476,10 @@ def evaluate_checkpoint_edits(
     `evaluate_edits`'s settings (strategy, pad, mode, fluency). `countries` picks the records' subjects and
     targets: all, a comma list of countries, or auto (the countries CKPT's run mixed into its training text, so
     the default run is scored on the facts it was taught; all for any other checkpoint)."""
-    from stemlm.checkpoint.runs import trained_fact_countries
     from stemlm.data.worlds.facts import edit_records
     from stemlm.edit.session import load_for_edit, parse_layers
 
-    if countries == "auto":
-        region = trained_fact_countries(ckpt)
-    elif countries == "all":
-        region = None
-    else:
-        region = [c.strip() for c in countries.split(",") if c.strip()]
+    region = record_countries(countries, ckpt)
     try:
         chosen = edit_records(relation, records or None, seed=seed, region=region)
     except ValueError as exc:  # an unknown country or region names itself

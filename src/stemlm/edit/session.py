@@ -44,7 +44,7 @@ class EditOptions:
 
     def checked(self) -> EditOptions:
         """These options, or a one-line error for a request that cannot be made (before anything is loaded)."""
-        from stemlm.edit.spans import check_distinct
+        from stemlm.edit.spans import check_distinct, check_pad
 
         if self.inject is None and self.source is None:
             raise StemlmError("pass --source ENTITY (the name in the text) or --inject TOKEN, with --target ENTITY")
@@ -57,6 +57,7 @@ class EditOptions:
             raise StemlmError('a positional edit needs --prompt, e.g. --prompt "Country: Spain. Capital:"')
         if self.source is not None:
             check_distinct(self.source, self.target)
+        check_pad(self.strategy, self.pad)
         return self
 
 

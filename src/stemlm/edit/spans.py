@@ -48,6 +48,7 @@ from stemlm.errors import StemlmError
 
 STRATEGIES = ("auto", "one_to_one", "left_pad", "right_pad", "copy", "subset", "average")
 PAD_ROWS = ("eot", "source", "zero")
+PADDING_STRATEGIES = ("left_pad", "right_pad")  # the strategies that place pad rows (`align`)
 DEFAULT_PAD = "eot"  # positional edits (see above)
 GLOBAL_DEFAULT_PAD = "source"  # global edits: leaves tokens shared with other names alone
 EOT_TOKEN = "<|endoftext|>"
@@ -112,6 +113,12 @@ def locate(tokenizer: Tokenizer, prompt_ids: Sequence[int], entity: str, vocab_s
         f"source {entity.strip()!r} does not occur in the prompt {shown!r} as a whole token sequence "
         "(check spelling and case; a name glued to other letters tokenizes differently)"
     )
+
+
+def check_pad(strategy: str, pad: str | None) -> None:
+    """A `--pad` row only with a strategy that pads (`stemlm edit` and `eval edits` alike)."""
+    if pad is not None and strategy not in PADDING_STRATEGIES:
+        raise StemlmError(f"--pad {pad} applies to --strategy {' or '.join(PADDING_STRATEGIES)}, not {strategy}")
 
 
 def align(

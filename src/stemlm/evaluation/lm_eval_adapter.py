@@ -27,8 +27,11 @@ import os
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
+import contextlib  # noqa: E402
 import logging  # noqa: E402
 import math  # noqa: E402
+import subprocess  # noqa: E402
+from collections.abc import Iterator  # noqa: E402
 from pathlib import Path  # noqa: E402
 from typing import Any  # noqa: E402
 
@@ -241,19 +244,20 @@ def run_lm_eval(
     specs, manager = load_task_configs(tasks, include_paths, builtin=builtin, allow_task_code=allow_task_code)
     logging.getLogger("lm_eval").setLevel(logging.WARNING)
     try:
-        results = simple_evaluate(
-            model=lm,
-            tasks=specs,
-            limit=limit,
-            num_fewshot=num_fewshot,
-            task_manager=manager,
-            bootstrap_iters=0,
-            log_samples=True,  # read once for the chance levels below, then dropped
-            random_seed=seed,
-            numpy_random_seed=seed,
-            torch_random_seed=seed,
-            fewshot_random_seed=seed,
-        )
+        with quiet_git_hash():
+            results = simple_evaluate(
+                model=lm,
+                tasks=specs,
+                limit=limit,
+                num_fewshot=num_fewshot,
+                task_manager=manager,
+                bootstrap_iters=0,
+                log_samples=True,  # read once for the chance levels below, then dropped
+                random_seed=seed,
+                numpy_random_seed=seed,
+                torch_random_seed=seed,
+                fewshot_random_seed=seed,
+            )
     except StemlmError:
         raise
     except Exception as exc:  # lm-eval / datasets errors: surface them as one actionable line
@@ -261,6 +265,30 @@ def run_lm_eval(
     samples = results.pop("samples", {}) or {}
     results["chance"] = {task: chance_level(results, task, rows) for task, rows in samples.items()}
     return results
+
+
+@contextlib.contextmanager
+def quiet_git_hash() -> Iterator[None]:
+    """lm-eval records the working directory's git commit by running `git describe` with stderr left open, so a
+    run outside a git checkout printed git's "fatal: not a git repository" line (and one without git relied on a
+    FileNotFoundError being caught). Within this block it asks git with stderr discarded, and falls back to
+    lm-eval's own reading of .git files as it does on failure: the same recorded hash, and no stray line."""
+    import lm_eval.evaluator as evaluator
+    from lm_eval.loggers.utils import get_commit_from_path
+
+    def git_hash() -> str | None:
+        try:
+            out = subprocess.run(["git", "describe", "--always"], capture_output=True, check=True, timeout=10)
+            return out.stdout.decode().strip()
+        except (OSError, subprocess.SubprocessError):
+            return get_commit_from_path(os.getcwd())
+
+    original = evaluator.get_git_commit_hash
+    evaluator.get_git_commit_hash = git_hash
+    try:
+        yield
+    finally:
+        evaluator.get_git_commit_hash = original
 
 
 def chance_level(results: dict[str, Any], task: str, samples: list[dict]) -> float | None:

@@ -44,6 +44,7 @@ from typing import Any
 
 from stemlm.choices import DEVICES
 from stemlm.errors import StemlmError
+from stemlm.experiments.compare_checks import check_compare, variant_field
 from stemlm.experiments.compare_report import summarize_kind, write_report
 from stemlm.experiments.contract import Experiment, ExperimentLog, positive_lrs, results_file
 from stemlm.experiments.folders import claim_out, start_unit
@@ -156,22 +157,14 @@ def kind_names() -> tuple[str, ...]:
     return (*FFN_KINDS, *VARIANTS)
 
 
-def _variant_field(kind: str) -> str | None:
-    """The config field that picks `kind`'s variant (`engram_variant`), or None for a kind without variants."""
-    from stemlm.model.kinds.registry import get_kind
-
-    name = f"{kind}_variant"
-    return name if kind in FFN_KINDS and any(f.name == name for f in get_kind(kind).fields) else None
-
-
 def split_arm(arm: str) -> tuple[str, str | None]:
     """`engram-reference` -> ("engram", "reference"); a plain kind or control -> (arm, None)."""
     if arm in kind_names():
         return arm, None
     kind, _, variant = arm.partition("-")
-    if variant and _variant_field(kind):
+    if variant and variant_field(kind):
         return kind, variant
-    choices = ", ".join((*kind_names(), *(f"{k}-<variant>" for k in FFN_KINDS if _variant_field(k))))
+    choices = ", ".join((*kind_names(), *(f"{k}-<variant>" for k in FFN_KINDS if variant_field(k))))
     raise StemlmError(f"unknown kind {arm!r}; choose from {choices}")
 
 
@@ -181,7 +174,7 @@ def arms(cfg: CompareConfig) -> tuple[str, ...]:
     out: list[str] = []
     for kind in cfg.kinds:
         out.append(kind)
-        if _variant_field(kind):
+        if variant_field(kind):
             out += [f"{kind}-{v}" for v in cfg.variants if v != "default" and f"{kind}-{v}" not in cfg.kinds]
     return tuple(out)
 
@@ -192,10 +185,12 @@ def arm_config(base: ModelConfig, arm: str) -> ModelConfig:
     config = base.replace(ffn=VARIANTS.get(kind, (kind,))[0])
     if variant is None:
         return config
+    settings = {variant_field(kind): variant, **VARIANT_SETTINGS.get(arm, {})}
     try:
-        return config.replace(**{_variant_field(kind): variant, **VARIANT_SETTINGS.get(arm, {})})
+        return config.replace(**settings)
     except (ValueError, StemlmError) as err:
-        raise StemlmError(f"arm {arm} ({_variant_field(kind)}={variant}): {err}") from None
+        given = ", ".join(f"{k}={v}" for k, v in settings.items())
+        raise StemlmError(f"arm {arm} ({given}, on {config.num_hidden_layers} layers): {err}") from None
 
 
 def parse_budget(text: str) -> tuple[str, float]:
@@ -561,7 +556,9 @@ def run_compare(cfg: CompareConfig, log: ExperimentLog) -> dict[str, Any]:
 
 
 def run_command(cfg: CompareConfig, log: ExperimentLog) -> dict:
-    """`stemlm experiment compare`: an unknown preset fails before any data is written."""
+    """`stemlm experiment compare`: bad options (`compare_checks`) and an unknown preset fail before any data is
+    written."""
+    check_compare(cfg)
     if cfg.preset:
         from stemlm.model.presets import get_preset
 

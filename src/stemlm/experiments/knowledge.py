@@ -362,6 +362,32 @@ def planned_flops(cfg: KnowledgeConfig) -> float:
     return cfg.seeds * sum(p["train_flops"] for p in plan.values()) + len(cfg.lr_sweep) * sum(families.values())
 
 
+def check_knowledge(cfg: KnowledgeConfig) -> None:
+    """The fact world's settings, the counts and the training settings every arm gets: refused before any work."""
+    from stemlm.data.worlds.facts import RELATIONS, check_relations
+    from stemlm.train.config import TrainConfig
+
+    try:
+        check_relations(cfg.relations, "relations")
+    except ValueError as exc:
+        raise StemlmError(str(exc)) from None
+    if cfg.edit_relation not in RELATIONS:
+        raise StemlmError(f"edit_relation: unknown relation {cfg.edit_relation!r}; known: {', '.join(RELATIONS)}")
+    if cfg.edit_relation not in cfg.relations:  # edits of facts never trained would move nothing the model holds
+        raise StemlmError(
+            f"edit_relation {cfg.edit_relation} is not among the trained relations ({','.join(cfg.relations)})"
+        )
+    for name in ("fact_repeats", "corpus_chars"):  # no facts, or no text: nothing the experiment measures
+        if getattr(cfg, name) < 1:
+            raise StemlmError(f"{name} must be a positive integer, got {getattr(cfg, name)}")
+    for name, flag in (("edit_records", "--records"), ("fluency_records", "fluency_records")):
+        if getattr(cfg, name) < 0:
+            raise StemlmError(f"{flag} must be >= 0, got {getattr(cfg, name)}")
+    if cfg.vocab_size < 257:
+        raise StemlmError(f"vocab_size {cfg.vocab_size} is too small: byte-level BPE needs at least 256 + 1 tokens")
+    TrainConfig(seq_len=cfg.seq_len, batch_size=cfg.batch_size, lr=cfg.lr, steps=1, data=["mixture"])  # its checks
+
+
 def run_knowledge(cfg: KnowledgeConfig, log: ExperimentLog) -> dict:
     """The whole experiment over `cfg.seeds` seeds; writes and returns {config, sweep, per_seed, summary, ...}."""
     from stemlm.experiments.knowledge_report import write_report
@@ -372,9 +398,11 @@ def run_knowledge(cfg: KnowledgeConfig, log: ExperimentLog) -> dict:
         raise StemlmError(f"--steps must be positive, got {cfg.dense_steps}")
     if cfg.sweep_seed in range(cfg.seed, cfg.seed + cfg.seeds):
         raise StemlmError(f"sweep_seed {cfg.sweep_seed} is one of the final seeds; choose another")
+    check_knowledge(cfg)
+    flops = planned_flops(cfg)  # the arms and their model configs checked, before the folder is claimed
     start = time.perf_counter()
     out = claim_out(Path(cfg.out), "knowledge")
-    log(f"knowledge: planned training FLOPs {planned_flops(cfg):.3g} ({cfg.seeds} seed(s) and the lr sweep)")
+    log(f"knowledge: planned training FLOPs {flops:.3g} ({cfg.seeds} seed(s) and the lr sweep)")
     families = {ARMS[a][3] for a in cfg.arms}
     sweep = lr_sweep(cfg, out / "sweep", log) if cfg.lr_sweep else None
     lrs = {f: sweep["best"][f] if sweep else cfg.lr for f in families}

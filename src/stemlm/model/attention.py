@@ -30,9 +30,11 @@ if TYPE_CHECKING:  # annotations only: the config imports the kinds, and a kind 
 
 class RMSNorm(nn.Module):
     """x / rms(x) · weight, computed in fp32 for fp32 and half inputs (bf16's mean of squares loses too much) and in
-    fp64 for fp64 ones, so an fp64 check through a norm is exact rather than fp32-accurate. `eps` None: the machine
-    epsilon of the dtype it computes in, as torch's `nn.RMSNorm(eps=None)` does (the Engram demo's query and key
-    norms: fp32's for half inputs, whose norm torch computes in fp32 too)."""
+    fp64 for fp64 ones, so an fp64 check through a norm is exact rather than fp32-accurate. The weight multiplies in
+    that precision too and the product is rounded once, as torch's `nn.RMSNorm` does for half inputs (rounding the
+    normalised x first and again after the weight differs from it by an ulp). `eps` None: the machine epsilon of
+    the dtype it computes in, as torch's `nn.RMSNorm(eps=None)` does (the Engram demo's query and key norms: fp32's
+    for half inputs, whose norm torch computes in fp32 too)."""
 
     def __init__(self, dim: int, eps: float | None) -> None:
         super().__init__()
@@ -44,7 +46,7 @@ class RMSNorm(nn.Module):
         x = x.to(torch.float64 if dtype == torch.float64 else torch.float32)
         eps = torch.finfo(x.dtype).eps if self.eps is None else self.eps
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
-        return self.weight * x.to(dtype)
+        return (self.weight.to(x.dtype) * x).to(torch.promote_types(self.weight.dtype, dtype))
 
 
 class RotaryEmbedding(nn.Module):

@@ -86,7 +86,7 @@ def resolve_layer_spec(spec: str | list[int] | tuple[int, ...], num_layers: int)
             raise StemlmError(f"bad layer list {list(spec)!r}: entries must be integer layer indices")
         if len(spec) > num_layers:
             raise StemlmError(f"layer list has {len(spec)} entries for a model with {num_layers} layers")
-        layers = [i + num_layers if i < 0 else i for i in spec]
+        layers = [_index(i, num_layers) for i in spec]
     else:
         text = str(spec).strip().lower()
         if text in ("all",):
@@ -121,6 +121,16 @@ def resolve_layer_spec(spec: str | list[int] | tuple[int, ...], num_layers: int)
     return sorted(layers)
 
 
+def _index(i: int, num_layers: int) -> int:
+    """A layer index (negative: from the end) as 0..L-1; out of range is an error naming the index as given."""
+    if not -num_layers <= i < num_layers:
+        raise StemlmError(
+            f"layer index {i} is out of range for a model with {num_layers} layers (0..{num_layers - 1}, or "
+            f"-{num_layers}..-1 from the end)"
+        )
+    return i + num_layers if i < 0 else i
+
+
 def _spec_part(spec, part: str, num_layers: int) -> list[int]:
     """One entry of a comma list: an index (negative: from the end), `first:K` or `last:K`."""
     end, _, count = part.partition(":") if part.startswith(("first:", "last:")) else ("", "", part)
@@ -132,7 +142,7 @@ def _spec_part(spec, part: str, num_layers: int) -> list[int]:
             f"{', '.join(LAYER_SPECS)}, every:K"
         ) from None
     if not end:
-        return [n + num_layers if n < 0 else n]
+        return [_index(n, num_layers)]
     if not 0 <= n <= num_layers:
         raise StemlmError(f"bad layer spec {spec!r}: {part} asks for {n} of {num_layers} layers")
     return list(range(n)) if end == "first" else list(range(num_layers - n, num_layers))

@@ -378,6 +378,7 @@ class TrainConfig:
             _finite(self.fact_fraction) and 0 <= self.fact_fraction < 1,
             f"fact_fraction must lie in [0, 1), got {self.fact_fraction!r}",
         )
+        need(not (problem := fact_mix_problem(self)), problem)
         need(
             _finite(self.min_lr_ratio) and 0 <= self.min_lr_ratio <= 1,
             f"min_lr_ratio must lie in [0, 1], got {self.min_lr_ratio!r}",
@@ -462,6 +463,17 @@ def table_lr_fields(text: str) -> dict[str, Any]:
         return {"table_lr": float(text)}
     except ValueError:
         raise StemlmError(f"--table-lr {text!r}: pass a number (e.g. 3e-3) or a multiple of --lr (e.g. x10)") from None
+
+
+def fact_mix_problem(cfg: TrainConfig) -> str:
+    """What is wrong with the fact mix's settings (stemlm.data.worlds.facts.check_fact_mix), or ""."""
+    from stemlm.data.worlds.facts import check_fact_mix
+
+    try:
+        check_fact_mix(cfg.fact_region, cfg.fact_countries, cfg.fact_relations)
+    except (ValueError, TypeError) as exc:
+        return str(exc)
+    return ""
 
 
 def _is_int(value: Any) -> bool:

@@ -65,6 +65,7 @@ def resume_setup(
             f"run {run_dir} was trained with --seed {train['seed']}; it cannot resume with --seed {overrides['seed']} "
             "(the data windows follow the seed): drop --seed, or start a new run from its weights with --init-from"
         )
+    check_same_facts(train, overrides, run_dir)
     cfg = TrainConfig.from_dict(train).with_overrides({**overrides, "out": str(run_dir)})
     try:
         run_tok = Tokenizer.from_file(str(ckpt / TOKENIZER_NAME))
@@ -78,6 +79,24 @@ def resume_setup(
             f"{tokenizer.get_vocab_size()} tokens, sha {tokenizer_digest(tokenizer)}"
         )
     return ResumeSetup(ckpt, run_dir, cfg, run_tok, state)
+
+
+def check_same_facts(train: dict[str, Any], overrides: dict[str, Any], run_dir: Path) -> None:
+    """Refuse a resume that changes the run's fact mix (`fact_*`): its statements are part of the training data the
+    run's windows are drawn from, so the resumed run would not continue the same one."""
+    changed = sorted(k for k, v in overrides.items() if k.startswith("fact_") and v != train.get(k))
+    if changed and train.get("data") is not None:
+        raise StemlmError(
+            f"--set train.{changed[0]} has no effect on run {run_dir}: it trains on --data, and the fact world is "
+            "mixed into the embedded corpus only; drop the setting"
+        )
+    if changed:
+        name = changed[0]
+        raise StemlmError(
+            f"run {run_dir} was trained with {name}={train.get(name)!r}; it cannot resume with {name}="
+            f"{overrides[name]!r} (the fact statements are part of its training data): drop the setting, or start a "
+            "new run from its weights with --init-from"
+        )
 
 
 def check_resume_state(ckpt: Path, state: dict[str, Any], cfg: TrainConfig) -> None:

@@ -107,8 +107,8 @@ def plan_run(r: RunRequest) -> RunPlan:
     if r.init_from:
         changes.setdefault("preset", os.path.basename(os.path.normpath(r.init_from)))
         model, _ = requested_model(r, load_config(r.init_from))
-        return RunPlan(model, tokenizer, train_config(changes))
-    cfg = train_config(changes)
+        return RunPlan(model, tokenizer, check_fact_flags(train_config(changes), changes))
+    cfg = check_fact_flags(train_config(changes), changes)
     model, vocab_set = requested_model(r, None)
     if model is None:
         model = get_preset(cfg.preset)
@@ -118,6 +118,18 @@ def plan_run(r: RunRequest) -> RunPlan:
     requested = f"preset {r.preset}" if r.preset else "model.vocab_size"
     model = check_vocab(model, tokenizer, requested=requested, vocab_set=vocab_set, fit=r.fit_vocab or not explicit)
     return RunPlan(model, tokenizer, cfg)
+
+
+def check_fact_flags(cfg, changes: dict[str, Any]):
+    """`cfg`, unless it names --data together with a fact-world setting: the fact world is mixed into the embedded
+    corpus only (stemlm.data.fact_mix), so with --data the setting would silently do nothing."""
+    given = sorted(k for k in changes if k.startswith("fact_"))
+    if cfg.data is not None and given:
+        raise StemlmError(
+            f"--set train.{given[0]} has no effect with --data: the fact world is mixed into the embedded corpus "
+            "only; drop the setting, or --data to train on the embedded corpus with facts"
+        )
+    return cfg
 
 
 def build_trainer(r: RunRequest):

@@ -147,13 +147,54 @@ def countries_in(region: str | Sequence[str] | None = None) -> tuple[Country, ..
         by_name = {c.name: c for c in load_countries()}
         unknown = [name for name in region if name not in by_name]
         if unknown or not region:
-            raise ValueError(f"unknown country {unknown[0]!r} in the fact world" if unknown else "no country named")
+            close = [c.name for c in load_countries() if unknown and c.name.lower() == unknown[0].lower()]
+            hint = f" (names are exact: {close[0]})" if close else ""
+            raise ValueError(
+                f"unknown country {unknown[0]!r} in the fact world{hint}" if unknown else "no country named"
+            )
+        twice = sorted({name for name in region if list(region).count(name) > 1})
+        if twice:
+            raise ValueError(f"{', '.join(twice)} named twice; name each country once")
         return tuple(by_name[name] for name in region)
     found = tuple(c for c in load_countries() if (c.region or "").lower() == region.lower())
     if not found:
         regions = sorted({c.region for c in load_countries() if c.region})
         raise ValueError(f"no country in region {region!r}; regions: all, {', '.join(regions)}")
     return found
+
+
+def check_relations(relations: Sequence[str], name: str) -> None:
+    """Raise ValueError unless `relations` (the setting `name`) are known, at least one, and each named once."""
+    if not relations:
+        raise ValueError(f"{name} is empty; name at least one of {', '.join(RELATIONS)}")
+    unknown = [r for r in relations if r not in TEMPLATES]
+    if unknown:
+        raise ValueError(f"{name}: unknown relation {unknown[0]!r}; known: {', '.join(RELATIONS)}")
+    twice = sorted({r for r in relations if list(relations).count(r) > 1})
+    if twice:
+        raise ValueError(f"{name} names {', '.join(twice)} twice")
+
+
+def check_fact_mix(region: str, countries: Sequence[str], relations: Sequence[str]) -> None:
+    """Raise ValueError unless the fact mix's settings (`TrainConfig.fact_region`, `fact_countries`,
+    `fact_relations`) name a fact world: relations known, at least one, each once; the region one of the data's
+    (or all); the countries known, each once, and in the region (named countries replace the region's list, so one
+    outside it means the two settings disagree)."""
+    check_relations(relations, "fact_relations")
+    try:
+        in_region = countries_in(region)
+    except ValueError as exc:
+        raise ValueError(f"fact_region: {exc}") from None
+    try:
+        chosen = countries_in(list(countries)) if countries else ()
+    except ValueError as exc:
+        raise ValueError(f"fact_countries: {exc}") from None
+    outside = [c.name for c in chosen if c not in in_region]
+    if outside:
+        raise ValueError(
+            f"fact_countries {', '.join(outside[:3])} not in fact_region {region!r}: set train.fact_region to theirs "
+            "(or all), or train.fact_countries= (empty) for every country of the region"
+        )
 
 
 def fact_prompts(
@@ -220,7 +261,12 @@ def edit_records(
     `paraphrase_prompts` the held-out templates only; `portability` asks the other relations (first training
     template) where subject and target differ; `choices` counts each relation's distinct objects."""
     rng = random.Random(seed)
+    if relation not in TEMPLATES:
+        raise ValueError(f"unknown relation {relation!r}; known: {', '.join(RELATIONS)}")
     countries = [c for c in countries_in(region) if c.fact(relation) is not None]
+    if len({c.fact(relation) for c in countries}) < 2:  # a record's target must answer differently
+        given = ", ".join(f"{c.name} ({c.fact(relation)})" for c in countries[:4]) or "none with one"
+        raise ValueError(f"edit records need two countries whose {relation} differs; these have one: {given}")
     choices = {r: len({c.fact(r) for c in load_countries()} - {None}) for r in RELATIONS}
     train_t, heldout_t = TEMPLATES[relation]
     records = []

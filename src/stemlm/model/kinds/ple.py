@@ -23,6 +23,9 @@ from stemlm.model.ffn import TokenContext, lookup, token_table
 from stemlm.model.kinds.registry import Config, Field, Kind, LayerCount, Table
 
 VARIANTS = ("stemlm", "reference")
+# Gemma-3n's RMSNorm eps (`Gemma3nTextConfig.rms_norm_eps`'s default, what the shipped models use): the reference's
+# two norms keep it whatever the backbone's `rms_norm_eps`, so the variant is Gemma-3n's function as shipped.
+GEMMA3N_RMS_NORM_EPS = 1e-6
 
 
 class PLEFFN(nn.Module):
@@ -57,8 +60,8 @@ class PLEReferenceFFN(PLEFFN):
         super().__init__(config, layer_idx)  # PLEFFN's projections and table, in its parameter (= init) order
         d, w = config.hidden_size, config.ple_dim
         self.ple_model_proj = nn.Linear(d, w, bias=False)  # layer l's rows of Gemma's per_layer_model_projection
-        self.ple_input_norm = RMSNorm(w, config.rms_norm_eps)  # Gemma's per_layer_projection_norm
-        self.ple_post_norm = RMSNorm(d, config.rms_norm_eps)  # Gemma's post_per_layer_input_norm
+        self.ple_input_norm = RMSNorm(w, GEMMA3N_RMS_NORM_EPS)  # Gemma's per_layer_projection_norm
+        self.ple_post_norm = RMSNorm(d, GEMMA3N_RMS_NORM_EPS)  # Gemma's post_per_layer_input_norm
 
     def per_layer_input(self, ctx: TokenContext) -> torch.Tensor:
         """u_l [B, T, ple_dim] of the positions in `ctx`, from their input embeddings and table rows."""
