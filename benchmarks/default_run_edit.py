@@ -174,6 +174,11 @@ def summarize(runs: dict[str, Any], edits: dict[str, Any], dense_edits: dict[str
     return summary
 
 
+def number(x: float | None) -> str:
+    """A figure of the RESULT line: 3 decimals, or "none" where nothing was measured (no known record)."""
+    return "none" if x is None or x != x else f"{x:.3f}"
+
+
 def print_summary(summary: dict[str, Any]) -> None:
     print("arm    seed  held-out  TFLOP  recall tr/ho  spikes  " + "  ".join(f"{r:>16}" for r in ROWS) + "  sample")
     for r in summary["runs"]:
@@ -200,9 +205,9 @@ def print_summary(summary: dict[str, Any]) -> None:
     locality = [x for x in summary["eval_edits"]["stem/tables"]["locality_other"] if x is not None] or [float("nan")]
     print(
         f"RESULT seeds={len(stem)} tables_ratio_min={min(ratios):.2f} "
-        f"tables_berlin={sum(x >= 10 for x in ratios)}/{len(stem)} paraphrase_tables={moved['mean']:.3f} "
-        f"paraphrase_tables_lo={moved['ci95'][0]} locality_tables={min(locality):.3f} "
-        f"spikes_max={max(r['spikes'] for r in stem)} stem_minus_dense={d}"
+        f"tables_berlin={sum(x >= 10 for x in ratios)}/{len(stem)} paraphrase_tables={number(moved['mean'])} "
+        f"paraphrase_tables_lo={number(moved['ci95'][0])} locality_tables={number(min(locality))} "
+        f"spikes_max={max(r['spikes'] for r in stem)} stem_minus_dense={number(d[0] if isinstance(d, tuple) else d)}"
     )
 
 
