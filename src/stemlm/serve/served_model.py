@@ -27,9 +27,9 @@ from dataclasses import replace
 from pathlib import Path
 
 from stemlm.errors import StemlmError
-from stemlm.inference.batching import BatchEngine, EngineLoop
+from stemlm.inference.batching import STEP_TOKENS, BatchEngine, EngineLoop
 from stemlm.inference.inference_model import InferenceModel
-from stemlm.inference.requests import Request
+from stemlm.inference.requests import Request, new_group
 from stemlm.model.decoder import StemLM
 from stemlm.model.ffn import Rows
 from stemlm.serve.editing import EditSpec, build_edit
@@ -54,7 +54,8 @@ class ServedModel:
         checkpoint: str | Path,
         *,
         name: str | None = None,
-        slots: int = 16,
+        slots: int = 128,
+        step_tokens: int = STEP_TOKENS,
         max_queue: int = 64,
         request_timeout: float = 600.0,
     ) -> None:
@@ -81,7 +82,7 @@ class ServedModel:
             except StemlmError as exc:
                 self._view, self._view_error, self.view_model = None, str(exc), None
         engine = loaded.engine(tokenizer=self.tokenizer)
-        self.engine = BatchEngine(engine, slots=slots, max_waiting=max_queue)
+        self.engine = BatchEngine(engine, slots=slots, max_waiting=max_queue, step_tokens=step_tokens)
         self.loop = EngineLoop(self.engine)
 
     @classmethod
@@ -139,7 +140,7 @@ class ServedModel:
         Choice j samples with seed + j, so a seeded request's n choices differ (greedy ones are equal), and only
         each prompt's first choice scores the prompt (`prompt_logprobs`): the others would repeat it.
         Raises `StemlmError` for a bad prompt."""
-        out = []
+        out, group = [], new_group()  # one fairness group: the choices count together against other requests
         for i, prompt in enumerate(parsed.prompts):
             try:
                 ids = self.prompt_ids(parsed, prompt)
@@ -151,7 +152,7 @@ class ServedModel:
                     params = replace(params, seed=(params.seed + j) % 2**63, prompt_logprobs=None)
                 rows = None if parsed.edit is None else self.edit_rows(ids, parsed.edit)
                 callback = None if on_event is None else on_event(len(out))
-                out.append(Request(ids, params, on_event=callback, edit_rows=rows))
+                out.append(Request(ids, params, on_event=callback, edit_rows=rows, group=group))
         return out
 
     def submit(self, parsed: ParsedRequest, on_event: Callable[[int], Callable] | None = None) -> list[Request]:
