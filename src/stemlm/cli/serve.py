@@ -55,6 +55,8 @@ def run(args) -> int:
             raise StemlmError(f"{flag} must be >= {low}, got {value}")
     if not args.request_timeout > 0 or not args.graceful_timeout >= 0:
         raise StemlmError("--request-timeout must be > 0 and --graceful-timeout >= 0 seconds")
+    if args.compile is None:
+        args.compile = args.tables == "resident"
     pg = Playground.load(
         args.ckpt,
         InferenceOptions.from_args(args),
@@ -68,6 +70,7 @@ def run(args) -> int:
     )
     try:
         server = Server(pg, args.host, args.port, args.allow_host, args.graceful_timeout)
+        pg.served.warm_up()  # after the port is bound and every option checked: a bad one fails before the compile
     except StemlmError:
         pg.close()
         raise
@@ -107,9 +110,10 @@ def register(subparsers) -> None:
     add_inference_flags(p)
     p.add_argument(
         "--compile",
-        action="store_true",
-        help="run the batched decoding steps through torch.compile (resident tables only; the first steps wait "
-        "for the compile, again for each new batch shape until it compiles a dynamic one)",
+        action=argparse.BooleanOptionalAction,
+        help="run the batched decoding steps through torch.compile, dynamic in batch size and length, compiled at "
+        "start (a minute or more on a CPU) before the server listens; default: on with --tables resident, off with "
+        "host / mmap (their rows come from Python code, which the compiler cannot trace)",
     )
     p.add_argument(
         "--save-dir",

@@ -87,30 +87,34 @@ class TokenEvent:
 class IncrementalDecoder:
     """Turns a growing list of ids into printable text pieces that concatenate to the full decode.
 
-    The whole list is decoded each time and only the new suffix is returned; a suffix ending in U+FFFD (a
-    multi-byte character whose remaining bytes are still to come) is held back until it is complete.
+    Each push decodes a short window, not the whole list: the ids from `prefix` (where the last emitted piece's
+    context starts) to the end, against the same window without the new ids; the difference is the new text. A
+    window starting one piece back gives a tokenizer whose decoding depends on the previous token (a word-start
+    marker, a byte sequence) the context it needs, and keeps a token's cost independent of the length so far. A
+    difference ending in U+FFFD (a multi-byte character whose remaining bytes are still to come) is held back
+    until it is complete.
     """
 
     def __init__(self, tokenizer) -> None:
         self.tokenizer = tokenizer
         self.ids: list[int] = []
-        self.printed = ""
+        self.prefix = self.read = 0  # window start; ids before `read` are emitted
 
     def push(self, token_id: int) -> str:
         self.ids.append(token_id)
-        text = self.tokenizer.decode(self.ids)
-        if text.endswith("\ufffd") or not text.startswith(self.printed):
-            return ""
-        return self._advance(text)
+        return self._advance(final=False)
 
     def flush(self) -> str:
         """Everything not yet returned (held-back bytes print as U+FFFD if they never completed)."""
-        text = self.tokenizer.decode(self.ids)
-        return self._advance(text) if text.startswith(self.printed) else ""
+        return self._advance(final=True)
 
-    def _advance(self, text: str) -> str:
-        piece, self.printed = text[len(self.printed) :], text
-        return piece
+    def _advance(self, final: bool) -> str:
+        before = self.tokenizer.decode(self.ids[self.prefix : self.read])
+        text = self.tokenizer.decode(self.ids[self.prefix :])
+        if len(text) <= len(before) or not text.startswith(before) or (text.endswith("\ufffd") and not final):
+            return ""
+        self.prefix, self.read = self.read, len(self.ids)
+        return text[len(before) :]
 
 
 class StopText:

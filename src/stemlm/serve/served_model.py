@@ -21,6 +21,7 @@ thread, so requests from the page and from API clients decode in the same batch 
 
 from __future__ import annotations
 
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import replace
@@ -30,6 +31,7 @@ from stemlm.errors import StemlmError
 from stemlm.inference.batching import STEP_TOKENS, BatchEngine, EngineLoop
 from stemlm.inference.inference_model import InferenceModel
 from stemlm.inference.requests import Request, new_group
+from stemlm.inference.sampling import SamplingParams
 from stemlm.model.decoder import StemLM
 from stemlm.model.ffn import Rows
 from stemlm.serve.editing import EditSpec, build_edit
@@ -100,6 +102,20 @@ class ServedModel:
         except StemlmError:
             loaded.close()
             raise
+
+    def warm_up(self) -> None:
+        """With compiled decoding steps, run their graphs once before serving: one request alone, two of one length
+        (a batch, no padding mask), three of different lengths (a mask), so no client waits for a compile (batch
+        size and length are dynamic in each graph: `InferenceModel`)."""
+        if self.model.compiled_step is None:
+            return
+        print("stemlm serve: compiling the decoding step (once; --no-compile skips it)", file=sys.stderr, flush=True)
+        for prompts in ([[1, 2]], [[1, 2], [3, 4]], [[1], [1, 2, 3], [4, 5, 6, 7, 8]]):
+            requests = [self.loop.submit(Request(ids, SamplingParams(max_tokens=4, temperature=0))) for ids in prompts]
+            for request in requests:
+                request.done.wait()
+                if request.finish_reason == "error":
+                    raise StemlmError(f"the compiled decoding step failed ({request.error}); serve with --no-compile")
 
     def view(self) -> StemLM:
         """The model with readable tables, for editing and analysis (the served model unless tables are offloaded)."""
