@@ -15,7 +15,8 @@ and the prompt checks live in one place (`Request`, `SamplingParams`) and the fo
   announced before chunk i runs) into a fresh KV cache sized for the request, and returns the last position's
   logits; the prompt's ids are range-checked there, once. The request's `edit_rows` apply to it alone. A request
   with `prompt_logprobs` has its prompt scored from the same forwards' logits (`Request.score_prompt`): scoring a
-  text is its prefill, with `max_tokens=0`.
+  text is its prefill, with `max_tokens=0`. `begin_prefill(request)` is the same prefill as a `Prefill` object
+  that runs one chunk per `advance()`, so the batch engine can spread a long prompt over several steps.
 - `feed(tokens, before)` turns each row's last sampled token into the next forward's [B, 1] ids and announces
   their rows to the row source at once, so that the rows travel while the caller handles the token.
 - `step(ids, cache)` runs that forward (a sampled id is in range by construction: no id check) and returns each
