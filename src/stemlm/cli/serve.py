@@ -137,9 +137,9 @@ def register(subparsers) -> None:
     p.add_argument(
         "--step-tokens",
         type=int,
-        default=512,
+        default=64,
         help="token budget of one engine step: one per decoding sequence plus prompt tokens prefilled in chunks "
-        "(default 512)",
+        "(default 64)",
     )
     p.add_argument("--max-queue", type=int, default=64, help="requests waiting for a slot before 429 (default 64)")
     p.add_argument(

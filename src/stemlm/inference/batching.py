@@ -56,7 +56,7 @@ from stemlm.inference.kv_pool import KVPool
 from stemlm.inference.requests import Request
 from stemlm.model.decoder import StemLM
 
-STEP_TOKENS = 512  # default token budget of one step (decode rows + prefill tokens)
+STEP_TOKENS = 64  # default token budget of one step (decode rows + prefill tokens): docs/serving.md, fairness
 
 
 class BatchEngine:

@@ -104,14 +104,22 @@ class ServedModel:
             raise
 
     def warm_up(self) -> None:
-        """With compiled decoding steps, run their graphs once before serving: one request alone, two of one length
-        (a batch, no padding mask), three of different lengths (a mask), so no client waits for a compile (batch
-        size and length are dynamic in each graph: `InferenceModel`)."""
+        """With compiled decoding steps, run each of their graphs once before serving, so no client waits for a
+        compile: one row alone, several of one length (no padding mask), several of different lengths (a mask),
+        and one row left alone on a longer axis (a mask, one row). Batch size and length are dynamic in each graph
+        (`InferenceModel`)."""
         if self.model.compiled_step is None:
             return
         print("stemlm serve: compiling the decoding step (once; --no-compile skips it)", file=sys.stderr, flush=True)
-        for prompts in ([[1, 2]], [[1, 2], [3, 4]], [[1], [1, 2, 3], [4, 5, 6, 7, 8]]):
-            requests = [self.loop.submit(Request(ids, SamplingParams(max_tokens=4, temperature=0))) for ids in prompts]
+        cases = (
+            [([1, 2], 4)],
+            [([1, 2], 4), ([3, 4], 4)],
+            [([1], 4), ([1, 2, 3], 4), ([4, 5, 6, 7, 8], 4)],
+            [([1, 2, 3, 4, 5], 2), ([1], 6)],  # the longer leaves first: the other decodes alone, padded
+        )
+        for case in cases:
+            params = [SamplingParams(max_tokens=new, temperature=0) for _, new in case]
+            requests = [self.loop.submit(Request(ids, p)) for (ids, _), p in zip(case, params, strict=True)]
             for request in requests:
                 request.done.wait()
                 if request.finish_reason == "error":
