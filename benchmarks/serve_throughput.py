@@ -39,9 +39,14 @@ autocast over fp32 weights; vLLM: bf16 weights).
     python benchmarks/serve_throughput.py --vllm                             # tiny preset, CPU
     python benchmarks/serve_throughput.py --vllm --device cuda --preset paper-350m --set vocab_size=8192 --host-tables
 
+Fairness: on each server, a `--fair-small`-token request (6) sent a second after one request of `--fair-prompts`
+prompts (64) x `--fair-new` tokens (200), its latency over its latency on the idle server (medians of 3); both
+servers get the same sequence limit (`--slots` / `--max-num-seqs`: the big request's prompts + 1 or the highest
+concurrency).
+
 ending `RESULT stemlm_c1_tok_s=… stemlm_c16_tok_s=… vllm_c1_tok_s=… vllm_c16_tok_s=… vllm_over_stemlm_c1=…
-vllm_over_stemlm=…` (the last at the highest concurrency; with --host-tables also `vllm_host_c16_tok_s=…
-vllm_host_over_resident=…`).
+vllm_over_stemlm=… stemlm_over_vllm_c1=… stemlm_over_vllm=… stemlm_fairness=… vllm_fairness=…` (the ratios without
+a level at the highest concurrency; with --host-tables also `vllm_host_c16_tok_s=… vllm_host_over_resident=…`).
 
 The last line is `RESULT single_stream_tok_s=… batch1_tok_s=… batch4_tok_s=… batch16_tok_s=…
 batch16_over_single=… host_over_resident=… host_over_resident_cpu=… batch16_over_hf_generate=… outputs_equal=…`
@@ -91,6 +96,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--vllm", action="store_true", help="stemlm serve against vLLM over HTTP (see the module doc)")
     p.add_argument("--requests", type=int, default=2, help="--vllm: completions per stream (default 2)")
     p.add_argument("--host-tables", action="store_true", help="--vllm: also vLLM with its STEM tables in host memory")
+    p.add_argument("--fair-prompts", type=int, default=64, help="--vllm fairness: prompts of the big request (0: off)")
+    p.add_argument("--fair-new", type=int, default=200, help="--vllm fairness: tokens per prompt of the big request")
+    p.add_argument("--fair-small", type=int, default=6, help="--vllm fairness: tokens of the small request")
     p.add_argument("--start-timeout", type=int, default=900, help="--vllm: seconds a server may take to start")
     args = p.parse_args(argv)
     args.concurrency = args.concurrency or ("1,16" if args.vllm else "1,4,16")
@@ -246,9 +254,10 @@ def vllm_command(folder: Path) -> list[str]:
 def server_commands(args, folder: Path) -> dict[str, list[str]]:
     cuda = args.device.startswith("cuda")
     stemlm = [sys.executable, "-m", "stemlm.cli.main", "serve", str(folder), "--device", args.device]
-    stemlm += ["--dtype", "bf16" if cuda else "fp32", "--slots", str(max(concurrency_levels(args)))]
+    slots = str(max(args.fair_prompts + 1, *concurrency_levels(args)))  # the same sequence limit for both
+    stemlm += ["--dtype", "bf16" if cuda else "fp32", "--slots", slots]
     vllm = [*vllm_command(folder), "--dtype", "bfloat16" if cuda else "float32", "--max-model-len", "1024"]
-    vllm += ["--max-num-seqs", str(max(concurrency_levels(args)))] + ([] if cuda else ["--enforce-eager"])
+    vllm += ["--max-num-seqs", slots] + ([] if cuda else ["--enforce-eager"])
     commands = {"stemlm": stemlm, "vllm": vllm}
     if args.host_tables:
         commands["vllm_host"] = [*vllm, "--cpu-offload-gb", "1000", "--cpu-offload-params", "stem_embedding"]
@@ -278,8 +287,8 @@ def start(name: str, command: list[str], log: Path, timeout: int) -> tuple[subpr
     raise SystemExit(f"{name} did not answer /health within {timeout} s")
 
 
-def complete(url: str, model: str, prompt: list[int], new: int) -> int:
-    """One greedy completion; the completion tokens the server counted."""
+def complete(url: str, model: str, prompt: list[int] | list[list[int]], new: int) -> int:
+    """One greedy completion (of one prompt or a list); the completion tokens the server counted."""
     body = {"model": model, "prompt": prompt, "max_tokens": new, "temperature": 0}
     request = urllib.request.Request(
         f"{url}/v1/completions", json.dumps(body).encode(), {"Content-Type": "application/json"}
@@ -306,6 +315,29 @@ def load(url: str, work: list[list[int]], streams: int, requests: int, new: int)
     return tokens / (time.perf_counter() - begin)
 
 
+def fairness(url: str, work: list[list[int]], args) -> float:
+    """The latency of a `--fair-small`-token request sent while one request of `--fair-prompts` prompts x
+    `--fair-new` tokens runs, over its latency on the idle server (medians of 3)."""
+    model = model_id(url)
+
+    def small() -> float:
+        begin = time.perf_counter()
+        complete(url, model, work[0], args.fair_small)
+        return time.perf_counter() - begin
+
+    idle = statistics.median(small() for _ in range(3))
+    beside = []
+    with ThreadPoolExecutor(1) as pool:
+        for _ in range(3):
+            big = pool.submit(
+                complete, url, model, [work[i % len(work)] for i in range(args.fair_prompts)], args.fair_new
+            )
+            time.sleep(1.0)  # the big request is admitted and decoding
+            beside.append(small())
+            big.result()
+    return statistics.median(beside) / idle
+
+
 def side_by_side(args) -> None:
     config = get_preset(args.preset).with_overrides(args.overrides)
     top = max(concurrency_levels(args))
@@ -325,15 +357,26 @@ def side_by_side(args) -> None:
                     runs = [load(url, work, c, args.requests, args.new) for _ in range(args.reps)]
                     rates[name][c] = statistics.median(runs)
                     print(f"{name} concurrency {c}: {rates[name][c]:.1f} tok/s", flush=True)
+                if args.fair_prompts:
+                    rates[name]["fair"] = fairness(url, work, args)
+                    print(f"{name} fairness: {rates[name]['fair']:.2f}x the idle latency", flush=True)
             finally:
                 process.terminate()
                 process.wait(timeout=120)
     print(f"preset {args.preset}: V={config.vocab_size}, {config.num_hidden_layers} layers, ffn={config.ffn}; "
           f"device {args.device}; prompt {args.prompt}, up to {args.new} new, {args.requests} requests a stream, "
           f"median of {args.reps}")  # fmt: skip
-    fields = [f"{name}_c{c}_tok_s={rate:.1f}" for name, by_level in rates.items() for c, rate in by_level.items()]
+    fields = [
+        f"{name}_c{c}_tok_s={rate:.1f}"
+        for name, by_level in rates.items()
+        for c, rate in by_level.items()
+        if c != "fair"
+    ]
     fields.append(f"vllm_over_stemlm_c1={rates['vllm'][1] / rates['stemlm'][1]:.2f}" if 1 in rates["vllm"] else "")
     fields.append(f"vllm_over_stemlm={rates['vllm'][top] / rates['stemlm'][top]:.2f}")
+    fields.append(f"stemlm_over_vllm_c1={rates['stemlm'][1] / rates['vllm'][1]:.2f}" if 1 in rates["vllm"] else "")
+    fields.append(f"stemlm_over_vllm={rates['stemlm'][top] / rates['vllm'][top]:.2f}")
+    fields += [f"{name}_fairness={by_level['fair']:.2f}" for name, by_level in rates.items() if "fair" in by_level]
     if "vllm_host" in rates:
         fields.append(f"vllm_host_over_resident={rates['vllm_host'][top] / rates['vllm'][top]:.3f}")
     print("RESULT " + " ".join(f for f in fields if f))

@@ -30,11 +30,12 @@ def test_vllm_side_by_side_result_line():
     small += ["--set", "num_attention_heads=2", "--set", "num_key_value_heads=1"]
     out = run_benchmark(
         "serve_throughput.py", "--vllm", *small, "--prompt", "8", "--new", "4", "--reps", "1", "--requests", "1",
-        "--concurrency", "1,3",
+        "--concurrency", "1,3", "--fair-prompts", "3", "--fair-new", "4", "--fair-small", "2",
     )  # fmt: skip
     fields = result_fields(out)
     assert set(fields) == {
         "stemlm_c1_tok_s", "stemlm_c3_tok_s", "vllm_c1_tok_s", "vllm_c3_tok_s",
-        "vllm_over_stemlm_c1", "vllm_over_stemlm",
+        "vllm_over_stemlm_c1", "vllm_over_stemlm", "stemlm_over_vllm_c1", "stemlm_over_vllm",
+        "stemlm_fairness", "vllm_fairness",
     }  # fmt: skip
     assert float(fields["vllm_c3_tok_s"]) > 0 and float(fields["stemlm_c3_tok_s"]) > 0

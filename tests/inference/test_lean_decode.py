@@ -16,11 +16,13 @@ import torch
 
 from stemlm.checkpoint.folder import save_pretrained
 from stemlm.checkpoint.runs import from_pretrained
+from stemlm.inference.batching import BatchEngine
 from stemlm.inference.generate import generate
 from stemlm.inference.load import InferenceOptions, load_inference
 from stemlm.model.attention import RotaryEmbedding
 from stemlm.model.config import FFN_KINDS
 from tests.conftest import make_tiny_model
+from tests.inference.test_batching import greedy_cases, run_staggered
 from tests.model.test_fusion import all_fused
 
 PROMPT, NEW = [5, 17, 3, 99, 42], 12
@@ -116,3 +118,14 @@ def test_compiled_batched_decoding_gives_the_eager_outputs(tmp_path):
 
     with load_inference(folder) as eager, load_inference(folder, InferenceOptions(compile=True)) as compiled:
         assert outputs(compiled.model) == outputs(eager.model)
+
+
+@pytest.mark.slow
+def test_compiled_batched_decoding_gives_the_single_stream_greedy_tokens(tmp_path):
+    folder = save_pretrained(make_tiny_model("stem", initializer_range=0.1, max_position_embeddings=40), tmp_path / "m")
+    with load_inference(folder) as plain:
+        expected, _ = greedy_cases(plain.model)
+    with load_inference(folder, InferenceOptions(compile=True)) as lm:
+        _, requests = greedy_cases(lm.model)  # staggered: batches of 1..4 rows, with and without padding
+        run_staggered(BatchEngine(lm.model, slots=4), requests)
+    assert [r.output_ids for r in requests] == expected

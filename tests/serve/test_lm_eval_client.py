@@ -40,7 +40,7 @@ def run_folder(tmp_path_factory):
 
 def serve(run: Path) -> tuple[subprocess.Popen, str]:
     """`stemlm serve RUN --port 0` in its own process; (the process, its base URL) once it listens."""
-    command = [sys.executable, "-m", "stemlm.cli.main", "serve", str(run), "--port", "0"]
+    command = [sys.executable, "-m", "stemlm.cli.main", "serve", str(run), "--port", "0", "--no-compile"]
     process = subprocess.Popen(command, stderr=subprocess.PIPE, text=True)
     for line in process.stderr:
         found = re.search(r"(http://\S+)/v1 ", line)

@@ -140,6 +140,21 @@ def test_unknown_model_host_check_and_metrics(api):
         assert name in text
 
 
+def metric(url: str, name: str) -> float:
+    lines = http_request(url, "GET", "/metrics").read().decode().splitlines()
+    return next(float(line.split()[-1]) for line in lines if line.startswith(name + " "))
+
+
+def test_metrics_count_queue_wait_and_first_token_per_sequence(api):
+    server, client = api
+    names = ("stemlm_queue_wait_seconds_count", "stemlm_time_to_first_token_seconds_count")
+    before = [metric(server.url, name) for name in names]
+    client.completions.create(model=MODEL, prompt=[PROMPT, PROMPT + " and", "Hello"], max_tokens=3, temperature=0)
+    after = [metric(server.url, name) for name in names]
+    assert [a - b for a, b in zip(after, before, strict=True)] == [3, 3]  # each prompt of the request once
+    assert metric(server.url, "stemlm_queue_wait_seconds_sum") >= 0
+
+
 def test_queue_full_is_429_and_timeout_is_504(chat_ckpt):
     with serving(chat_ckpt, max_queue=0) as (_, client):
         with pytest.raises(openai.RateLimitError):

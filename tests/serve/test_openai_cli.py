@@ -21,7 +21,18 @@ SRC = Path(__file__).resolve().parents[2] / "src"
 
 def test_server_process_serves_and_stops_gracefully(chat_ckpt, reference):
     env = {**os.environ, "PYTHONPATH": f"{SRC}{os.pathsep}{os.environ.get('PYTHONPATH', '')}", "OMP_NUM_THREADS": "1"}
-    argv = [sys.executable, "-m", "stemlm.cli.main", "server", str(chat_ckpt), "--port", "0", "--slots", "2"]
+    argv = [
+        sys.executable,
+        "-m",
+        "stemlm.cli.main",
+        "server",
+        str(chat_ckpt),
+        "--port",
+        "0",
+        "--slots",
+        "2",
+        "--no-compile",
+    ]
     proc = subprocess.Popen(argv, env=env, stderr=subprocess.PIPE, text=True)
     try:
         line = proc.stderr.readline()

@@ -49,11 +49,14 @@ def run(args) -> int:
     from stemlm.serve import Playground
     from stemlm.serve.server import Server
 
-    for flag, value, low in (("--slots", args.slots, 1), ("--max-queue", args.max_queue, 0)):
+    limits = (("--slots", args.slots, 1), ("--max-queue", args.max_queue, 0), ("--step-tokens", args.step_tokens, 1))
+    for flag, value, low in limits:
         if value < low:
             raise StemlmError(f"{flag} must be >= {low}, got {value}")
     if not args.request_timeout > 0 or not args.graceful_timeout >= 0:
         raise StemlmError("--request-timeout must be > 0 and --graceful-timeout >= 0 seconds")
+    if args.compile is None:
+        args.compile = args.tables == "resident"
     pg = Playground.load(
         args.ckpt,
         InferenceOptions.from_args(args),
@@ -61,11 +64,13 @@ def run(args) -> int:
         chat=args.chat,
         name=args.served_model_name,
         slots=args.slots,
+        step_tokens=args.step_tokens,
         max_queue=args.max_queue,
         request_timeout=args.request_timeout,
     )
     try:
         server = Server(pg, args.host, args.port, args.allow_host, args.graceful_timeout)
+        pg.served.warm_up()  # after the port is bound and every option checked: a bad one fails before the compile
     except StemlmError:
         pg.close()
         raise
@@ -105,9 +110,10 @@ def register(subparsers) -> None:
     add_inference_flags(p)
     p.add_argument(
         "--compile",
-        action="store_true",
-        help="run the batched decoding steps through torch.compile (resident tables only; the first steps wait "
-        "for the compile, again for each new batch shape until it compiles a dynamic one)",
+        action=argparse.BooleanOptionalAction,
+        help="run the batched decoding steps through torch.compile, dynamic in batch size and length, compiled at "
+        "start (a minute or more on a CPU) before the server listens; default: on with --tables resident, off with "
+        "host / mmap (their rows come from Python code, which the compiler cannot trace)",
     )
     p.add_argument(
         "--save-dir",
@@ -121,7 +127,20 @@ def register(subparsers) -> None:
         "GGUF); the API's /v1/chat/completions uses the template whether or not this is set",
     )
     p.add_argument("--served-model-name", help="the model id API clients send (default: the checkpoint folder's name)")
-    p.add_argument("--slots", type=int, default=16, help="requests decoded at once, the KV-pool rows (default 16)")
+    p.add_argument(
+        "--slots",
+        type=int,
+        default=128,
+        help="sequences decoded at once, the KV-pool rows (each prompt and choice of a request counts; the pool "
+        "grows with use, so idle slots hold no memory; default 128)",
+    )
+    p.add_argument(
+        "--step-tokens",
+        type=int,
+        default=64,
+        help="token budget of one engine step: one per decoding sequence plus prompt tokens prefilled in chunks "
+        "(default 64)",
+    )
     p.add_argument("--max-queue", type=int, default=64, help="requests waiting for a slot before 429 (default 64)")
     p.add_argument(
         "--request-timeout", type=float, default=600.0, help="seconds before an API request is cancelled (default 600)"

@@ -1,4 +1,4 @@
-"""Continuous batching: every active request of a model decoded in one forward per step of the engine.
+"""Continuous batching: requests join and leave a running batch, which decodes one token a row per step.
 
     from stemlm.inference.batching import BatchEngine
     from stemlm.inference.requests import Request, SamplingParams
@@ -9,32 +9,33 @@
     engine.run_until_idle()                       # b is prefilled, joins a's batch; each leaves when done
     a.output_ids, b.output_ids                    # exactly what stemlm.inference.generate gives each alone
 
-Layout. The batch shares one time axis of length L in a preallocated KV pool, per layer
-[slots, kv_heads, capacity, head_dim]; the active requests are the pool's first rows (a request that leaves
-is replaced by the last active row, so the forward reads a prefix view and nothing is gathered). Each row
-holds its request's positions right-aligned to L: row b's n_b cached positions are L - n_b .. L - 1. Every
-step passes the model `attention_mask` (a row's valid positions; omitted when no row is padded, as for one
-request alone) and `position_ids` (n_b), which is how left padding works in the model already, so no model
-code knows about batching.
+A step. (1) Admission: waiting requests are taken into free slots in fair order (below) and their prompts are
+prefilled in chunks of `prefill_chunk` tokens, while the step's token budget lasts: `step_tokens` minus one
+token per active row (the decode), and the step's first chunk always runs, so a prompt always progresses. A
+prompt longer than a step's budget is prefilled over several steps (chunked prefill) while the batch decodes on:
+one long prompt list cannot hold the batch, and one long prompt cannot hold the queue for more than its chunks.
+A prefill that completes samples the request's first token and the request joins the KV pool. (2) One decode
+forward over every active row (`stemlm.inference.kv_pool.KVPool` holds them on one time axis), greedy rows
+sampled by one argmax over the batch, the others each by its own seeded generator.
 
-The batch engine schedules; the decoding engine (`stemlm.inference.engine.Engine`) decodes: a request is
-prefilled by `Engine.prefill`, every step's forward is `Engine.step` over the active rows (their ids from
-`Engine.feed`), and each request samples, counts its budget and checks its stops itself (`Request.sample`), as
-in single-stream generation.
+Fair admission. Every sequence counts alone against the slots and the waiting queue's bound, so a request of
+64 prompts (or n choices) takes 64 places, as 64 requests would. A request's sequences share a `group` (the API
+request they came from; a plain request is its own group). A sequence's rank is the number of its group's
+sequences in the engine when it arrived, and a free slot goes to the waiting sequence of the lowest rank, the
+earliest among equals: groups take turns a sequence each, and a 6-token request that arrives behind a 64-prompt
+one is admitted at the next free slot, not after the other request's remaining prompts.
 
-Joining. A new request is prefilled alone (the same call as single-stream generation, so its prompt keys,
-values and first token are the single-stream ones), then its cache is written
-into a free row right-aligned to L; a prompt longer than L first grows the axis on the left (every row moves
-right), and an axis longer than its longest row is trimmed back. The n-gram and Engram kinds keep decoding
-state per position beside the cache (`KVCache.state`, `stemlm.model.decoding_state`): a joining row's padding
-gets each entry's declared padding (ids -1, conv inputs 0), what a sequence start gives, so their keys and conv
-see exactly the single-stream context.
+The batch engine schedules; the decoding engine (`stemlm.inference.engine.Engine`) decodes: a prompt is prefilled
+by `Engine.begin_prefill` (chunk by chunk; the chunks' boundaries are fixed, so a prompt's keys and values are
+those of a prefill alone in the same chunks), every step's forward is `Engine.step` over the active rows (their
+ids from `Engine.feed`), and each request counts its budget and checks its stops itself (`Request.sample`).
 
 Rows from outside. With offloaded tables (the model's row source, `stemlm.offload.lookup_rows.LookupRows`)
 one row cache serves the whole batch: each step announces the rows of every active request's next token at
 once (the cache de-duplicates them into one gather) and n-gram rows from each row's own previous ids, before
-the forward, as single-stream decode prefetches. A request's `edit_rows` (a positional edit) apply to its
-prefill only; the edited keys and values then sit in its row and no other request sees them.
+the forward; a prefill chunk announces its own rows just before it runs, so announcements stay in forward order.
+A request's `edit_rows` (a positional edit) apply to its prefill only; the edited keys and values then sit in
+its row and no other request sees them.
 
 Greedy outputs equal single-stream ones (tests/inference/test_batching.py checks every kind): the masked
 positions get exactly zero attention weight; a batched matmul may still round differently from a [1, d] one
@@ -45,17 +46,17 @@ from __future__ import annotations
 
 import threading
 import time
-from collections import deque
 
 import torch
 
 from stemlm.errors import StemlmError
-from stemlm.inference.engine import Engine
+from stemlm.inference.engine import Engine, Prefill
 from stemlm.inference.inference_model import InferenceModel
+from stemlm.inference.kv_pool import KVPool
 from stemlm.inference.requests import Request
-from stemlm.model.attention import KVCache
 from stemlm.model.decoder import StemLM
-from stemlm.model.decoding_state import DecodingState
+
+STEP_TOKENS = 64  # default token budget of one step (decode rows + prefill tokens): docs/serving.md, fairness
 
 
 class BatchEngine:
@@ -69,27 +70,34 @@ class BatchEngine:
         capacity: int | None = None,
         tokenizer=None,
         max_waiting: int | None = None,
+        step_tokens: int = STEP_TOKENS,
+        prefill_chunk: int | None = None,
     ) -> None:
-        """`engine`: the decoding engine, or a model to make one of (with `tokenizer`)."""
+        """`engine`: the decoding engine, or a model to make one of (with `tokenizer`); `step_tokens`: a step's
+        token budget; `prefill_chunk`: tokens per prefill forward (default: the engine's, at most `step_tokens`)."""
         if slots < 1:
             raise StemlmError(f"slots must be >= 1, got {slots}")
+        if step_tokens < 1:
+            raise StemlmError(f"the step token budget must be >= 1, got {step_tokens}")
         self.engine = engine if isinstance(engine, Engine) else Engine(engine, tokenizer=tokenizer)
         limit = self.engine.context
         self.capacity = limit if capacity is None else capacity
         if not 2 <= self.capacity <= limit:
             raise StemlmError(f"capacity must be in 2..{limit} (max_position_embeddings), got {self.capacity}")
-        self.slots, self.max_waiting = slots, max_waiting
-        self.keys: list[torch.Tensor] = []  # the pool, allocated at the first join (its dtype is the cache's)
-        self.values: list[torch.Tensor] = []
-        self.state = DecodingState()  # the lookup kinds' state of the active rows, [n, L, ...]
+        self.slots, self.max_waiting, self.step_tokens = slots, max_waiting, step_tokens
+        self.prefill_chunk = min(prefill_chunk or self.engine.prefill_chunk or step_tokens, step_tokens)
+        self.pool = KVPool(slots, self.capacity)
         self.active: list[Request] = []  # row b of the pool is active[b]
-        self.counts: list[int] = []  # cached positions per active row
-        self.length = 0  # L, the shared time axis
-        self.waiting: deque[Request] = deque()
+        self.prefilling: list[Prefill] = []  # admitted, prompt not yet fully run (in admission order)
+        self.waiting: list[Request] = []
         self.lock = threading.Lock()  # guards `waiting` and cancellation against the loop thread
         self.steps = 0  # batched decode forwards
         self.tokens = 0  # tokens sampled (first tokens of prefills included)
         self.busy_seconds = 0.0  # time spent in `step`
+
+    @property
+    def length(self) -> int:
+        return self.pool.length
 
     # ----- the queue -----
     def submit(self, request: Request) -> Request:
@@ -97,6 +105,10 @@ class BatchEngine:
         with self.lock:
             if self.max_waiting is not None and len(self.waiting) >= self.max_waiting:
                 raise QueueFull(f"the queue is full ({self.max_waiting} requests waiting); retry later")
+            request.submitted_at = time.perf_counter()
+            group = request.group_key
+            in_flight = self.active + [run.request for run in self.prefilling] + self.waiting
+            request.rank = sum(1 for r in in_flight if r.group_key == group)  # its place among its group's
             self.waiting.append(request)
         return request
 
@@ -106,13 +118,22 @@ class BatchEngine:
 
     @property
     def busy(self) -> bool:
-        return bool(self.active or self.waiting)
+        return bool(self.active or self.prefilling or self.waiting)
+
+    def _next_waiting(self) -> Request | None:
+        """Take the waiting request of the lowest rank in its group (the earliest among equals): groups take
+        turns, one sequence each."""
+        with self.lock:
+            if not self.waiting:
+                return None
+            best = min(range(len(self.waiting)), key=lambda i: (self.waiting[i].rank, i))
+            return self.waiting.pop(best)
 
     # ----- one step -----
     @torch.no_grad()
     def step(self) -> bool:
-        """Admit the waiting requests that fit, then decode one token for every active request.
-        Returns False when there was nothing to do."""
+        """Admit and prefill waiting requests within the step's token budget, then decode one token for every
+        active request. Returns False when there was nothing to do."""
         start = time.perf_counter()
         try:
             return self._step()
@@ -121,23 +142,17 @@ class BatchEngine:
 
     def _step(self) -> bool:
         self._drop_cancelled()
-        while len(self.active) < self.slots:
-            with self.lock:
-                if not self.waiting:
-                    break
-                request = self.waiting.popleft()
-            if request.cancelled:
-                request.finish("cancelled")
-            else:
-                self._admit(request)
+        prefilled = self._prefill(self.step_tokens - len(self.active))
         if not self.active:
-            return False
+            return prefilled
         try:
             logits = self._decode()
         except Exception as exc:  # a failed forward fails the batch it ran, never the loop
             self.fail_all(f"{type(exc).__name__}: {exc}")
             return True
-        finished = [b for b, request in enumerate(self.active) if request.sample(logits[b])]
+        greedy = [r.params.greedy or r.params.temperature == 0 for r in self.active]
+        tokens = logits.argmax(-1).tolist() if any(greedy) else [None] * len(greedy)  # one argmax for the batch
+        finished = [b for b, r in enumerate(self.active) if r.sample(logits[b], tokens[b] if greedy[b] else None)]
         self.tokens += len(self.active)
         for b in reversed(finished):
             self._leave(b)
@@ -152,6 +167,9 @@ class BatchEngine:
             if self.active[b].cancelled:
                 self.active[b].finish("cancelled")
                 self._leave(b)
+        for run in [run for run in self.prefilling if run.request.cancelled]:
+            self.prefilling.remove(run)
+            run.request.finish("cancelled")
         with self.lock:
             for request in [r for r in self.waiting if r.cancelled]:
                 self.waiting.remove(request)
@@ -164,95 +182,87 @@ class BatchEngine:
             self.active[b].finish("error", message)
             self._leave(b)
 
-    # ----- joining and leaving -----
-    def _admit(self, request: Request) -> None:
+    # ----- admission and prefill -----
+    def _prefill(self, budget: int) -> bool:
+        """Run prefill chunks, those of admitted prompts first, then of newly admitted ones, while `budget` tokens
+        last (the first chunk always runs). True when any ran or any request was settled."""
+        used, acted, ran = 0, False, False
+        while True:
+            run = self.prefilling[0] if self.prefilling else self._admit()
+            if run is None:
+                return acted
+            if run is False:  # a request settled at admission (an error, nothing to generate): look further
+                acted = True
+                continue
+            if ran and used + run.next_tokens > budget:
+                return acted
+            used, acted, ran = used + run.next_tokens, True, True
+            try:
+                run.advance()
+            except Exception as exc:
+                self.prefilling.remove(run)
+                self.engine.row_source.drain()
+                _fail(run.request, exc)
+                continue
+            if run.done:
+                self.prefilling.remove(run)
+                self._complete(run)
+
+    def _admit(self) -> Prefill | None | bool:
+        """Admit the next waiting request when a slot is free: its `Prefill`; None when none is admitted; False
+        when the request admitted ended at once (cancelled, a bad prompt, nothing to generate)."""
+        if len(self.active) + len(self.prefilling) >= self.slots:
+            return None
+        request = self._next_waiting()
+        if request is None:
+            return None
+        request.admitted_at = time.perf_counter()
+        if request.cancelled:
+            request.finish("cancelled")
+            return False
         try:
             self.engine.start(request, self.capacity)
             if request.budget == 0 and request.params.prompt_logprobs is None:
                 request.finish("length")
-                return
-            logits, cache = self.engine.prefill(request)
-            if request.budget == 0:  # the prompt scored (`prompt_logprobs`), nothing to generate
-                request.finish("length")
-                return
+                return False
+            run = self.engine.begin_prefill(request, chunk=self.prefill_chunk)
         except Exception as exc:
-            self.engine.row_source.drain()
-            request.finish("error", str(exc) if isinstance(exc, StemlmError) else f"{type(exc).__name__}: {exc}")
+            _fail(request, exc)
+            return False
+        self.prefilling.append(run)
+        return run
+
+    def _complete(self, run: Prefill) -> None:
+        """A prompt fully prefilled: score-only requests end; the others sample their first token and join."""
+        request = run.request
+        if request.budget == 0:  # the prompt scored (`prompt_logprobs`), nothing to generate
+            request.finish("length")
             return
         self.tokens += 1
-        if request.sample(logits):
+        if request.sample(run.logits):
             return  # finished on its first token: it never joins the batch
-        self._join(request, cache)
-
-    def _join(self, request: Request, cache: KVCache) -> None:
-        P = len(request.prompt_ids)
-        if not self.keys:
-            shape = lambda t: (self.slots, t.shape[1], self.capacity, t.shape[3])
-            self.keys = [torch.zeros(shape(k), dtype=k.dtype, device=k.device) for k in cache.keys]
-            self.values = [torch.zeros(shape(v), dtype=v.dtype, device=v.device) for v in cache.values]
-        self._realign(max([P, *self.counts]))
-        b, L = len(self.active), self.length
-        for pool, new in zip(self.keys + self.values, cache.keys + cache.values, strict=True):
-            pool[b, :, L - P : L] = new[0, :, :P]
-        row = cache.state.map(lambda value, pad: torch.cat([_pad(value, 1, L - P, pad), value[:, :P]], dim=1))
-        self.state = self.state.stack(row)
+        self.pool.join(run.cache, len(request.prompt_ids))
         self.active.append(request)
-        self.counts.append(P)
 
     def _leave(self, b: int) -> None:
+        self.pool.leave(b)
         last = len(self.active) - 1
-        if b != last:  # the last active row takes the freed one, so the active rows stay a prefix of the pool
-            for pool in self.keys + self.values:
-                pool[b, :, : self.length] = pool[last, :, : self.length]
-            self.active[b], self.counts[b] = self.active[last], self.counts[last]
+        self.active[b] = self.active[last]
         self.active.pop()
-        self.counts.pop()
-        kept = [last if row == b else row for row in range(last)]  # the last row moved into the freed one
-        self.state = self.state.map(lambda value, pad: value[kept])
-        if not self.active:
-            self.length = 0
-
-    def _realign(self, length: int) -> None:
-        """Move every active row so that it ends at `length` (>= its count): grow or trim the axis on the left."""
-        shift, n, L = length - self.length, len(self.active), self.length
-        if shift == 0:
-            return
-        for pool in self.keys + self.values:
-            if shift > 0:
-                pool[:n, :, shift : shift + L] = pool[:n, :, :L].clone()
-            else:
-                pool[:n, :, :length] = pool[:n, :, -shift:L].clone()
-        if shift > 0:
-            self.state = self.state.map(lambda value, pad: torch.cat([_pad(value, n, shift, pad), value], dim=1))
-        else:
-            self.state = self.state.map(lambda value, pad: value[:, -shift:])
-        self.length = length
 
     # ----- the batched forward -----
     def _decode(self) -> torch.Tensor:
         """One forward of every active request's last token; returns the [n, V] next-token logits."""
-        n = len(self.active)
-        if self.length + 1 > self.capacity:
-            self._realign(max(self.counts))  # room for one more position: the trimmed axis always has it
-        L, device = self.length, self.engine.device
-        counts = torch.tensor(self.counts, device=device)
-        mask = None  # no row padded (one request, or equal lengths): the single-stream attention, no mask
-        if any(c != L for c in self.counts):
-            mask = torch.arange(L + 1, device=device)[None, :] >= (L - counts)[:, None]
+        cache, mask, positions = self.pool.step_inputs()
         ids = self.engine.feed([r.output_ids[-1] for r in self.active], [r.history() for r in self.active])
-        cache = KVCache(len(self.keys), capacity=self.capacity, state=self.state)  # the model extends the state
-        cache.keys, cache.values = [k[:n] for k in self.keys], [v[:n] for v in self.values]
-        cache.lengths = [L] * len(self.keys)
-        logits = self.engine.step(ids, cache, attention_mask=mask, position_ids=counts[:, None])
-        self.length += 1
-        self.counts = [c + 1 for c in self.counts]
+        logits = self.engine.step(ids, cache, attention_mask=mask, position_ids=positions)
+        self.pool.advance(cache)
         self.steps += 1
         return logits
 
 
-def _pad(value: torch.Tensor, rows: int, length: int, pad: int) -> torch.Tensor:
-    """`length` left-padding positions for `rows` rows of a decoding-state entry like `value`."""
-    return value.new_full((rows, length, *value.shape[2:]), pad)
+def _fail(request: Request, exc: Exception) -> None:
+    request.finish("error", str(exc) if isinstance(exc, StemlmError) else f"{type(exc).__name__}: {exc}")
 
 
 class QueueFull(StemlmError):

@@ -15,7 +15,8 @@ and the prompt checks live in one place (`Request`, `SamplingParams`) and the fo
   announced before chunk i runs) into a fresh KV cache sized for the request, and returns the last position's
   logits; the prompt's ids are range-checked there, once. The request's `edit_rows` apply to it alone. A request
   with `prompt_logprobs` has its prompt scored from the same forwards' logits (`Request.score_prompt`): scoring a
-  text is its prefill, with `max_tokens=0`.
+  text is its prefill, with `max_tokens=0`. `begin_prefill(request)` is the same prefill as a `Prefill` object
+  that runs one chunk per `advance()`, so the batch engine can spread a long prompt over several steps.
 - `feed(tokens, before)` turns each row's last sampled token into the next forward's [B, 1] ids and announces
   their rows to the row source at once, so that the rows travel while the caller handles the token.
 - `step(ids, cache)` runs that forward (a sampled id is in range by construction: no id check) and returns each
@@ -75,26 +76,18 @@ class Engine:
         else:
             request.start(self.device, self.tokenizer, context)
 
+    def begin_prefill(self, request: Request, capacity: int | None = None, chunk: int | None = None) -> Prefill:
+        """A `Prefill` of the request's prompt into a fresh KV cache of `capacity` positions, run chunk by chunk
+        (`chunk` tokens a forward; default `prefill_chunk`, else the whole prompt)."""
+        return Prefill(self, request, capacity, chunk or self.prefill_chunk)
+
     @torch.no_grad()
     def prefill(self, request: Request, capacity: int | None = None) -> tuple[torch.Tensor, KVCache]:
         """The [V] logits after the prompt and its KV cache (`capacity` positions preallocated)."""
-        prompt_cpu = torch.tensor([request.prompt_ids])
-        prompt = prompt_cpu.to(self.device)
-        size = self.prefill_chunk or prompt.shape[1]
-        host_chunks, chunks = prompt_cpu.split(size, dim=1), prompt.split(size, dim=1)
-        # An edit provides its own rows for the families it changes; the rest are fetched on first use.
-        announce = request.edit_rows is None
-        if announce:
-            self.row_source.announce(chunks[0], host_chunks[0], [()])
-        cache = KVCache(self.model.config.num_hidden_layers, capacity=capacity or prompt.shape[1])
-        rows = _over(self.rows, request.edit_rows)
-        for i, ids in enumerate(chunks):
-            if announce and i + 1 < len(chunks):
-                self.row_source.announce(chunks[i + 1], host_chunks[i + 1], [request.prompt_ids[: (i + 1) * size]])
-            out = self.model(ids, past_key_values=cache, use_cache=True, rows=rows, options=CHECKED)
-            if request.params.prompt_logprobs is not None:
-                request.score_prompt(out.logits[0], i * size)
-        return out.logits[0, -1], cache
+        run = self.begin_prefill(request, capacity)
+        while not run.done:
+            run.advance(lookahead=True)
+        return run.logits, run.cache
 
     def feed(self, tokens: Sequence[int], before: Sequence[Sequence[int]]) -> torch.Tensor:
         """The [B, 1] ids of the next step (one token a row), their rows announced; `before[b]`: row b's ids
@@ -171,6 +164,56 @@ class Engine:
             out.append(self.step(self.feed([token], [history]), cache)[0])
             history.append(int(token))
         return torch.stack(out).float().cpu()
+
+
+class Prefill:
+    """One prompt's prefill in progress: `advance()` runs its next chunk of `size` tokens (fixed boundaries, so the
+    keys and values do not depend on when each chunk runs); `logits` is the last position's once `done`.
+
+    A chunk's rows are announced to the row source just before it runs; `advance(lookahead=True)` also announces the
+    next chunk's, so they travel while this one runs (single-stream prefill). The batch engine interleaves several
+    prefills with decode steps and announces only the chunk it runs, keeping announcements in forward order. An
+    edited request provides its own rows and announces nothing (the rest are fetched on first use)."""
+
+    def __init__(self, engine: Engine, request: Request, capacity: int | None, size: int | None) -> None:
+        self.engine, self.request = engine, request
+        self.host = torch.tensor([request.prompt_ids])
+        self.length = self.host.shape[1]
+        self.size = min(size or self.length, self.length)
+        self.cache = KVCache(engine.model.config.num_hidden_layers, capacity=capacity or self.length)
+        self.rows = _over(engine.rows, request.edit_rows)
+        self.position, self.announced = 0, -1  # prompt tokens run; the last chunk announced
+        self.logits: torch.Tensor | None = None
+
+    @property
+    def done(self) -> bool:
+        return self.position >= self.length
+
+    @property
+    def next_tokens(self) -> int:
+        return min(self.size, self.length - self.position)
+
+    def _announce(self, index: int) -> None:
+        start = index * self.size
+        if self.request.edit_rows is not None or index <= self.announced or start >= self.length:
+            return
+        host = self.host[:, start : start + self.size]
+        self.engine.row_source.announce(host.to(self.engine.device), host, [self.request.prompt_ids[:start]])
+        self.announced = index
+
+    @torch.no_grad()
+    def advance(self, lookahead: bool = False) -> None:
+        index, start = self.position // self.size, self.position
+        self._announce(index)
+        if lookahead:
+            self._announce(index + 1)
+        ids = self.host[:, start : start + self.size].to(self.engine.device)
+        out = self.engine.model(ids, past_key_values=self.cache, use_cache=True, rows=self.rows, options=CHECKED)
+        if self.request.params.prompt_logprobs is not None:
+            self.request.score_prompt(out.logits[0], start)
+        self.position += ids.shape[1]
+        if self.done:
+            self.logits = out.logits[0, -1]
 
 
 def _over(base: Rows | None, top: Rows | None) -> Rows | None:

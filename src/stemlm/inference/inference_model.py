@@ -67,6 +67,7 @@ class InferenceModel(nn.Module):
         """`StemLM.forward`'s arguments; a decoding step runs compiled when the wrapper compiles."""
         if self.compiled_step is not None and input_ids.shape[1] == 1 and kwargs.get("past_key_values") is not None:
             drop_stale_copies(self.fused_groups)
+            _mark_dynamic(input_ids, kwargs)
             return self.compiled_step(input_ids, **kwargs)
         return self._forward(input_ids, **kwargs)
 
@@ -77,6 +78,25 @@ class InferenceModel(nn.Module):
             kwargs["rows"] = {**providers, **given}
         with self.autocast():
             return self.module(input_ids, **kwargs)
+
+
+def _mark_dynamic(input_ids: torch.Tensor, kwargs: dict) -> None:
+    """Batch rows and cache positions vary from step to step (the batch engine's pool grows, rows join and leave):
+    marked dynamic, so the compiled step is one graph for them instead of a recompile per new size (a batch of one
+    row and the step with or without a padding mask are still graphs of their own)."""
+    cache = kwargs["past_key_values"]
+    batched = [input_ids, kwargs.get("position_ids")] + list(cache.keys) + list(cache.values)
+    for tensor in batched:
+        if tensor is not None and tensor.shape[0] > 1:
+            torch._dynamo.maybe_mark_dynamic(tensor, 0)
+    for tensor in list(cache.keys) + list(cache.values):
+        if tensor is not None:
+            torch._dynamo.maybe_mark_dynamic(tensor, 2)
+    mask = kwargs.get("attention_mask")
+    if mask is not None:
+        torch._dynamo.maybe_mark_dynamic(mask, 1)
+        if mask.shape[0] > 1:
+            torch._dynamo.maybe_mark_dynamic(mask, 0)
 
 
 def as_inference_model(model: StemLM | InferenceModel) -> InferenceModel:

@@ -26,6 +26,7 @@ import itertools
 import math
 import numbers
 import threading
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -37,6 +38,11 @@ from stemlm.model.ffn import Rows
 
 FINISH_REASONS = ("length", "stop", "cancelled", "error")
 _ids = itertools.count()
+
+
+def new_group() -> int:
+    """A fresh `Request.group` for the sequences of one client request (never the id of another request)."""
+    return next(_ids)
 
 
 def prompt_list(input_ids) -> list[int]:
@@ -81,30 +87,34 @@ class TokenEvent:
 class IncrementalDecoder:
     """Turns a growing list of ids into printable text pieces that concatenate to the full decode.
 
-    The whole list is decoded each time and only the new suffix is returned; a suffix ending in U+FFFD (a
-    multi-byte character whose remaining bytes are still to come) is held back until it is complete.
+    Each push decodes a short window, not the whole list: the ids from `prefix` (where the last emitted piece's
+    context starts) to the end, against the same window without the new ids; the difference is the new text. A
+    window starting one piece back gives a tokenizer whose decoding depends on the previous token (a word-start
+    marker, a byte sequence) the context it needs, and keeps a token's cost independent of the length so far. A
+    difference ending in U+FFFD (a multi-byte character whose remaining bytes are still to come) is held back
+    until it is complete.
     """
 
     def __init__(self, tokenizer) -> None:
         self.tokenizer = tokenizer
         self.ids: list[int] = []
-        self.printed = ""
+        self.prefix = self.read = 0  # window start; ids before `read` are emitted
 
     def push(self, token_id: int) -> str:
         self.ids.append(token_id)
-        text = self.tokenizer.decode(self.ids)
-        if text.endswith("\ufffd") or not text.startswith(self.printed):
-            return ""
-        return self._advance(text)
+        return self._advance(final=False)
 
     def flush(self) -> str:
         """Everything not yet returned (held-back bytes print as U+FFFD if they never completed)."""
-        text = self.tokenizer.decode(self.ids)
-        return self._advance(text) if text.startswith(self.printed) else ""
+        return self._advance(final=True)
 
-    def _advance(self, text: str) -> str:
-        piece, self.printed = text[len(self.printed) :], text
-        return piece
+    def _advance(self, final: bool) -> str:
+        before = self.tokenizer.decode(self.ids[self.prefix : self.read])
+        text = self.tokenizer.decode(self.ids[self.prefix :])
+        if len(text) <= len(before) or not text.startswith(before) or (text.endswith("\ufffd") and not final):
+            return ""
+        self.prefix, self.read = self.read, len(self.ids)
+        return text[len(before) :]
 
 
 class StopText:
@@ -141,6 +151,7 @@ class Request:
     params: SamplingParams = field(default_factory=SamplingParams)
     on_event: Callable[[Request, TokenEvent | None], None] | None = None  # None event: the request finished
     edit_rows: Rows | None = None  # rows for its prefill only (a positional edit)
+    group: int | None = None  # requests of one group are admitted fairly against other groups (None: its own)
     id: int = field(default_factory=lambda: next(_ids))
     output_ids: list[int] = field(default_factory=list)
     text: str = ""
@@ -154,6 +165,9 @@ class Request:
         self.cancelled = False
         self.prompt_logprobs: list[TokenEvent] | None = None  # `score_prompt`'s, when the params ask for them
         self.budget = self.params.max_tokens
+        # perf_counter times for queue wait and time to first token (set by the batch engine and `sample`)
+        self.submitted_at = self.admitted_at = self.first_token_at = None
+        self.rank = 0  # its group's sequences in the engine when it was submitted (admission order)
         self.generator: torch.Generator | None = None
         self._decoder: IncrementalDecoder | None = None
         self._stop: StopText | None = None
@@ -175,14 +189,21 @@ class Request:
         elif self.params.stop:
             raise StemlmError("stop strings need a tokenizer; this engine has none")
 
+    @property
+    def group_key(self) -> int:
+        return self.id if self.group is None else self.group
+
     def history(self) -> list[int]:
         """The ids before the last sampled one: what the forward that feeds it back continues."""
         return self.prompt_ids + self.output_ids[:-1]
 
-    def sample(self, logits: torch.Tensor) -> bool:
-        """Sample the next token from a [V] row of logits and emit it; True when the request is finished."""
+    def sample(self, logits: torch.Tensor, token: int | None = None) -> bool:
+        """Sample the next token from a [V] row of logits (or take `token`, a greedy row's argmax taken over the
+        whole batch at once) and emit it; True when the request is finished."""
         p = self.params
-        token = p.sample(logits, self.generator)
+        token = p.sample(logits, self.generator) if token is None else token
+        if not self.output_ids:
+            self.first_token_at = time.perf_counter()
         event = TokenEvent(token, "")
         if p.logprobs is not None:
             logp = logits.float().log_softmax(-1)

@@ -2,7 +2,8 @@
 
 Counted by the app as requests finish: `stemlm_requests_total{endpoint, finish_reason}` (finish reasons as
 in `stemlm.inference.requests`, plus `rejected` for 400 / 429), prompt and generated tokens, and latency
-histograms (request duration, time to first token, time between tokens). Read from the engine and the row
+histograms (request duration, time to first token, time between tokens, and each sequence's wait in the queue
+for a slot). Read from the engine and the row
 cache at each scrape (`EngineCollector`): queue length, active and total slots, decode steps, tokens per
 second of decode time, and with host / mmap tables every row cache's lookups, hits, misses and hit rate.
 """
@@ -61,6 +62,12 @@ class Metrics:
         )
         self.first_token = Histogram(
             "stemlm_time_to_first_token_seconds", "Time to first token", buckets=LATENCY_BUCKETS, registry=self.registry
+        )
+        self.queue_wait = Histogram(
+            "stemlm_queue_wait_seconds",
+            "Time a sequence waited for a slot (submitted to admitted), each prompt and choice once",
+            buckets=LATENCY_BUCKETS,
+            registry=self.registry,
         )
         self.inter_token = Histogram(
             "stemlm_inter_token_latency_seconds", "Time between tokens", buckets=LATENCY_BUCKETS, registry=self.registry

@@ -194,6 +194,8 @@ class _Run:
                 self.service.loop.cancel(request)
             self.metrics.requests.labels(self.endpoint, request.finish_reason or "cancelled").inc()
             self.metrics.generated_tokens.inc(len(request.output_ids))
+            if request.admitted_at is not None:
+                self.metrics.queue_wait.observe(request.admitted_at - request.submitted_at)
         self.metrics.latency.observe(time.perf_counter() - self.start)
 
     def usage(self) -> dict:

@@ -21,15 +21,17 @@ thread, so requests from the page and from API clients decode in the same batch 
 
 from __future__ import annotations
 
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 
 from stemlm.errors import StemlmError
-from stemlm.inference.batching import BatchEngine, EngineLoop
+from stemlm.inference.batching import STEP_TOKENS, BatchEngine, EngineLoop
 from stemlm.inference.inference_model import InferenceModel
-from stemlm.inference.requests import Request
+from stemlm.inference.requests import Request, new_group
+from stemlm.inference.sampling import SamplingParams
 from stemlm.model.decoder import StemLM
 from stemlm.model.ffn import Rows
 from stemlm.serve.editing import EditSpec, build_edit
@@ -54,7 +56,8 @@ class ServedModel:
         checkpoint: str | Path,
         *,
         name: str | None = None,
-        slots: int = 16,
+        slots: int = 128,
+        step_tokens: int = STEP_TOKENS,
         max_queue: int = 64,
         request_timeout: float = 600.0,
     ) -> None:
@@ -81,7 +84,7 @@ class ServedModel:
             except StemlmError as exc:
                 self._view, self._view_error, self.view_model = None, str(exc), None
         engine = loaded.engine(tokenizer=self.tokenizer)
-        self.engine = BatchEngine(engine, slots=slots, max_waiting=max_queue)
+        self.engine = BatchEngine(engine, slots=slots, max_waiting=max_queue, step_tokens=step_tokens)
         self.loop = EngineLoop(self.engine)
 
     @classmethod
@@ -99,6 +102,28 @@ class ServedModel:
         except StemlmError:
             loaded.close()
             raise
+
+    def warm_up(self) -> None:
+        """With compiled decoding steps, run each of their graphs once before serving, so no client waits for a
+        compile: one row alone, several of one length (no padding mask), several of different lengths (a mask),
+        and one row left alone on a longer axis (a mask, one row). Batch size and length are dynamic in each graph
+        (`InferenceModel`)."""
+        if self.model.compiled_step is None:
+            return
+        print("stemlm serve: compiling the decoding step (once; --no-compile skips it)", file=sys.stderr, flush=True)
+        cases = (
+            [([1, 2], 4)],
+            [([1, 2], 4), ([3, 4], 4)],
+            [([1], 4), ([1, 2, 3], 4), ([4, 5, 6, 7, 8], 4)],
+            [([1, 2, 3, 4, 5], 2), ([1], 6)],  # the longer leaves first: the other decodes alone, padded
+        )
+        for case in cases:
+            params = [SamplingParams(max_tokens=new, temperature=0) for _, new in case]
+            requests = [self.loop.submit(Request(ids, p)) for (ids, _), p in zip(case, params, strict=True)]
+            for request in requests:
+                request.done.wait()
+                if request.finish_reason == "error":
+                    raise StemlmError(f"the compiled decoding step failed ({request.error}); serve with --no-compile")
 
     def view(self) -> StemLM:
         """The model with readable tables, for editing and analysis (the served model unless tables are offloaded)."""
@@ -139,7 +164,7 @@ class ServedModel:
         Choice j samples with seed + j, so a seeded request's n choices differ (greedy ones are equal), and only
         each prompt's first choice scores the prompt (`prompt_logprobs`): the others would repeat it.
         Raises `StemlmError` for a bad prompt."""
-        out = []
+        out, group = [], new_group()  # one fairness group: the choices count together against other requests
         for i, prompt in enumerate(parsed.prompts):
             try:
                 ids = self.prompt_ids(parsed, prompt)
@@ -151,7 +176,7 @@ class ServedModel:
                     params = replace(params, seed=(params.seed + j) % 2**63, prompt_logprobs=None)
                 rows = None if parsed.edit is None else self.edit_rows(ids, parsed.edit)
                 callback = None if on_event is None else on_event(len(out))
-                out.append(Request(ids, params, on_event=callback, edit_rows=rows))
+                out.append(Request(ids, params, on_event=callback, edit_rows=rows, group=group))
         return out
 
     def submit(self, parsed: ParsedRequest, on_event: Callable[[int], Callable] | None = None) -> list[Request]:
