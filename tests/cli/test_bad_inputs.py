@@ -1,12 +1,13 @@
 """The bad-input suite: every subcommand given bad input exits 2 with exactly one stderr line naming the problem, and
 changes nothing on disk (the whole workspace, folders included, is hashed before and after each case).
 
-The cases (`tests/cli/bad_input_cases.py`) run in-process through `stemlm.cli.main.main(argv)` on a tiny
-workspace built once: a STEM and a dense checkpoint with the default tokenizer, a run folder, a checkpoint whose
-tokenizer does not fit its rows, a damaged one, files and folders to be refused as outputs. Placeholders in an argv: {ck} {dense} {run} {ws} {nope} {file}
-{full} {bin} {text} {tokdir} {smalltok} {corrupt} {legacy} {outdir} {factrun} (a run that mixed in one country's
-facts). API cases at the end assert StemlmError. The newest surfaces (`eval edits`, the fact-world settings,
-`experiment compare --variants`) are tried argument by argument and in the combinations that must agree.
+The cases (`tests/cli/bad_input_cases.py`) run in-process through `stemlm.cli.main.main(argv)` on a tiny workspace
+built once: a STEM and a dense checkpoint with the default tokenizer, a run folder, a checkpoint whose tokenizer
+does not fit its rows, a damaged one, files and folders to be refused as outputs. Placeholders in an argv: {ck}
+{dense} {run} {ws} {nope} {file} {full} {bin} {text} {tokdir} {smalltok} {corrupt} {legacy} {outdir} {factrun} (a
+run that mixed in one country's facts). API cases at the end assert StemlmError. The newest surfaces (`eval edits`,
+the fact-world settings, `experiment compare --variants`) are tried argument by argument and in the combinations
+that must agree.
 """
 
 from __future__ import annotations
