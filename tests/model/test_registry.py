@@ -71,6 +71,17 @@ def test_field_checks_follow_the_declared_type():
     assert errors == ["c must be a positive number, got 0.0", "d must be true or false, got 1"]
 
 
+def test_variant_settings_name_a_variant_and_config_fields_that_build():
+    declared = {k.name: k.variant_settings for k in all_kinds() if k.variant_settings}
+    assert declared == {"value_embed": {"reference": {"ffn_layers": "1,2,-3,-2,-1"}}}
+    names = {f.name for f in dataclasses.fields(ModelConfig)}
+    for kind, variants in declared.items():
+        for variant, settings in variants.items():
+            assert set(settings) <= names
+            config = ModelConfig(ffn=kind, num_hidden_layers=6, **{f"{kind}_variant": variant, **settings})
+            assert config.special_layers == [1, 2, 3, 4, 5]
+
+
 @pytest.mark.parametrize("kind", FFN_KINDS)
 def test_declared_tables_and_components_match_the_module(tiny_config, kind):
     config = tiny_config(kind, **SMALL)

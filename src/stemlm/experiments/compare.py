@@ -15,7 +15,8 @@
 3. Kinds: every kind of the registry (`stemlm.model.kinds`, i.e. `stemlm.model.config.FFN_KINDS`), plus the controls
    in `VARIANTS` (`dense_embed`: dense with its token embedding at the STEM tables' lr multiplier and weight decay),
    plus a kind's model variant as an arm of its own: `engram-reference` is `engram` with `engram_variant=reference`
-   (any kind with a `<kind>_variant` field; `--variants reference` adds one after each such kind listed). An arm's
+   (any kind with a `<kind>_variant` field; `--variants reference` adds one after each such kind listed), with the
+   settings the kind declares that variant needs (`Kind.variant_settings`: value_embed-reference's layers). An arm's
    name is its label in every table, plot and file name.
 4. Tuning: each kind gets the same lr sweep (`lr_sweep`, 3 values) at the FLOP-matched budget on `sweep_seed`
    (never a final seed), scored by the trainer's held-out loss (10% of the mixture's documents: the
@@ -50,13 +51,10 @@ from stemlm.experiments.contract import Experiment, ExperimentLog, positive_lrs,
 from stemlm.experiments.folders import claim_out, start_unit
 from stemlm.flags import setting
 from stemlm.model.config import FFN_KINDS, ModelConfig
+from stemlm.model.kinds.registry import get_kind
 
 # Controls trained like a kind: name -> (FFN kind, TrainConfig overrides). Add a control here.
 VARIANTS: dict[str, tuple[str, dict]] = {"dense_embed": ("dense", {"embed_like_tables": True})}
-
-# Model settings a variant arm needs beyond `<kind>_variant=<variant>`: modded-nanogpt's value embeddings are five
-# tables on exactly the layers 1,2,-3,-2,-1 (so that arm needs a backbone of at least 6 layers).
-VARIANT_SETTINGS: dict[str, dict[str, str]] = {"value_embed-reference": {"ffn_layers": "1,2,-3,-2,-1"}}
 
 
 @dataclass
@@ -185,7 +183,7 @@ def arm_config(base: ModelConfig, arm: str) -> ModelConfig:
     config = base.replace(ffn=VARIANTS.get(kind, (kind,))[0])
     if variant is None:
         return config
-    settings = {variant_field(kind): variant, **VARIANT_SETTINGS.get(arm, {})}
+    settings = {variant_field(kind): variant, **get_kind(kind).variant_settings.get(variant, {})}
     try:
         return config.replace(**settings)
     except (ValueError, StemlmError) as err:

@@ -218,6 +218,9 @@ class Kind:
     # stemlm's vLLM plugin (stemlm.vllm, docs/vllm.md): None where it serves the kind; otherwise why it does not
     # (what the kind needs of vLLM's step), said in one line when vLLM is asked to load such a model
     vllm_unserved: str | None = "the plugin has no vLLM module for it yet"
+    # variant -> the config settings that variant needs beyond `<kind>_variant=<variant>` as the FFN kind of a model
+    # (e.g. the layers a reference fixes); `stemlm experiment compare` sets them on the variant's arm
+    variant_settings: dict[str, dict[str, Any]] = field(default_factory=dict, compare=False)
 
     @property
     def layers_field(self) -> str:

@@ -41,6 +41,8 @@ from stemlm.model.kinds.registry import Beside, Config, Field, Fill, Kind, Layer
 NAME = "value_embed"
 VARIANTS = ("stemlm", "reference")
 REFERENCE_TABLES = 5  # modded-nanogpt's value_embeds: 5 tables
+# The layers of modded-nanogpt's pattern [None, ve0, ve1, None, ..., None, ve2, ve3, ve4] (a layer spec)
+REFERENCE_LAYERS = "1,2,-3,-2,-1"
 GATE_CHANNELS = 6  # the reference gate reads the first 6 channels of the attention input and of the row
 REFERENCE_LAMBDA_START = 0.5  # modded-nanogpt's sa_lambdas[0] at the start
 
@@ -154,7 +156,7 @@ def check(config: Config, need) -> None:
         need(
             layers == REFERENCE_TABLES,
             f"value_embed_variant=reference has {REFERENCE_TABLES} tables, one per layer: {field} selects {layers} "
-            "layers (modded-nanogpt's are 1,2,-3,-2,-1)",
+            f"layers (modded-nanogpt's are {REFERENCE_LAYERS})",
         )
         need(config.value_embed_tables is None, "value_embed_tables applies to value_embed_variant=stemlm only")
         width = config.kv_heads * config.head_size
@@ -202,4 +204,5 @@ KIND = Kind(
         "fits vLLM's step (token-indexed rows mixed into attention's values before the KV cache keeps "
         "them) but has no module there yet"
     ),
+    variant_settings={"reference": {"ffn_layers": REFERENCE_LAYERS}},  # five tables on exactly these layers
 )
