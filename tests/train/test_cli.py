@@ -1,4 +1,4 @@
-"""`stemlm train` / `python -m stemlm.train`: a tiny end-to-end run, resume, and one-line errors with exit code 2.
+"""`stemlm train` / `python -m stemlm train`: a tiny end-to-end run, resume, and one-line errors with exit code 2.
 
 Most calls go through `stemlm.cli.main.main([...])` in-process; one real subprocess checks the module entry
 point. Run: `OMP_NUM_THREADS=1 python -m pytest tests/train/test_cli.py -q`.
@@ -272,7 +272,7 @@ def test_stem_layers_is_the_old_name_of_ffn_layers():
 def test_module_entry_point_reports_one_line_error(tmp_path):
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(
-        [sys.executable, "-m", "stemlm.train", "--steps", "0", "--out", str(tmp_path / "r")],
+        [sys.executable, "-m", "stemlm", "train", "--steps", "0", "--out", str(tmp_path / "r")],
         capture_output=True,
         text=True,
         env=env,

@@ -6,7 +6,7 @@
     stemlm train --data notes/ --tokenizer gpt2 --batch-size 4 --grad-accum 4
     stemlm train --resume runs/dense --steps 400               # continue (bitwise on CPU)
     stemlm train --init-from runs/retrofit/checkpoint --steps 100
-    python -m stemlm.train ...                                # the same command
+    python -m stemlm train ...                                # the same command
 
 Progress goes to stderr; at the end the accounting summary, held-out loss and a sample continuation go to
 stdout (`--json`: one JSON object instead). Every flag of a setting is declared on its field, with its help, section

@@ -7,7 +7,7 @@ progress, loss plot), `trainer` (the loop). Names load lazily so `import stemlm.
     from stemlm.train import Trainer, TrainConfig
     Trainer(model_config, TrainConfig(steps=100, out="runs/x")).fit()
 
-The command line is `stemlm train` (or `python -m stemlm.train`), see `stemlm.cli.train`.
+The command line is `stemlm train` (or `python -m stemlm train`), see `stemlm.cli.train`.
 """
 
 from stemlm._lazy import lazy_exports
