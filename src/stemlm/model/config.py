@@ -222,70 +222,13 @@ class ModelConfig:
 
     # ----- validation -----
     def validate(self) -> None:
-        def need(cond: bool, msg: str) -> None:
-            if not cond:
-                raise StemlmError(f"invalid config: {msg}")
-
+        """Raise a one-line StemlmError for the first problem: another model type, then a field out of range
+        (`check_values`: sizes bounded before anything is built from them), then shapes that do not fit together
+        and the kinds' own checks (`check_structure`)."""
         if self.model_type != MODEL_TYPE:
             raise StemlmError(f"config is for model type {self.model_type!r}, not {MODEL_TYPE!r}")
-
-        def positive_int(value: Any) -> bool:
-            return isinstance(value, int) and not isinstance(value, bool) and value > 0
-
-        for name in _POSITIVE_INTS:
-            value = getattr(self, name)
-            need(positive_int(value), f"{name} must be a positive integer, got {value!r}")
-        for name in ("num_key_value_heads", "head_dim"):
-            value = getattr(self, name)
-            need(value is None or positive_int(value), f"{name} must be a positive integer or None, got {value!r}")
-        for name, limit in SIZE_LIMITS.items():
-            value = getattr(self, name)
-            need(value is None or value <= limit, f"{name}={value} exceeds the limit of {limit}")
-        for f in kind_fields():  # sizes bounded before the layer spec (or anything else) is built from them
-            f.check(getattr(self, f.name), need)
-        if self.rope_llama3 is not None:
-            from stemlm.model.rope_scaling import check_llama3
-
-            check_llama3(self.rope_llama3)
-        for name in ("rope_theta", "rms_norm_eps", "initializer_range", "table_init_std"):
-            value = getattr(self, name)
-            need(
-                isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value > 0,
-                f"{name} must be a positive number (finite), got {value!r}",
-            )
-        need(
-            isinstance(self.tie_word_embeddings, bool),
-            f"tie_word_embeddings must be true or false, got {self.tie_word_embeddings!r}",
-        )
-        need(
-            isinstance(self.hash_seed, int) and not isinstance(self.hash_seed, bool),
-            f"hash_seed must be an integer, got {self.hash_seed!r}",
-        )
-        need(self.ffn in FFN_KINDS, f"unknown ffn kind {self.ffn!r}; choose one of {', '.join(FFN_KINDS)}")
-        need(
-            self.head_dim is not None or self.hidden_size % self.num_attention_heads == 0,
-            f"num_attention_heads={self.num_attention_heads} does not divide hidden_size={self.hidden_size} "
-            "(set head_dim explicitly or change the head count)",
-        )
-        need(self.head_size % 2 == 0, f"head dimension {self.head_size} must be even for RoPE")
-        need(
-            self.num_attention_heads % self.kv_heads == 0,
-            f"num_key_value_heads={self.kv_heads} must divide num_attention_heads={self.num_attention_heads}",
-        )
-        need(
-            self.table_init in ("xavier", "normal"), f"table_init must be 'xavier' or 'normal', got {self.table_init!r}"
-        )
-        resolve_layer_spec(self.ffn_layers, self.num_hidden_layers)
-        for kind in beside_kinds():
-            side = self.beside_layers(kind.name)
-            need(
-                not side or self.ffn != kind.name or not self.special_layers,
-                f"{kind.layers_field} adds {kind.name} beside the FFN kind, which is {kind.name} already: "
-                f"select its layers with ffn_layers alone",
-            )
-        for kind in all_kinds():  # every kind's checks, whichever kind is selected (as config.json is read)
-            if kind.check is not None:
-                kind.check(self, need)
+        check_values(self)
+        check_structure(self)
 
     # ----- (de)serialisation -----
     def to_dict(self) -> dict[str, Any]:
@@ -327,3 +270,77 @@ class ModelConfig:
 
     def to_json(self) -> str:
         return json.dumps(self.to_hf_dict(), indent=2, sort_keys=True)
+
+
+def need(cond: bool, msg: str) -> None:
+    """A check of `ModelConfig.validate` (and of the kinds' `check`): raise "invalid config: <msg>" unless `cond`."""
+    if not cond:
+        raise StemlmError(f"invalid config: {msg}")
+
+
+def _positive_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value > 0
+
+
+def check_values(config: ModelConfig) -> None:
+    """Every field alone: sizes positive and within `SIZE_LIMITS`, the kinds' fields as they declare, numbers finite."""
+    for name in _POSITIVE_INTS:
+        value = getattr(config, name)
+        need(_positive_int(value), f"{name} must be a positive integer, got {value!r}")
+    for name in ("num_key_value_heads", "head_dim"):
+        value = getattr(config, name)
+        need(value is None or _positive_int(value), f"{name} must be a positive integer or None, got {value!r}")
+    for name, limit in SIZE_LIMITS.items():
+        value = getattr(config, name)
+        need(value is None or value <= limit, f"{name}={value} exceeds the limit of {limit}")
+    for f in kind_fields():  # sizes bounded before the layer spec (or anything else) is built from them
+        f.check(getattr(config, f.name), need)
+    if config.rope_llama3 is not None:
+        from stemlm.model.rope_scaling import check_llama3
+
+        check_llama3(config.rope_llama3)
+    for name in ("rope_theta", "rms_norm_eps", "initializer_range", "table_init_std"):
+        value = getattr(config, name)
+        need(
+            isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value > 0,
+            f"{name} must be a positive number (finite), got {value!r}",
+        )
+    need(
+        isinstance(config.tie_word_embeddings, bool),
+        f"tie_word_embeddings must be true or false, got {config.tie_word_embeddings!r}",
+    )
+    need(
+        isinstance(config.hash_seed, int) and not isinstance(config.hash_seed, bool),
+        f"hash_seed must be an integer, got {config.hash_seed!r}",
+    )
+
+
+def check_structure(config: ModelConfig) -> None:
+    """The fields together: a known kind, heads that divide the width, layer specs that resolve, and every kind's
+    own checks (whichever kind is selected, as config.json is read)."""
+    need(config.ffn in FFN_KINDS, f"unknown ffn kind {config.ffn!r}; choose one of {', '.join(FFN_KINDS)}")
+    need(
+        config.head_dim is not None or config.hidden_size % config.num_attention_heads == 0,
+        f"num_attention_heads={config.num_attention_heads} does not divide hidden_size={config.hidden_size} "
+        "(set head_dim explicitly or change the head count)",
+    )
+    need(config.head_size % 2 == 0, f"head dimension {config.head_size} must be even for RoPE")
+    need(
+        config.num_attention_heads % config.kv_heads == 0,
+        f"num_key_value_heads={config.kv_heads} must divide num_attention_heads={config.num_attention_heads}",
+    )
+    need(
+        config.table_init in ("xavier", "normal"),
+        f"table_init must be 'xavier' or 'normal', got {config.table_init!r}",
+    )
+    resolve_layer_spec(config.ffn_layers, config.num_hidden_layers)
+    for kind in beside_kinds():
+        side = config.beside_layers(kind.name)
+        need(
+            not side or config.ffn != kind.name or not config.special_layers,
+            f"{kind.layers_field} adds {kind.name} beside the FFN kind, which is {kind.name} already: "
+            f"select its layers with ffn_layers alone",
+        )
+    for kind in all_kinds():
+        if kind.check is not None:
+            kind.check(config, need)

@@ -318,112 +318,11 @@ class TrainConfig:
         return self.batch_size * self.seq_len * self.grad_accum
 
     def validate(self) -> None:
-        def need(cond: bool, msg: str) -> None:
-            if not cond:
-                raise StemlmError(f"invalid training config: {msg}")
-
-        for name in (
-            "steps",
-            "seq_len",
-            "batch_size",
-            "grad_accum",
-            "eval_batches",
-            "keep_last",
-            "spike_window",
-            "traffic_every",
-        ):
-            value = getattr(self, name)
-            need(_is_int(value) and value > 0, f"{name} must be a positive integer, got {value!r}")
-        for name, limit in SIZE_LIMITS.items():  # before anything is sized from them
-            need(getattr(self, name) <= limit, f"{name}={getattr(self, name)} exceeds the limit of {limit}")
-        need(
-            self.batch_size * self.seq_len <= MAX_BATCH_TOKENS,
-            f"batch_size x seq_len = {self.batch_size * self.seq_len} tokens per micro-batch exceeds the limit of "
-            f"{MAX_BATCH_TOKENS} (raise grad_accum instead)",
-        )
-        for name in ("seed", "eval_every", "save_every", "max_skipped", "loss_chunk", "prefetch"):
-            value = getattr(self, name)
-            need(_is_int(value) and value >= 0, f"{name} must be a non-negative integer, got {value!r}")
-        need(
-            self.fused_loss is not True or (_is_int(self.loss_chunk) and self.loss_chunk > 0),
-            f"fused_loss needs loss_chunk > 0 (tokens per chunk), got loss_chunk={self.loss_chunk!r}",
-        )
-        need(
-            self.warmup is None or (_is_int(self.warmup) and self.warmup >= 0),
-            f"warmup must be a non-negative integer, got {self.warmup!r}",
-        )
-        need(
-            self.warmup is None or not _is_int(self.steps) or self.warmup < self.steps,
-            f"warmup ({self.warmup}) must be smaller than steps ({self.steps})",
-        )
-        need(
-            self.threads is None or (_is_int(self.threads) and self.threads > 0),
-            f"threads must be a positive integer, got {self.threads!r}",
-        )
-        for name in ("lr", "table_lr_scale", "eps", "spike_factor", "dist_timeout"):
-            value = getattr(self, name)
-            need(_finite(value) and value > 0, f"{name} must be a positive number, got {value!r}")
-        need(  # seconds a rank waits for its peers: under 1 s a healthy collective times out, a week is plenty
-            not _finite(self.dist_timeout) or 1 <= self.dist_timeout <= 7 * 86400,
-            f"dist_timeout must lie in [1, 604800] seconds, got {self.dist_timeout!r}",
-        )
-        for name in ("weight_decay", "table_wd", "grad_clip", "aux_loss_coef", "save_minutes"):
-            value = getattr(self, name)
-            need(_finite(value) and value >= 0, f"{name} must be a non-negative number, got {value!r}")
-        need(
-            self.table_lr is None or (_finite(self.table_lr) and self.table_lr > 0),
-            f"table_lr must be a positive number, got {self.table_lr!r}",
-        )
-        need(
-            _finite(self.fact_fraction) and 0 <= self.fact_fraction < 1,
-            f"fact_fraction must lie in [0, 1), got {self.fact_fraction!r}",
-        )
-        need(not (problem := fact_mix_problem(self)), problem)
-        need(
-            _finite(self.min_lr_ratio) and 0 <= self.min_lr_ratio <= 1,
-            f"min_lr_ratio must lie in [0, 1], got {self.min_lr_ratio!r}",
-        )
-        for name in ("beta1", "beta2"):
-            value = getattr(self, name)
-            need(_finite(value) and 0 <= value < 1, f"{name} must lie in [0, 1), got {value!r}")
-        need(self.dtype in COMPUTE_DTYPES, f"dtype must be one of {', '.join(COMPUTE_DTYPES)}, got {self.dtype!r}")
-        need(self.device in DEVICES, f"device must be one of {', '.join(DEVICES)}, got {self.device!r}")
-        need(self.trainable in TRAINABLE, f"trainable must be one of {', '.join(TRAINABLE)}, got {self.trainable!r}")
-        need(
-            self.tables in TRAINING_PLACEMENTS,
-            f"tables must be one of {', '.join(TRAINING_PLACEMENTS)}, got {self.tables!r}",
-        )
-        need(
-            self.tables == "device" or self.table_optim in ROW_SPARSE_OPTIMIZERS,
-            f"tables={self.tables} needs a row-sparse table optimizer ({' or '.join(ROW_SPARSE_OPTIMIZERS)}), "
-            f"got {self.table_optim!r}",
-        )
-        need(
-            self.keep_optimizer_state in KEEP_OPTIMIZER_STATE,
-            f"keep_optimizer_state must be one of {', '.join(KEEP_OPTIMIZER_STATE)}, got {self.keep_optimizer_state!r}",
-        )
-        need(
-            self.fact_layout in FACT_LAYOUTS,
-            f"fact_layout must be one of {', '.join(FACT_LAYOUTS)}, got {self.fact_layout!r}",
-        )
-        need(self.sampling in SAMPLING, f"sampling must be one of {', '.join(SAMPLING)}, got {self.sampling!r}")
-        need(self.recipe in RECIPES, f"recipe must be one of {', '.join(RECIPES)}, got {self.recipe!r}")
-        need(
-            self.recipe != "official" or self.table_optim == "adamw",
-            f"recipe official trains the tables with dense AdamW (table_optim adamw), got {self.table_optim!r}",
-        )
-        need(
-            self.parallel in PARALLEL_MODES,
-            f"parallel must be one of {', '.join(PARALLEL_MODES)}, got {self.parallel!r}",
-        )
-        need(
-            self.table_optim in TABLE_OPTIMIZERS,
-            f"table_optim must be one of {', '.join(TABLE_OPTIMIZERS)}, got {self.table_optim!r}",
-        )
-        need(
-            self.data is None or (isinstance(self.data, list) and len(self.data) > 0),
-            "data must be a non-empty list of paths (or None for the embedded corpus)",
-        )
+        """Raise "invalid training config: <what>" for the first field out of range: the counts first (nothing
+        is sized before they pass), then the numbers, then the closed choices and the settings that must agree."""
+        check_counts(self)
+        check_numbers(self)
+        check_choices(self)
 
     # ----- (de)serialisation -----
     def to_dict(self) -> dict[str, Any]:
@@ -443,6 +342,103 @@ class TrainConfig:
     def with_overrides(self, overrides: dict[str, Any] | list[str]) -> TrainConfig:
         """Apply overrides: a dict of typed values, or `key=value` strings (a `train.` prefix is allowed)."""
         return apply_overrides(self, overrides, prefix="train.", label="training config key")
+
+
+def need(cond: bool, msg: str) -> None:
+    """A check of `TrainConfig.validate`: raise "invalid training config: <msg>" when `cond` is false."""
+    if not cond:
+        raise StemlmError(f"invalid training config: {msg}")
+
+
+def check_counts(cfg: TrainConfig) -> None:
+    """Steps, sizes and counts: integers in range, and the micro-batch within its token limit."""
+    positive = ("steps", "seq_len", "batch_size", "grad_accum", "eval_batches", "keep_last", "spike_window")
+    for name in (*positive, "traffic_every"):
+        value = getattr(cfg, name)
+        need(_is_int(value) and value > 0, f"{name} must be a positive integer, got {value!r}")
+    for name, limit in SIZE_LIMITS.items():  # before anything is sized from them
+        need(getattr(cfg, name) <= limit, f"{name}={getattr(cfg, name)} exceeds the limit of {limit}")
+    need(
+        cfg.batch_size * cfg.seq_len <= MAX_BATCH_TOKENS,
+        f"batch_size x seq_len = {cfg.batch_size * cfg.seq_len} tokens per micro-batch exceeds the limit of "
+        f"{MAX_BATCH_TOKENS} (raise grad_accum instead)",
+    )
+    for name in ("seed", "eval_every", "save_every", "max_skipped", "loss_chunk", "prefetch"):
+        value = getattr(cfg, name)
+        need(_is_int(value) and value >= 0, f"{name} must be a non-negative integer, got {value!r}")
+    need(
+        cfg.fused_loss is not True or (_is_int(cfg.loss_chunk) and cfg.loss_chunk > 0),
+        f"fused_loss needs loss_chunk > 0 (tokens per chunk), got loss_chunk={cfg.loss_chunk!r}",
+    )
+    need(
+        cfg.warmup is None or (_is_int(cfg.warmup) and cfg.warmup >= 0),
+        f"warmup must be a non-negative integer, got {cfg.warmup!r}",
+    )
+    need(
+        cfg.warmup is None or not _is_int(cfg.steps) or cfg.warmup < cfg.steps,
+        f"warmup ({cfg.warmup}) must be smaller than steps ({cfg.steps})",
+    )
+    need(
+        cfg.threads is None or (_is_int(cfg.threads) and cfg.threads > 0),
+        f"threads must be a positive integer, got {cfg.threads!r}",
+    )
+
+
+def check_numbers(cfg: TrainConfig) -> None:
+    """Learning rates, decays, betas, fractions and timeouts: finite and in their ranges; the fact mix's settings."""
+    for name in ("lr", "table_lr_scale", "eps", "spike_factor", "dist_timeout"):
+        value = getattr(cfg, name)
+        need(_finite(value) and value > 0, f"{name} must be a positive number, got {value!r}")
+    need(  # seconds a rank waits for its peers: under 1 s a healthy collective times out, a week is plenty
+        not _finite(cfg.dist_timeout) or 1 <= cfg.dist_timeout <= 7 * 86400,
+        f"dist_timeout must lie in [1, 604800] seconds, got {cfg.dist_timeout!r}",
+    )
+    for name in ("weight_decay", "table_wd", "grad_clip", "aux_loss_coef", "save_minutes"):
+        value = getattr(cfg, name)
+        need(_finite(value) and value >= 0, f"{name} must be a non-negative number, got {value!r}")
+    need(
+        cfg.table_lr is None or (_finite(cfg.table_lr) and cfg.table_lr > 0),
+        f"table_lr must be a positive number, got {cfg.table_lr!r}",
+    )
+    need(
+        _finite(cfg.fact_fraction) and 0 <= cfg.fact_fraction < 1,
+        f"fact_fraction must lie in [0, 1), got {cfg.fact_fraction!r}",
+    )
+    need(not (problem := fact_mix_problem(cfg)), problem)
+    need(
+        _finite(cfg.min_lr_ratio) and 0 <= cfg.min_lr_ratio <= 1,
+        f"min_lr_ratio must lie in [0, 1], got {cfg.min_lr_ratio!r}",
+    )
+    for name in ("beta1", "beta2"):
+        value = getattr(cfg, name)
+        need(_finite(value) and 0 <= value < 1, f"{name} must lie in [0, 1), got {value!r}")
+
+
+def check_choices(cfg: TrainConfig) -> None:
+    """Each closed setting one of its values (stemlm.choices), the settings that must agree, and the data paths."""
+
+    def one_of(*pairs: tuple[str, tuple[str, ...]]) -> None:
+        for name, choices in pairs:
+            value = getattr(cfg, name)
+            need(value in choices, f"{name} must be one of {', '.join(choices)}, got {value!r}")
+
+    one_of(("dtype", COMPUTE_DTYPES), ("device", DEVICES), ("trainable", TRAINABLE), ("tables", TRAINING_PLACEMENTS))
+    need(
+        cfg.tables == "device" or cfg.table_optim in ROW_SPARSE_OPTIMIZERS,
+        f"tables={cfg.tables} needs a row-sparse table optimizer ({' or '.join(ROW_SPARSE_OPTIMIZERS)}), "
+        f"got {cfg.table_optim!r}",
+    )
+    pairs = (("keep_optimizer_state", KEEP_OPTIMIZER_STATE), ("fact_layout", FACT_LAYOUTS), ("sampling", SAMPLING))
+    one_of(*pairs, ("recipe", RECIPES))
+    need(
+        cfg.recipe != "official" or cfg.table_optim == "adamw",
+        f"recipe official trains the tables with dense AdamW (table_optim adamw), got {cfg.table_optim!r}",
+    )
+    one_of(("parallel", PARALLEL_MODES), ("table_optim", TABLE_OPTIMIZERS))
+    need(
+        cfg.data is None or (isinstance(cfg.data, list) and len(cfg.data) > 0),
+        "data must be a non-empty list of paths (or None for the embedded corpus)",
+    )
 
 
 # Fields a saved run config may predate, each at the value such a run trained with (not today's default).
