@@ -13,7 +13,6 @@ Tests: `OMP_NUM_THREADS=1 python -m pytest tests/train/parallel/test_train_dist.
 
 from __future__ import annotations
 
-import os
 import shlex
 import sys
 from datetime import datetime, timezone
@@ -50,24 +49,23 @@ def launch_workers(args, run_dir: Path) -> int:
     """Run `stemlm train` in `args.nproc` processes under torchrun, logging to `run_dir`/launch.log; 0 on success,
     else StemlmError."""
     from stemlm.checkpoint.runs import step_checkpoints
+    from stemlm.train.guard import LAUNCH_LOG, exit_code, open_launch_log, run_finished
     from stemlm.train.parallel.launch import torchrun_command
     from stemlm.train.parallel.workers import failure_message, run_torchrun
 
     cmd = torchrun_command(args.nproc, worker_argv(args), nnodes=args.nnodes, rdzv_endpoint=args.rdzv_endpoint)
     print(f"stemlm train: starting {args.nproc} processes: {shlex.join(cmd)}", file=sys.stderr, flush=True)
-    log_path = run_dir / "launch.log"  # stemlm.train.guard.LAUNCH_LOG
-    with open_log(log_path) as log:
+    log_path = run_dir / LAUNCH_LOG
+    with open_launch_log(log_path) as log:
         stamp = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC")
         log.write(f"===== {stamp}: {shlex.join(cmd)}\n".encode())
         code, tail, stopped_by = run_torchrun(cmd, log, debug=getattr(args, "debug", False))
     run = args.resume or args.out
     if stopped_by and STOPPED_MARK in tail:  # the ranks saved the last step
-        from stemlm.train.guard import exit_code
-
         again = f"stemlm train --resume {run} --nproc {args.nproc}"
         print(f"stemlm train: stopped by {stopped_by}; continue with: {again}", file=sys.stderr)
         return exit_code(stopped_by)
-    if code != 0 and stopped_by and finished(run_dir):
+    if code != 0 and stopped_by and run_finished(run_dir):
         # torchrun ends with the signal's code although the ranks finished the last step and saved it.
         print(f"stemlm train: {stopped_by} arrived after the last step; the run is complete ({run})", file=sys.stderr)
         return 0
@@ -75,29 +73,3 @@ def launch_workers(args, run_dir: Path) -> int:
         resumable = bool(step_checkpoints(run_dir))
         raise StemlmError(failure_message(tail, code, args.nproc, run, str(log_path), resumable))
     return 0
-
-
-def open_log(path: Path):
-    """The launch log opened for appending; never through a symlink (the run folder is created if new)."""
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW, 0o666)
-    except OSError as exc:
-        if path.is_symlink():
-            raise StemlmError(f"run folder entry {path} is a symlink; stemlm does not write through links") from None
-        raise StemlmError(f"cannot write the launch log {path}: {exc.strerror or exc}") from None
-    return os.fdopen(fd, "ab")
-
-
-def finished(run_dir: Path) -> bool:
-    """Whether the run's newest checkpoint is at the last step it was training toward."""
-    from stemlm.checkpoint.runs import resolve_checkpoint
-    from stemlm.train.guard import planned_steps
-    from stemlm.train.state import read_state_json
-
-    try:
-        ckpt = resolve_checkpoint(run_dir)
-        planned = planned_steps(ckpt)
-        return planned is not None and read_state_json(ckpt)["step"] >= planned
-    except (StemlmError, KeyError, TypeError):
-        return False

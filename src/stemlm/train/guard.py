@@ -8,6 +8,8 @@
 - `check_run_links(run_dir)`: no file or folder the trainer writes in a run folder (run_config.json,
   metrics.jsonl, loss.png, launch.log, tensorboard/, profile/, checkpoints/ and what it holds) may be a symlink:
   the write would land in the link's target, outside the run. Checked before a new run or a resume writes.
+- `open_launch_log(path)`, `run_finished(run_dir)`: the `--nproc N` launcher's log (appended to, never through a
+  link) and whether a stopped job had saved its last step.
 - `StopSignals`: while `fit()` runs, SIGINT (Ctrl-C) and SIGTERM only raise a flag; the trainer finishes the
   current step, saves a checkpoint of it, writes loss.png and metrics, and prints the `--resume` command. A
   second signal in a single process aborts at once (KeyboardInterrupt); in a torchrun worker it does not,
@@ -30,13 +32,13 @@ from pathlib import Path
 from typing import Any
 
 from stemlm.checkpoint.folder import CONFIG_NAME
-from stemlm.checkpoint.runs import CHECKPOINTS_DIR, STEP_DIR
+from stemlm.checkpoint.runs import CHECKPOINTS_DIR, STEP_DIR, resolve_checkpoint
 from stemlm.checkpoint.safe_write import read_manifest
 from stemlm.errors import StemlmError
 from stemlm.paths import refuse_symlink
-from stemlm.train.state import STATE_NAME
+from stemlm.train.state import STATE_NAME, read_state_json
 
-LAUNCH_LOG = "launch.log"  # the full output of every `--nproc N` launch of the run (stemlm.cli.train_launch)
+LAUNCH_LOG = "launch.log"  # the full output of every `--nproc N` launch of the run (`open_launch_log`)
 # What an earlier `stemlm train` may have left in its run folder before its first checkpoint.
 RUN_FOLDER_ENTRIES = {
     "run_config.json",
@@ -118,6 +120,29 @@ def planned_steps(checkpoint: Path) -> int | None:
     except (OSError, json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError):
         return None
     return steps if isinstance(steps, int) else None
+
+
+def run_finished(run_dir: Path) -> bool:
+    """Whether the run's newest checkpoint is at the last step it was training toward."""
+    try:
+        ckpt = resolve_checkpoint(run_dir)
+        planned = planned_steps(ckpt)
+        return planned is not None and read_state_json(ckpt)["step"] >= planned
+    except (StemlmError, KeyError, TypeError):
+        return False
+
+
+def open_launch_log(path: Path):
+    """The launch log (`LAUNCH_LOG`) opened for appending; never through a symlink (the run folder is created if
+    new)."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW, 0o666)
+    except OSError as exc:
+        if path.is_symlink():
+            raise StemlmError(f"run folder entry {path} is a symlink; stemlm does not write through links") from None
+        raise StemlmError(f"cannot write the launch log {path}: {exc.strerror or exc}") from None
+    return os.fdopen(fd, "ab")
 
 
 class StopSignals:

@@ -168,13 +168,13 @@ def test_rdzv_host_forms_that_are_accepted(monkeypatch):
 
 
 def test_a_run_is_finished_when_its_newest_checkpoint_is_its_last_step(ws, tmp_path):
-    from stemlm.cli.train_launch import finished
+    from stemlm.train.guard import run_finished
 
-    assert finished(ws / "run")
+    assert run_finished(ws / "run")
     run = _copy_run(ws, tmp_path)
     state = run / "checkpoints" / "step-000002" / "trainer_state.json"
     data = json.loads(state.read_text())
     data["config"]["train"]["steps"] = 4  # stopped at step 2 of 4
     state.write_text(json.dumps(data))
-    assert not finished(run)
-    assert not finished(tmp_path / "no-run")
+    assert not run_finished(run)
+    assert not run_finished(tmp_path / "no-run")

@@ -19,7 +19,7 @@ import time
 
 import pytest
 
-from stemlm.cli.train_launch import finished
+from stemlm.train.guard import run_finished
 
 from .test_train_dist import cli_args, run_stemlm
 
@@ -62,4 +62,4 @@ def test_a_stop_after_the_last_step_is_a_completed_run(dist_assets, tmp_path):
     _, err = proc.communicate(timeout=120)
     assert proc.returncode == 0, err[-3000:]
     assert "distributed training failed" not in err
-    assert finished(run)
+    assert run_finished(run)
