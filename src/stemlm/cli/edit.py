@@ -25,12 +25,16 @@ from stemlm.cli.common import add_json_flag, print_json
 
 def run(args) -> int:
     from stemlm.edit.session import EditOptions, load_for_edit, render_edit, run_edit, save_sources
+    from stemlm.train.data import untrained_note
 
     options = EditOptions.from_args(args).checked()
     sources = save_sources(args.ckpt, args.save, args.force)
     model, tokenizer = load_for_edit(args.ckpt)
     report = run_edit(model, tokenizer, options, sources)
-    warn_untrained(args, tokenizer)  # after the edit: a refused one stays one error line
+    # after the edit (a refused one stays one error line): rows of tokens the run never trained on
+    note = untrained_note(args.ckpt, tokenizer, {"--target": args.target, "--source": args.source})
+    if note:
+        print(f"stemlm edit: warning: {note}", file=sys.stderr)
     if args.json:
         print_json(report)
         return 0
@@ -40,34 +44,6 @@ def run(args) -> int:
     if "note" in report:
         print(f"note: {report['note']}", file=sys.stderr)
     return 0
-
-
-def warn_untrained(args, tokenizer) -> None:
-    """One stderr line when tokens of --target or --source never occurred in the training data of CKPT's run
-    (where the run folder says what it trained on: `stemlm.train.data.training_token_ids`): their rows never
-    trained, so the edit moves noise."""
-    from pathlib import Path
-
-    from stemlm.checkpoint.runs import resolve_checkpoint
-    from stemlm.edit.spans import entity_ids
-    from stemlm.train.data import training_token_ids
-
-    checkpoint = resolve_checkpoint(args.ckpt)  # RUN/checkpoints/<step> of a run folder
-    run = next((p for p in (Path(args.ckpt), checkpoint.parent.parent) if (p / "run_config.json").is_file()), None)
-    seen = training_token_ids(run, tokenizer) if run is not None else None
-    if seen is None:
-        return
-    unseen = []
-    for flag, entity in (("--target", args.target), ("--source", args.source)):
-        tokens = [tokenizer.id_to_token(i) for i in entity_ids(tokenizer, entity) if i not in seen] if entity else []
-        if tokens:
-            unseen.append(f"{flag} {entity!r} ({', '.join(map(repr, tokens))})")
-    if unseen:
-        print(
-            f"stemlm edit: warning: {' and '.join(unseen)}: never in the training data of {run}, so those rows "
-            "are untrained",
-            file=sys.stderr,
-        )
 
 
 def add_edit_flags(p, with_rows: bool = True) -> None:

@@ -144,3 +144,25 @@ def training_token_ids(run: str | Path, tok: Tokenizer) -> set[int] | None:
     except (OSError, ValueError, KeyError, TypeError, StemlmError):
         return None
     return set(np.unique(np.asarray(train.tokens)).tolist())
+
+
+def untrained_note(ckpt: str | Path, tok: Tokenizer, entities: dict[str, str | None]) -> str | None:
+    """What to warn about an edit of CKPT between `entities` (flag -> entity text, e.g. {"--target": "Germany"}):
+    the entities with tokens that never occurred in the training data of CKPT's run (`training_token_ids`), whose
+    rows therefore never trained; None when every token trained or the data is not known."""
+    from stemlm.checkpoint.runs import resolve_checkpoint
+    from stemlm.edit.spans import entity_ids
+
+    checkpoint = resolve_checkpoint(ckpt)  # RUN/checkpoints/<step> of a run folder
+    run = next((p for p in (Path(ckpt), checkpoint.parent.parent) if (p / "run_config.json").is_file()), None)
+    seen = training_token_ids(run, tok) if run is not None else None
+    if seen is None:
+        return None
+    unseen = []
+    for flag, entity in entities.items():
+        tokens = [tok.id_to_token(i) for i in entity_ids(tok, entity) if i not in seen] if entity else []
+        if tokens:
+            unseen.append(f"{flag} {entity!r} ({', '.join(map(repr, tokens))})")
+    return (
+        f"{' and '.join(unseen)}: never in the training data of {run}, so those rows are untrained" if unseen else None
+    )
