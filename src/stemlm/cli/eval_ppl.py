@@ -16,7 +16,6 @@ from __future__ import annotations
 import sys
 
 from stemlm.cli.common import add_inference_flags, add_json_flag, print_json
-from stemlm.errors import StemlmError
 
 
 def register_eval(subparsers) -> None:
@@ -49,50 +48,14 @@ def register_eval(subparsers) -> None:
 
 
 def run(args) -> int:
-    from stemlm.evaluation.perplexity import load_eval
+    from stemlm.evaluation.perplexity import perplexity_checkpoint, render_perplexity
     from stemlm.inference.load import InferenceOptions
 
-    if args.seq_len is not None and args.seq_len < 1:
-        raise StemlmError(f"--seq-len must be a positive number of tokens, got {args.seq_len}")
-    with load_eval(args.checkpoint, InferenceOptions.from_args(args)) as loaded:
-        return _score(args, loaded)
-
-
-def _score(args, loaded) -> int:
-    from stemlm.checkpoint.runs import training_window
-    from stemlm.data.sources import eval_texts
-    from stemlm.evaluation.perplexity import evaluate_perplexity
-
-    model, tokenizer = loaded.model, loaded.tokenizer
-    window = args.seq_len or training_window(args.checkpoint)
-    window_source = "--seq-len" if args.seq_len else "the run's training window" if window else "the model maximum"
-    texts, source = eval_texts(args.data)
-    result = evaluate_perplexity(
-        model,
-        tokenizer,
-        texts,
-        window=window,
-        stride=args.stride,
-        max_tokens=args.max_tokens,
-        batch_size=args.batch_size,
-        progress=not args.no_progress,
-    )
+    given = {k: getattr(args, k) for k in ("stride", "max_tokens", "batch_size")} | {"progress": not args.no_progress}
+    report = perplexity_checkpoint(args.checkpoint, InferenceOptions.from_args(args), args.data, args.seq_len, **given)
     if args.json:
-        tables = {"tables": loaded.offloaded.report()} if loaded.offloaded else {}
-        print_json(
-            {
-                "checkpoint": args.checkpoint,
-                "data": source,
-                "window_source": window_source,
-                **result.to_dict(),
-                **tables,
-            }
-        )
+        print_json(report)
         return 0
-    print(f"data: {source}", file=sys.stderr)
-    print(
-        f"loss {result.loss:.4f}  perplexity {result.perplexity:.2f}  bits/byte {result.bits_per_byte:.4f}  "
-        f"({result.tokens:,} tokens, {result.bytes:,} bytes, {result.documents} documents; "
-        f"window {result.window} ({window_source}), stride {result.stride})"
-    )
+    print(f"data: {report['data']}", file=sys.stderr)
+    print(render_perplexity(report))
     return 0

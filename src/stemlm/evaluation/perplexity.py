@@ -241,3 +241,31 @@ def evaluate_perplexity(
         window=window,
         stride=stride,
     )
+
+
+def perplexity_checkpoint(checkpoint: str, options, data=None, seq_len: int | None = None, **kw) -> dict:
+    """`stemlm eval ppl`: `evaluate_perplexity` of CKPT loaded with `options` (`load_eval`) on the files `data`
+    (default: the embedded corpus's held-out split), in windows of `seq_len` tokens (default: the window its run
+    trained at, else the model's maximum); `kw`: stride, max_tokens, batch_size, progress. The report: the result,
+    where the data and the window came from, and the offloaded tables' report when there are any."""
+    from stemlm.checkpoint.runs import training_window
+    from stemlm.data.sources import eval_texts
+
+    if seq_len is not None and seq_len < 1:
+        raise StemlmError(f"--seq-len must be a positive number of tokens, got {seq_len}")
+    with load_eval(checkpoint, options) as loaded:
+        window = seq_len or training_window(checkpoint)
+        window_source = "--seq-len" if seq_len else "the run's training window" if window else "the model maximum"
+        texts, source = eval_texts(data)
+        result = evaluate_perplexity(loaded.model, loaded.tokenizer, texts, window=window, **kw)
+        tables = {"tables": loaded.offloaded.report()} if loaded.offloaded else {}
+        return {"checkpoint": checkpoint, "data": source, "window_source": window_source, **result.to_dict(), **tables}
+
+
+def render_perplexity(report: dict) -> str:
+    """The line `stemlm eval ppl` prints for a `perplexity_checkpoint` report."""
+    return (
+        f"loss {report['loss']:.4f}  perplexity {report['perplexity']:.2f}  bits/byte {report['bits_per_byte']:.4f}  "
+        f"({report['tokens']:,} tokens, {report['bytes']:,} bytes, {report['documents']} documents; "
+        f"window {report['window']} ({report['window_source']}), stride {report['stride']})"
+    )
