@@ -11,7 +11,8 @@ types and choices.
 - `section=` names the group the flag is shown in (`stemlm.train.config.SECTIONS` for `stemlm train`);
 - the help may name the field's default as `{default}` and another field's as `{<field>}` (`help_text`).
 
-Used by `TrainConfig` and `RunRequest` (`stemlm train`) and the experiments' options (stemlm.experiments.contract).
+`given_fields(args, cls)` reads the fields a parsed command line gave. Used by `TrainConfig` and `RunRequest`
+(`stemlm train`) and the experiments' options (stemlm.experiments.contract).
 It declares only: argparse stays in the CLI.
 """
 
@@ -69,6 +70,12 @@ def settings(cls: type) -> list[tuple[str, dataclasses.Field, Setting]]:
         if spec is not None:
             found.append((spec.name or "--" + f.name.replace("_", "-"), f, spec))
     return found
+
+
+def given_fields(args: Any, cls: type) -> dict[str, Any]:
+    """The fields of the dataclass `cls` a parsed command line gave (`args`, from flags built by
+    `stemlm.cli.common.add_field_flags`, whose defaults are None): every value named as a field, unless None."""
+    return {f.name: getattr(args, f.name) for f in dataclasses.fields(cls) if getattr(args, f.name, None) is not None}
 
 
 def defaults(cls: type) -> dict[str, Any]:

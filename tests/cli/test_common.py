@@ -1,5 +1,6 @@
-"""`stemlm.cli.common.add_field_flags` / `given_fields`: a dataclass's settings become flags (in their sections'
-groups, parsed by the field's annotation, None when not given) and read back as the fields the command line gave."""
+"""`stemlm.cli.common.add_field_flags` / `stemlm.flags.given_fields`: a dataclass's settings become flags (in their
+sections' groups, parsed by the field's annotation, None when not given) and read back as the fields the command line
+gave."""
 
 from __future__ import annotations
 
@@ -8,9 +9,9 @@ from dataclasses import dataclass
 
 import pytest
 
-from stemlm.cli.common import add_field_flags, given_fields
+from stemlm.cli.common import add_field_flags
 from stemlm.experiments.contract import positive_lrs
-from stemlm.flags import setting
+from stemlm.flags import given_fields, setting
 
 
 @dataclass

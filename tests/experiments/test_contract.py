@@ -7,12 +7,11 @@ from dataclasses import dataclass
 
 import pytest
 
-from stemlm.cli.common import given_fields
 from stemlm.cli.experiment import EXPERIMENTS
 from stemlm.cli.main import build_parser
 from stemlm.errors import StemlmError
 from stemlm.experiments.contract import Experiment, flag_help, positive_lrs, resolve_options
-from stemlm.flags import setting, settings
+from stemlm.flags import given_fields, setting, settings
 
 
 @dataclass

@@ -18,7 +18,6 @@ import torch
 
 from stemlm.checkpoint.runs import load_checkpoint
 from stemlm.cli.main import build_parser, main
-from stemlm.cli.train import run_request
 from stemlm.flags import settings
 from stemlm.model import build_model
 from stemlm.model.config import ModelConfig
@@ -239,7 +238,7 @@ def test_flags_become_the_run_request():
         *("tables", "--data", "a", "b", "--set", "model.hidden_size=32", "train.eval_every=2", "train.steps=9"),
         "--no-progress",
     ]
-    request = run_request(build_parser().parse_args(argv))
+    request = RunRequest.from_args(build_parser().parse_args(argv))
     same = {"preset": "tiny-dense", "tokenizer": "gpt2", "init_from": "ck"}  # flags of both TrainConfig and the request
     assert request.changes == {
         **same,
@@ -259,7 +258,8 @@ def test_flags_become_the_run_request():
 
 def test_stem_layers_is_the_old_name_of_ffn_layers():
     old, new = (
-        run_request(build_parser().parse_args(["train", flag, "odd"])) for flag in ("--stem-layers", "--ffn-layers")
+        RunRequest.from_args(build_parser().parse_args(["train", flag, "odd"]))
+        for flag in ("--stem-layers", "--ffn-layers")
     )
     assert old == new and new.ffn_layers == "odd"
     assert requested_model(old, None)[0].ffn_layers == "odd"

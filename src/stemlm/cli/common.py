@@ -1,6 +1,6 @@
-"""Command-line pieces shared by subcommands: JSON output, the flags of a dataclass's settings
-(`add_field_flags`, `given_fields`), the table placement flags, command groups, and `arg_type`, which turns a
-library parser (one that raises StemlmError) into an argparse type.
+"""Command-line pieces shared by subcommands: JSON output, the flags of a dataclass's settings (`add_field_flags`;
+`given_fields`, from stemlm.flags, reads them back), the table placement flags, command groups, and `arg_type`,
+which turns a library parser (one that raises StemlmError) into an argparse type.
 
 CLI modules import only this module from `stemlm.cli` (the dispatcher `main` imports them all); anything
 else they share (loading checkpoints, decoding text) lives in the library, e.g. `stemlm.checkpoint.runs`.
@@ -78,12 +78,6 @@ def parse_setting(f: dataclasses.Field, spec: Setting, text: str) -> Any:
     from stemlm.model.overrides import parse_value
 
     return spec.parse(text) if spec.parse else parse_value(text, str(f.type), f.name, "option")
-
-
-def given_fields(args: argparse.Namespace, cls: type) -> dict[str, Any]:
-    """The fields of the dataclass `cls` the command line gave: every namespace value named as a field, unless None
-    (not given)."""
-    return {f.name: getattr(args, f.name) for f in dataclasses.fields(cls) if getattr(args, f.name, None) is not None}
 
 
 def add_json_flag(parser) -> None:

@@ -16,7 +16,8 @@ import functools
 import importlib
 import sys
 
-from stemlm.cli.common import add_field_flags, add_json_flag, given_fields, print_json, register_group
+from stemlm.cli.common import add_field_flags, add_json_flag, print_json, register_group
+from stemlm.flags import given_fields
 
 EXPERIMENTS = ["stemlm.experiments.knowledge", "stemlm.experiments.compare", "stemlm.experiments.bio"]
 

@@ -19,9 +19,8 @@ from __future__ import annotations
 
 import argparse
 import os
-from typing import Any
 
-from stemlm.cli.common import add_field_flags, add_json_flag, given_fields, print_json
+from stemlm.cli.common import add_field_flags, add_json_flag, print_json
 from stemlm.errors import StemlmError
 from stemlm.train.config import SECTIONS, TrainConfig
 from stemlm.train.setup import RunRequest
@@ -89,30 +88,6 @@ def add_launch_flags(group) -> None:
     )
 
 
-def train_overrides(args) -> dict[str, Any]:
-    """Training fields given on the command line (flags win over --set train.*)."""
-    from stemlm.model.overrides import split_sections, typed_overrides
-    from stemlm.train.config import table_lr_fields
-
-    items = split_sections(args.overrides, ("model", "train"))["train"]
-    changes = typed_overrides(TrainConfig, items, prefix="train.", label="training config key")
-    given = given_fields(args, TrainConfig)
-    table_lr = given.pop("table_lr", None)  # a number or xN: table_lr or table_lr_scale
-    changes.update(given)
-    if table_lr is not None:
-        changes.update(table_lr_fields(table_lr))
-    return changes
-
-
-def run_request(args) -> RunRequest:
-    """The parsed flags as a `stemlm.train.setup.RunRequest`."""
-    from stemlm.model.overrides import split_sections
-
-    model_sets = split_sections(args.overrides, ("model", "train"))["model"]
-    given = given_fields(args, RunRequest)
-    return RunRequest(train_overrides(args), model_sets=model_sets, progress=not args.no_progress, **given)
-
-
 def run(args) -> int:
     from stemlm.train.parallel.workers import distributed_worker, rank_error
     from stemlm.train.report import render_report
@@ -130,7 +105,7 @@ def run(args) -> int:
     if (args.nproc > 1 or args.nnodes > 1) and "RANK" not in os.environ:
         return launch(args)
     try:
-        report = run_training(run_request(args), args.sample_prompt, args.sample_tokens)
+        report = run_training(RunRequest.from_args(args), args.sample_prompt, args.sample_tokens)
     except (ValueError, OSError, KeyError, RuntimeError) as exc:
         if not worker or args.debug:
             raise
@@ -155,7 +130,7 @@ def launch(args) -> int:
     from stemlm.cli.train_launch import launch_workers
     from stemlm.train.preflight import preflight
 
-    run_dir = preflight(run_request(args), args.nproc * args.nnodes, args.nproc)
+    run_dir = preflight(RunRequest.from_args(args), args.nproc * args.nnodes, args.nproc)
     if not args.resume and args.out is None:
         args.out = str(run_dir)
     return launch_workers(args, run_dir)

@@ -7,7 +7,7 @@ trainer.
 an initialised one its checkpoint's config, and a fresh one's vocabulary is checked against the tokenizer
 (`stemlm.train.config.check_vocab`: the tiny default follows it, a named preset is never resized silently);
 `run_training(request, ...)` trains it and returns the final report.
-`stemlm train` builds the request from its flags (stemlm.cli.train).
+`stemlm train` builds the request from its flags (`RunRequest.from_args`; the flags: stemlm.cli.train).
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from stemlm.errors import StemlmError
-from stemlm.flags import setting
+from stemlm.flags import given_fields, setting
 from stemlm.model.config import FFN_KINDS, ModelConfig
 from stemlm.model.presets import get_preset
 
@@ -62,6 +62,23 @@ class RunRequest:
         section="checkpointing",
         const=True,
     )
+
+    @classmethod
+    def from_args(cls, args) -> RunRequest:
+        """The request of a parsed `stemlm train` command line: its flags of this class's and `TrainConfig`'s
+        settings (a `TrainConfig` flag wins over `--set train.<field>=V`), `--set model.<field>=V`, `--table-lr`
+        (a number, or xN of --lr) and `--no-progress`."""
+        from stemlm.model.overrides import split_sections, typed_overrides
+        from stemlm.train.config import TrainConfig, table_lr_fields
+
+        sets = split_sections(args.overrides, ("model", "train"))
+        changes = typed_overrides(TrainConfig, sets["train"], prefix="train.", label="training config key")
+        given = given_fields(args, TrainConfig)
+        table_lr = given.pop("table_lr", None)  # a number or xN: table_lr or table_lr_scale
+        changes.update(given)
+        if table_lr is not None:
+            changes.update(table_lr_fields(table_lr))
+        return cls(changes, model_sets=sets["model"], progress=not args.no_progress, **given_fields(args, cls))
 
 
 def requested_model(r: RunRequest, base: ModelConfig | None) -> tuple[ModelConfig | None, bool]:
