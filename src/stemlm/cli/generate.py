@@ -31,11 +31,8 @@ def run(args) -> int:
 
     if args.prompt == "-":
         args.prompt = sys.stdin.read().removesuffix("\n")  # `echo text |` adds a line break that is not prompt
-    # Every forward of the loaded model runs under the --dtype autocast (stemlm.inference.inference_model).
-    loaded = load_inference(args.ckpt, InferenceOptions.from_args(args))
-    model, tokenizer, offloaded, amp = loaded.model, loaded.tokenizer, loaded.offloaded, loaded.autocast_dtype
     eos_token = EOT_TOKEN
-    if args.chat:
+    if args.chat:  # the template is read and the prompt rendered before the model loads: a refusal costs nothing
         from stemlm.checkpoint.runs import resolve_checkpoint
         from stemlm.inference.chat import require_chat
 
@@ -43,6 +40,9 @@ def run(args) -> int:
         if args.prompt is None:
             raise StemlmError("--chat needs a prompt text (the user message), not --ids")
         args.prompt, eos_token = chat.render(args.prompt), chat.eos_token or EOT_TOKEN
+    # Every forward of the loaded model runs under the --dtype autocast (stemlm.inference.inference_model).
+    loaded = load_inference(args.ckpt, InferenceOptions.from_args(args))
+    model, tokenizer, offloaded, amp = loaded.model, loaded.tokenizer, loaded.offloaded, loaded.autocast_dtype
     prompt_ids = encode_prompt(tokenizer, model.config.vocab_size, args.prompt, args.ids)
     eos_id = None if args.ignore_eos or tokenizer is None else tokenizer.token_to_id(eos_token)
     request = generation_request(
