@@ -31,7 +31,7 @@ def test_analyze_all_json_and_pngs(ckpts, capsys, tmp_path):
     assert set(report["pngs"]) == {"spread", "attribution", "nearest", "activated"}
     for png in report["pngs"].values():
         assert (out / png.split("/")[-1]).stat().st_size > 1000
-    assert report["nearest"]["query"] == " capital" and "dense" in report["spread"]["baseline"]
+    assert report["nearest"]["query"] == " France" and "dense" in report["spread"]["baseline"]
     assert json.loads((out / "analysis.json").read_text()) == report
 
 

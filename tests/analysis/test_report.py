@@ -37,7 +37,9 @@ def test_run_analyses_writes_every_png_and_the_json(analysis_model, small_tokeni
     assert lines[0] == f"prompt: {options.prompt!r}" and any(line.startswith("nearest tokens to") for line in lines)
 
 
-def test_the_default_query_is_a_whole_word_then_a_name_never_a_trailing_sub_word():
-    tok = default_tokenizer()  # " capital" is " cap" + "ital", " Spain" is " Sp" + "ain"; " France" is one token
-    picks = {p: default_token(tok, tok.encode(p).ids) for p in ("The capital of France is", "The capital of Spain is")}
-    assert picks == {"The capital of France is": " France", "The capital of Spain is": " Sp"}
+def test_the_default_query_is_a_whole_name_then_a_whole_word_then_a_name_never_a_trailing_sub_word():
+    tok = default_tokenizer()  # " Spain", " France", " capital" are one token each; " Kyrgyzstan" is " K" + "y" + ...
+    prompts = ("The capital of France is", "The capital of Spain is", "The capital of Kyrgyzstan is")
+    prompts += ("I saw Kyrgyzstan",)
+    picks = [default_token(tok, tok.encode(p).ids) for p in prompts]
+    assert picks == [" France", " Spain", " capital", " K"]

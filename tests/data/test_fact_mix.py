@@ -147,3 +147,16 @@ def test_train_command_reports_fact_recall(monkeypatch, tmp_path, capsys):
     assert run_config["train"]["fact_fraction"] == TrainConfig().fact_fraction
     # `stemlm eval edits --countries auto` reads them back from the checkpoint
     assert trained_fact_countries(tmp_path / "run") == list(FACT_COUNTRIES)
+
+
+def test_tokenizer_texts_hold_the_share_of_characters_and_no_held_out_phrasing():
+    from stemlm.data.fact_mix import tokenizer_texts
+
+    texts = tokenizer_texts(CORPUS, 0.5, list(FACT_COUNTRIES), ["capital"], 0)
+    assert texts[: len(CORPUS)] == CORPUS
+    facts = fact_lines(texts[len(CORPUS) :])
+    share = sum(len(line) + 1 for line in facts) / sum(len(t) + 1 for t in texts)
+    assert abs(share - 0.5) < 0.01
+    trained = {p.prompt + p.answer + "." for p in fact_prompts("train", ("capital",), FACT_COUNTRIES, mix=True)}
+    assert set(facts) == trained  # every training phrasing; held-out ones ("The seat of government of") never
+    assert not any(t.split("{s}")[0] in line for t in TEMPLATES["capital"][1] for line in facts)

@@ -24,3 +24,34 @@ def test_train_and_encode(tmp_path, capsys):
     assert json.loads(capsys.readouterr().out)["count"] >= 1
     assert run(["tokenizer", "encode", "--tokenizer", "gpt2", "Hello world"]) == 0
     assert capsys.readouterr().out.splitlines() == ["15496 995", "'Hello' 'Ġworld'"]  # ids, then the pieces
+
+
+def test_the_shipped_tokenizer_is_what_tokenizer_train_writes(tmp_path, capsys):
+    from stemlm.data.tokenizer import default_tokenizer
+    from stemlm.data.worlds.facts import country
+    from stemlm.train.config import FACT_COUNTRIES
+
+    assert run(["tokenizer", "train", "--out", str(tmp_path), "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["documents"] == 43 and report["fact_documents"] > 0
+    shipped = default_tokenizer()
+    assert (tmp_path / "tokenizer.json").read_text() == shipped.to_str(pretty=True)  # the asset's rebuild command
+    names = [n for c in FACT_COUNTRIES for n in (c, country(c).capital)]
+    assert all(len(shipped.encode(" " + name).ids) == 1 for name in names)  # an edit swaps one row for one
+
+
+def test_fact_fraction_is_for_the_embedded_corpus_and_a_share(tmp_path, capsys):
+    import pytest
+
+    from stemlm.errors import StemlmError
+
+    data = tmp_path / "data.txt"
+    data.write_text("the cat sat on the mat\n" * 20)
+    for argv, message in (
+        (["--data", str(data), "--fact-fraction", "0.5"], "embedded corpus only"),
+        (["--fact-fraction", "1"], r"\[0, 1\), got 1"),
+        (["--fact-fraction", "nan"], r"\[0, 1\), got nan"),
+    ):
+        with pytest.raises(StemlmError, match=message):
+            run(["tokenizer", "train", "--out", str(tmp_path / "tok"), *argv])
+    assert not (tmp_path / "tok").exists()

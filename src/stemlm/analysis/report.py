@@ -54,17 +54,18 @@ def text_ids(options: AnalysisOptions, tokenizer) -> list[int]:
 
 
 def default_token(tokenizer, prompt_ids: list[int]) -> str:
-    """The query token of `nearest` when none is named: the prompt's first whole word of >= 4 letters that is one
-    token, e.g. " France" in "The capital of France is" (" capital" is " cap" + "ital" there; a sub-word such as
-    "ital" makes a poor subject); else the first piece of a name inside the prompt (" Sp" of " Spain"), else of
-    any word, else the last token."""
+    """The query token of `nearest` when none is named: the prompt's first name that is one token (" Spain" in "The
+    capital of Spain is"), else its first whole word of >= 4 letters (a sub-word such as "ital" of " cap" + "ital"
+    makes a poor subject), else the first piece of a name inside the prompt, else of any word, else the last
+    token."""
     pieces = [tokenizer.decode([i]) for i in prompt_ids]
     initial = [i for i, piece in enumerate(pieces) if (i == 0 or piece.startswith(" ")) and piece.strip().isalpha()]
-    for i in initial:  # a whole word: the next piece starts another word or is a mark
-        if len(pieces[i].strip()) >= 4 and (i + 1 == len(pieces) or not pieces[i + 1][:1].isalpha()):
-            return pieces[i]
     names = [i for i in initial if i > 0 and pieces[i].strip()[0].isupper()]  # a capital opening a sentence is no name
-    return pieces[(names or initial or [len(pieces) - 1])[0]]
+    whole = [  # a whole word: the next piece starts another word or is a mark
+        i for i in initial if len(pieces[i].strip()) >= 4 and (i + 1 == len(pieces) or not pieces[i + 1][:1].isalpha())
+    ]
+    choice = [i for i in whole if i in names] or whole or names or initial or [len(pieces) - 1]
+    return pieces[choice[0]]
 
 
 def chosen_analyses(options: AnalysisOptions, model) -> list[str]:

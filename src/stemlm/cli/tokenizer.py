@@ -5,8 +5,9 @@
     stemlm tokenizer encode --tokenizer gpt2 "Hello world"  # -> 15496 995, then the pieces 'Hello' 'Ġworld'
 
 `train` uses the train split of `load_corpus` (the same split the trainer uses, so held-out documents
-never shape the vocabulary). The shipped default tokenizer is exactly
-`stemlm tokenizer train --out src/stemlm/assets/tokenizer`.
+never shape the vocabulary); on the embedded corpus it adds the default run's fact statements in the share
+`stemlm train` mixes them in (`--fact-fraction`, 0.5), so the fact world's names are whole tokens. The shipped
+default tokenizer is exactly `stemlm tokenizer train --out src/stemlm/assets/tokenizer`.
 """
 
 from __future__ import annotations
@@ -36,6 +37,13 @@ def register(subparsers) -> None:
     train.add_argument(
         "--seed", type=int, default=DEFAULT_SEED, help=f"seed of the document split (default {DEFAULT_SEED})"
     )
+    train.add_argument(
+        "--fact-fraction",
+        type=float,
+        metavar="F",
+        help="share of the characters that are the default run's fact statements, added to the embedded corpus as "
+        "`stemlm train` mixes them in (default: 0.5 there, 0 with --data; 0: none)",
+    )
     train.add_argument("--out", required=True, metavar="DIR", help="directory to write tokenizer.json into")
     train.add_argument("--force", action="store_true", help="replace DIR/tokenizer.json (never a checkpoint's)")
     add_json_flag(train)
@@ -50,16 +58,34 @@ def register(subparsers) -> None:
 
 def run_train(args) -> int:
     from stemlm.data.tokenizer import train_tokenizer
+    from stemlm.errors import StemlmError
+    from stemlm.train.config import TrainConfig
 
+    run = TrainConfig()  # the default run, whose fact mix the tokenizer learns beside the embedded corpus
+    fraction = args.fact_fraction if args.fact_fraction is not None else 0.0 if args.data else run.fact_fraction
+    if not 0 <= fraction < 1:
+        raise StemlmError(f"--fact-fraction must lie in [0, 1), got {args.fact_fraction}")
+    if fraction and args.data:
+        raise StemlmError("--fact-fraction mixes facts into the embedded corpus only (as stemlm train); drop --data")
     result = train_tokenizer(
-        args.data, args.out, args.vocab_size, args.min_frequency, args.heldout_fraction, args.seed, force=args.force
+        args.data,
+        args.out,
+        args.vocab_size,
+        args.min_frequency,
+        args.heldout_fraction,
+        args.seed,
+        force=args.force,
+        fact_fraction=fraction,
+        fact_region=run.fact_selection(),
+        fact_relations=tuple(run.fact_relations),
     )
     if args.json:
         print_json(result)
     else:
         print(
             f"wrote {result['path']}: vocab {result['vocab_size']}, trained on {result['documents']} documents "
-            f"({result['characters'] / 1e6:.2f} M characters) in {result['seconds']} s"
+            f"and {result['fact_documents']} of facts ({result['characters'] / 1e6:.2f} M characters) in "
+            f"{result['seconds']} s"
         )
     return 0
 

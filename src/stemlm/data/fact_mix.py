@@ -67,6 +67,25 @@ def fact_statements(
     return shuffled_statements(prompts, fact_repeats(corpus_tokens, per_repeat, fraction), seed)
 
 
+def tokenizer_texts(
+    corpus_texts: Sequence[str],
+    fraction: float,
+    region: str | Sequence[str] | None,
+    relations: Sequence[str],
+    seed: int,
+) -> list[str]:
+    """The text a tokenizer for the default run learns from: the corpus and the fact statements (training
+    phrasings only) in documents after it, repeated to `fraction` of the characters, as the run mixes them into
+    its tokens (no tokenizer exists yet to count tokens with). BPE then merges the fact world's names whole, so
+    an edit swaps one token's rows for one token's rows (docs/results.md "The default run")."""
+    from stemlm.data.worlds.facts import as_documents, fact_prompts, shuffled_statements
+
+    prompts = fact_prompts("train", tuple(relations), region, mix=True)
+    per_repeat = sum(len(p.prompt) + len(p.answer) + 2 for p in prompts)  # the statement, its "." and newline
+    repeats = fact_repeats(sum(len(t) for t in corpus_texts), per_repeat, fraction)
+    return [*corpus_texts, *as_documents(shuffled_statements(prompts, repeats, seed))]
+
+
 def interleave_lines(texts: Sequence[str], statements: Sequence[str]) -> list[str]:
     """`texts` with `statements` inserted as lines of their own, evenly by character offset: statement k follows
     the first line whose end reaches (k + ½) / len(statements) of the text's characters. Documents keep their

