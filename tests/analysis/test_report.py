@@ -38,8 +38,7 @@ def test_run_analyses_writes_every_png_and_the_json(analysis_model, small_tokeni
 
 
 def test_the_default_query_is_a_whole_name_then_a_whole_word_then_a_name_never_a_trailing_sub_word():
-    tok = default_tokenizer()  # " Spain", " France", " capital" are one token each; " Kyrgyzstan" is " K" + "y" + ...
-    prompts = ("The capital of France is", "The capital of Spain is", "The capital of Kyrgyzstan is")
-    prompts += ("I saw Kyrgyzstan",)
+    tok = default_tokenizer()  # " France", " city" are one token; " capital" is " cap" + "ital", " Spain" " Sp" + "ain"
+    prompts = ("The city of France is", "The capital city of Spain is", "The capital of Spain is", "I saw Kyrgyzstan")
     picks = [default_token(tok, tok.encode(p).ids) for p in prompts]
-    assert picks == [" France", " Spain", " capital", " K"]
+    assert picks == [" France", " city", " Sp", " K"]

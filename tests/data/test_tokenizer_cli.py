@@ -26,18 +26,22 @@ def test_train_and_encode(tmp_path, capsys):
     assert capsys.readouterr().out.splitlines() == ["15496 995", "'Hello' 'Ġworld'"]  # ids, then the pieces
 
 
-def test_the_shipped_tokenizer_is_what_tokenizer_train_writes(tmp_path, capsys):
-    from stemlm.data.tokenizer import default_tokenizer
+def test_the_shipped_tokenizer_is_what_tokenizer_train_writes_and_facts_make_names_whole(tmp_path, capsys):
+    from stemlm.data.tokenizer import default_tokenizer, load_tokenizer
     from stemlm.data.worlds.facts import country
     from stemlm.train.config import FACT_COUNTRIES
 
-    assert run(["tokenizer", "train", "--out", str(tmp_path), "--json"]) == 0
+    assert run(["tokenizer", "train", "--out", str(tmp_path / "corpus"), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["fact_documents"] == 0
+    shipped = default_tokenizer()
+    assert (tmp_path / "corpus" / "tokenizer.json").read_text() == shipped.to_str(pretty=True)  # the asset's rebuild
+    assert run(["tokenizer", "train", "--out", str(tmp_path / "facts"), "--fact-fraction", "0.5", "--json"]) == 0
     report = json.loads(capsys.readouterr().out)
     assert report["documents"] == 43 and report["fact_documents"] > 0
-    shipped = default_tokenizer()
-    assert (tmp_path / "tokenizer.json").read_text() == shipped.to_str(pretty=True)  # the asset's rebuild command
-    names = [n for c in FACT_COUNTRIES for n in (c, country(c).capital)]
-    assert all(len(shipped.encode(" " + name).ids) == 1 for name in names)  # an edit swaps one row for one
+    names = [" " + n for c in FACT_COUNTRIES for n in (c, country(c).capital)]
+    whole = load_tokenizer(tmp_path / "facts")
+    assert all(len(whole.encode(name).ids) == 1 for name in names)  # an edit then swaps one row for one
+    assert sum(len(shipped.encode(name).ids) for name in names) > 2 * len(names)
 
 
 def test_fact_fraction_is_for_the_embedded_corpus_and_a_share(tmp_path, capsys):

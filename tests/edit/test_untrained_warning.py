@@ -33,18 +33,18 @@ def run(tmp_path_factory):
 
 def test_a_target_token_never_trained_is_one_warning_line(run, capsys):
     before = tree(run)
-    # " impat" is one token of the default tokenizer that neither the corpus's train split nor the fact mix holds
-    assert main(["edit", str(run / "run"), *PROMPT, "--target", "impat"]) == 0
+    # " quar" is one token of the default tokenizer that neither the corpus's train split nor the fact mix holds
+    assert main(["edit", str(run / "run"), *PROMPT, "--target", "quar"]) == 0
     out, err = capsys.readouterr()
-    assert json.loads(out)["target"] == "impat"
+    assert json.loads(out)["target"] == "quar"
     assert err.splitlines() == [
-        f"stemlm edit: warning: --target 'impat' ('Ġimpat'): never in the training data of {run / 'run'}, "
+        f"stemlm edit: warning: --target 'quar' ('Ġquar'): never in the training data of {run / 'run'}, "
         "so those rows are untrained"
     ]
     assert tree(run) == before
 
 
-@pytest.mark.parametrize(("folder", "target"), [("run", "Germany"), ("bare", "impat")])
+@pytest.mark.parametrize(("folder", "target"), [("run", "Germany"), ("bare", "quar")])
 def test_no_warning_for_trained_tokens_or_where_the_data_is_not_known(run, capsys, folder, target):
     assert main(["edit", str(run / folder), *PROMPT, "--target", target]) == 0
     assert capsys.readouterr().err == ""
@@ -53,7 +53,7 @@ def test_no_warning_for_trained_tokens_or_where_the_data_is_not_known(run, capsy
 def test_a_run_on_the_users_data_is_not_read_back(run, tmp_path, capsys):
     (run / "run" / "run_config.json").write_text(json.dumps({"train": TrainConfig(data=[str(tmp_path)]).to_dict()}))
     try:
-        assert main(["edit", str(run / "run"), *PROMPT, "--target", "impat"]) == 0
+        assert main(["edit", str(run / "run"), *PROMPT, "--target", "quar"]) == 0
     finally:
         (run / "run" / "run_config.json").write_text(json.dumps({"train": TrainConfig().to_dict()}))
     assert capsys.readouterr().err == ""

@@ -9,9 +9,9 @@ Without --save/--inject the edit is positional: only the prompt's source span re
 prefill, and generation continues from the KV cache. --save writes a global edit (every occurrence of the
 source tokens, in the tables themselves) as a new checkpoint; it lists every token whose rows it changes and
 the other words containing them, and refuses to save when there are such words unless
---allow-shared-subwords is given ("Port of Spain" holds " Spain", so it would change too). --inject gives a
-new or rare token the target's rows. `stemlm eval edits` (registered from here as `register_eval`) measures
-edits over many facts.
+--allow-shared-subwords is given (" Spain" is "ĠSp" + "ain" in the shipped tokenizer, so " Britain" would
+change too). --inject gives a new or rare token the target's rows. `stemlm eval edits` (registered from here
+as `register_eval`) measures edits over many facts.
 """
 
 from __future__ import annotations

@@ -5,9 +5,10 @@
     stemlm tokenizer encode --tokenizer gpt2 "Hello world"  # -> 15496 995, then the pieces 'Hello' 'Ġworld'
 
 `train` uses the train split of `load_corpus` (the same split the trainer uses, so held-out documents
-never shape the vocabulary); on the embedded corpus it adds the default run's fact statements in the share
-`stemlm train` mixes them in (`--fact-fraction`, 0.5), so the fact world's names are whole tokens. The shipped
-default tokenizer is exactly `stemlm tokenizer train --out src/stemlm/assets/tokenizer`.
+never shape the vocabulary). `--fact-fraction 0.5` adds the default run's fact statements to the embedded corpus
+in the share `stemlm train` mixes them in, so the fact world's names become whole tokens (measured for the
+default run's edit in docs/results.md: it did not help). The shipped default tokenizer is exactly
+`stemlm tokenizer train --out src/stemlm/assets/tokenizer`.
 """
 
 from __future__ import annotations
@@ -41,8 +42,9 @@ def register(subparsers) -> None:
         "--fact-fraction",
         type=float,
         metavar="F",
+        default=0.0,
         help="share of the characters that are the default run's fact statements, added to the embedded corpus as "
-        "`stemlm train` mixes them in (default: 0.5 there, 0 with --data; 0: none)",
+        "`stemlm train` mixes them in (default 0: none)",
     )
     train.add_argument("--out", required=True, metavar="DIR", help="directory to write tokenizer.json into")
     train.add_argument("--force", action="store_true", help="replace DIR/tokenizer.json (never a checkpoint's)")
@@ -61,10 +63,10 @@ def run_train(args) -> int:
     from stemlm.errors import StemlmError
     from stemlm.train.config import TrainConfig
 
-    run = TrainConfig()  # the default run, whose fact mix the tokenizer learns beside the embedded corpus
-    fraction = args.fact_fraction if args.fact_fraction is not None else 0.0 if args.data else run.fact_fraction
+    run = TrainConfig()  # the default run, whose fact mix the tokenizer may learn beside the embedded corpus
+    fraction = args.fact_fraction
     if not 0 <= fraction < 1:
-        raise StemlmError(f"--fact-fraction must lie in [0, 1), got {args.fact_fraction}")
+        raise StemlmError(f"--fact-fraction must lie in [0, 1), got {fraction}")
     if fraction and args.data:
         raise StemlmError("--fact-fraction mixes facts into the embedded corpus only (as stemlm train); drop --data")
     result = train_tokenizer(

@@ -74,10 +74,11 @@ def tokenizer_texts(
     relations: Sequence[str],
     seed: int,
 ) -> list[str]:
-    """The text a tokenizer for the default run learns from: the corpus and the fact statements (training
-    phrasings only) in documents after it, repeated to `fraction` of the characters, as the run mixes them into
-    its tokens (no tokenizer exists yet to count tokens with). BPE then merges the fact world's names whole, so
-    an edit swaps one token's rows for one token's rows (docs/results.md "The default run")."""
+    """The text of `stemlm tokenizer train --fact-fraction`: the corpus and the fact statements (training phrasings
+    only) in documents after it, repeated to `fraction` of the characters, as the run mixes them into its tokens
+    (no tokenizer exists yet to count tokens with). BPE then merges the fact world's names whole, so an edit
+    swaps one token's rows for one token's rows; for the default run's edit that did not pay (docs/results.md
+    "The default run")."""
     from stemlm.data.worlds.facts import as_documents, fact_prompts, shuffled_statements
 
     prompts = fact_prompts("train", tuple(relations), region, mix=True)

