@@ -32,9 +32,10 @@ same checkpoint served by `stemlm serve` and by vLLM's OpenAI server (stemlm's p
 a free port, and `c` concurrent streams (each `--requests` completions one after another, `--prompt` token ids in,
 up to `--new` greedy tokens out) sent to `/v1/completions` at each concurrency `c` (default 1 and 16). Tokens/s
 is completion tokens (the servers' `usage`) per wall second, client side, HTTP and detokenising included; the
-servers start before the clock. `--host-tables` serves vLLM's STEM tables from pinned host memory through its UVA
-weight offload (`--cpu-offload-params stem_embedding`) as a third server. fp32 on the CPU, bf16 on CUDA (stemlm:
-autocast over fp32 weights; vLLM: bf16 weights).
+servers start before the clock. `--stemlm-variant NAME=ARGS` adds a `stemlm serve` with extra arguments
+(`st256='--step-tokens 256'`) as a further server, `stemlm_NAME`. `--host-tables` serves vLLM's STEM tables from
+pinned host memory through its UVA weight offload (`--cpu-offload-params stem_embedding`) as a further server.
+fp32 on the CPU, bf16 on CUDA (stemlm: autocast over fp32 weights; vLLM: bf16 weights).
 
     python benchmarks/serve_throughput.py --vllm                             # tiny preset, CPU
     python benchmarks/serve_throughput.py --vllm --device cuda --preset paper-350m --set vocab_size=8192 --host-tables
@@ -59,6 +60,7 @@ import argparse
 import importlib.metadata
 import json
 import os
+import shlex
 import socket
 import statistics
 import subprocess
@@ -96,6 +98,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--vllm", action="store_true", help="stemlm serve against vLLM over HTTP (see the module doc)")
     p.add_argument("--requests", type=int, default=2, help="--vllm: completions per stream (default 2)")
     p.add_argument("--host-tables", action="store_true", help="--vllm: also vLLM with its STEM tables in host memory")
+    p.add_argument(
+        "--stemlm-variant",
+        action="append",
+        default=[],
+        metavar="NAME=ARGS",
+        help="--vllm: also `stemlm serve` with extra arguments, as server stemlm_NAME (st256='--step-tokens 256')",
+    )
     p.add_argument("--fair-prompts", type=int, default=64, help="--vllm fairness: prompts of the big request (0: off)")
     p.add_argument("--fair-new", type=int, default=200, help="--vllm fairness: tokens per prompt of the big request")
     p.add_argument("--fair-small", type=int, default=6, help="--vllm fairness: tokens of the small request")
@@ -258,7 +267,11 @@ def server_commands(args, folder: Path) -> dict[str, list[str]]:
     stemlm += ["--dtype", "bf16" if cuda else "fp32", "--slots", slots]
     vllm = [*vllm_command(folder), "--dtype", "bfloat16" if cuda else "float32", "--max-model-len", "1024"]
     vllm += ["--max-num-seqs", slots] + ([] if cuda else ["--enforce-eager"])
-    commands = {"stemlm": stemlm, "vllm": vllm}
+    commands = {"stemlm": stemlm}
+    for variant in args.stemlm_variant:
+        name, _, extra = variant.partition("=")
+        commands[f"stemlm_{name}"] = stemlm + shlex.split(extra)
+    commands["vllm"] = vllm
     if args.host_tables:
         commands["vllm_host"] = [*vllm, "--cpu-offload-gb", "1000", "--cpu-offload-params", "stem_embedding"]
     return commands
@@ -376,6 +389,8 @@ def side_by_side(args) -> None:
     fields.append(f"vllm_over_stemlm={rates['vllm'][top] / rates['stemlm'][top]:.2f}")
     fields.append(f"stemlm_over_vllm_c1={rates['stemlm'][1] / rates['vllm'][1]:.2f}" if 1 in rates["vllm"] else "")
     fields.append(f"stemlm_over_vllm={rates['stemlm'][top] / rates['vllm'][top]:.2f}")
+    for variant in (name for name in rates if name.startswith("stemlm_")):
+        fields.append(f"{variant}_over_vllm={rates[variant][top] / rates['vllm'][top]:.2f}")
     fields += [f"{name}_fairness={by_level['fair']:.2f}" for name, by_level in rates.items() if "fair" in by_level]
     if "vllm_host" in rates:
         fields.append(f"vllm_host_over_resident={rates['vllm_host'][top] / rates['vllm'][top]:.3f}")
