@@ -41,7 +41,7 @@ def test_prompts_of_different_lengths_prefilled_together_give_single_stream_outp
     engine = BatchEngine(model, slots=4, step_tokens=64)
     requests = [engine.submit(greedy(p, m)) for p, m in zip(PROMPTS, MAX_TOKENS, strict=True)]
     engine.run_until_idle()
-    assert widths == [4]  # all four prompts (1 to 11 tokens) in one forward
+    assert widths == [3]  # the three prompts of 3 to 11 tokens in one forward (the 1-token one runs as a step)
     assert [r.output_ids for r in requests] == expected
 
 
@@ -55,7 +55,7 @@ def test_off_prefills_one_prompt_a_forward_with_the_same_output():
         engine.run_until_idle()
         outputs.append([r.output_ids for r in requests])
         model._forward_pre_hooks.clear()
-        assert widths == ([4] if batch_prefill else [1, 1, 1])
+        assert widths == ([3] if batch_prefill else [1, 1, 1])
     assert outputs[0] == outputs[1]
 
 

@@ -214,10 +214,11 @@ class BatchEngine:
         return acted
 
     def _goes_with(self, run: Prefill, together: list[Prefill]) -> bool:
-        """Whether `run` joins the prompts prefilled together this step: a fresh one-chunk prompt without an edit;
+        """Whether `run` joins the prompts prefilled together this step: a fresh one-chunk prompt without an edit,
+        of more than one token (one token runs as a decoding step, compiled where steps are: no graph of its own);
         with rows from outside (host tables), one of the same length only, since those rows are announced
         unpadded."""
-        if not self.batch_prefill or not run.fits_one_forward:
+        if not self.batch_prefill or not run.fits_one_forward or run.length == 1:
             return False
         return not together or isinstance(self.engine.row_source, ModelTables) or run.length == together[0].length
 
