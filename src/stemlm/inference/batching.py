@@ -14,7 +14,9 @@ prefilled in chunks of `prefill_chunk` tokens, while the step's token budget las
 token per active row (the decode), and the step's first chunk always runs, so a prompt always progresses. A
 prompt longer than a step's budget is prefilled over several steps (chunked prefill) while the batch decodes on:
 one long prompt list cannot hold the batch, and one long prompt cannot hold the queue for more than its chunks.
-A prefill that completes samples the request's first token and the request joins the KV pool. (2) One decode
+The newly admitted prompts that fit one chunk run together, in one forward left-padded to the longest
+(`stemlm.inference.engine.prefill_together`); a prompt of several chunks, an edited one or one of one token runs
+alone. A prefill that completes samples the request's first token and the request joins the KV pool. (2) One decode
 forward over every active row (`stemlm.inference.kv_pool.KVPool` holds them on one time axis), greedy rows
 sampled by one argmax over the batch, the others each by its own seeded generator.
 
@@ -209,8 +211,8 @@ class BatchEngine:
                 together.append(run)
             else:
                 self._advance(run)
-        self.together = []
         self._prefill_together(together)
+        self.together = []
         return acted
 
     def _goes_with(self, run: Prefill, together: list[Prefill]) -> bool:

@@ -17,6 +17,9 @@ and the prompt checks live in one place (`Request`, `SamplingParams`) and the fo
   with `prompt_logprobs` has its prompt scored from the same forwards' logits (`Request.score_prompt`): scoring a
   text is its prefill, with `max_tokens=0`. `begin_prefill(request)` is the same prefill as a `Prefill` object
   that runs one chunk per `advance()`, so the batch engine can spread a long prompt over several steps.
+- `prefill_together(engine, runs)` runs several fresh one-chunk `Prefill`s in one forward, left-padded under an
+  attention mask; the batch engine's step does so with the prompts it admits. A prefill computes the head only
+  where logits are used: the last position of the last chunk, unless the prompt is scored.
 - `feed(tokens, before)` turns each row's last sampled token into the next forward's [B, 1] ids and announces
   their rows to the row source at once, so that the rows travel while the caller handles the token.
 - `step(ids, cache)` runs that forward (a sampled id is in range by construction: no id check) and returns each
