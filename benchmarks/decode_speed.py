@@ -28,9 +28,12 @@ ceiling that torch's matrix-vector kernels set on this machine, whatever is done
 Last line: `RESULT ours_over_hf=… fused_over_unfused=… share_of_bound=… share_of_matvec=… matvec_share_of_bound=…
 stem_share_of_bound=… hf_share_of_bound=… ours_tok_s=… hf_tok_s=… stem_tok_s=… bound_tok_s=…` (ours = our dense
 model; ratio > 1 = ours faster; a share is tokens/s over the bound's), and with `--compile` `compiled_over_fused=…
-compiled_over_hf=… compiled_share_of_bound=…`: tiny-dense with its decoding steps through torch.compile
-(`stemlm.inference.inference_model.InferenceModel`, as `generate --compile` runs them; compiled before the timing)
-over the fused eager model and over `transformers`, and its share of the bound.
+compiled_over_hf=… compiled_share_of_bound=… serve_share_of_bound=… serve_tok_s=…`: tiny-dense with its decoding
+steps through torch.compile (`stemlm.inference.inference_model.InferenceModel`, as `generate --compile` runs them;
+compiled before the timing) over the fused eager model and over `transformers`, and its share of the bound; and
+"serve": the configuration `stemlm serve` runs by default, the tiny STEM model (`stemlm train`'s preset) with
+compiled steps and resident tables, one request decoded by the batch engine (`BatchEngine`, the server's decode
+loop: its per-step work beside the forward included), its share of the tiny STEM model's bound.
 """
 
 from __future__ import annotations
@@ -44,8 +47,10 @@ import torch
 import torch.nn.functional as F
 
 from stemlm.checkpoint.folder import save_pretrained
+from stemlm.inference.batching import BatchEngine
 from stemlm.inference.generate import generate
 from stemlm.inference.inference_model import InferenceModel
+from stemlm.inference.requests import Request, SamplingParams
 from stemlm.model import build_model
 from stemlm.model.accounting import decode_bytes_per_token
 from stemlm.model.fusion import fuse_for_decoding, stored_transposed
@@ -104,6 +109,9 @@ def main(argv: list[str] | None = None) -> None:
         compiled = build_model(dense_cfg, seed=0).eval().to(device)
         fuse_for_decoding(compiled)
         ours["compiled"] = InferenceModel(compiled, compile=True)
+        served = build_model(stem_cfg, seed=0).eval().to(device)
+        fuse_for_decoding(served)
+        serve_engine = BatchEngine(InferenceModel(served, compile=True), slots=1)
     prompt = torch.randint(0, dense_cfg.vocab_size, (1, args.prompt), generator=torch.Generator().manual_seed(0))
     prompt = prompt.to(device)
 
@@ -135,11 +143,19 @@ def main(argv: list[str] | None = None) -> None:
             y = vectors[w.shape[0]] @ w if transposed else F.linear(vectors[w.shape[1]], w)
         return y[0, 0].item()  # waits for a GPU's products
 
+    def run_serve():
+        request = serve_engine.submit(Request(prompt[0].tolist(), SamplingParams(max_tokens=args.new, temperature=0)))
+        serve_engine.run_until_idle()
+        return request.output_ids
+
     runs = {name: run_ours(name) for name in ours}
+    if args.compile:
+        runs["serve"] = run_serve
     runs |= {"hf": run_hf, "stream": read_stream, "matvec": run_matvecs}
     tokens = {name: fn() for name, fn in runs.items()}  # warm-up, and the outputs to compare
     if args.compile:
         runs["compiled"]()  # the second compile, for a dynamic cache length, is warm-up too
+        runs["serve"]()
     times: dict[str, list[float]] = {name: [] for name in runs}
     names = list(runs)
     clock = time.process_time if args.clock == "cpu" else time.perf_counter
@@ -160,6 +176,7 @@ def main(argv: list[str] | None = None) -> None:
         for n, c in (("stem", stem_cfg), ("dense", dense_cfg))
     }
     bytes_tok["hf"] = bytes_tok["unfused"] = bytes_tok["compiled"] = bytes_tok["dense"]
+    bytes_tok["serve"] = bytes_tok["stem"]
     print(
         f"tiny, fp32 on {device}, threads={torch.get_num_threads()}, prompt {args.prompt} + {args.new} greedy tokens, "
         f"{args.reps} reps, {args.clock} clock; read bandwidth {bandwidth / 1e9:.1f} GB/s (same clock, median)"
@@ -170,6 +187,7 @@ def main(argv: list[str] | None = None) -> None:
         "dense": "ours, tiny-dense",
         "unfused": "ours, unfused",
         "compiled": "ours, compiled steps",
+        "serve": "serve default (STEM)",
         "hf": "transformers, tiny-dense",
     }
     for name in names:
@@ -191,9 +209,11 @@ def main(argv: list[str] | None = None) -> None:
     compiled = ""
     if args.compile:
         print(f"greedy tokens: ours compiled == ours dense: {tokens['compiled'] == tokens['dense']}")
+        print(f"greedy tokens: serve default == ours STEM: {tokens['serve'] == tokens['stem']}")
         compiled = (
             f" compiled_over_fused={tok_s['compiled'] / tok_s['dense']:.3f} "
             f"compiled_over_hf={tok_s['compiled'] / tok_s['hf']:.3f} compiled_share_of_bound={share['compiled']:.3f}"
+            f" serve_share_of_bound={share['serve']:.3f} serve_tok_s={tok_s['serve']:.0f}"
         )
     print(
         f"RESULT ours_over_hf={tok_s['dense'] / tok_s['hf']:.3f} "

@@ -32,17 +32,20 @@ same checkpoint served by `stemlm serve` and by vLLM's OpenAI server (stemlm's p
 a free port, and `c` concurrent streams (each `--requests` completions one after another, `--prompt` token ids in,
 up to `--new` greedy tokens out) sent to `/v1/completions` at each concurrency `c` (default 1 and 16). Tokens/s
 is completion tokens (the servers' `usage`) per wall second, client side, HTTP and detokenising included; the
-servers start before the clock. `--host-tables` serves vLLM's STEM tables from pinned host memory through its UVA
-weight offload (`--cpu-offload-params stem_embedding`) as a third server. fp32 on the CPU, bf16 on CUDA (stemlm:
-autocast over fp32 weights; vLLM: bf16 weights).
+servers start before the clock. `--stemlm-variant NAME=ARGS` adds a `stemlm serve` with extra arguments
+(`st256='--step-tokens 256'`) as a further server, `stemlm_NAME`. `--host-tables` serves vLLM's STEM tables from
+pinned host memory through its UVA weight offload (`--cpu-offload-params stem_embedding`) as a further server.
+fp32 on the CPU, bf16 on CUDA (stemlm: autocast over fp32 weights; vLLM: bf16 weights).
 
     python benchmarks/serve_throughput.py --vllm                             # tiny preset, CPU
     python benchmarks/serve_throughput.py --vllm --device cuda --preset paper-350m --set vocab_size=8192 --host-tables
 
-Fairness: on each server, a `--fair-small`-token request (6) sent a second after one request of `--fair-prompts`
-prompts (64) x `--fair-new` tokens (200), its latency over its latency on the idle server (medians of 3); both
-servers get the same sequence limit (`--slots` / `--max-num-seqs`: the big request's prompts + 1 or the highest
-concurrency).
+The servers run one after another (each measured alone), or with `--interleave` all up at once, each load run
+on each server in turn in a rotated order, so that load from other processes hits every server alike (the
+per-repetition figures are printed). Fairness: on each server, a `--fair-small`-token request (6) sent a second
+after one request of `--fair-prompts` prompts (64) x `--fair-new` tokens (200), its latency over its latency on
+the idle server (medians of 3); both servers get the same sequence limit (`--slots` / `--max-num-seqs`: the big
+request's prompts + 1 or the highest concurrency).
 
 ending `RESULT stemlm_c1_tok_s=… stemlm_c16_tok_s=… vllm_c1_tok_s=… vllm_c16_tok_s=… vllm_over_stemlm_c1=…
 vllm_over_stemlm=… stemlm_over_vllm_c1=… stemlm_over_vllm=… stemlm_fairness=… vllm_fairness=…` (the ratios without
@@ -59,6 +62,7 @@ import argparse
 import importlib.metadata
 import json
 import os
+import shlex
 import socket
 import statistics
 import subprocess
@@ -96,6 +100,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--vllm", action="store_true", help="stemlm serve against vLLM over HTTP (see the module doc)")
     p.add_argument("--requests", type=int, default=2, help="--vllm: completions per stream (default 2)")
     p.add_argument("--host-tables", action="store_true", help="--vllm: also vLLM with its STEM tables in host memory")
+    p.add_argument(
+        "--stemlm-variant",
+        action="append",
+        default=[],
+        metavar="NAME=ARGS",
+        help="--vllm: also `stemlm serve` with extra arguments, as server stemlm_NAME (st256='--step-tokens 256')",
+    )
+    p.add_argument("--interleave", action="store_true", help="--vllm: every server up at once, loads in turn")
     p.add_argument("--fair-prompts", type=int, default=64, help="--vllm fairness: prompts of the big request (0: off)")
     p.add_argument("--fair-new", type=int, default=200, help="--vllm fairness: tokens per prompt of the big request")
     p.add_argument("--fair-small", type=int, default=6, help="--vllm fairness: tokens of the small request")
@@ -258,7 +270,11 @@ def server_commands(args, folder: Path) -> dict[str, list[str]]:
     stemlm += ["--dtype", "bf16" if cuda else "fp32", "--slots", slots]
     vllm = [*vllm_command(folder), "--dtype", "bfloat16" if cuda else "float32", "--max-model-len", "1024"]
     vllm += ["--max-num-seqs", slots] + ([] if cuda else ["--enforce-eager"])
-    commands = {"stemlm": stemlm, "vllm": vllm}
+    commands = {"stemlm": stemlm}
+    for variant in args.stemlm_variant:
+        name, _, extra = variant.partition("=")
+        commands[f"stemlm_{name}"] = stemlm + shlex.split(extra)
+    commands["vllm"] = vllm
     if args.host_tables:
         commands["vllm_host"] = [*vllm, "--cpu-offload-gb", "1000", "--cpu-offload-params", "stem_embedding"]
     return commands
@@ -338,6 +354,36 @@ def fairness(url: str, work: list[list[int]], args) -> float:
     return statistics.median(beside) / idle
 
 
+def interleaved(args, folder: Path, tmp: Path, work: list[list[int]], rates: dict) -> None:
+    """`--interleave`: every server up at once, each load level run on each server in turn, the order rotated from
+    one repetition to the next, so load from other processes hits all alike (an idle server waits on its socket).
+    Fairness is measured after, one server at a time, each alone."""
+    servers = {}
+    try:
+        for name, command in server_commands(args, folder).items():
+            t0 = time.perf_counter()
+            servers[name] = start(name, command, tmp / f"{name}.log", args.start_timeout)
+            print(f"{name}: started in {time.perf_counter() - t0:.0f} s", flush=True)
+            load(servers[name][1], work, 1, 1, args.new)  # warm: first requests compile and allocate
+        names = list(servers)
+        for c in concurrency_levels(args):
+            runs: dict[str, list[float]] = {name: [] for name in names}
+            for rep in range(args.reps):
+                for name in names[rep % len(names) :] + names[: rep % len(names)]:
+                    runs[name].append(load(servers[name][1], work, c, args.requests, args.new))
+            for name in names:
+                rates.setdefault(name, {})[c] = statistics.median(runs[name])
+                print(f"{name} concurrency {c}: {' '.join(f'{r:.1f}' for r in runs[name])} tok/s", flush=True)
+        if args.fair_prompts:
+            for name in names:
+                rates[name]["fair"] = fairness(servers[name][1], work, args)
+                print(f"{name} fairness: {rates[name]['fair']:.2f}x the idle latency", flush=True)
+    finally:
+        for process, _ in servers.values():
+            process.terminate()
+            process.wait(timeout=120)
+
+
 def side_by_side(args) -> None:
     config = get_preset(args.preset).with_overrides(args.overrides)
     top = max(concurrency_levels(args))
@@ -346,7 +392,11 @@ def side_by_side(args) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp) / "model"
         save_pretrained(build_model(config, seed=0).eval(), folder, tokenizer=default_tokenizer())
+        if args.interleave:
+            interleaved(args, folder, Path(tmp), work, rates)
         for name, command in server_commands(args, folder).items():
+            if args.interleave:
+                break
             t0 = time.perf_counter()
             process, url = start(name, command, Path(tmp) / f"{name}.log", args.start_timeout)
             print(f"{name}: started in {time.perf_counter() - t0:.0f} s", flush=True)
@@ -376,6 +426,8 @@ def side_by_side(args) -> None:
     fields.append(f"vllm_over_stemlm={rates['vllm'][top] / rates['stemlm'][top]:.2f}")
     fields.append(f"stemlm_over_vllm_c1={rates['stemlm'][1] / rates['vllm'][1]:.2f}" if 1 in rates["vllm"] else "")
     fields.append(f"stemlm_over_vllm={rates['stemlm'][top] / rates['vllm'][top]:.2f}")
+    for variant in (name for name in rates if name.startswith("stemlm_")):
+        fields.append(f"{variant}_over_vllm={rates[variant][top] / rates['vllm'][top]:.2f}")
     fields += [f"{name}_fairness={by_level['fair']:.2f}" for name, by_level in rates.items() if "fair" in by_level]
     if "vllm_host" in rates:
         fields.append(f"vllm_host_over_resident={rates['vllm_host'][top] / rates['vllm'][top]:.3f}")

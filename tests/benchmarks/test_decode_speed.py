@@ -52,3 +52,8 @@ def test_compiled_steps_report_their_ratios_and_share(capsys):
     assert float(fields["compiled_share_of_bound"]) == pytest.approx(
         float(fields["share_of_bound"]) * float(fields["compiled_over_fused"]), rel=0.01, abs=2e-3
     )
+    # serve's default (tiny STEM, compiled steps, the batch engine): its tokens and its share of the STEM bound
+    assert "greedy tokens: serve default == ours STEM: True" in out
+    serve = re.search(r"serve default \(STEM\)\s+(\d+)\s+([\d.]+)\s+(\d+)", out)
+    share = float(serve.group(1)) / float(serve.group(3))
+    assert float(fields["serve_share_of_bound"]) == pytest.approx(share, rel=0.02, abs=2e-3)

@@ -31,11 +31,14 @@ def test_vllm_side_by_side_result_line():
     out = run_benchmark(
         "serve_throughput.py", "--vllm", *small, "--prompt", "8", "--new", "4", "--reps", "1", "--requests", "1",
         "--concurrency", "1,3", "--fair-prompts", "3", "--fair-new", "4", "--fair-small", "2",
+        "--interleave", "--stemlm-variant", "b8=--step-tokens 8",
     )  # fmt: skip
     fields = result_fields(out)
     assert set(fields) == {
         "stemlm_c1_tok_s", "stemlm_c3_tok_s", "vllm_c1_tok_s", "vllm_c3_tok_s",
         "vllm_over_stemlm_c1", "vllm_over_stemlm", "stemlm_over_vllm_c1", "stemlm_over_vllm",
-        "stemlm_fairness", "vllm_fairness",
+        "stemlm_b8_c1_tok_s", "stemlm_b8_c3_tok_s", "stemlm_b8_over_vllm",
+        "stemlm_fairness", "stemlm_b8_fairness", "vllm_fairness",
     }  # fmt: skip
+    assert "stemlm_b8 concurrency 3: " in out  # interleaved: each repetition's figure printed
     assert float(fields["vllm_c3_tok_s"]) > 0 and float(fields["stemlm_c3_tok_s"]) > 0

@@ -42,7 +42,8 @@ def test_one_gather_per_step_for_the_whole_batch(tmp_path):
         same = [engine.submit(Request([7, 8, 9], SamplingParams(max_tokens=5, temperature=0))) for _ in range(4)]
         engine.run_until_idle()
         stats = lm.offloaded.cache.stats
-        # 4 prefills, then 4 batched steps of 4 identical requests: each step's 4 positions are 1 distinct row.
-        assert engine.steps == 4 and stats.steps == 4 + 4
-        assert stats.lookups == 4 * 3 + 4 * 4 and stats.unique_ids == 4 * 3 + 4
+        # The 4 prompts in one prefill forward, then 4 batched steps of 4 identical requests: the prefill's 12
+        # positions are 3 distinct rows, each step's 4 positions 1.
+        assert engine.steps == 4 and stats.steps == 1 + 4
+        assert stats.lookups == 4 * 3 + 4 * 4 and stats.unique_ids == 3 + 4
         assert all(r.output_ids == generate(lm.model, [7, 8, 9], 5, greedy=True) for r in same)

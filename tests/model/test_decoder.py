@@ -11,6 +11,7 @@ import torch
 from stemlm.errors import StemlmError
 from stemlm.model import build_model
 from stemlm.model.config import FFN_KINDS, TABLE_KINDS
+from stemlm.model.decoder import ForwardOptions
 
 
 @pytest.mark.parametrize("bad", [-1, 256, 1000])
@@ -154,3 +155,13 @@ def test_dense_matches_hf_llama(tiny_model):
         torch.testing.assert_close(model(ids).logits, hf(ids).logits, rtol=1e-5, atol=1e-5)
         ours, theirs = model(ids, attention_mask=mask).logits, hf(ids, attention_mask=mask).logits
     torch.testing.assert_close(ours[mask.bool()], theirs[mask.bool()], rtol=1e-5, atol=1e-5)
+
+
+def test_last_logits_are_the_last_positions_logits(tiny_model):
+    model = tiny_model("stem")
+    ids = torch.tensor([[5, 17, 3, 42], [9, 8, 7, 6]])
+    with torch.no_grad():
+        full = model(ids).logits
+        last = model(ids, options=ForwardOptions(last_logits=True)).logits
+    assert last.shape == (2, 1, full.shape[-1])
+    torch.testing.assert_close(last, full[:, -1:], rtol=0, atol=1e-5)

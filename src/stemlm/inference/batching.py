@@ -14,7 +14,9 @@ prefilled in chunks of `prefill_chunk` tokens, while the step's token budget las
 token per active row (the decode), and the step's first chunk always runs, so a prompt always progresses. A
 prompt longer than a step's budget is prefilled over several steps (chunked prefill) while the batch decodes on:
 one long prompt list cannot hold the batch, and one long prompt cannot hold the queue for more than its chunks.
-A prefill that completes samples the request's first token and the request joins the KV pool. (2) One decode
+The newly admitted prompts that fit one chunk run together, in one forward left-padded to the longest
+(`stemlm.inference.engine.prefill_together`); a prompt of several chunks, an edited one or one of one token runs
+alone. A prefill that completes samples the request's first token and the request joins the KV pool. (2) One decode
 forward over every active row (`stemlm.inference.kv_pool.KVPool` holds them on one time axis), greedy rows
 sampled by one argmax over the batch, the others each by its own seeded generator.
 
@@ -50,10 +52,11 @@ import time
 import torch
 
 from stemlm.errors import StemlmError
-from stemlm.inference.engine import Engine, Prefill
+from stemlm.inference.engine import Engine, Prefill, prefill_together
 from stemlm.inference.inference_model import InferenceModel
 from stemlm.inference.kv_pool import KVPool
 from stemlm.inference.requests import Request
+from stemlm.inference.rows import ModelTables
 from stemlm.model.decoder import StemLM
 
 STEP_TOKENS = 64  # default token budget of one step (decode rows + prefill tokens): docs/serving.md, fairness
@@ -72,9 +75,11 @@ class BatchEngine:
         max_waiting: int | None = None,
         step_tokens: int = STEP_TOKENS,
         prefill_chunk: int | None = None,
+        batch_prefill: bool = True,
     ) -> None:
         """`engine`: the decoding engine, or a model to make one of (with `tokenizer`); `step_tokens`: a step's
-        token budget; `prefill_chunk`: tokens per prefill forward (default: the engine's, at most `step_tokens`)."""
+        token budget; `prefill_chunk`: tokens per prefill forward (default: the engine's, at most `step_tokens`);
+        `batch_prefill`: a step's newly admitted one-chunk prompts run in one forward (False: one a forward)."""
         if slots < 1:
             raise StemlmError(f"slots must be >= 1, got {slots}")
         if step_tokens < 1:
@@ -85,10 +90,12 @@ class BatchEngine:
         if not 2 <= self.capacity <= limit:
             raise StemlmError(f"capacity must be in 2..{limit} (max_position_embeddings), got {self.capacity}")
         self.slots, self.max_waiting, self.step_tokens = slots, max_waiting, step_tokens
+        self.batch_prefill = batch_prefill
         self.prefill_chunk = min(prefill_chunk or self.engine.prefill_chunk or step_tokens, step_tokens)
         self.pool = KVPool(slots, self.capacity)
         self.active: list[Request] = []  # row b of the pool is active[b]
         self.prefilling: list[Prefill] = []  # admitted, prompt not yet fully run (in admission order)
+        self.together: list[Prefill] = []  # admitted this step, to be prefilled in one forward at its end
         self.waiting: list[Request] = []
         self.lock = threading.Lock()  # guards `waiting` and cancellation against the loop thread
         self.steps = 0  # batched decode forwards
@@ -107,7 +114,7 @@ class BatchEngine:
                 raise QueueFull(f"the queue is full ({self.max_waiting} requests waiting); retry later")
             request.submitted_at = time.perf_counter()
             group = request.group_key
-            in_flight = self.active + [run.request for run in self.prefilling] + self.waiting
+            in_flight = self.active + [run.request for run in self.prefilling + self.together] + self.waiting
             request.rank = sum(1 for r in in_flight if r.group_key == group)  # its place among its group's
             self.waiting.append(request)
         return request
@@ -185,33 +192,72 @@ class BatchEngine:
     # ----- admission and prefill -----
     def _prefill(self, budget: int) -> bool:
         """Run prefill chunks, those of admitted prompts first, then of newly admitted ones, while `budget` tokens
-        last (the first chunk always runs). True when any ran or any request was settled."""
+        last (the first chunk always runs); the newly admitted prompts of one chunk run together in one forward
+        at the end. True when any ran or any request was settled."""
         used, acted, ran = 0, False, False
+        together = self.together  # admitted this step, prefilled together at its end (they hold their slots)
         while True:
             run = self.prefilling[0] if self.prefilling else self._admit()
             if run is None:
-                return acted
+                break
             if run is False:  # a request settled at admission (an error, nothing to generate): look further
                 acted = True
                 continue
             if ran and used + run.next_tokens > budget:
-                return acted
+                break
             used, acted, ran = used + run.next_tokens, True, True
-            try:
-                run.advance()
-            except Exception as exc:
-                self.prefilling.remove(run)
-                self.engine.row_source.drain()
-                _fail(run.request, exc)
-                continue
-            if run.done:
-                self.prefilling.remove(run)
-                self._complete(run)
+            self.prefilling.remove(run)
+            if self._goes_with(run, together):
+                together.append(run)
+            else:
+                self._advance(run)
+        self._prefill_together(together)
+        self.together = []
+        return acted
+
+    def _goes_with(self, run: Prefill, together: list[Prefill]) -> bool:
+        """Whether `run` joins the prompts prefilled together this step: a fresh one-chunk prompt without an edit,
+        of more than one token (one token runs as a decoding step, compiled where steps are: no graph of its own);
+        with rows from outside (host tables), one of the same length only, since those rows are announced
+        unpadded."""
+        if not self.batch_prefill or not run.fits_one_forward or run.length == 1:
+            return False
+        return not together or isinstance(self.engine.row_source, ModelTables) or run.length == together[0].length
+
+    def _advance(self, run: Prefill) -> None:
+        """Run one chunk of `run` (taken out of `prefilling`): it goes back there unless done or failed."""
+        try:
+            run.advance()
+        except Exception as exc:
+            self.engine.row_source.drain()
+            _fail(run.request, exc)
+            return
+        if run.done:
+            self._complete(run)
+        else:
+            self.prefilling.insert(0, run)
+
+    def _prefill_together(self, runs: list[Prefill]) -> None:
+        """One forward for all of `runs` (one alone runs as it would alone); if it fails (say, one bad prompt id),
+        each runs alone, so only a bad prompt fails."""
+        if len(runs) < 2:
+            for run in runs:
+                self._advance(run)
+            return
+        try:
+            prefill_together(self.engine, runs)
+        except Exception:
+            self.engine.row_source.drain()
+            for run in runs:
+                self._advance(run)
+            return
+        for run in runs:
+            self._complete(run)
 
     def _admit(self) -> Prefill | None | bool:
         """Admit the next waiting request when a slot is free: its `Prefill`; None when none is admitted; False
         when the request admitted ended at once (cancelled, a bad prompt, nothing to generate)."""
-        if len(self.active) + len(self.prefilling) >= self.slots:
+        if len(self.active) + len(self.prefilling) + len(self.together) >= self.slots:
             return None
         request = self._next_waiting()
         if request is None:
@@ -241,7 +287,7 @@ class BatchEngine:
         self.tokens += 1
         if request.sample(run.logits):
             return  # finished on its first token: it never joins the batch
-        self.pool.join(run.cache, len(request.prompt_ids))
+        self.pool.join(run.cache, len(request.prompt_ids), run.row)
         self.active.append(request)
 
     def _leave(self, b: int) -> None:

@@ -17,6 +17,9 @@ and the prompt checks live in one place (`Request`, `SamplingParams`) and the fo
   with `prompt_logprobs` has its prompt scored from the same forwards' logits (`Request.score_prompt`): scoring a
   text is its prefill, with `max_tokens=0`. `begin_prefill(request)` is the same prefill as a `Prefill` object
   that runs one chunk per `advance()`, so the batch engine can spread a long prompt over several steps.
+- `prefill_together(engine, runs)` runs several fresh one-chunk `Prefill`s in one forward, left-padded under an
+  attention mask; the batch engine's step does so with the prompts it admits. A prefill computes the head only
+  where logits are used: the last position of the last chunk, unless the prompt is scored.
 - `feed(tokens, before)` turns each row's last sampled token into the next forward's [B, 1] ids and announces
   their rows to the row source at once, so that the rows travel while the caller handles the token.
 - `step(ids, cache)` runs that forward (a sampled id is in range by construction: no id check) and returns each
@@ -44,6 +47,8 @@ from stemlm.model.decoder import ForwardOptions, StemLM
 from stemlm.model.ffn import Rows
 
 CHECKED, UNCHECKED = ForwardOptions(), ForwardOptions(check_ids=False)  # the prefill checks the prompt ids, once
+# A prefill chunk that nobody scores needs no logits (NO_HEAD) but at the prompt's end, and only the last one there.
+NO_HEAD, LAST_LOGITS = ForwardOptions(head=False), ForwardOptions(last_logits=True)
 
 
 class Engine:
@@ -184,6 +189,12 @@ class Prefill:
         self.rows = _over(engine.rows, request.edit_rows)
         self.position, self.announced = 0, -1  # prompt tokens run; the last chunk announced
         self.logits: torch.Tensor | None = None
+        self.row = 0  # the cache's row that holds this prompt (`prefill_together` shares one cache among prompts)
+
+    @property
+    def fits_one_forward(self) -> bool:
+        """Nothing run yet, the whole prompt one chunk, no edit of its own: it may run beside others."""
+        return self.position == 0 and self.size >= self.length and self.request.edit_rows is None
 
     @property
     def done(self) -> bool:
@@ -208,12 +219,55 @@ class Prefill:
         if lookahead:
             self._announce(index + 1)
         ids = self.host[:, start : start + self.size].to(self.engine.device)
-        out = self.engine.model(ids, past_key_values=self.cache, use_cache=True, rows=self.rows, options=CHECKED)
-        if self.request.params.prompt_logprobs is not None:
+        scored = self.request.params.prompt_logprobs is not None
+        last = start + ids.shape[1] >= self.length
+        options = _prefill_options(scored, last, ids.shape[1])
+        out = self.engine.model(ids, past_key_values=self.cache, use_cache=True, rows=self.rows, options=options)
+        if scored:
             self.request.score_prompt(out.logits[0], start)
         self.position += ids.shape[1]
         if self.done:
             self.logits = out.logits[0, -1]
+
+
+@torch.no_grad()
+def prefill_together(engine: Engine, runs: Sequence[Prefill]) -> KVCache:
+    """Run fresh prefills whose whole prompt is one chunk (`Prefill.fits_one_forward`) in one forward, and return
+    its cache: row b holds `runs[b]`'s prompt right-aligned (positions L - P_b .. L - 1 of L, the longest prompt).
+
+    Shorter prompts are left-padded (id 0) under an attention mask, with positions counting real tokens only (the
+    model's left-padding support), so each row's keys, values, decoding state and logits are its prompt's alone;
+    equal lengths need no mask. Each run ends `done`, with `logits`, `cache` (the shared one) and `row` set, and its
+    prompt scored when asked. Padded ids are announced as they run, so a row source that keys rows by the ids
+    around them (n-gram kinds) must get equal lengths only (the batch engine groups them so)."""
+    length = max(run.length for run in runs)
+    host = torch.zeros((len(runs), length), dtype=torch.long)
+    valid = torch.zeros((len(runs), length), dtype=torch.bool)
+    for b, run in enumerate(runs):
+        host[b, length - run.length :] = run.host[0]
+        valid[b, length - run.length :] = True
+    ids = host.to(engine.device)
+    engine.row_source.announce(ids, host, [[] for _ in runs])
+    mask = None if bool(valid.all()) else valid.to(engine.device)
+    cache = KVCache(engine.model.config.num_hidden_layers, capacity=length)
+    scored = any(run.request.params.prompt_logprobs is not None for run in runs)
+    options = _prefill_options(scored, True, length)
+    out = engine.model(
+        ids, attention_mask=mask, past_key_values=cache, use_cache=True, rows=engine.rows, options=options
+    )
+    for b, run in enumerate(runs):
+        if run.request.params.prompt_logprobs is not None:
+            run.request.score_prompt(out.logits[b, length - run.length :], 0)
+        run.position, run.logits, run.cache, run.row = run.length, out.logits[b, -1], cache, b
+    return cache
+
+
+def _prefill_options(scored: bool, last: bool, tokens: int) -> ForwardOptions:
+    """A prefill chunk's options: all logits when the prompt is scored, else the last only and only at its end. A
+    one-token chunk keeps the plain options: it runs as a decoding step (compiled, when steps are), one graph."""
+    if scored or tokens == 1:
+        return CHECKED
+    return LAST_LOGITS if last else NO_HEAD
 
 
 def _over(base: Rows | None, top: Rows | None) -> Rows | None:

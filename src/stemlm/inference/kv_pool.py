@@ -2,6 +2,7 @@
 
     pool = KVPool(slots=128, capacity=1024)
     pool.join(cache, P)                          # a prefilled request's cache becomes the last active row
+    pool.join(shared, P, row=b)                  # or row b of prompts prefilled together, right-aligned
     cache, mask, positions = pool.step_inputs()  # what one decode forward over all active rows takes
     pool.advance()                               # after that forward: every row one position longer
     pool.leave(b)                                # row b's request finished; the last row moves into b
@@ -74,16 +75,19 @@ class KVPool:
             self.keys = [grown(None, k) for k in like.keys]
             self.values = [grown(None, v) for v in like.values]
 
-    def join(self, cache: KVCache, prompt_length: int) -> None:
-        """Append a prefilled request's cache (its first `prompt_length` positions) as the last active row."""
-        P = prompt_length
+    def join(self, cache: KVCache, prompt_length: int, row: int = 0) -> None:
+        """Append a prefilled request as the last active row: its `prompt_length` positions are the last ones that
+        `cache` holds in row `row` (a prefill alone: row 0, all of it; prompts prefilled together: right-aligned)."""
+        P, end = prompt_length, cache.length
         self._reserve(self.rows + 1, max(P, self.length), like=cache)
         self._realign(max([P, *self.counts]))
         b, L = self.rows, self.length
         for pool, new in zip(self.keys + self.values, cache.keys + cache.values, strict=True):
-            pool[b, :, L - P : L] = new[0, :, :P]
-        row = cache.state.map(lambda value, pad: torch.cat([_pad(value, 1, L - P, pad), value[:, :P]], dim=1))
-        self.state = self.state.stack(row)
+            pool[b, :, L - P : L] = new[row, :, end - P : end]
+        joined = cache.state.map(
+            lambda value, pad: torch.cat([_pad(value, 1, L - P, pad), value[row : row + 1, end - P : end]], dim=1)
+        )
+        self.state = self.state.stack(joined)
         self.counts.append(P)
 
     def leave(self, b: int) -> None:
