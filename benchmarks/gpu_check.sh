@@ -29,8 +29,9 @@
 #      in the same (wall) clock: share_of_bound and ours/HF.
 #   With vLLM (in their own block at the end; skipped, not failed, where `$VLLM_PYTHON` (default: $PYTHON) cannot
 #   import vllm, as on a machine set up without it; docs/vllm.md):
-#  11. vllm_tables: tests/vllm/test_engine.py on the GPU, where the STEM engine's `cpu_offload_params stem_embedding`
-#      really moves the tables to pinned host memory (UVA): greedy tokens must equal stemlm's, dense and STEM.
+#  11. vllm_tables: tests/vllm/test_engine.py and test_serve.py on the GPU, where the STEM server's
+#      `--cpu-offload-params stem_embedding` really moves the tables to pinned host memory (UVA): greedy tokens must
+#      equal stemlm's, dense (vllm.LLM) and STEM (vLLM's server).
 #  12. vllm_serve: serve_throughput.py --vllm --host-tables, stemlm serve against vLLM (resident and host tables)
 #      over HTTP at 1 and 16 streams at the paper-350m shape with vocab 8192: vllm_over_stemlm.
 # Exit status: the number of failed checks. Prepared on a CPU-only machine; see docs/results.md ("GPU check").
@@ -167,7 +168,7 @@ run decode_speed 120 "$PY" benchmarks/decode_speed.py --device $DEV --clock wall
 # --- vLLM (issue 37): only where vllm imports; a vLLM start is about a minute, so these take longer ---
 VLLM_PY=${VLLM_PYTHON:-$PY}
 if "$VLLM_PY" -c "import vllm" >/dev/null 2>&1; then
-  run vllm_tables 420 "$VLLM_PY" -m pytest -q -p no:cacheprovider tests/vllm/test_engine.py
+  run vllm_tables 420 "$VLLM_PY" -m pytest -q -p no:cacheprovider tests/vllm/test_engine.py tests/vllm/test_serve.py
   run vllm_serve 540 "$VLLM_PY" benchmarks/serve_throughput.py --vllm --host-tables --device $DEV \
     --preset paper-350m --set vocab_size=8192 --prompt 64 --new 32 --reps 1 $(small vllm_serve)
 else

@@ -7,7 +7,9 @@ ids are the vocabulary), so `vllm serve` can take text; every other size is tiny
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -73,17 +75,45 @@ def vllm_greedy(llm, prompts, new: int = NEW_TOKENS) -> list[list[int]]:
     return [list(out.outputs[0].token_ids) for out in llm.generate(prompts, params, use_tqdm=False)]
 
 
+@contextlib.contextmanager
+def in_process_llm(**engine_args):
+    """A `vllm.LLM` whose engine runs in this process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`, vLLM's own test setting):
+    it starts in seconds instead of the 40 to 80 s that starting its engine-core and worker processes takes here.
+    The model code and the scheduler are those a user's engine runs; the plugin's registration in vLLM's worker
+    processes is what the servers of test_serve.py and test_readme_command.py cover. On exit the engine is shut
+    down and this process is put back as it was: vLLM's `cleanup_dist_env_and_memory`, the environment, and the
+    `torch.set_num_threads` that vLLM's CPU worker replaces with a no-op."""
+    import vllm
+    from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
+
+    environ = dict(os.environ)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(torch, "set_num_threads", torch.set_num_threads)
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        try:
+            llm = vllm.LLM(**engine_args)
+            try:
+                yield llm
+            finally:
+                llm.llm_engine.engine_core.shutdown()
+        finally:
+            cleanup_dist_env_and_memory()
+            os.environ.clear()
+            os.environ.update(environ)
+
+
 @pytest.fixture(scope="session")
 def checkpoints(tmp_path_factory) -> dict[str, Path]:
     """{"dense": folder, "stem": folder}: tiny models with random weights, saved as `stemlm train` saves them; and
-    "stem-export": the STEM one through `stemlm export --remote-code` (its config.json then has an auto_map too)."""
+    "stem-export": the STEM one through `stemlm export --remote-code` (its config.json then has an auto_map too),
+    given a chat template as a chat model's folder has one."""
     root = tmp_path_factory.mktemp("vllm")
     folders = {
         ffn: save_pretrained(build_model(tiny_config(ffn), seed=1).eval(), root / ffn, tokenizer=default_tokenizer())
         for ffn in ("dense", "stem")
     }
     assert main(["export", str(folders["stem"]), "--out", str(root / "stem-export"), "--remote-code"]) == 0
-    add_chat_template(folders["stem"])  # after the export, which checks the folder against its manifest
+    add_chat_template(root / "stem-export")
     return {**folders, "stem-export": root / "stem-export"}
 
 

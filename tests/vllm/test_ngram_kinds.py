@@ -6,16 +6,16 @@ The engine is made to exercise every way an earlier position is found: blocks of
 block), at most 16 tokens a step (a 40-token prompt is prefilled in chunks, each reading the chunk before), four
 prompts in one batch (prefills and decodes of several requests in one flattened step), and the same prompts again
 (vLLM's prefix cache reuses their blocks, and with them the slots the plugin wrote). The n-gram tables are selected
-for vLLM's host offload (a no-op on a CPU, accepted).
+for vLLM's host offload (a no-op on a CPU, accepted). One engine per kind, run in this process (`in_process_llm`).
 """
 
 from __future__ import annotations
 
 import pytest
 
-from tests.vllm.conftest import PROMPTS, stemlm_greedy, vllm_greedy
+from tests.vllm.conftest import PROMPTS, in_process_llm, stemlm_greedy, vllm_greedy
 
-vllm = pytest.importorskip("vllm")
+pytest.importorskip("vllm")
 
 LONG = [(7 * i + 3) % 500 + 100 for i in range(40)]
 NGRAM_PROMPTS = [*PROMPTS, LONG]
@@ -24,13 +24,12 @@ NEW_TOKENS = 24  # the 9-token prompt decodes past its first block of 32 (vLLM C
 
 @pytest.fixture(scope="module", params=["stem_ngram", "engram", "engram-reference", "stem+engram"])
 def engine(request, ngram_checkpoints):
-    llm = vllm.LLM(
+    with in_process_llm(
         model=str(ngram_checkpoints[request.param]), dtype="float32", kv_cache_memory_bytes=2**28,
         max_model_len=256, max_num_seqs=8, block_size=32, max_num_batched_tokens=16, enforce_eager=True,
         cpu_offload_gb=1, cpu_offload_params={"ngram_embedding", "engram_embedding"},
-    )  # fmt: skip
-    yield request.param, llm
-    llm.llm_engine.engine_core.shutdown()
+    ) as llm:  # fmt: skip
+        yield request.param, llm
 
 
 def test_greedy_tokens_equal_stemlm_prompt_by_prompt_then_in_one_batch(engine, ngram_checkpoints):

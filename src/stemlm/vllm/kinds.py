@@ -41,15 +41,15 @@ def check_servable(hf_config) -> ModelConfig:
 
 def dtype_note(recorded, served) -> str | None:
     """What to say when vLLM runs a checkpoint in another precision than the one it records (config.json's
-    `torch_dtype`, the dtype `stemlm generate` computes in): vLLM's `--dtype auto` casts every float32 checkpoint
-    to bfloat16 (or float16), which can turn a greedy choice between near-equal logits the other way."""
+    `torch_dtype`, the dtype `stemlm generate` computes in), as an explicit `--dtype bfloat16` does (`auto` keeps
+    the recorded one, stemlm.vllm.auto_dtype): bf16 can turn a greedy choice between near-equal logits the other way."""
     if recorded is None or served == recorded:
         return None
     name = str(recorded).removeprefix("torch.")
     return (
         f"stemlm: serving in {str(served).removeprefix('torch.')}, but the checkpoint computes in {name} "
         "(its weights' dtype, config.json torch_dtype): greedy tokens can differ from `stemlm generate`'s; "
-        f"pass --dtype {name} for the same tokens"
+        f"pass --dtype {name} (or leave --dtype out) for the same tokens"
     )
 
 
