@@ -18,12 +18,11 @@ from __future__ import annotations
 
 import functools
 import inspect
-
-from vllm.logger import init_logger
+import logging
 
 from stemlm.model.config import MODEL_TYPE
 
-logger = init_logger(__name__)
+logger = logging.getLogger(__name__)  # stdlib, so the module imports (and the docs' name resolves) without vLLM
 
 EXPECTED = ["model_type", "config_dtype", "is_pooling_model"]  # the parameters of the function wrapped
 
