@@ -13,6 +13,18 @@ TOKENIZER_VOCAB = 320
 DOC_CHARS = 12_000
 
 
+# the 2-layer, hidden-64 model the trainer tests train on this corpus (tests/train/conftest.py, parallel/conftest.py)
+SMALL_MODEL = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=64,
+    ffn_layers="odd",
+)
+
+
 def write_small_corpus(root: Path) -> dict[str, Path]:
     """Write the documents under root/data and the tokenizer under root/tok; token shards go to root/cache."""
     data = root / "data"

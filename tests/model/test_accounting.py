@@ -41,8 +41,20 @@ def config_for(tiny_config, kind, shape, **extra):
 # ----------------------------------------------------------------------------------------------------------
 # parameters
 # ----------------------------------------------------------------------------------------------------------
-def component_of(name: str, config) -> str:
-    """Classify a parameter by its HF-style name (independent of accounting's own bookkeeping)."""
+COMPONENT = {  # parameter-name fragment under .mlp. -> component
+    "stem_embedding": "token_tables",
+    "ple_embedding": "ple_tables",
+    "router": "moe_router",
+    "experts": "moe_experts",
+    "shared_expert": "moe_shared",
+    "ple_gate": "ple_proj",
+    "ple_proj": "ple_proj",
+}
+
+
+def component_of(name: str, config, parts=COMPONENT, stem_kinds=("stem", "stem_gate")) -> str:
+    """Classify a parameter by its HF-style name (independent of accounting's own bookkeeping): `parts` maps name
+    fragments under `.mlp.` to components; the other FFN projections are `stem_proj` in layers of `stem_kinds`."""
     if name == "model.embed_tokens.weight":
         return "embed_tokens"
     if name == "lm_head.weight":
@@ -51,19 +63,11 @@ def component_of(name: str, config) -> str:
         return "norms"
     if ".self_attn." in name:
         return "attention"
-    for part, component in (
-        ("stem_embedding", "token_tables"),
-        ("ple_embedding", "ple_tables"),
-        ("router", "moe_router"),
-        ("experts", "moe_experts"),
-        ("shared_expert", "moe_shared"),
-        ("ple_gate", "ple_proj"),
-        ("ple_proj", "ple_proj"),
-    ):
+    for part, component in parts.items():
         if f".mlp.{part}" in name:
             return component
     layer = int(name.split(".")[2])
-    return "stem_proj" if config.layer_ffn(layer) in ("stem", "stem_gate") else "ffn_dense"
+    return "stem_proj" if config.layer_ffn(layer) in stem_kinds else "ffn_dense"
 
 
 @pytest.mark.parametrize("shared", [False, True])

@@ -13,6 +13,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from stemlm.model import accounting as acc
 from stemlm.model import build_model
+from tests.model import test_accounting as accounting
 from tests.model.test_accounting import SHAPE_IDS, SHAPES, math_attention
 
 KINDS = ["stem_ngram", "engram", "memory"]
@@ -30,32 +31,11 @@ COMPONENT = {  # parameter-name fragment -> component (independent of accounting
 
 
 def config_for(tiny_config, kind, shape):
-    tied, kv, head_dim = shape
-    return tiny_config(
-        kind,
-        tie_word_embeddings=tied,
-        num_key_value_heads=kv,
-        head_dim=head_dim,
-        num_hidden_layers=4,
-        ffn_layers="1,3",
-        stem_ngram_orders="2,3",
-        **SMALL,
-    )
+    return accounting.config_for(tiny_config, kind, shape, stem_ngram_orders="2,3", **SMALL)
 
 
 def component_of(name: str, config) -> str:
-    if name == "model.embed_tokens.weight":
-        return "embed_tokens"
-    if name == "lm_head.weight":
-        return "lm_head"
-    if "norm" in name:
-        return "norms"
-    if ".self_attn." in name:
-        return "attention"
-    for part, component in COMPONENT.items():
-        if f".mlp.{part}" in name:
-            return component
-    return "stem_proj" if config.layer_ffn(int(name.split(".")[2])) == "stem_ngram" else "ffn_dense"
+    return accounting.component_of(name, config, COMPONENT, stem_kinds=("stem_ngram",))
 
 
 @pytest.mark.parametrize("shape", SHAPES, ids=SHAPE_IDS)

@@ -12,13 +12,11 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-from transformers import AutoModelForCausalLM
 
-from stemlm.checkpoint.folder import save_pretrained
-from stemlm.checkpoint.runs import from_pretrained
 from stemlm.model import TokenContext, build_model
 from stemlm.model.ngram import INT64_MAX
 from stemlm.model.ngram_layout import is_prime, ngram_layout
+from tests.model.round_trip import assert_hf_generate_is_greedy
 
 KINDS = ["stem_ngram", "engram", "memory"]
 SMALL = dict(memory_keys=16, memory_topk=4, memory_heads=2, memory_key_dim=16, engram_dim=32, engram_heads=2)
@@ -182,16 +180,5 @@ def test_left_padding_is_no_token(tiny_config, kind):
 @pytest.mark.parametrize("kind", KINDS)
 def test_save_load_and_hf_generate(tmp_path, tiny_config, kind):
     model = randomized(build_model(config(tiny_config, kind)), seed=7)
-    save_pretrained(model, tmp_path / "ckpt")
-    loaded = from_pretrained(tmp_path / "ckpt")
-    ids = torch.randint(0, 256, (2, 9), generator=torch.Generator().manual_seed(8))
-    with torch.no_grad():
-        torch.testing.assert_close(loaded(ids).logits, model(ids).logits, atol=0, rtol=0)
-    hf = AutoModelForCausalLM.from_pretrained(tmp_path / "ckpt")
+    hf = assert_hf_generate_is_greedy(model, tmp_path / "ckpt")
     assert hf.config.model_type == "stemlm" and hf.config.ffn == kind
-    generated = hf.generate(ids, max_new_tokens=6, do_sample=False)
-    with torch.no_grad():  # manual greedy loop without any cache: every step a full forward
-        seq = ids
-        for _ in range(6):
-            seq = torch.cat([seq, model(seq).logits[:, -1:].argmax(-1)], 1)
-    assert torch.equal(generated, seq)

@@ -16,15 +16,14 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from torch.utils.flop_counter import FlopCounterMode
 from transformers.models.gemma3n import modeling_gemma3n
 from transformers.models.gemma3n.configuration_gemma3n import Gemma3nTextConfig
 
 from stemlm.errors import StemlmError
 from stemlm.model import build_model
-from stemlm.model.accounting import decode_flops_per_token, parameter_counts, prefill_flops, total_parameters
+from stemlm.model.accounting import parameter_counts, total_parameters
 from stemlm.model.ffn import TokenContext
-from tests.model.round_trip import assert_round_trip
+from tests.model.round_trip import assert_flops_equal_flop_counter, assert_round_trip
 from tests.model.test_accounting import math_attention
 
 LAYERS, P, D = 3, 16, 64
@@ -207,13 +206,4 @@ def test_flops_equal_flop_counter(tiny_config, monkeypatch):
     """The accounting's prefill and decode FLOPs against FlopCounterMode on real forwards (math attention)."""
     cfg = config(tiny_config, ffn_layers="odd", num_hidden_layers=4)
     model = build_model(cfg).eval()
-    monkeypatch.setattr(F, "scaled_dot_product_attention", math_attention)
-    ids = torch.randint(0, cfg.vocab_size, (2, 12), generator=torch.Generator().manual_seed(9))
-    with torch.no_grad(), FlopCounterMode(display=False) as counter:
-        model(ids)
-    assert counter.get_total_flops() == prefill_flops(cfg, 12, 2, "full")
-    with torch.no_grad():
-        cache = model(ids[:1, :11], use_cache=True).past_key_values
-        with FlopCounterMode(display=False) as counter:
-            model(ids[:1, 11:], past_key_values=cache)
-    assert counter.get_total_flops() == decode_flops_per_token(cfg, 12)
+    assert_flops_equal_flop_counter(model, monkeypatch, math_attention)

@@ -9,13 +9,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
 
-from stemlm.checkpoint.folder import save_pretrained
-from stemlm.checkpoint.runs import from_pretrained
 from stemlm.errors import StemlmError
 from stemlm.hf.configuration import StemlmConfig
 from stemlm.model import build_model
+from tests.model.round_trip import assert_hf_generate_is_greedy
 
 
 def config(tiny_config, **extra):
@@ -148,16 +146,5 @@ def test_left_padding(tiny_config):
 @pytest.mark.parametrize("tables", [None, 1])
 def test_save_load_and_hf_generate(tmp_path, tiny_config, tables):
     model = randomized(build_model(config(tiny_config, value_embed_tables=tables)), seed=7)
-    save_pretrained(model, tmp_path / "ckpt")
-    loaded = from_pretrained(tmp_path / "ckpt")
-    ids = torch.randint(0, 256, (2, 9), generator=torch.Generator().manual_seed(8))
-    with torch.no_grad():
-        torch.testing.assert_close(loaded(ids).logits, model(ids).logits, atol=0, rtol=0)
-    hf = AutoModelForCausalLM.from_pretrained(tmp_path / "ckpt")
+    hf = assert_hf_generate_is_greedy(model, tmp_path / "ckpt")
     assert hf.config.ffn == "value_embed" and hf.config.value_embed_tables == tables
-    generated = hf.generate(ids, max_new_tokens=6, do_sample=False)
-    with torch.no_grad():  # manual greedy loop without any cache: every step a full forward
-        seq = ids
-        for _ in range(6):
-            seq = torch.cat([seq, model(seq).logits[:, -1:].argmax(-1)], 1)
-    assert torch.equal(generated, seq)

@@ -15,8 +15,8 @@ import pytest
 
 from stemlm.model.config import ModelConfig
 from stemlm.train.config import TrainConfig
+from tests.small_corpus import SMALL_MODEL, write_small_corpus
 from tests.small_corpus import TOKENIZER_VOCAB as VOCAB
-from tests.small_corpus import write_small_corpus
 
 
 @pytest.fixture(scope="session")
@@ -54,14 +54,8 @@ def make_model_config():
     def make(ffn: str = "stem", **overrides) -> ModelConfig:
         base = dict(
             vocab_size=VOCAB,
-            hidden_size=64,
-            intermediate_size=128,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            max_position_embeddings=64,
+            **SMALL_MODEL,
             ffn=ffn,
-            ffn_layers="odd",
             num_experts=4,
             num_experts_per_tok=2,
             ple_dim=16,

@@ -17,7 +17,7 @@ import pytest
 from stemlm.model.config import ModelConfig
 from stemlm.train.config import TrainConfig
 from stemlm.train.logging import read_metrics
-from tests.small_corpus import write_small_corpus
+from tests.small_corpus import SMALL_MODEL, write_small_corpus
 
 VOCAB = 333
 
@@ -33,17 +33,7 @@ def dist_cache(dist_assets, monkeypatch):
 
 
 def model_config(ffn: str) -> ModelConfig:
-    return ModelConfig(
-        vocab_size=VOCAB,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-        ffn=ffn,
-        ffn_layers="odd",
-    )
+    return ModelConfig(vocab_size=VOCAB, **SMALL_MODEL, ffn=ffn)
 
 
 def train_config(assets: dict[str, Path], out: Path, **overrides) -> TrainConfig:
