@@ -15,18 +15,9 @@ from pathlib import Path
 from stemlm.model.config import ModelConfig
 from stemlm.train.config import TrainConfig
 from stemlm.train.trainer import Trainer
-from tests.small_corpus import TOKENIZER_VOCAB
+from tests.small_corpus import SMALL_MODEL, TOKENIZER_VOCAB
 
-MODEL = dict(
-    vocab_size=TOKENIZER_VOCAB,
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=64,
-    ffn_layers="odd",
-)
+MODEL = dict(vocab_size=TOKENIZER_VOCAB, **SMALL_MODEL)
 MODEL_SETS = [f"model.{k}={v}" for k, v in MODEL.items() if k != "ffn_layers"]
 RUN_FLAGS = ["--data", "{data}", "--tokenizer", "{tok}", "--seq-len", "32", "--batch-size", "4", "--device", "cpu"]
 BASE = ["train", *RUN_FLAGS, "--steps", "2", "--no-progress", "--set", *MODEL_SETS]  # a tiny new run, no --out
