@@ -38,8 +38,8 @@ from table_optim import zipf_ids
 
 from stemlm.model import build_model
 from stemlm.model.presets import get_preset
-from stemlm.train.parallel.sharded_tables import ShardedTables
-from stemlm.train.tables.optim import make_table_optimizer
+from stemlm.placement.row_sharded import ShardedTables
+from stemlm.placement.table_optim import make_table_optimizer
 
 WORLD = 2
 

@@ -23,7 +23,7 @@ import time
 import torch
 from torch import nn
 
-from stemlm.train.tables.optim import TABLE_OPTIMIZERS, make_table_optimizer
+from stemlm.placement.table_optim import TABLE_OPTIMIZERS, make_table_optimizer
 
 
 def zipf_ids(shape: tuple[int, ...], vocab: int, exponent: float, generator: torch.Generator) -> torch.Tensor:

@@ -55,7 +55,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--out", default=None, help="folder keeping each finished run's record (reused on rerun)")
     p.add_argument("--json", action="store_true", help="print the summary as one JSON object")
     args = p.parse_args(argv)
-    from stemlm.train.tables.optim import TABLE_OPTIMIZERS
+    from stemlm.placement.table_optim import TABLE_OPTIMIZERS
 
     args.optims = [o for o in args.optims.split(",") if o]
     bad = [o for o in args.optims if o not in TABLE_OPTIMIZERS]

@@ -52,10 +52,10 @@ import torch
 from stemlm.model.accounting import total_parameters, training_flops_per_token
 from stemlm.model.config import ModelConfig
 from stemlm.model.loss import cross_entropy
+from stemlm.placement.table_optim import TABLE_OPTIMIZERS, clip_grad_norm_mixed
 from stemlm.train.allocator import keep_freed_blocks
 from stemlm.train.config import TrainConfig
 from stemlm.train.optim import set_learning_rates
-from stemlm.train.tables.optim import TABLE_OPTIMIZERS, clip_grad_norm_mixed
 from stemlm.train.throughput import matmul_peak, matmul_shapes
 from stemlm.train.trainer import Trainer
 

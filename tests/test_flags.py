@@ -11,7 +11,7 @@ import pytest
 
 from stemlm import choices
 from stemlm.flags import UNSET, defaults, help_text, setting, settings
-from stemlm.runtime import TRAINING_PLACEMENTS, placement_choices
+from stemlm.placement.registry import TRAIN, tables_values
 from stemlm.train.config import SECTIONS, TrainConfig
 from stemlm.train.setup import RunRequest
 
@@ -64,7 +64,7 @@ def test_the_run_settings_offer_the_choice_sets():
         "dtype": choices.COMPUTE_DTYPES,
         "sampling": choices.SAMPLING,
         "recipe": choices.RECIPES,
-        "tables": placement_choices(TRAINING_PLACEMENTS),
+        "tables": tables_values(TRAIN),
         "trainable": choices.TRAINABLE,
         "parallel": choices.PARALLEL_MODES,
     }

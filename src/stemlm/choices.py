@@ -29,7 +29,7 @@ EDIT_ROWS = ("tables", "embed", "both")  # the rows a row-swap edit replaces: to
 EDIT_ROW_ALIASES = {"stem": "tables"}  # old names of EDIT_ROWS values, accepted wherever a row kind is read
 EDIT_MODES = ("positional", "global")  # an edit of the prompt's span, or of the source tokens everywhere
 RETROFIT_INITS = ("embed", "normed", "calib")  # a retrofitted table's start (stemlm.convert.retrofit)
-# The token tables' optimizers (stemlm.train.tables.optim); the row-sparse ones update only the rows a step touched,
+# The token tables' optimizers (stemlm.placement.table_optim); the row-sparse ones update only the rows a step touched,
 # which every placement off the device needs (its rows come and go per micro-batch).
 ROW_SPARSE_OPTIMIZERS = ("lazy_adamw", "rowwise_adagrad")
 TABLE_OPTIMIZERS = ("adamw", *ROW_SPARSE_OPTIMIZERS)

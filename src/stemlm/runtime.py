@@ -1,11 +1,8 @@
-"""Where and in what precision a command computes: `--device` and `--dtype` values resolved to torch objects,
-and where a model's lookup tables live (`--tables`).
+"""Where and in what precision a command computes: `--device` and `--dtype` values resolved to torch objects.
 
 One place for every command (train, generate, serve, eval, convert), so `auto`, a missing CUDA device and an
-out-of-range `cuda:N` read the same everywhere. A table placement is one of `TABLE_PLACEMENTS`: `device` (the
-tables are ordinary parameters on the compute device), `host` (host memory, rows gathered to the device) or
-`mmap` (memory-mapped from the checkpoint file, inference only: training updates its rows in place).
-`resident`, the inference commands' word for `device`, names the same placement everywhere.
+out-of-range `cuda:N` read the same everywhere. Where a model's lookup tables live (`--tables`) is a table
+placement's business: `stemlm.placement.registry`.
 """
 
 from __future__ import annotations
@@ -16,26 +13,6 @@ from stemlm.errors import StemlmError
 
 if TYPE_CHECKING:  # torch loads when a value is resolved, so importing this keeps a CLI parser light
     import torch
-
-DEVICE, HOST, MMAP = "device", "host", "mmap"
-TABLE_PLACEMENTS = (DEVICE, HOST, MMAP)
-TRAINING_PLACEMENTS = (DEVICE, HOST)
-SYNONYMS = {"resident": DEVICE}
-
-
-def table_placement(name: str, allowed: tuple[str, ...] = TABLE_PLACEMENTS) -> str:
-    """The placement `name` names ("resident" is "device"), or a one-line error listing the `allowed` ones."""
-    placement = SYNONYMS.get(name, name)
-    if placement not in allowed:
-        also = {v: k for k, v in SYNONYMS.items()}
-        names = [f"{p} (or {also[p]})" if p in also else p for p in allowed]
-        raise StemlmError(f"unknown table placement {name!r}; choose one of {', '.join(names)}")
-    return placement
-
-
-def placement_choices(allowed: tuple[str, ...]) -> tuple[str, ...]:
-    """The `--tables` values that name the `allowed` placements, their synonyms included."""
-    return allowed + tuple(k for k, v in SYNONYMS.items() if v in allowed)
 
 
 def resolve_device(name: str) -> torch.device:

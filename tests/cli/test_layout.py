@@ -24,12 +24,13 @@ LAYERS = [
     ("data",),  # corpus, tokenizers, shards, streaming, the synthetic worlds
     ("hf",),  # transformers integration
     ("offload",),  # table providers, the hot-row cache, prefetch
+    ("placement",),  # where the tables live, for training and inference: one class per placement, one registry
     ("inference",),  # the loader with a table placement, sampling, chat, offloaded decoding
     ("convert",),  # retrofit, GGUF import, Llama export, table dtypes
     ("analysis",),
     ("edit",),
     ("evaluation",),
-    ("train",),  # the trainer, train/tables (row-sparse optimizers, host tables), train/parallel (torch.distributed)
+    ("train",),  # the trainer, its recipes, train/parallel (torch.distributed: DDP / FSDP2, DCP, launch)
     ("experiments",),
     ("serve", "vllm"),  # stemlm's own server; the vLLM plugin (imported by vLLM only)
     ("cli",),

@@ -18,7 +18,8 @@ from stemlm.cli.main import main
 from stemlm.data.tokenizer import default_tokenizer
 from stemlm.model import build_model
 from stemlm.model.config import ModelConfig
-from stemlm.offload.families import load_offloaded_model, table_families
+from stemlm.offload.families import table_families
+from stemlm.placement.load import load_offloaded_model
 
 
 def composed_config(vocab: int) -> ModelConfig:

@@ -14,8 +14,8 @@ from safetensors.torch import load, save_file
 from stemlm.checkpoint.folder import save_pretrained
 from stemlm.errors import StemlmError
 from stemlm.inference.offloaded import OffloadedLM
-from stemlm.offload.families import load_offloaded_model
 from stemlm.offload.providers import HostProvider, MmapProvider, memmap_entry, read_safetensors_header
+from stemlm.placement.load import load_offloaded_model
 
 
 def test_header_and_memmap_agree_with_safetensors(tmp_path):

@@ -10,7 +10,7 @@ import torch
 from stemlm.train.batches import MicroBatches
 from stemlm.train.config import TrainConfig
 from stemlm.train.world import DistributedWorld, LocalWorld
-from tests.train.tables.test_placement import Windows
+from tests.placement.test_placement import Windows
 
 CPU = torch.device("cpu")
 

@@ -15,7 +15,7 @@ import torch
 from stemlm.model.config import ModelConfig
 from stemlm.train.optim import split_parameters
 from stemlm.train.trainer import Trainer
-from tests.train.tables.test_host import same_run
+from tests.placement.test_host import same_run
 from tests.train.test_cli import run_cli, small  # noqa: F401 (small: a fixture)
 
 COMPOSED = dict(ffn_layers="1", value_embed_layers="all", value_embed_tables=1)  # layer 1 reads layer 0's table

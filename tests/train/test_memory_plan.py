@@ -18,9 +18,9 @@ from stemlm.model.accounting import total_parameters
 from stemlm.model.config import ModelConfig
 from stemlm.model.decoder import ForwardOptions
 from stemlm.model.presets import get_preset
+from stemlm.placement.table_optim import make_table_optimizer
 from stemlm.train.memory import checkpoint_blocks
 from stemlm.train.memory_plan import activation_elements_per_token, memory_plan, recompute_elements_per_token
-from stemlm.train.tables.optim import make_table_optimizer
 
 SHAPES = [
     dict(hidden_size=96, head_dim=16, intermediate_size=160, num_attention_heads=4, num_key_value_heads=2),

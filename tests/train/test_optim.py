@@ -13,9 +13,9 @@ import pytest
 import torch
 
 from stemlm.model import build_model
+from stemlm.placement.table_optim import LazyAdamW
 from stemlm.train.config import TrainConfig
 from stemlm.train.optim import build_optimizers, clip_gradients, lr_multiplier, set_learning_rates, split_parameters
-from stemlm.train.tables.optim import LazyAdamW
 
 
 def test_groups_cover_every_parameter_once(make_model_config):

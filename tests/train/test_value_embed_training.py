@@ -14,7 +14,7 @@ import torch
 from stemlm.train.logging import read_metrics
 from stemlm.train.optim import split_parameters
 from stemlm.train.trainer import Trainer
-from tests.train.tables.test_host import same_run
+from tests.placement.test_host import same_run
 
 SHARED = dict(num_hidden_layers=3, ffn_layers="all", value_embed_tables=2)  # layer 2 reads layer 0's table
 

@@ -20,7 +20,7 @@ from typing import Any
 from stemlm.choices import CACHE_POLICIES, COMPUTE_DTYPES, TABLE_DTYPES
 from stemlm.errors import StemlmError
 from stemlm.flags import UNSET, Setting, help_text, settings
-from stemlm.runtime import TABLE_PLACEMENTS, placement_choices
+from stemlm.placement.registry import INFERENCE, tables_values
 
 
 def print_json(obj: Any) -> None:
@@ -89,7 +89,7 @@ def add_table_flags(p) -> None:
     (`stemlm.inference.load.InferenceOptions`)."""
     p.add_argument(
         "--tables",
-        choices=placement_choices(TABLE_PLACEMENTS),
+        choices=tables_values(INFERENCE),
         metavar="{resident,host,mmap}",
         default="resident",
         help="where the STEM tables live: on the device (default), in host memory, or memory-mapped "

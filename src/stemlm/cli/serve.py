@@ -46,6 +46,7 @@ def port_number(text: str) -> int:
 
 def run(args) -> int:
     from stemlm.inference.load import InferenceOptions
+    from stemlm.placement.registry import INFERENCE, choose
     from stemlm.serve import Playground
     from stemlm.serve.server import Server
 
@@ -56,7 +57,7 @@ def run(args) -> int:
     if not args.request_timeout > 0 or not args.graceful_timeout >= 0:
         raise StemlmError("--request-timeout must be > 0 and --graceful-timeout >= 0 seconds")
     if args.compile is None:
-        args.compile = args.tables == "resident"
+        args.compile = choose(args.tables, INFERENCE).compiles
     pg = Playground.load(
         args.ckpt,
         InferenceOptions.from_args(args),

@@ -45,7 +45,7 @@ from stemlm.model.fusion import fuse_for_decoding
 
 @dataclass
 class InferenceOptions:
-    tables: str = "device"  # a placement of stemlm.runtime.TABLE_PLACEMENTS ("resident" is "device")
+    tables: str = "device"  # a --tables value of an inference placement (stemlm.placement.registry; or "resident")
     table_dtype: str | None = None
     cache_rows: int | None = None
     cache_fraction: float | None = None
@@ -105,15 +105,16 @@ def autocast_dtype(name: str, device: torch.device) -> torch.dtype:
 def load_inference(path: str | Path, options: InferenceOptions | None = None, *, need_tokenizer: str | None = None):
     """A CKPT argument loaded for inference with `options` (see the module docstring) as a `Loaded`."""
     from stemlm.checkpoint.runs import load_checkpoint, resolve_checkpoint
-    from stemlm.runtime import DEVICE, check_device, table_placement
+    from stemlm.placement.registry import INFERENCE, choose
+    from stemlm.runtime import check_device
 
     opts = options or InferenceOptions()
     device = check_device(opts.device)
     amp = autocast_dtype(opts.dtype, device)
-    placement = table_placement(opts.tables)
-    if opts.compile and placement != DEVICE:
+    placement = choose(opts.tables, INFERENCE)
+    if opts.compile and not placement.compiles:
         raise StemlmError(f"--compile needs --tables device, not {opts.tables}: offloaded rows come from Python code")
-    if placement == DEVICE:
+    if not placement.offloaded:
         if opts.cache_rows is not None or opts.cache_fraction is not None:
             raise StemlmError("--cache-rows / --cache-fraction need --tables host or --tables mmap")
         model, tokenizer = load_checkpoint(path, device=device, need_tokenizer=need_tokenizer)
@@ -125,7 +126,7 @@ def load_inference(path: str | Path, options: InferenceOptions | None = None, *,
 
     offloaded, tokenizer = open_checkpoint(
         path,
-        placement,
+        opts.tables,
         cache_rows=opts.cache_rows,
         cache_fraction=opts.cache_fraction,
         policy=opts.cache_policy,

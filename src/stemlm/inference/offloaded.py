@@ -28,11 +28,14 @@ from stemlm.inference.inference_model import InferenceModel
 from stemlm.inference.rows import RowSource
 from stemlm.model.decoder import StemLM
 from stemlm.offload.cache import CacheStats, RowCache, resolve_capacity
-from stemlm.offload.families import OffloadProviders, load_offloaded_model
+from stemlm.offload.families import OffloadProviders
 from stemlm.offload.lookup_rows import LayerPipelines, LookupRows, MemoryFetcher
 from stemlm.offload.prefetch import RowPipeline
 from stemlm.offload.providers import TableProvider, device_parameter_bytes
-from stemlm.runtime import DEVICE, table_placement
+from stemlm.placement.base import INFERENCE, Placement
+from stemlm.placement.load import load_offloaded_model
+from stemlm.placement.registry import choose
+from stemlm.placement.resident import ResidentTables
 
 DEFAULT_PREFILL_CHUNK = 256
 DEFAULT_CACHE_FRACTION = 0.2  # the operating point of the paper's blog (">80% hits with LFU")
@@ -68,11 +71,14 @@ class OffloadedLM:
         memory_caches: dict[int, RowCache] | None = None,
         providers: OffloadProviders | None = None,
         ngram_layer_caches: dict[int, RowCache] | None = None,
+        placement: type[Placement] = ResidentTables,
     ) -> None:
         """`provider` / `cache`: the token tables; `ngram_cache` / `memory_caches`: the other families (see
         `stemlm.offload.families`), whose providers `providers` lists; `ngram_layer_caches`: the n-gram tables
-        of per-layer hashing, one cache per table key (instead of `ngram_cache`)."""
+        of per-layer hashing, one cache per table key (instead of `ngram_cache`); `placement`: where the tables
+        are (`stemlm.placement`), for the report."""
         self.model, self.provider, self.cache, self.prefill_chunk = model, provider, cache, prefill_chunk
+        self.placement = placement
         self.providers = providers or OffloadProviders(token=provider)
         self.ngram_cache, self.memory_caches = ngram_cache, memory_caches or {}
         self.ngram_layer_caches = ngram_layer_caches or {}
@@ -103,6 +109,7 @@ class OffloadedLM:
     ) -> OffloadedLM:
         """Load a checkpoint; host / mmap tables get a cache of `cache_rows` rows or `cache_fraction` of the
         vocabulary (DEFAULT_CACHE_FRACTION when neither is given; 0 rows stages every row per step)."""
+        placement = choose(tables, INFERENCE)
         model, providers = load_offloaded_model(
             directory, tables, device=device, dtype=dtype, layout=layout, table_dtype=table_dtype
         )
@@ -110,7 +117,7 @@ class OffloadedLM:
         caches: dict[str, RowCache | None] = {"token": None, "ngram": None}
         memory: dict[int, RowCache] = {}
         ngram_layers: dict[int, RowCache] = {}
-        if table_placement(tables) != DEVICE:
+        if placement.offloaded:
             if cache_rows is None and cache_fraction is None:
                 cache_fraction = DEFAULT_CACHE_FRACTION
 
@@ -139,6 +146,7 @@ class OffloadedLM:
             memory_caches=memory,
             providers=providers,
             ngram_layer_caches=ngram_layers,
+            placement=placement,
         )
 
     def inference_model(self, amp: torch.dtype = torch.float32) -> InferenceModel:
@@ -168,16 +176,13 @@ class OffloadedLM:
 
     def memory(self) -> dict[str, int | str]:
         """Where the bytes are: device parameters (tables excluded unless resident), tables, device cache."""
-        providers = self.providers.all()
-        kind = next(iter(providers.values())).kind if providers else "resident"
-        table_bytes = sum(p.table_bytes for p in providers.values())
+        table_bytes = sum(p.table_bytes for p in self.providers.all().values())
         caches = self.family_caches().values()
         return {
-            "placement": kind,
+            "placement": self.placement.name,
             "device_parameter_bytes": device_parameter_bytes(self.model),
             "table_bytes": table_bytes,
-            "host_table_bytes": table_bytes if kind == "host" else 0,
-            "mapped_table_bytes": table_bytes if kind == "mmap" else 0,
+            **self.placement.byte_counts(table_bytes),
             "cache_device_bytes": sum(c.device_bytes for c in caches),
             "cache_rows": sum(c.capacity for c in caches),
         }
@@ -199,9 +204,8 @@ class OffloadedLM:
     def summary(self) -> str:
         """Human-readable memory figures and cache statistics (one line each)."""
         m = self.memory()
-        table_place = {"resident": "on the device", "host": "in host memory", "mmap": "memory-mapped"}[m["placement"]]
         lines = [
-            f"memory: device parameters {m['device_parameter_bytes'] / 2**20:.2f} MiB, tables {table_place} "
+            f"memory: device parameters {m['device_parameter_bytes'] / 2**20:.2f} MiB, tables {self.placement.where} "
             f"{m['table_bytes'] / 2**20:.2f} MiB, device cache {m['cache_rows']} rows "
             f"({m['cache_device_bytes'] / 2**20:.2f} MiB)"
         ]

@@ -100,8 +100,6 @@ class _Compact(TableProvider):
 class CompactProvider(_Compact):
     """Rows held in host memory as `table_dtype` (fp32, bf16 or int8 + scales), served dequantised in `out_dtype`."""
 
-    kind = "host"
-
     def __init__(
         self,
         sources: dict[int, RowSource | torch.Tensor],
@@ -177,8 +175,6 @@ class _ProviderColumns(RowSource):
 
 class CompactMmapProvider(_Compact):
     """Rows read on demand from a compact checkpoint's mapped files (int8 codes + scales, or bf16)."""
-
-    kind = "mmap"
 
     def __init__(self, sources: dict[int, RowSource], out_dtype: torch.dtype | None = None, pin: bool = False) -> None:
         layers, widths, vocab = _layer_widths(sources)

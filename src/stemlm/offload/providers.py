@@ -15,7 +15,7 @@ cache and the engine use, so another backend (e.g. FBGEMM's table-batched embedd
 - `MmapProvider`: tables memory-mapped straight from the safetensors files (larger than RAM is fine); the
   header is parsed here (8-byte little-endian length, JSON with dtype / shape / data_offsets), no pickle.
 
-`stemlm.offload.families.load_offloaded_model(dir, "host" | "mmap")` builds the model on the meta device,
+`stemlm.placement.load.load_offloaded_model(dir, "host" | "mmap")` builds the model on the meta device,
 checks every weights file's header (a truncated or missing file is named before any weight is read), loads
 everything but the tables onto the device and leaves each table parameter a meta placeholder, so the tables
 never occupy device memory.
@@ -138,8 +138,6 @@ class TableProvider:
 class ResidentProvider(TableProvider):
     """The model's own tables, wherever the model put them (normally the compute device)."""
 
-    kind = "resident"
-
     def __init__(self, model) -> None:
         tables = model.token_tables()
         layers = sorted(tables)
@@ -160,8 +158,6 @@ class HostProvider(TableProvider):
     block straight into the final buffer, so loading never holds two copies of a table. `pin` pins the
     staging buffer each `gather` returns (the source of the host->device copy), never the tables.
     """
-
-    kind = "host"
 
     def __init__(
         self,
@@ -209,8 +205,6 @@ class HostProvider(TableProvider):
 
 class MmapProvider(TableProvider):
     """Tables read on demand from memory-mapped safetensors files (the OS page cache is the host tier)."""
-
-    kind = "mmap"
 
     def __init__(self, entries: dict[int, TensorEntry], dtype: torch.dtype | None = None, pin: bool = False) -> None:
         layers = sorted(entries)

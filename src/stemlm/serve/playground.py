@@ -37,6 +37,7 @@ from stemlm.errors import StemlmError
 from stemlm.inference.requests import Request
 from stemlm.inference.sampling import SamplingParams
 from stemlm.model.kinds.registry import key_label
+from stemlm.placement.resident import ResidentTables
 from stemlm.serve.editing import EditSpec, build_edit, compare, save_global_edit, source_text
 from stemlm.serve.served_model import EOT_TOKEN, ServedModel
 
@@ -111,7 +112,7 @@ class Playground:
             "table_layers": tables,
             "vocab_size": config.vocab_size,
             "max_position_embeddings": config.max_position_embeddings,
-            "tables": self.offloaded.memory()["placement"] if self.offloaded is not None else "resident",
+            "tables": self.offloaded.memory()["placement"] if self.offloaded is not None else ResidentTables.name,
             "autocast_dtype": str(self.autocast_dtype).removeprefix("torch."),
             "editing": self.served._view_error
             or (None if tables else f"this checkpoint has no STEM tables (ffn={config.ffn})"),

@@ -21,6 +21,7 @@ from stemlm.edit.positional import rows_to_parts, table_layers
 from stemlm.errors import StemlmError
 from stemlm.inference.offloaded import OffloadedLM
 from stemlm.model.decoder import StemLM
+from stemlm.offload.compact import CompactProvider
 from stemlm.offload.families import table_families
 from stemlm.offload.providers import HostProvider, table_parameter_names
 
@@ -46,11 +47,11 @@ def resident_view(lm: OffloadedLM) -> StemLM:
     """The offloaded model with its tables read straight from the host providers (CPU device only): token
     tables, and the n-gram tables (shared or per layer) and memory values of the lookup kinds."""
     providers = lm.providers
-    kinds = {p.kind for p in providers.all().values()}
-    if kinds != {"host"}:
+    stores = list(providers.all().values())
+    if not stores or not all(isinstance(p, (HostProvider, CompactProvider)) for p in stores):
         raise StemlmError(
             f"editing and analysis read the tables directly, which needs host tables, not "
-            f"{', '.join(sorted(kinds)) or 'none'}; serve with --tables host or resident to edit"
+            f"{lm.placement.name if stores else 'none'}; serve with --tables host or resident to edit"
         )
     if _device(lm.model).type != "cpu":
         raise StemlmError(

@@ -57,7 +57,7 @@ from stemlm.flags import setting
 from stemlm.model.config import ModelConfig
 from stemlm.model.kinds.registry import all_kinds
 from stemlm.model.overrides import apply_overrides
-from stemlm.runtime import SYNONYMS, TRAINING_PLACEMENTS, placement_choices
+from stemlm.placement.registry import TRAIN, needs_row_sparse_optimizer, resolve, tables_values
 
 if TYPE_CHECKING:  # torch and tokenizers load only when a run is resolved, so the CLI parser stays light
     from tokenizers import Tokenizer
@@ -200,7 +200,7 @@ class TrainConfig:
         "rowwise_adagrad",
         "optimizer of the STEM tables: rowwise_adagrad (default) or lazy_adamw (row-sparse: touched rows only), "
         "or adamw (dense over whole tables, as the official code; the one --recipe official takes); see "
-        "stemlm.train.tables.optim",
+        "stemlm.placement.table_optim",
         section="tables",
         metavar="NAME",
     )
@@ -220,10 +220,10 @@ class TrainConfig:
     tables: str = setting(
         "device",
         "where the STEM tables and their optimizer state live while training: device (default) or host (rows "
-        "gathered to the device ahead of each step, row-sparse update on the host; see stemlm.train.tables.host)",
+        "gathered to the device ahead of each step, row-sparse update on the host; see stemlm.placement.host)",
         section="tables",
         metavar="{device,host}",
-        one_of=placement_choices(TRAINING_PLACEMENTS),
+        one_of=tables_values(TRAIN),
     )
     trainable: str = setting(
         "all",
@@ -298,7 +298,8 @@ class TrainConfig:
     )
 
     def __post_init__(self) -> None:
-        self.tables = SYNONYMS.get(self.tables, self.tables)  # "resident" is "device" (stemlm.runtime)
+        if self.tables in tables_values(TRAIN):  # "resident" is "device" (stemlm.placement.registry)
+            self.tables = resolve(self.tables, TRAIN)
         self.validate()
 
     @property
@@ -422,9 +423,14 @@ def check_choices(cfg: TrainConfig) -> None:
             value = getattr(cfg, name)
             need(value in choices, f"{name} must be one of {', '.join(choices)}, got {value!r}")
 
-    one_of(("dtype", COMPUTE_DTYPES), ("device", DEVICES), ("trainable", TRAINABLE), ("tables", TRAINING_PLACEMENTS))
+    one_of(
+        ("dtype", COMPUTE_DTYPES),
+        ("device", DEVICES),
+        ("trainable", TRAINABLE),
+        ("tables", tables_values(TRAIN, aliases=False)),
+    )
     need(
-        cfg.tables == "device" or cfg.table_optim in ROW_SPARSE_OPTIMIZERS,
+        not needs_row_sparse_optimizer(cfg.tables) or cfg.table_optim in ROW_SPARSE_OPTIMIZERS,
         f"tables={cfg.tables} needs a row-sparse table optimizer ({' or '.join(ROW_SPARSE_OPTIMIZERS)}), "
         f"got {cfg.table_optim!r}",
     )

@@ -7,7 +7,7 @@
   and any bias, i.e. one-dimensional parameters, which the official code decays: `--recipe official`);
 - the table optimizer (only when the model has lookup tables): every table of `model.lookup_tables()` (token, n-gram
   and memory families alike, stemlm.model.kinds.registry) in one group with its own peak lr and weight decay, built by
-  `stemlm.train.tables.optim.make_table_optimizer` under the name `cfg.table_optim` (`adamw`: dense, the official
+  `stemlm.placement.table_optim.make_table_optimizer` under the name `cfg.table_optim` (`adamw`: dense, the official
   behaviour; the row-sparse ones switch the tables to sparse gradients here);
 - with `cfg.embed_like_tables`, the token embedding leaves `decay` for its own backbone group `embed` at the
   tables' peak lr and weight decay: the control that tells "STEM helps" from "a per-token table at lr x10
@@ -30,13 +30,13 @@ from torch import nn
 
 from stemlm.errors import StemlmError
 from stemlm.model.decoder import StemLM, layer_modules
-from stemlm.train.config import TrainConfig
-from stemlm.train.tables.optim import (
+from stemlm.placement.table_optim import (
     clip_grad_norm_mixed,
     fast_optimizer_impl,
     make_table_optimizer,
     use_sparse_table_grads,
 )
+from stemlm.train.config import TrainConfig
 
 
 def split_parameters(model: StemLM) -> dict[str, list[nn.Parameter]]:

@@ -47,9 +47,9 @@ import torch
 
 from stemlm.errors import StemlmError
 from stemlm.model.decoder import StemLM
+from stemlm.placement.table_optim import clip_grad_norm_mixed, fast_optimizer_impl, make_table_optimizer
 from stemlm.train import optim
 from stemlm.train.config import TrainConfig
-from stemlm.train.tables.optim import clip_grad_norm_mixed, fast_optimizer_impl, make_table_optimizer
 
 TRUNCATION = 3.0  # the official trunc_normal_ bounds: ±3σ
 STD_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")

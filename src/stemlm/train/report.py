@@ -13,6 +13,7 @@ from typing import Any
 
 from stemlm.errors import StemlmError
 from stemlm.evaluation.recall import fact_recall
+from stemlm.placement.registry import placement_named
 
 
 def final_report(trainer, result: dict[str, Any], sample_prompt: str, sample_tokens: int) -> dict[str, Any]:
@@ -129,13 +130,9 @@ def render_report(r: dict[str, Any]) -> str:
         f"train loss {r['train_loss']:.4f} | held-out loss {held} | skipped steps {r['skipped_steps']} | "
         f"loss spikes {r['loss_spikes']}"
     )
-    if r.get("tables") == "host":
-        overlap = "n/a" if r["host_overlap"] is None else f"{r['host_overlap']:.0%}"
-        lines.append(
-            f"tables in host memory: {r['device_bytes_saved'] / 2**20:,.1f} MiB kept off the {r['device']} "
-            f"({r['host_table_bytes'] / 2**20:,.1f} MiB tables + {r['host_optimizer_bytes'] / 2**20:,.1f} MiB "
-            f"optimizer state); host work hidden behind compute: {overlap}"
-        )
+    placement = placement_named(r.get("placement", ""))
+    if placement is not None:
+        lines += placement.report_lines(r)
     if "facts" in r:
         f = r["facts"]
         where = f"{len(f['countries'])} countries" if f.get("countries") else f["region"]

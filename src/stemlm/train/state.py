@@ -38,7 +38,7 @@ from stemlm.checkpoint.folder import AtomicFolder, write_json, write_model_files
 from stemlm.checkpoint.runs import CHECKPOINTS_DIR, LATEST_NAME, STEP_DIR
 from stemlm.checkpoint.safe_write import MANIFEST_NAME, atomic_write_text, read_manifest, remove_leftovers
 from stemlm.errors import StemlmError
-from stemlm.train.tables.optim import flatten_optimizer_state, unflatten_optimizer_state
+from stemlm.placement.table_optim import flatten_optimizer_state, unflatten_optimizer_state
 
 STATE_NAME = "trainer_state.json"
 OPTIMIZER_NAME = "optimizer.safetensors"
@@ -166,7 +166,7 @@ def _check_state_shapes(opt: torch.optim.Optimizer, k: int, where: Path) -> None
 
 
 def _class_name(opt) -> str:
-    # A host-table optimizer (stemlm.train.tables.host) wraps the table optimizer; checkpoints name the inner
+    # A host-table optimizer (stemlm.placement.host) wraps the table optimizer; checkpoints name the inner
     # one, so a run can resume with its tables on the device or on the host.
     return type(getattr(opt, "inner", opt)).__name__
 

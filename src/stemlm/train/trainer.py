@@ -20,7 +20,7 @@ loss` (Python API only) lets tests poison a step's loss (NaN) or raise to simula
 What differs between one process and N enters from outside, never by subclassing:
 - the world (`stemlm.train.world`): rank, size, device and collectives (`agree` on a stop or save, the sums of the
   losses); rank 0 alone writes the run folder, metrics and progress;
-- the table placement (`stemlm.train.tables.placement`: resident, host, row-sharded, host-sharded): each
+- the table placement (`stemlm.placement.base`: resident, host, row-sharded, host-sharded): each
   micro-batch's rows through `StemLM.forward(rows=...)`, their gradients, the table optimizer, its report;
 - `parallelize` (`stemlm.train.parallel.parallelize`): activation checkpointing, compile, then DDP / FSDP2, in
   torchtitan's order, as each rank materialises its part of a meta-built model (`stemlm.train.model_source`);
@@ -58,6 +58,8 @@ from stemlm.model.config import ModelConfig
 from stemlm.model.decoder import ForwardOptions
 from stemlm.model.presets import get_preset
 from stemlm.paths import refuse_symlink
+from stemlm.placement.registry import make_placement
+from stemlm.placement.resident import ResidentTables
 from stemlm.runtime import resolve_dtype
 from stemlm.train.allocator import keep_freed_blocks
 from stemlm.train.batches import MicroBatches
@@ -75,8 +77,6 @@ from stemlm.train.profiling import StepProfiler, check_profiling
 from stemlm.train.recipes import get_recipe
 from stemlm.train.resume import RUN_CONFIG_NAME, check_finite_weights, check_resume_state, resume_setup
 from stemlm.train.state import check_same_data, data_digest, read_state_json, restore_rng
-from stemlm.train.tables.registry import make_placement
-from stemlm.train.tables.resident import ResidentTables
 from stemlm.train.world import LocalWorld, detect_world
 
 FaultInjection = Callable[[int, torch.Tensor], torch.Tensor]

@@ -86,7 +86,7 @@ def _worker(rank: int, world: int, port: int, root, assets) -> None:
         cfg = train_config(assets, root / "init" / name, **overrides)
         model = model_config("stem") if "init_from" not in overrides else None
         checks[f"init-{name}"] = _init_checks(Trainer(model, cfg, progress=False), rank, source)
-    from stemlm.train.parallel.sharded_tables import ShardedTables
+    from stemlm.placement.row_sharded import ShardedTables
 
     def no_gather(*args, **kwargs):
         raise AssertionError("a table or tensor was gathered")

@@ -28,7 +28,7 @@ def _worker(rank: int, world: int, port: int, root, assets) -> None:
     )
     import torch.distributed as dist
 
-    from stemlm.train.parallel.host_shards import HostShardedTables
+    from stemlm.placement.host_sharded import HostShardedTables
     from stemlm.train.parallel.launch import destroy_distributed
     from stemlm.train.trainer import Trainer
 

@@ -1,5 +1,6 @@
 """Tests for the torchrun helpers, the failure line and the byte counter (single process; the 2-process path of
-`init_distributed` runs in test_sharded_tables.py). Run: `python -m pytest tests/train/parallel/test_launch.py -q`.
+`init_distributed` runs in tests/placement/test_row_sharded.py).
+Run: `python -m pytest tests/train/parallel/test_launch.py -q`.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ import pytest
 import torch
 
 from stemlm.errors import StemlmError
-from stemlm.train.parallel.comm import CommCounter, all_to_all_rows, exchange_counts
+from stemlm.placement.comm import CommCounter, all_to_all_rows, exchange_counts
 from stemlm.train.parallel.launch import init_distributed, local_batch_size, torchrun_command
 from stemlm.train.parallel.workers import ConsoleFilter, failure_message, rank_errors
 

@@ -45,8 +45,8 @@ def _plans_equal(tables, rank: int) -> list[bool]:
 
 def _synchronous(monkeypatch, rank: int) -> None:
     """Today's path: the collective plan of this rank's ids, the exchange waited at once."""
-    from stemlm.train.parallel.host_shards import HostShardedTables
-    from stemlm.train.parallel.sharded_tables import ShardedTables
+    from stemlm.placement.host_sharded import HostShardedTables
+    from stemlm.placement.row_sharded import ShardedTables
 
     def start_window(self, window, dtype=None):
         ids = self.ids_for(window)[rank].to(self.compute_device)
@@ -61,7 +61,7 @@ def _synchronous(monkeypatch, rank: int) -> None:
 
 def _order(trainer) -> list[str]:
     """Events of two steps: steps started, exchanges issued / waited (by window) and forwards (by micro-batch)."""
-    from stemlm.train.parallel.sharded_tables import PendingRows
+    from stemlm.placement.row_sharded import PendingRows
 
     events = []
     patch = pytest.MonkeyPatch()

@@ -28,9 +28,9 @@ from stemlm.data import TokenDataset, load_corpus, load_tokenizer
 from stemlm.data.prepare import prepare
 from stemlm.errors import StemlmError
 from stemlm.model import build_model
+from stemlm.placement.table_optim import flatten_optimizer_state
 from stemlm.train.config import TrainConfig
 from stemlm.train.logging import read_metrics
-from stemlm.train.tables.optim import flatten_optimizer_state
 from stemlm.train.trainer import Trainer
 
 from .conftest import VOCAB, fork_ranks, free_port, model_config, train_config
@@ -78,8 +78,8 @@ def close(a, b, **kw) -> None:
 
 def _layout_check(rank: int) -> dict:
     """Strided rows -> blocks -> strided rows on an odd vocabulary, against slices of the full tensor."""
+    from stemlm.placement.row_sharded import ShardedTables
     from stemlm.train.parallel.checkpoint import block_range, blocks_to_strided, strided_to_blocks
-    from stemlm.train.parallel.sharded_tables import ShardedTables
 
     tables = ShardedTables(build_model(model_config("stem"), seed=0))
     full = torch.arange(VOCAB * 3, dtype=torch.float64).reshape(VOCAB, 3)

@@ -42,8 +42,9 @@ from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 from stemlm.checkpoint.folder import AtomicFolder, write_json, write_model_config
 from stemlm.checkpoint.sharded import DCP_DIR, MODEL_PREFIX, OPTIM_PREFIX, is_sharded, sharded_metadata
 from stemlm.errors import StemlmError
-from stemlm.train.parallel.comm import all_to_all_rows, exchange_counts
-from stemlm.train.parallel.sharded_tables import ShardedTables
+from stemlm.placement.comm import all_to_all_rows, exchange_counts
+from stemlm.placement.row_sharded import ShardedTables
+from stemlm.placement.table_optim import flatten_optimizer_state
 from stemlm.train.state import (
     STATE_FORMAT,
     STATE_NAME,
@@ -57,7 +58,6 @@ from stemlm.train.state import (
     read_trainer_state,
     write_latest,
 )
-from stemlm.train.tables.optim import flatten_optimizer_state
 
 DIST_KEY = "distributed"
 SHARDED_FORMAT = "dcp-safetensors-v1"
@@ -72,7 +72,7 @@ def block_range(vocab_size: int, world_size: int, rank: int) -> tuple[int, int]:
 
 
 def _exchange_device(tables: ShardedTables, like: torch.Tensor) -> torch.device:
-    # Host shards (stemlm.train.parallel.host_shards) cross ranks through the rank's device: NCCL moves device
+    # Host shards (stemlm.placement.host_sharded) cross ranks through the rank's device: NCCL moves device
     # tensors only.
     return getattr(tables, "device", like.device)
 

@@ -7,7 +7,7 @@
 `parallelize` applies activation checkpointing, then `torch.compile` per block, then DDP or FSDP2 (torchtitan's
 `parallelize_fn` order: checkpointing and compile wrap the single-device blocks, and the data-parallel wrapper
 goes last so it sees the blocks it syncs as they will run). The token tables are placed before it is called
-(`stemlm.train.tables.placement`): row-sharded tables have left the model's parameters, so DDP / FSDP2 never see
+(`stemlm.placement.base`): row-sharded tables have left the model's parameters, so DDP / FSDP2 never see
 them. In a world of one process the model itself trains. On several ranks:
 - `ddp`: the backbone replicated (`DistributedDataParallel`); its weights must exist before it copies rank 0's,
   so a meta-built model is materialised first;
@@ -100,7 +100,7 @@ def _declare_sparse_replicated_tables(model: nn.Module, cfg: TrainConfig) -> Non
     """n-gram / memory tables stay replicated; their row-sparse gradients must be declared before DDP wraps the
     model (gloo all-reduces sparse gradients; FSDP2 shards dense tensors only)."""
     from stemlm.model.kinds.registry import FAMILIES
-    from stemlm.train.tables.optim import use_sparse_table_grads
+    from stemlm.placement.table_optim import use_sparse_table_grads
 
     replicated = [f for f in model.lookup_tables() if FAMILIES[f].nproc == "replicated"]
     if cfg.table_optim == "adamw" or not replicated:

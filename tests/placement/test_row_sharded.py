@@ -3,7 +3,7 @@
 The 2-process tests train a tiny STEM model with each rank taking half of the global batch and compare
 losses, weights and optimizer state with a 1-process run on the whole batch, computed here independently
 (plain model, its own tables, torch AdamW / LazyAdamW). Run:
-`OMP_NUM_THREADS=1 python -m pytest tests/train/parallel/test_sharded_tables.py -q` (`-m "not dist"` skips spawns).
+`OMP_NUM_THREADS=1 python -m pytest tests/placement/test_row_sharded.py -q` (`-m "not dist"` skips spawns).
 """
 
 from __future__ import annotations
@@ -25,10 +25,10 @@ from torch.nn.parallel import DistributedDataParallel
 from stemlm.errors import StemlmError
 from stemlm.model import build_model
 from stemlm.model.config import ModelConfig
-from stemlm.train.parallel.comm import CommCounter, all_to_all_rows, exchange_counts
+from stemlm.placement.comm import CommCounter, all_to_all_rows, exchange_counts
+from stemlm.placement.row_sharded import ShardedTables
+from stemlm.placement.table_optim import LazyAdamW, clip_grad_norm_mixed, make_table_optimizer, use_sparse_table_grads
 from stemlm.train.parallel.launch import destroy_distributed, init_distributed
-from stemlm.train.parallel.sharded_tables import ShardedTables
-from stemlm.train.tables.optim import LazyAdamW, clip_grad_norm_mixed, make_table_optimizer, use_sparse_table_grads
 
 CONFIG = ModelConfig(
     vocab_size=61,

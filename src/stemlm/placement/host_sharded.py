@@ -6,8 +6,8 @@ the rank's device. The rows this rank serves are read from its host shard and mo
 row exchange (NCCL needs device tensors; with gloo the move is a no-op); the backward moves the gradient rows
 this rank owns back to the host as a sparse gradient of the host shard.
 
-Look-ahead, as the 1-process host tables (stemlm.train.tables.host), on one worker thread (FIFO):
-1. gather: for a training window, the host plan (every rank's ids are known: stemlm.train.parallel.row_plan) and the
+Look-ahead, as the 1-process host tables (stemlm.placement.host), on one worker thread (FIFO):
+1. gather: for a training window, the host plan (every rank's ids are known: stemlm.placement.row_plan) and the
    rows this rank will serve, index_select into pinned memory and copied to the device on a side CUDA stream,
    queued two micro-batches ahead (and the next step's first window behind the table update);
 2. the trainer's thread issues the row exchange of window k+1 (async all_to_all: collectives stay on one
@@ -27,11 +27,12 @@ from concurrent.futures import Future
 import torch
 from torch import nn
 
-from stemlm.train.parallel.sharded_tables import PendingRows, RowPlan, ShardedTables
-from stemlm.train.tables.lookahead import LookaheadWorker
+from stemlm.placement.host import AsyncTableOptimizer, InHostMemory
+from stemlm.placement.lookahead import LookaheadWorker
+from stemlm.placement.row_sharded import PendingRows, RowPlan, ShardedTables
 
 
-class HostShardedTables(LookaheadWorker, ShardedTables):
+class HostShardedTables(InHostMemory, LookaheadWorker, ShardedTables):
     """This rank's table shards in host memory, exchanged through `device`, gathered ahead on a worker."""
 
     name = "host-sharded"
@@ -125,17 +126,16 @@ class HostShardedTables(LookaheadWorker, ShardedTables):
         tables, state = self.host_bytes(optimizers[-1])  # this rank's
         return {
             "tables": "host",
+            "placement": self.name,
             "device_bytes_saved": tables + state,
             "host_table_bytes": tables,
             "host_optimizer_bytes": state,
             "host_overlap": self.overlap(),
         }
 
-    # ----- the host-side optimizer (stemlm.train.tables.host.AsyncTableOptimizer drives these) -----
+    # ----- the host-side optimizer (stemlm.placement.host.AsyncTableOptimizer drives these) -----
     def wrap(self, optimizer: torch.optim.Optimizer):
         """The table optimizer stepped on the worker, overlapped with the backbone's (row-sparse ones only)."""
-        from stemlm.train.tables.host import AsyncTableOptimizer
-
         return AsyncTableOptimizer(self, optimizer)
 
     def clear_grads(self) -> None:

@@ -6,12 +6,12 @@ local row `r // N` of its owner. One step, per micro-batch:
 
 1. `lookup(input_ids, all_ids)`: deduplicate the local batch's ids; owners answer with the rows of every
    table at once (one all_to_all of [unique ids, sum of widths]). Who asks whom for which rows is planned
-   on the host from every rank's input ids (`all_ids`, on the CPU: `plan_on_host`, stemlm.train.parallel.row_plan), so
+   on the host from every rank's input ids (`all_ids`, on the CPU: `plan_on_host`, stemlm.placement.row_plan), so
    the rows are the only collective and nothing is read back from the device; without `all_ids`, `plan`
    agrees on it with collectives (counts, then int32 local row indices, and a read of the counts). The
    returned callable is the model's `token` row provider, so the model math is untouched:
    `model(input_ids, labels=..., rows={"token": tables.lookup(input_ids, all_ids)})`. As the trainer's `row-sharded`
-   placement (`stemlm.train.tables.placement`) it splits this into `start_window(k)` (plan and issue the exchange
+   placement (`stemlm.placement.base`) it splits this into `start_window(k)` (plan and issue the exchange
    async) and `.rows()` (wait at use), so micro-batch k+1's rows travel while k computes (the shards do not change
    within a step), and a step's first micro-batch's from the previous step's table update on (a post-step hook
    of the table optimizer it adds, `wrap_optimizers`). Traffic is counted when an exchange is used, so one issued
@@ -25,7 +25,7 @@ local row `r // N` of its owner. One step, per micro-batch:
    when each rank's loss is the mean over its equal share of the global batch.
 
 Traffic per step therefore grows with the number of unique ids, not with B*S*d_ff; `self.comm` counts it.
-Any of `stemlm.train.tables.optim`'s optimizers steps the shards (`tables.parameters()`): `adamw` then
+Any of `stemlm.placement.table_optim`'s optimizers steps the shards (`tables.parameters()`): `adamw` then
 updates every row of the shard, exactly as dense AdamW on the full table. Gloo (CPU) and NCCL (GPU) run
 the same code. On construction the model's own tables are released (see `release_model_tables`) so DDP /
 FSDP and the backbone optimizer never see them. Tests: `python -m pytest tests/dist -q -m dist`.
@@ -41,7 +41,8 @@ from torch import nn
 
 from stemlm.errors import StemlmError
 from stemlm.model.decoder import check_token_ids
-from stemlm.train.parallel.comm import (
+from stemlm.placement.base import TRAIN, Placement, Rows
+from stemlm.placement.comm import (
     CommCounter,
     all_to_all_rows,
     all_to_all_rows_async,
@@ -49,9 +50,8 @@ from stemlm.train.parallel.comm import (
     group_rank_size,
     traffic_bytes,
 )
-from stemlm.train.parallel.row_plan import plan_arrays
-from stemlm.train.tables.optim import flatten_optimizer_state, make_table_optimizer, unflatten_optimizer_state
-from stemlm.train.tables.placement import Rows, TablePlacement
+from stemlm.placement.row_plan import plan_arrays
+from stemlm.placement.table_optim import flatten_optimizer_state, make_table_optimizer, unflatten_optimizer_state
 
 TRAFFIC_KINDS = ("rows", "grads")  # the routing is planned on the host: no count or id messages
 
@@ -67,11 +67,19 @@ class RowPlan:
     local_rows: torch.Tensor  # [sum(recv_counts)] shard rows this rank serves, grouped by requester
 
 
-class ShardedTables(nn.Module, TablePlacement):
+class ShardedTables(nn.Module, Placement):
     """The row shards of a model's token tables on this rank, with the lookup / gradient exchange."""
 
     name = "row-sharded"
+    tables = "device"
+    purposes = frozenset({TRAIN})  # inference loads one folder written from the shards (stemlm export)
+    distributed = True
+    where = "row-sharded over the ranks"
     every_rank_ids = True
+
+    @classmethod
+    def for_training(cls, model: nn.Module, device: torch.device) -> ShardedTables:
+        return cls(model)
 
     def __init__(self, model: nn.Module, group=None, reduce: str = "mean", release_model_tables: bool = True) -> None:
         super().__init__()
@@ -135,7 +143,7 @@ class ShardedTables(nn.Module, TablePlacement):
 
     def plan_on_host(self, all_ids: Sequence[torch.Tensor], device: torch.device | None = None) -> RowPlan:
         """The same routing as `plan`, computed alone from every rank's input ids on the CPU (no collective,
-        no device read; see stemlm.train.parallel.row_plan). `all_ids[rank]` are this rank's ids; positions go to
+        no device read; see stemlm.placement.row_plan). `all_ids[rank]` are this rank's ids; positions go to
         `device` (default: the shards' device), the rows to serve stay on the shards' device."""
         positions, send_counts, recv_counts, local_rows = plan_arrays(
             all_ids, self.rank, self.world_size, self.vocab_size
@@ -213,7 +221,7 @@ class ShardedTables(nn.Module, TablePlacement):
         device = self._shard_device()
         return grads.to(device, dtype), plan.local_rows.to(device)
 
-    # ----- the training placement (stemlm.train.tables.placement) -----
+    # ----- the training placement (stemlm.placement.base) -----
     @property
     def row_shards(self) -> ShardedTables:
         return self

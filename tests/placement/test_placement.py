@@ -3,7 +3,7 @@ each gives a micro-batch's forward the rows of the model's own tables (`rows=`),
 rows get and steps it with the optimizer it adds or wraps, and the trainer names none of them.
 
 Every placement runs here in a world of one (the row-sharded ones own every row), on a tiny STEM model, against
-the same model with resident tables. Run: `OMP_NUM_THREADS=1 python -m pytest tests/train/tables/test_placement.py
+the same model with resident tables. Run: `OMP_NUM_THREADS=1 python -m pytest tests/placement/test_placement.py
 -q`.
 """
 
@@ -18,25 +18,17 @@ import torch
 from stemlm.errors import StemlmError
 from stemlm.model import build_model
 from stemlm.model.config import ModelConfig
+from stemlm.placement.base import Placement
+from stemlm.placement.host import AsyncTableOptimizer
+from stemlm.placement.registry import PLACEMENTS, TRAIN, make_placement
 from stemlm.train import trainer as trainer_module
 from stemlm.train.batches import MicroBatches
 from stemlm.train.config import TrainConfig
 from stemlm.train.optim import build_optimizers
-from stemlm.train.parallel.host_shards import HostShardedTables
-from stemlm.train.parallel.sharded_tables import ShardedTables
-from stemlm.train.tables.host import AsyncTableOptimizer, HostTables
-from stemlm.train.tables.placement import TablePlacement
-from stemlm.train.tables.registry import make_placement
-from stemlm.train.tables.resident import ResidentTables
 from stemlm.train.world import DistributedWorld, LocalWorld
 
 CPU = torch.device("cpu")
-PLACEMENTS = {
-    "resident": ResidentTables,
-    "host": HostTables,
-    "row-sharded": ShardedTables,
-    "host-sharded": HostShardedTables,
-}
+TRAINING = [name for name, cls in PLACEMENTS.items() if TRAIN in cls.purposes]
 
 
 def tiny(ffn: str = "stem") -> ModelConfig:
@@ -63,12 +55,8 @@ class Windows:
         return (x, y) if rows is None else (x[rows], y[rows])
 
 
-def place(name: str, model) -> TablePlacement:
-    if name == "resident":
-        return ResidentTables()
-    if name in ("host", "host-sharded"):
-        return PLACEMENTS[name](model, CPU)
-    return ShardedTables(model)
+def place(name: str, model) -> Placement:
+    return PLACEMENTS[name].for_training(model, CPU)
 
 
 def test_make_placement_picks_by_tables_and_world():
@@ -92,7 +80,7 @@ def test_make_placement_picks_by_tables_and_world():
         make_placement(TrainConfig(tables="host", table_optim="lazy_adamw"), dense, one)
 
 
-@pytest.mark.parametrize("name", list(PLACEMENTS))
+@pytest.mark.parametrize("name", TRAINING)
 def test_a_placement_gives_the_forward_the_model_rows_and_steps_their_gradient(name):
     cfg = TrainConfig(batch_size=2, seq_len=16, table_optim="lazy_adamw", device="cpu", prefetch=0)
     reference = build_model(tiny(), seed=0)

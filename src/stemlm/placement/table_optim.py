@@ -37,7 +37,7 @@ Checkpoint state: `flatten_optimizer_state(opt.state_dict())` gives `(tensors, m
 `state.<param_index>.<name>` (safetensors-ready) and a JSON-able meta (param_groups and non-tensor state);
 `unflatten_optimizer_state` inverts it for `opt.load_state_dict`. Every optimizer here also offers
 `state_tensors()`, `state_meta()` and `load_state_tensors(tensors, meta)` built on those two functions.
-Tests: `OMP_NUM_THREADS=1 python -m pytest tests/train/tables/test_optim.py -q`.
+Tests: `OMP_NUM_THREADS=1 python -m pytest tests/placement/test_table_optim.py -q`.
 """
 
 from __future__ import annotations
@@ -125,7 +125,7 @@ def row_sparse_grad(param: torch.Tensor, optimizer: str) -> tuple[torch.Tensor, 
     if grad.layout != torch.sparse_coo:
         raise StemlmError(
             f"{optimizer} needs row-sparse table gradients but got a dense one: set `table.sparse = True` "
-            "(stemlm.train.tables.optim.use_sparse_table_grads(model)) or use the dense table optimizer 'adamw'"
+            "(stemlm.placement.table_optim.use_sparse_table_grads(model)) or use the dense table optimizer 'adamw'"
         )
     if grad.sparse_dim() != 1 or param.dim() != 2:
         raise StemlmError(f"{optimizer} expects a 2-D table with a row-sparse gradient, got shape {list(param.shape)}")

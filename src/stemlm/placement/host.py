@@ -4,7 +4,7 @@ The tables and their row-sparse optimizer state live outside the compute device:
 the device is CUDA, in a separate CPU buffer otherwise (so the same code path runs, and is tested, on a CPU).
 The provider is generic over one fact: the ids a forward will look up are known before it runs
 (`ids_for(window)`; for STEM the input ids of a data window, for n-gram keys whatever ids the batch implies).
-`HostTables` is the `host` training placement of one process (`stemlm.train.tables.placement.TablePlacement`):
+`HostTables` is the `host` training placement of one process (`stemlm.placement.base.Placement`):
 the trainer hands it the run's micro-batches (`bind`), takes each micro-batch's rows from it (`rows`), lets it
 finish their gradients (`finish_grads`) and wraps the table optimizer with it (`wrap_optimizers`).
 
@@ -22,7 +22,7 @@ Per optimizer step of `windows_per_step` micro-batches, on one worker thread (FI
 
 Exactness: on a CPU the rows, the per-position gradients, their accumulation and coalescing, the clip and
 the optimizer are the same operations on the same values as resident tables with the same row-sparse
-optimizer, so a run ends bitwise equal (tests/train/tables/test_host.py). Only row-sparse optimizers
+optimizer, so a run ends bitwise equal (tests/placement/test_host.py). Only row-sparse optimizers
 (lazy_adamw, rowwise_adagrad) are supported: dense AdamW would touch every row every step.
 `overlap` = 1 - (time the trainer waited for the worker) / (time the worker worked).
 """
@@ -38,9 +38,10 @@ from torch import nn
 
 from stemlm.choices import ROW_SPARSE_OPTIMIZERS
 from stemlm.errors import StemlmError
-from stemlm.train.config import TrainConfig
-from stemlm.train.tables.lookahead import LookaheadWorker
-from stemlm.train.tables.placement import Rows, TablePlacement
+from stemlm.offload.compact import CompactProvider
+from stemlm.offload.providers import HostProvider, TableProvider
+from stemlm.placement.base import Placement, Rows, StoredTables
+from stemlm.placement.lookahead import LookaheadWorker
 
 
 @dataclass
@@ -53,11 +54,48 @@ class Gathered:
     event: object = None  # CUDA event after the copies (None on CPU)
 
 
-class HostTables(LookaheadWorker, TablePlacement):
+class InHostMemory:
+    """What the host placements (this one and the host-sharded one) declare alike: the `--tables host` word, the
+    row-sparse optimizer they need, a construction from (model, device) and the report line of the host bytes."""
+
+    tables = "host"
+    where = "in host memory"
+    row_sparse_only = True
+
+    @classmethod
+    def for_training(cls, model: nn.Module, device: torch.device):
+        return cls(model, device)
+
+    @classmethod
+    def report_lines(cls, r: dict) -> list[str]:
+        overlap = "n/a" if r["host_overlap"] is None else f"{r['host_overlap']:.0%}"
+        return [
+            f"tables in host memory: {r['device_bytes_saved'] / 2**20:,.1f} MiB kept off the {r['device']} "
+            f"({r['host_table_bytes'] / 2**20:,.1f} MiB tables + {r['host_optimizer_bytes'] / 2**20:,.1f} MiB "
+            f"optimizer state); host work hidden behind compute: {overlap}"
+        ]
+
+
+class HostTables(InHostMemory, LookaheadWorker, Placement):
     """A model's token tables in host memory with look-ahead gathers and a host-side optimizer step."""
 
     name = "host"
+    offloaded = True
 
+    # ----- inference: the rows in host memory, in the format asked for -----
+    @classmethod
+    def provider(cls, stored: StoredTables) -> TableProvider:
+        """fp32 rows as the file has them (one token-major matrix, or one per layer), else compact rows
+        (`stemlm.offload.compact`: bf16, or int8 with a scale per row and layer) converted on load."""
+        if stored.plain and stored.want == "fp32":
+            return HostProvider(stored.entries, layout=stored.layout, pin=stored.pin, dtype=stored.dtype)
+        return CompactProvider(stored.sources, stored.want, out_dtype=stored.dtype or torch.float32, pin=stored.pin)
+
+    @classmethod
+    def byte_counts(cls, table_bytes: int) -> dict[str, int]:
+        return {"host_table_bytes": table_bytes, "mapped_table_bytes": 0}
+
+    # ----- training: the run's tables -----
     def __init__(self, model: nn.Module, device: torch.device) -> None:
         tables = model.token_tables()
         if not tables:
@@ -83,11 +121,11 @@ class HostTables(LookaheadWorker, TablePlacement):
         self._turn = 0
         self.last_window = -1
 
-    # ----- the training placement (stemlm.train.tables.placement) -----
-    def bind(self, batches, cfg: TrainConfig, autocast) -> None:
+    # ----- the training placement (stemlm.placement.base) -----
+    def bind(self, batches, cfg, autocast) -> None:
         self.ids_for, self.windows_per_step = batches.ids, cfg.grad_accum
 
-    def wrap_optimizers(self, optimizers: list[torch.optim.Optimizer], cfg: TrainConfig) -> list:
+    def wrap_optimizers(self, optimizers: list[torch.optim.Optimizer], cfg) -> list:
         return [*optimizers[:-1], self.wrap(optimizers[-1], cfg.table_optim)]  # the recipe's table optimizer: last
 
     def rows(self, window: int, ids: torch.Tensor) -> Rows:
@@ -205,6 +243,7 @@ class HostTables(LookaheadWorker, TablePlacement):
         )
         return {
             "tables": "host",
+            "placement": self.name,
             "device_bytes_saved": self.table_bytes() + state,
             "host_table_bytes": self.table_bytes(),
             "host_optimizer_bytes": state,

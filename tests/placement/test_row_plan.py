@@ -1,9 +1,9 @@
-"""The host-planned row exchange (stemlm.train.parallel.row_plan) routes every id to its row, for any number of ranks.
+"""The host-planned row exchange (stemlm.placement.row_plan) routes every id to its row, for any number of ranks.
 
 No process group: the plans of all N ranks are computed here and the all_to_all is simulated with plain
 slicing (owner o serves global row `local * N + o`). Each rank must then read exactly its input ids back, and
 what a rank sends must be what its peer expects. The 2-rank equality with the collective plan is in
-tests/train/parallel/test_row_exchange.py. Run: `python -m pytest tests/train/parallel/test_row_plan.py -q`.
+tests/train/parallel/test_row_exchange.py. Run: `python -m pytest tests/placement/test_row_plan.py -q`.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from stemlm.errors import StemlmError
-from stemlm.train.parallel.row_plan import plan_arrays
+from stemlm.placement.row_plan import plan_arrays
 
 
 def simulate(all_ids: list[torch.Tensor], world: int, vocab: int) -> list[torch.Tensor]:

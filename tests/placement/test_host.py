@@ -1,7 +1,7 @@
 """`--tables host`: tables and their optimizer in a separate host buffer train bitwise like resident tables.
 
 Runs are tiny (hidden 64, 2 layers, vocab 320, seq 32, batch 4). Run:
-`OMP_NUM_THREADS=1 python -m pytest tests/train/tables/test_host.py -q`.
+`OMP_NUM_THREADS=1 python -m pytest tests/placement/test_host.py -q`.
 """
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from stemlm.errors import StemlmError
+from stemlm.placement.host import AsyncTableOptimizer
 from stemlm.train.logging import read_metrics
-from stemlm.train.tables.host import AsyncTableOptimizer
 from stemlm.train.trainer import Trainer
 from tests.train.test_trainer import Crash, crash_at
 

@@ -1,7 +1,7 @@
 """Tests for the table optimizers, row-sparse gradients, mixed clipping and flat optimizer state.
 
 Each optimizer is checked against an independent computation: torch's own AdamW, a fresh AdamW on a single
-row, or a plain per-row loop. Run: `OMP_NUM_THREADS=1 python -m pytest tests/train/tables/test_optim.py -q`.
+row, or a plain per-row loop. Run: `OMP_NUM_THREADS=1 python -m pytest tests/placement/test_table_optim.py -q`.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from torch import nn
 from stemlm.errors import StemlmError
 from stemlm.model import build_model
 from stemlm.model.config import ModelConfig
-from stemlm.train.tables.optim import (
+from stemlm.placement.table_optim import (
     DenseAdamW,
     LazyAdamW,
     RowwiseAdagrad,
@@ -268,7 +268,7 @@ def test_row_sparse_foreach_equals_the_per_table_loop_bitwise(name):
 def test_dense_table_adamw_is_foreach_on_cpu_and_fused_on_cuda():
     from types import SimpleNamespace
 
-    from stemlm.train.tables.optim import fast_optimizer_impl
+    from stemlm.placement.table_optim import fast_optimizer_impl
 
     opt = make_table_optimizer("adamw", [nn.Parameter(torch.zeros(V, D))], lr=1e-2)
     assert opt.param_groups[0]["foreach"] is True and not opt.param_groups[0]["fused"]
