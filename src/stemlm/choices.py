@@ -3,7 +3,7 @@ function that checks it and the command-line flag that offers it all read the tu
 
 It sits at the package's lowest layer and imports nothing, so a CLI parser can show the choices without loading
 torch, and any package may read them. A set that belongs to a registry stays with its registry (the FFN kinds:
-`stemlm.model.kinds.registry`; the table placements and their synonyms: `stemlm.runtime`).
+`stemlm.model.kinds.registry`; the table placements and their synonyms: `stemlm.placement.registry`).
 `tests/test_choices.py` checks that no tuple here is written out again in `src/`.
 """
 

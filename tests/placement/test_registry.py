@@ -14,7 +14,15 @@ import pytest
 import stemlm
 from stemlm.errors import StemlmError
 from stemlm.placement.base import INFERENCE, TRAIN, Placement
-from stemlm.placement.registry import PLACEMENTS, choose, register, resolve, tables_values
+from stemlm.placement.registry import (
+    ENTRY_POINT_GROUP,
+    PLACEMENTS,
+    choose,
+    register,
+    register_entry_points,
+    resolve,
+    tables_values,
+)
 from stemlm.train.config import TrainConfig
 
 
@@ -76,6 +84,27 @@ def test_two_placements_cannot_answer_one_question():
         with pytest.raises(StemlmError, match=message):
             register(cls)
         assert PLACEMENTS.get(cls.name) is not cls
+
+
+def test_a_broken_plugin_is_left_out_with_a_warning_naming_it(monkeypatch):
+    import importlib.metadata
+
+    points = [
+        importlib.metadata.EntryPoint("gone", "no_such_module_for_stemlm:Tables", ENTRY_POINT_GROUP),
+        importlib.metadata.EntryPoint("odd", "os:path", ENTRY_POINT_GROUP),
+        importlib.metadata.EntryPoint("again", "stemlm.placement.host:HostTables", ENTRY_POINT_GROUP),  # already in
+    ]
+    monkeypatch.setattr(importlib.metadata, "entry_points", lambda group: points if group == ENTRY_POINT_GROUP else [])
+    before = dict(PLACEMENTS)
+    with pytest.warns(UserWarning) as caught:
+        problems = register_entry_points()
+    assert [str(w.message) for w in caught] == problems
+    assert [p.split(" left out: ")[0] for p in problems] == [
+        "table placement plugin gone (no_such_module_for_stemlm:Tables)",
+        "table placement plugin odd (os:path)",
+    ]
+    assert "not a Placement subclass" in problems[1]
+    assert PLACEMENTS == before
 
 
 def placement_words() -> set[str]:

@@ -8,6 +8,12 @@ docs/architecture.md's recipe ("Add a table placement") follows this file. Run:
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -16,7 +22,8 @@ from stemlm.inference.generate import generate
 from stemlm.inference.load import InferenceOptions, load_inference
 from stemlm.offload.providers import TableProvider
 from stemlm.placement.base import Placement, StoredTables
-from stemlm.placement.registry import register, unregister
+from stemlm.placement.registry import ENTRY_POINT_GROUP, register, unregister
+from stemlm.train.report import final_report, render_report
 from stemlm.train.trainer import Trainer
 from tests.placement.test_host import same_run
 
@@ -69,7 +76,7 @@ class CountingTables(Placement):
         return {"token": self.read}
 
     def summary(self, optimizers) -> dict:
-        return {"placement": self.name, "rows_read": self.rows_read}
+        return {"rows_read": self.rows_read}
 
     @classmethod
     def report_lines(cls, record: dict) -> list[str]:
@@ -98,6 +105,10 @@ def test_a_placement_defined_here_trains_and_generates_like_resident(
     layers = len(toy.model.token_tables())
     assert result["rows_read"] >= 2 * 4 * 32 * layers
     assert result["placement"] == "counting"
+    assert (
+        f"tables behind a counter: {result['rows_read']:,} rows read"
+        in render_report(final_report(toy, result, "", 0)).splitlines()
+    )
 
     checkpoint = tmp_path / "a" / "run" / "checkpoints" / "step-000002"
     prompt = list(range(5, 17))
@@ -108,6 +119,32 @@ def test_a_placement_defined_here_trains_and_generates_like_resident(
         assert lm.offloaded.memory()["placement"] == "counting"
         assert lm.offloaded.summary().splitlines()[0].split(", ")[1].startswith("tables behind a counter")
     assert [p.rows_read > 0 for p in counting.providers] == [True]  # the misses of the 4-row cache, counted
+
+
+def test_a_placement_a_package_declares_is_every_command_s_choice(tmp_path, make_train_config, make_model_config):
+    """The toy placement as another package would ship it: an entry point in the `stemlm.placement` group of an
+    installed distribution; `stemlm generate --tables counting` then runs it, with the resident run's tokens."""
+    site = tmp_path / "site"
+    dist = site / "stemlm_counting-0.1.dist-info"
+    dist.mkdir(parents=True)
+    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: stemlm-counting\nVersion: 0.1\n")
+    (dist / "entry_points.txt").write_text(
+        f"[{ENTRY_POINT_GROUP}]\ncounting = tests.placement.test_toy_placement:CountingTables\n"
+    )
+    Trainer(make_model_config("stem"), make_train_config(tmp_path / "a", steps=2, eval_every=0), progress=False).fit()
+    checkpoint = tmp_path / "a" / "run" / "checkpoints" / "step-000002"
+    repo = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(site), str(repo), os.environ.get("PYTHONPATH", "")])}
+
+    def generate_with(tables: str) -> tuple[list[int], str | None]:
+        argv = [sys.executable, "-m", "stemlm", "generate", str(checkpoint), "--ids", "5,6,7,8,9,10"]
+        argv += ["--max-new-tokens", "8", "--greedy", "--tables", tables, "--json"]
+        done = subprocess.run(argv, capture_output=True, text=True, env=env, cwd=tmp_path)
+        assert done.returncode == 0, done.stderr
+        out = json.loads(done.stdout)
+        return out["token_ids"], out.get("tables", {}).get("placement")
+
+    assert generate_with("counting") == (generate_with("resident")[0], "counting")
 
 
 def test_an_unregistered_placement_is_a_one_line_error(tmp_path, make_train_config):

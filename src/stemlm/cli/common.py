@@ -20,7 +20,6 @@ from typing import Any
 from stemlm.choices import CACHE_POLICIES, COMPUTE_DTYPES, TABLE_DTYPES
 from stemlm.errors import StemlmError
 from stemlm.flags import UNSET, Setting, help_text, settings
-from stemlm.placement.registry import INFERENCE, tables_values
 
 
 def print_json(obj: Any) -> None:
@@ -87,10 +86,12 @@ def add_json_flag(parser) -> None:
 def add_table_flags(p) -> None:
     """The table placement, cache and table dtype flags of every command that runs a checkpoint
     (`stemlm.inference.load.InferenceOptions`)."""
+    from stemlm.placement.registry import INFERENCE, tables_values  # here: the placements import torch
+
     p.add_argument(
         "--tables",
         choices=tables_values(INFERENCE),
-        metavar="{resident,host,mmap}",
+        metavar="{" + ",".join(tables_values(INFERENCE)) + "}",
         default="resident",
         help="where the STEM tables live: on the device (default), in host memory, or memory-mapped "
         "from the checkpoint file; host and mmap serve rows through a device cache",

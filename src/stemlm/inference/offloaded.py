@@ -35,7 +35,6 @@ from stemlm.offload.providers import TableProvider, device_parameter_bytes
 from stemlm.placement.base import INFERENCE, Placement
 from stemlm.placement.load import load_offloaded_model
 from stemlm.placement.registry import choose
-from stemlm.placement.resident import ResidentTables
 
 DEFAULT_PREFILL_CHUNK = 256
 DEFAULT_CACHE_FRACTION = 0.2  # the operating point of the paper's blog (">80% hits with LFU")
@@ -71,7 +70,7 @@ class OffloadedLM:
         memory_caches: dict[int, RowCache] | None = None,
         providers: OffloadProviders | None = None,
         ngram_layer_caches: dict[int, RowCache] | None = None,
-        placement: type[Placement] = ResidentTables,
+        placement: type[Placement],
     ) -> None:
         """`provider` / `cache`: the token tables; `ngram_cache` / `memory_caches`: the other families (see
         `stemlm.offload.families`), whose providers `providers` lists; `ngram_layer_caches`: the n-gram tables

@@ -2,7 +2,7 @@
 
 Modules: `providers` (resident, host (pinned, token- or layer-major), mmap (safetensors)), `compact` (int8/bf16
 row storage), `cache` (LFU / LRU over token ids), `prefetch` (the row hook that fetches each step's rows on a
-background worker), `families` (every lookup table of a checkpoint, opened without device tables),
+background worker), `families` (a checkpoint's lookup tables grouped by family; `stemlm.placement.load` opens them),
 `lookup_rows` (the row source the decoding engine announces each forward's ids to, and the rows mapping the
 model's forward takes). Decoding with them is `stemlm.inference.offloaded`.
 Names load lazily:

@@ -28,8 +28,9 @@ so a placement overrides only what differs. Tests: tests/placement/.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -49,13 +50,18 @@ class StoredTables:
 
     directory: Path
     entries: dict[int, TensorEntry]  # layer -> the table's safetensors entry (checked against config.json)
-    sources: dict[int, RowSource]  # the same layers as row sources (int8 codes come with their scales)
     stored: str  # the row format the checkpoint holds: fp32, bf16 or int8
     want: str  # the row format asked for (`--table-dtype`; as stored when not given)
     plain: bool  # fp32 rows without a storage record: the ordinary safetensors tensors
     layout: str  # "token" (one token-major matrix) or "layer" (one matrix per layer), where the store has a choice
     pin: bool  # pin the staging buffer of each gather (a CUDA device reads it)
     dtype: torch.dtype | None  # the rows' dtype as the model reads them (None: as stored)
+    make_sources: Callable[[], dict[int, RowSource]] = field(repr=False)
+
+    @functools.cached_property
+    def sources(self) -> dict[int, RowSource]:
+        """The layers as row sources (int8 codes come with their scales), opened only when a placement asks."""
+        return self.make_sources()
 
 
 class Placement:
@@ -74,6 +80,11 @@ class Placement:
     every_rank_ids: ClassVar[bool] = False  # training: each rank reads every rank's ids of a micro-batch
 
     # ----- inference -----
+    @classmethod
+    def check_row_format(cls, stored: str, want: str) -> None:
+        """Refuse a `--table-dtype` this placement cannot serve from a checkpoint storing `stored` rows (checked
+        before anything is read)."""
+
     @classmethod
     def provider(cls, stored: StoredTables) -> TableProvider:
         """The row store of one family's tables of a checkpoint (offloaded placements)."""
@@ -136,7 +147,7 @@ class Placement:
         """`fit` ends (`failed`: by an exception; work in flight with the other ranks is abandoned)."""
 
     def summary(self, optimizers: list[torch.optim.Optimizer]) -> dict[str, Any]:
-        """Fields this placement adds to the run's final report (`placement` names it for `report_lines`)."""
+        """Fields this placement adds to the run's final report (which has `placement`: its name)."""
         return {}
 
     def close(self) -> None:

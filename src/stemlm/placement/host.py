@@ -243,7 +243,6 @@ class HostTables(InHostMemory, LookaheadWorker, Placement):
         )
         return {
             "tables": "host",
-            "placement": self.name,
             "device_bytes_saved": self.table_bytes() + state,
             "host_table_bytes": self.table_bytes(),
             "host_optimizer_bytes": state,

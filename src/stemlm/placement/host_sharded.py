@@ -126,7 +126,6 @@ class HostShardedTables(InHostMemory, LookaheadWorker, ShardedTables):
         tables, state = self.host_bytes(optimizers[-1])  # this rank's
         return {
             "tables": "host",
-            "placement": self.name,
             "device_bytes_saved": tables + state,
             "host_table_bytes": tables,
             "host_optimizer_bytes": state,

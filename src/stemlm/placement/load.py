@@ -52,6 +52,7 @@ def load_offloaded_model(
     storage = read_storage(directory)
     stored = storage["dtype"] if storage else "fp32"
     want = table_dtype or stored
+    placement.check_row_format(stored, want)
     if not placement.offloaded:
         model = from_pretrained(directory, device=device, dtype=dtype)
         if want != stored:
@@ -89,17 +90,16 @@ def load_offloaded_model(
 
     def provider(layer_names: dict[int, str], layer_layout: str) -> TableProvider:
         placed = checked_tables(directory, entries, model, layer_names)
-        sources = {layer: source(layer_names[layer], entry) for layer, entry in placed.items()}
         rows = StoredTables(
             directory=Path(directory),
             entries=placed,
-            sources=sources,
             stored=stored,
             want=want,
             plain=not storage,
             layout=layer_layout,
             pin=device.type == "cuda",  # staging buffers only; see HostProvider
             dtype=dtype,
+            make_sources=lambda: {layer: source(layer_names[layer], entry) for layer, entry in placed.items()},
         )
         return placement.provider(rows)
 

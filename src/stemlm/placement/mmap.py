@@ -25,13 +25,15 @@ class MmapTables(Placement):
     offloaded = True
 
     @classmethod
-    def provider(cls, stored: StoredTables) -> TableProvider:
-        if stored.want != stored.stored:
+    def check_row_format(cls, stored: str, want: str) -> None:
+        if want != stored:
             raise StemlmError(
-                f"--tables mmap reads the rows in the format the checkpoint stores ({stored.stored}); to map "
-                f"{stored.want} rows, store them so first: stemlm convert CKPT --table-dtype {stored.want} --out DIR "
-                f"(or use --tables host)"
+                f"--tables mmap reads the rows in the format the checkpoint stores ({stored}); to map {want} rows, "
+                f"store them so first: stemlm convert CKPT --table-dtype {want} --out DIR (or use --tables host)"
             )
+
+    @classmethod
+    def provider(cls, stored: StoredTables) -> TableProvider:
         if stored.plain:
             return MmapProvider(stored.entries, dtype=stored.dtype, pin=stored.pin)
         return CompactMmapProvider(stored.sources, out_dtype=stored.dtype or torch.float32, pin=stored.pin)

@@ -7,12 +7,15 @@
     tables_values("train")                     # every --tables word training takes, synonyms included
 
 Every command's `--tables` flag, every loader and the trainer read this registry, and nothing else names a
-placement, so a new one is one module: a `Placement` subclass, then `register(cls)` (the built-in ones are
-registered below; a test or a user's package registers its own). Tests: tests/placement/test_registry.py.
+placement, so a new one is one module: a `Placement` subclass, then `register(cls)`. The built-in ones are
+registered below; another package declares its own in the `stemlm.placement` entry-point group (registered when
+this module loads, so the CLI offers them), and a script or a test may call `register` itself.
+Tests: tests/placement/test_registry.py, tests/placement/test_toy_placement.py.
 """
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 from stemlm.errors import StemlmError
@@ -24,6 +27,7 @@ from stemlm.placement.resident import ResidentTables
 from stemlm.placement.row_sharded import ShardedTables
 
 PLACEMENTS: dict[str, type[Placement]] = {}  # by name, in registration order (the order of every listing)
+ENTRY_POINT_GROUP = "stemlm.placement"  # another package's placements: `name = "module:Class"` entries
 
 
 def register(cls: type[Placement]) -> type[Placement]:
@@ -34,7 +38,11 @@ def register(cls: type[Placement]) -> type[Placement]:
         shared = {cls.tables, *cls.aliases} & {other.tables, *other.aliases}
         if shared and cls.tables != other.tables:  # a word names one --tables value, whoever declares it
             raise StemlmError(f"--tables {', '.join(sorted(shared))} of {cls.name!r} clash with {other.name!r}'s")
-        if other.tables == cls.tables and other.distributed == cls.distributed and other.purposes & cls.purposes:
+        # Inference has no world (one process), so a word has one inference placement; training one per world.
+        both = cls.purposes & other.purposes
+        if other.tables == cls.tables and (
+            INFERENCE in both or (TRAIN in both and other.distributed == cls.distributed)
+        ):
             raise StemlmError(f"{cls.name!r} and {other.name!r} would both answer --tables {cls.tables}")
     PLACEMENTS[cls.name] = cls
     return cls
@@ -42,7 +50,9 @@ def register(cls: type[Placement]) -> type[Placement]:
 
 def unregister(name: str) -> None:
     """Remove the placement `name` (a test's own, once it is done)."""
-    PLACEMENTS.pop(name)
+    if name not in PLACEMENTS:
+        raise StemlmError(f"no table placement named {name!r} is registered")
+    del PLACEMENTS[name]
 
 
 def tables_values(purpose: str, *, aliases: bool = True) -> tuple[str, ...]:
@@ -95,7 +105,42 @@ def placement_named(name: str) -> type[Placement] | None:
     return PLACEMENTS.get(name)
 
 
+def register_entry_points() -> list[str]:
+    """Register the placements installed packages declare in the `stemlm.placement` entry-point group (as vLLM
+    finds its plugins), so their `--tables` words are every command's choices from the start. A plugin that fails
+    to load, is no `Placement` or clashes is left out with a warning naming it (one broken package must not stop
+    every command); the warnings are returned too."""
+    from importlib.metadata import entry_points
+
+    problems = []
+    for point in entry_points(group=ENTRY_POINT_GROUP):
+        try:
+            cls = point.load()
+            if not (isinstance(cls, type) and issubclass(cls, Placement)):
+                raise StemlmError("not a Placement subclass")
+            if PLACEMENTS.get(cls.name) is not cls:
+                register(cls)
+        except Exception as exc:  # whatever the plugin's import raised
+            problems.append(f"table placement plugin {point.name} ({point.value}) left out: {exc}")
+            warnings.warn(problems[-1], stacklevel=2)
+    return problems
+
+
 for _builtin in (ResidentTables, HostTables, MmapTables, ShardedTables, HostShardedTables):
     register(_builtin)
+register_entry_points()
 
-__all__ = ["INFERENCE", "PLACEMENTS", "TRAIN", "choose", "make_placement", "register", "resolve", "tables_values"]
+__all__ = [
+    "INFERENCE",
+    "PLACEMENTS",
+    "TRAIN",
+    "choose",
+    "make_placement",
+    "needs_row_sparse_optimizer",
+    "placement_named",
+    "register",
+    "register_entry_points",
+    "resolve",
+    "tables_values",
+    "unregister",
+]

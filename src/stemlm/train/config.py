@@ -222,7 +222,7 @@ class TrainConfig:
         "where the STEM tables and their optimizer state live while training: device (default) or host (rows "
         "gathered to the device ahead of each step, row-sparse update on the host; see stemlm.placement.host)",
         section="tables",
-        metavar="{device,host}",
+        metavar="{" + ",".join(tables_values(TRAIN, aliases=False)) + "}",
         one_of=tables_values(TRAIN),
     )
     trainable: str = setting(

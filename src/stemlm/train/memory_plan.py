@@ -7,7 +7,7 @@ counted from its tensors as `stemlm train --nproc N` lays them out, on the most 
 - backbone (everything but the STEM/PLE token tables): replicated under DDP (fp32 weights, fp32 gradients as
   the bucket views, AdamW's two fp32 moments), or under FSDP2 each tensor split along dim 0 into N equal
   chunks of ceil(rows / N) rows (padded), weights, gradients and moments alike;
-- token tables: row-sharded by `stemlm.train.parallel.ShardedTables` (rank r owns rows r, r + N, ...: ceil(V / N) rows
+- token tables: row-sharded by `stemlm.placement.row_sharded` (rank r owns rows r, r + N, ...: ceil(V / N) rows
   on rank 0), fp32; their optimizer state as `stemlm.placement.table_optim` allocates it (adamw / lazy_adamw: two
   fp32 moments per entry, lazy_adamw also an int64 step per row; rowwise_adagrad: one fp32 sum per row);
   their gradient is sparse, at most min(shard rows, global micro-batch tokens) rows;

@@ -479,6 +479,7 @@ class Trainer:
             "wall_s": time.perf_counter() - wall,
             "device": self.device.type,
             "autocast_dtype": str(self.amp_dtype).removeprefix("torch."),
+            "placement": self.tables.name,  # the table placement (stemlm.placement); its report lines key on it
             **self.tables.summary(self.optimizers),
             "stopped_by": stopped,
         }

@@ -9,7 +9,7 @@ Lookup tables belong to a `Family`, which fixes how the library treats them (`FA
 
 - `token`: rows keyed by the input token id, known before any compute, so offload prefetches them (one
   token-major provider and row cache for every layer); under `--nproc` they are row-sharded over the ranks
-  (`stemlm.train.parallel.ShardedTables`); `--tables host` trains them from host memory; positional and global
+  (`stemlm.placement.row_sharded.ShardedTables`); `--tables host` trains them from host memory; positional and global
   edits swap them; `StemLM.token_tables()` lists them.
 - `ngram`: rows keyed by hashed n-gram ids of the input ids (`stemlm.model.ngram`), the same ids in every layer,
   also prefetched (one provider and cache); replicated under `--nproc`; not edited.
