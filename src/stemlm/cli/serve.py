@@ -113,8 +113,8 @@ def register(subparsers) -> None:
         "--compile",
         action=argparse.BooleanOptionalAction,
         help="run the batched decoding steps through torch.compile, dynamic in batch size and length, compiled at "
-        "start (a minute or more on a CPU) before the server listens; default: on with --tables resident, off with "
-        "host / mmap (their rows come from Python code, which the compiler cannot trace)",
+        "start (a minute or more on a CPU) before the server listens; default: on with --tables resident (or device), "
+        "off with host / mmap (their rows come from Python code, which the compiler cannot trace)",
     )
     p.add_argument(
         "--save-dir",
